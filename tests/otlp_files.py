@@ -1,0 +1,122 @@
+"""An OTLP JSON Lines reader written for the tests, independent of otelprof's own reader.
+
+It checks the wire rules the collector's otlpjsonfile receiver relies on (one request
+object per line, hex trace/span ids) while flattening the data for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def _attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items or []:
+        value = item["value"]
+        (kind, raw), = value.items() if value else (("stringValue", None),)
+        if kind in ("intValue",):
+            raw = int(raw)
+        out[item["key"]] = raw
+    return out
+
+
+@dataclass
+class Point:
+    name: str
+    unit: str
+    value: float
+    time_ns: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+
+
+@dataclass
+class Span:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    status_code: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """Every line must be one complete JSON object."""
+    objects = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        assert isinstance(obj, dict), f"{path}:{number} is not a JSON object"
+        objects.append(obj)
+    return objects
+
+
+def read_points(path: Path) -> list[Point]:
+    points = []
+    for request in read_lines(path):
+        assert set(request) == {"resourceMetrics"}, f"not a metrics request: {list(request)}"
+        for rm in request["resourceMetrics"]:
+            resource = _attrs(rm.get("resource", {}).get("attributes"))
+            for sm in rm.get("scopeMetrics", []):
+                for metric in sm.get("metrics", []):
+                    data = metric.get("gauge") or metric.get("sum")
+                    if data is None:
+                        continue
+                    for dp in data.get("dataPoints", []):
+                        raw = dp.get("asDouble", dp.get("asInt"))
+                        points.append(
+                            Point(
+                                name=metric["name"],
+                                unit=metric.get("unit", ""),
+                                value=float(raw),
+                                time_ns=int(dp["timeUnixNano"]),
+                                attributes=_attrs(dp.get("attributes")),
+                                resource=resource,
+                            )
+                        )
+    return points
+
+
+def read_spans(path: Path) -> list[Span]:
+    spans = []
+    for request in read_lines(path):
+        assert set(request) == {"resourceSpans"}, f"not a traces request: {list(request)}"
+        for rs in request["resourceSpans"]:
+            resource = _attrs(rs.get("resource", {}).get("attributes"))
+            for ss in rs.get("scopeSpans", []):
+                for s in ss.get("spans", []):
+                    assert _HEX32.match(s["traceId"]), f"traceId not hex: {s['traceId']}"
+                    assert _HEX16.match(s["spanId"]), f"spanId not hex: {s['spanId']}"
+                    parent = s.get("parentSpanId", "")
+                    assert parent == "" or _HEX16.match(parent), f"parent not hex: {parent}"
+                    spans.append(
+                        Span(
+                            name=s["name"],
+                            trace_id=s["traceId"],
+                            span_id=s["spanId"],
+                            parent_span_id=parent,
+                            start_ns=int(s["startTimeUnixNano"]),
+                            end_ns=int(s["endTimeUnixNano"]),
+                            attributes=_attrs(s.get("attributes")),
+                            resource=resource,
+                            status_code=int(s.get("status", {}).get("code", 0) or 0),
+                            events=s.get("events", []),
+                        )
+                    )
+    return spans
