@@ -1,0 +1,57 @@
+# otelprof: `make demo` and `make test` work on a fresh machine (Python 3.10+, Go, apt).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The venv is rebuilt when pyproject.toml changes.
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+
+.PHONY: venv demo test collector prometheus lint bench dashboards-png clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[torch,dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+## demo: train a small PyTorch model for ~30 s in detached mode and print the report
+demo: venv
+	$(VENV)/bin/otelprof demo $(DEMO_ARGS)
+
+## collector: build otelcol-otelprof from collector-config/builder-config.yaml (cached)
+collector:
+	@scripts/build-collector.sh
+
+## prometheus: install Debian's prometheus package when it is missing
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  echo "installing Debian's prometheus package" >&2; \
+	  apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >&2; }
+	@command -v prometheus
+
+## test: set everything up and run the whole suite against the real collector and Prometheus
+test: venv collector prometheus
+	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
+	  $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check otelprof tests bench
+	$(VENV)/bin/ruff format --check otelprof tests bench
+	$(VENV)/bin/mypy
+
+## bench: run the benchmarks (figures go to BENCHMARKS.md)
+bench: venv
+	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+## dashboards-png: render the dashboards' main panels from a real pipeline run to out/dashboards/
+dashboards-png: venv collector prometheus
+	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
+	  $(PY) scripts/render_dashboards.py --out out/dashboards
+
+clean:
+	rm -rf $(VENV) otelprof-runs out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,268 @@
+"""The Profiler: builds the OTel providers, wires sources to exporters, owns the lifecycle.
+
+Sources (system gauges, timing spans) never know about exporters and exporters never
+sample; this module is the only place both are visible. Everything after `instrument()`
+returns runs on background threads, and nothing here lets an exception reach training code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.trace import TracerProvider
+
+from otelprof.config import Settings
+from otelprof.export import ExportCounters, build_pipelines
+from otelprof.resource import build_resource
+
+_log = logging.getLogger("otelprof")
+_lock = threading.RLock()
+_active: Profiler | None = None
+
+SCOPE_NAME = "otelprof"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("otelprof")
+    except PackageNotFoundError:
+        return "0"
+
+
+class Profiler:
+    """A running otelprof session. Use `otelprof.instrument()` to get one.
+
+    Also a context manager: leaving the `with` block shuts it down.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.resource = build_resource(settings)
+        self._counters = ExportCounters()
+        self._shutdown_done = False
+        self._started_ns = time.time_ns()
+        attrs = self.resource.attributes
+        world_size = int(attrs.get("otelprof.world_size", 1) or 1)
+        rank = int(attrs.get("otelprof.rank", 0) or 0)
+        self._pipelines = build_pipelines(
+            settings, self._counters, world_size=world_size, rank=rank
+        )
+        self.meter_provider = MeterProvider(
+            resource=self.resource, metric_readers=self._pipelines.metric_readers
+        )
+        self.tracer_provider = TracerProvider(resource=self.resource)
+        for processor in self._pipelines.span_processors:
+            self.tracer_provider.add_span_processor(processor)
+        self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
+        self._system = self._start_system_metrics()
+        self._timings = self._start_timings()
+        self._register_self_telemetry()
+        if settings.detached:
+            self._write_run_info()
+            _log.info("otelprof: detached mode, writing run files to %s", settings.run_dir)
+
+    # -- public -------------------------------------------------------------------------
+
+    @property
+    def run_dir(self) -> Path | None:
+        """Directory of this run's OTLP JSON Lines files (detached mode), else None."""
+        return self.settings.run_dir if self.settings.detached else None
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """{"metrics": path, "traces": path} of the detached-mode files."""
+        return dict(self._pipelines.files)
+
+    @property
+    def prometheus_port(self) -> int | None:
+        """The port the Prometheus /metrics endpoint listens on (pull mode), else None."""
+        return self._pipelines.prometheus_port
+
+    def step(self) -> None:
+        """Mark a training-step boundary (like `torch.profiler.profile.step()`)."""
+        if self._timings is not None:
+            self._timings.step()
+
+    def set_epoch(self, epoch: int | None) -> None:
+        """Tag the following steps' spans with `otelprof.epoch`."""
+        if self._timings is not None:
+            self._timings.set_epoch(epoch)
+
+    def timing(self, name: str, **attributes: Any) -> Any:
+        """A timing span around a block or function (see `otelprof.timing`)."""
+        if self._timings is None:
+            return contextlib.nullcontext()
+        return self._timings.timing(name, **attributes)
+
+    def stats(self) -> dict[str, int]:
+        """Counts of what was exported, dropped or failed, per exporter and per source.
+
+        `dropped_total` sums every item lost anywhere (queue full, failed export,
+        recorder overflow), so a single number tells whether the data is complete.
+        """
+        counts = self._counters.snapshot()
+        if self._timings is not None:
+            with contextlib.suppress(Exception):
+                for key, value in self._timings.stats().items():
+                    counts[f"timings.{key}"] = int(value)
+        counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
+        return counts
+
+    def shutdown(self) -> None:
+        """Flush every exporter and stop every thread; idempotent, never raises."""
+        global _active
+        with _lock:
+            if self._shutdown_done:
+                return
+            self._shutdown_done = True
+            if _active is self:
+                _active = None
+        steps: list[tuple[str, Any]] = [
+            ("timings", self._timings.shutdown if self._timings else None),
+            ("traces", self.tracer_provider.shutdown),
+            ("metrics", self.meter_provider.shutdown),
+            ("system metrics", self._system.close if self._system else None),
+            ("exporter resources", self._pipelines.close),
+        ]
+        for what, action in steps:
+            if action is None:
+                continue
+            try:
+                action()
+            except Exception as error:
+                _log.warning("otelprof: shutting down %s raised %r", what, error)
+        stats = self.stats()
+        if self.settings.detached:
+            with contextlib.suppress(Exception):
+                self._write_run_info(stats)
+        if stats["dropped_total"]:
+            lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
+            _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+
+    def __enter__(self) -> Profiler:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    # -- wiring -------------------------------------------------------------------------
+
+    def _start_system_metrics(self) -> Any:
+        from otelprof.system import SystemMetricsSettings, register_system_metrics
+
+        s = self.settings
+        if not (s.host_metrics or s.gpus != "none" or s.process_metrics):
+            return None
+        return register_system_metrics(
+            self._meter,
+            SystemMetricsSettings(
+                interval_s=s.interval_s,
+                host_metrics=s.host_metrics,
+                gpus=s.gpus,
+                process_metrics=s.process_metrics,
+                torch_cuda_memory=s.process_metrics,
+            ),
+        )
+
+    def _start_timings(self) -> Any:
+        if not self.settings.timings:
+            return None
+        from otelprof.timings import TimingsEngine
+
+        engine = TimingsEngine(self.tracer_provider, self.settings)
+        engine.start()
+        return engine
+
+    def _register_self_telemetry(self) -> None:
+        """Expose drops as a metric too, so they show up wherever the data goes."""
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            for key, value in self.stats().items():
+                if not _is_loss(key) or key == "dropped_total":
+                    continue
+                source, _, reason = key.partition(".")
+                yield Observation(value, {"otelprof.source": source, "otelprof.reason": reason})
+
+        self._meter.create_observable_counter(
+            "otelprof.telemetry.dropped",
+            callbacks=[observe],
+            unit="{item}",
+            description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
+        )
+
+    def _write_run_info(self, stats: dict[str, int] | None = None) -> None:
+        s = self.settings
+        info: dict[str, Any] = {
+            "run_id": s.run_id,
+            "started_unix_nano": self._started_ns,
+            "resource": {k: v for k, v in self.resource.attributes.items()},
+            "interval_s": s.interval_s,
+            "endpoint": s.endpoint,
+            "files": {k: p.name for k, p in self._pipelines.files.items()},
+        }
+        if stats is not None:
+            info["finished_unix_nano"] = time.time_ns()
+            info["stats"] = stats
+        rank = info["resource"].get("otelprof.rank", 0)
+        name = "run.json" if int(info["resource"].get("otelprof.world_size", 1)) <= 1 else (
+            f"run.rank{rank}.json"
+        )
+        path = s.run_dir / name
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
+        tmp.replace(path)
+
+
+def _is_loss(key: str) -> bool:
+    return "dropped" in key or "failed" in key
+
+
+def instrument(**options: Any) -> Profiler:
+    """Start profiling this process and return the running `Profiler`.
+
+    Options are validated before anything starts (`otelprof.ConfigError`). A second call
+    while a profiler is running returns that profiler instead of doubling every gauge.
+    """
+    global _active
+    with _lock:
+        if _active is not None:
+            if options:
+                _log.warning(
+                    "otelprof: instrument() called again while running; options %s ignored",
+                    sorted(options),
+                )
+            return _active
+        settings = Settings.from_options(**options)
+        _active = Profiler(settings)
+        return _active
+
+
+def uninstrument() -> None:
+    """Shut down the running profiler, restoring everything it patched."""
+    with _lock:
+        profiler = _active
+    if profiler is not None:
+        profiler.shutdown()
+
+
+def active_profiler() -> Profiler | None:
+    """The running profiler, if any."""
+    return _active

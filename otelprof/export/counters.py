@@ -1,0 +1,184 @@
+"""Counting wrappers around SDK exporters, so drops and failures are visible, never silent.
+
+The SDK's batch processor and periodic reader already keep exporting off the training
+thread; these wrappers add what they do not give us: per-exporter counts of what was
+exported, what failed, and what the span queue dropped, and a guarantee that an exporter
+raising never propagates (the SDK logs it, we also count it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+)
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+_log = logging.getLogger("otelprof.export")
+
+
+class ExportCounters:
+    """Thread-safe named counters, grouped by exporter name (`otlp.spans_exported`, ...)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = defaultdict(int)
+        self._warned: set[str] = set()
+
+    def add(self, key: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += amount
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Log a failure the first time it happens for `key`; later ones are only counted."""
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        _log.warning(message, *args)
+
+
+def _count_points(data: MetricsData) -> int:
+    return sum(
+        len(getattr(metric.data, "data_points", ()))
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+    )
+
+
+class CountingSpanExporter(SpanExporter):
+    """Delegates to `inner`, counting spans exported and spans lost to failed exports."""
+
+    def __init__(self, name: str, inner: SpanExporter, counters: ExportCounters) -> None:
+        self.name = name
+        self._inner = inner
+        self._counters = counters
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self._inner.export(spans)
+        except Exception as error:  # an exporter bug must not kill the export thread
+            self._counters.warn_once(
+                f"{self.name}.span_error", "otelprof: %s span exporter raised %r", self.name, error
+            )
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self._counters.add(f"{self.name}.spans_exported", len(spans))
+        else:
+            self._counters.add(f"{self.name}.spans_failed", len(spans))
+            self._counters.warn_once(
+                f"{self.name}.span_failure",
+                "otelprof: %s span export failed; spans are dropped and counted "
+                "(see Profiler.stats()); further failures are not logged",
+                self.name,
+            )
+        return result
+
+    def shutdown(self) -> None:
+        try:
+            self._inner.shutdown()
+        except Exception as error:
+            _log.warning("otelprof: %s span exporter shutdown raised %r", self.name, error)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return bool(self._inner.force_flush(timeout_millis))
+        except Exception:
+            return False
+
+
+class CountingMetricExporter(MetricExporter):
+    """Delegates to `inner`, counting data points exported and lost."""
+
+    def __init__(self, name: str, inner: MetricExporter, counters: ExportCounters) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self.name = name
+        self._inner = inner
+        self._counters = counters
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        points = _count_points(metrics_data)
+        try:
+            result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception as error:
+            self._counters.warn_once(
+                f"{self.name}.metric_error",
+                "otelprof: %s metric exporter raised %r",
+                self.name,
+                error,
+            )
+            result = MetricExportResult.FAILURE
+        if result is MetricExportResult.SUCCESS:
+            self._counters.add(f"{self.name}.metric_points_exported", points)
+        else:
+            self._counters.add(f"{self.name}.metric_points_failed", points)
+            self._counters.add(f"{self.name}.metric_exports_failed")
+            self._counters.warn_once(
+                f"{self.name}.metric_failure",
+                "otelprof: %s metric export failed; points are dropped and counted "
+                "(see Profiler.stats()); further failures are not logged",
+                self.name,
+            )
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        try:
+            return bool(self._inner.force_flush(timeout_millis=timeout_millis))
+        except Exception:
+            return False
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        try:
+            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+        except Exception as error:
+            _log.warning("otelprof: %s metric exporter shutdown raised %r", self.name, error)
+
+
+class _DropCountingMetrics:
+    """Stands in for the SDK's processor self-metrics to see its queue-full decisions."""
+
+    def __init__(self, inner: Any, name: str, counters: ExportCounters) -> None:
+        self._inner = inner
+        self._name = name
+        self._counters = counters
+
+    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
+        self._counters.add(f"{self._name}.spans_dropped_{error_type}", count)
+        self._inner.drop_items(count, error_type)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._inner, attribute)
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """The SDK's BatchSpanProcessor, with its queue-full drops counted per exporter."""
+
+    def __init__(
+        self, name: str, exporter: SpanExporter, counters: ExportCounters, **kwargs: Any
+    ) -> None:
+        super().__init__(exporter, **kwargs)
+        processor = self._batch_processor
+        # The SDK reports drops only to its optional self-metrics; intercept them there.
+        processor._metrics = _DropCountingMetrics(processor._metrics, name, counters)

@@ -1,0 +1,173 @@
+"""Build the span processors and metric readers for the exporters the settings ask for.
+
+Exporters compose: attached (OTLP gRPC to a collector), detached (OTLP JSON Lines files in
+the run directory) and pull (a Prometheus /metrics endpoint) can all be on at once. Each is
+wrapped so its failures are counted (`ExportCounters`) and never reach training code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.trace import SpanProcessor
+
+from otelprof.config import Settings
+from otelprof.export.counters import (
+    CountingBatchSpanProcessor,
+    CountingMetricExporter,
+    CountingSpanExporter,
+    ExportCounters,
+)
+
+_log = logging.getLogger("otelprof.export")
+
+# Bounded queue between span creation and export; drops beyond it are counted.
+SPAN_QUEUE_SIZE = 8192
+SPAN_BATCH_SIZE = 1024
+SPAN_SCHEDULE_DELAY_MS = 1000
+
+
+@dataclass
+class ExportPipelines:
+    """What the providers are built from, plus how to stop what the providers do not own."""
+
+    span_processors: list[SpanProcessor] = field(default_factory=list)
+    metric_readers: list[MetricReader] = field(default_factory=list)
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+    prometheus_port: int | None = None
+
+    def close(self) -> None:
+        for closer in self.closers:
+            try:
+                closer()
+            except Exception as error:
+                _log.warning("otelprof: closing exporter resource raised %r", error)
+
+
+def file_names(world_size: int, rank: int) -> tuple[str, str]:
+    """(metrics, traces) file names; ranks of one job share a run directory."""
+    if world_size > 1:
+        return f"metrics.rank{rank}.jsonl", f"traces.rank{rank}.jsonl"
+    return "metrics.jsonl", "traces.jsonl"
+
+
+def _span_processor(name: str, exporter: Any, counters: ExportCounters) -> SpanProcessor:
+    return CountingBatchSpanProcessor(
+        name,
+        CountingSpanExporter(name, exporter, counters),
+        counters,
+        max_queue_size=SPAN_QUEUE_SIZE,
+        max_export_batch_size=SPAN_BATCH_SIZE,
+        schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
+    )
+
+
+def _metric_reader(
+    name: str, exporter: Any, settings: Settings, counters: ExportCounters
+) -> MetricReader:
+    return PeriodicExportingMetricReader(
+        CountingMetricExporter(name, exporter, counters),
+        export_interval_millis=settings.interval_s * 1000,
+        export_timeout_millis=settings.export_timeout_s * 1000,
+    )
+
+
+def _add_files(
+    pipelines: ExportPipelines,
+    settings: Settings,
+    counters: ExportCounters,
+    world_size: int,
+    rank: int,
+) -> None:
+    from opentelemetry.exporter.otlp.json.file import FileMetricExporter, FileSpanExporter
+
+    run_dir = settings.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_name, traces_name = file_names(world_size, rank)
+    pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
+    pipelines.metric_readers.append(
+        _metric_reader("files", FileMetricExporter(pipelines.files["metrics"]), settings, counters)
+    )
+    if settings.timings:
+        pipelines.span_processors.append(
+            _span_processor("files", FileSpanExporter(pipelines.files["traces"]), counters)
+        )
+
+
+def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCounters) -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    common: dict[str, Any] = {
+        "endpoint": settings.endpoint,
+        "insecure": settings.insecure,
+        "headers": dict(settings.headers) or None,
+        "timeout": settings.export_timeout_s,
+    }
+    pipelines.metric_readers.append(
+        _metric_reader("otlp", OTLPMetricExporter(**common), settings, counters)
+    )
+    if settings.timings:
+        pipelines.span_processors.append(
+            _span_processor("otlp", OTLPSpanExporter(**common), counters)
+        )
+
+
+def _add_prometheus(pipelines: ExportPipelines, settings: Settings) -> None:
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    reader = PrometheusMetricReader(registry=registry)
+    server, thread = start_http_server(
+        settings.prometheus_port or 0, addr=settings.prometheus_host, registry=registry
+    )
+    pipelines.prometheus_port = int(server.server_address[1])
+    pipelines.metric_readers.append(reader)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    pipelines.closers.append(stop)
+
+
+def _add_determined(
+    pipelines: ExportPipelines, settings: Settings, counters: ExportCounters
+) -> None:
+    from otelprof.export.determined import DeterminedMetricExporter
+
+    pipelines.metric_readers.append(
+        _metric_reader("determined", DeterminedMetricExporter.from_environment(), settings, counters)
+    )
+
+
+def build_pipelines(
+    settings: Settings, counters: ExportCounters, *, world_size: int = 1, rank: int = 0
+) -> ExportPipelines:
+    """Create every exporter the settings enable; raises only on setup errors (bad port...)."""
+    pipelines = ExportPipelines()
+    try:
+        if settings.detached:
+            _add_files(pipelines, settings, counters, world_size, rank)
+        if settings.endpoint:
+            _add_otlp(pipelines, settings, counters)
+        if settings.prometheus_port is not None:
+            _add_prometheus(pipelines, settings)
+        if settings.determined:
+            _add_determined(pipelines, settings, counters)
+    except Exception:
+        for reader in pipelines.metric_readers:
+            reader.shutdown()
+        for processor in pipelines.span_processors:
+            processor.shutdown()
+        pipelines.close()
+        raise
+    return pipelines

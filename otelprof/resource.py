@@ -1,0 +1,73 @@
+"""Resource detection: who is emitting (service, host, process, rank, Determined trial).
+
+Set once per process so every metric point and span carries the same identity, which is
+what lets the collector, Prometheus and the Determined bridge group data by host, rank and
+trial without otelprof coordinating ranks itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+from opentelemetry.sdk.resources import Resource
+
+from otelprof.config import Settings
+
+# environment variable -> (resource attribute, is integer)
+_RANK_ENV = {
+    "RANK": ("otelprof.rank", True),
+    "LOCAL_RANK": ("otelprof.local_rank", True),
+    "WORLD_SIZE": ("otelprof.world_size", True),
+}
+_DETERMINED_ENV = {
+    "DET_EXPERIMENT_ID": ("determined.experiment.id", True),
+    "DET_TRIAL_ID": ("determined.trial.id", True),
+    "DET_TRIAL_RUN_ID": ("determined.trial.run_id", True),
+    "DET_AGENT_ID": ("determined.agent.id", False),
+}
+
+
+def _typed(value: str, integer: bool) -> str | int:
+    if integer:
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    return value
+
+
+def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
+    """Ranks (torchrun/DeepSpeed) and Determined ids present in `env`.
+
+    Single-process runs get rank 0 of world size 1 so queries can always group by rank.
+    """
+    attributes: dict[str, str | int] = {
+        "otelprof.rank": 0,
+        "otelprof.local_rank": 0,
+        "otelprof.world_size": 1,
+    }
+    for variable, (key, integer) in {**_RANK_ENV, **_DETERMINED_ENV}.items():
+        value = env.get(variable)
+        if value:
+            attributes[key] = _typed(value, integer)
+    return attributes
+
+
+def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> Resource:
+    """The process's resource; explicit settings win over detected values."""
+    env = os.environ if env is None else env
+    host = socket.gethostname()
+    pid = os.getpid()
+    attributes: dict[str, str | int] = {
+        "host.name": host,
+        "process.pid": pid,
+        "service.instance.id": f"{host}:{pid}",
+        **detect_attributes(env),
+        **dict(settings.resource_attributes),
+        "service.name": settings.service_name,
+    }
+    # Resource.create also adds telemetry.sdk.* and reads OTEL_RESOURCE_ATTRIBUTES; the
+    # attributes passed here take precedence over what it detects.
+    return Resource.create(attributes)
