@@ -1,0 +1,164 @@
+"""`otelprof report | trace | replay`: subcommands over detached run directories."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from otelprof.analysis.reader import RunDirError, WarningLog, open_run
+
+
+def register(subparsers: Any) -> None:
+    """Add report, trace and replay to the `otelprof` parser."""
+    report = subparsers.add_parser(
+        "report",
+        help="summarize a detached run: timings, hardware metrics, bottleneck verdict",
+        description="Summarize detached run directories (several merge, e.g. one per node).",
+    )
+    report.add_argument("run_dir", nargs="+", type=Path, metavar="RUN_DIR")
+    report.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="also write a self-contained HTML report with plots",
+    )
+    report.add_argument("--width", type=int, default=None, help="terminal width for tables")
+    report.set_defaults(func=_report)
+
+    trace = subparsers.add_parser(
+        "trace",
+        help="convert a detached run to a Chrome/Perfetto trace (ranks merged on one time axis)",
+    )
+    trace.add_argument("run_dir", nargs="+", type=Path, metavar="RUN_DIR")
+    trace.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("trace.json"),
+        help="output file (default trace.json; .gz compresses)",
+    )
+    trace.add_argument(
+        "--no-metrics", action="store_true", help="leave hardware counter tracks out"
+    )
+    trace.set_defaults(func=_trace)
+
+    replay = subparsers.add_parser(
+        "replay",
+        help="send a detached run to an OTLP gRPC collector with its original timestamps",
+    )
+    replay.add_argument("run_dir", nargs="+", type=Path, metavar="RUN_DIR")
+    replay.add_argument(
+        "--endpoint",
+        required=True,
+        metavar="HOST:PORT",
+        help="the collector's OTLP gRPC receiver, e.g. localhost:4317",
+    )
+    replay.add_argument("--tls", action="store_true", help="use TLS (default: plaintext)")
+    replay.add_argument(
+        "--shift-to-now",
+        action="store_true",
+        help="move all timestamps so the run ends now (for Prometheus, which "
+        "drops samples older than its head block; see README)",
+    )
+    replay.add_argument(
+        "--batch-bytes",
+        type=int,
+        default=1 << 20,
+        help="approximate size of one export request (default 1 MiB)",
+    )
+    replay.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="attempts per request on retryable errors (default 5)",
+    )
+    replay.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds per request (default 10)"
+    )
+    replay.add_argument("--signals", choices=("all", "traces", "metrics"), default="all")
+    replay.set_defaults(func=_replay)
+
+
+def _open(args: argparse.Namespace, warn: WarningLog) -> Any:
+    try:
+        return open_run(args.run_dir, warn)
+    except RunDirError as exc:
+        print(f"otelprof {args.command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def _finish(warn: WarningLog) -> None:
+    summary = warn.summary()
+    if summary:
+        print(f"warning: {summary}", file=sys.stderr)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from otelprof.analysis.summary import summarize
+    from otelprof.analysis.verdict import judge
+
+    warn = WarningLog()
+    files = _open(args, warn)
+    if files is None:
+        return 2
+    summary = summarize(files, warn)
+    verdict = judge(summary)
+    from otelprof.analysis.report_text import render
+
+    render(summary, verdict, Console(width=args.width))
+    if args.html:
+        from otelprof.analysis.report_html import write_html
+
+        write_html(summary, verdict, args.html)
+        print(f"HTML report written to {args.html}")
+    _finish(warn)
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from otelprof.analysis.chrome_trace import write_trace
+
+    warn = WarningLog()
+    files = _open(args, warn)
+    if files is None:
+        return 2
+    result = write_trace(files, args.output, warn, metrics=not args.no_metrics)
+    print(
+        f"wrote {args.output}: {result.processes} process(es), {result.slices:,} slices, "
+        f"{result.counters:,} counter samples; open it in https://ui.perfetto.dev or "
+        "chrome://tracing"
+    )
+    _finish(warn)
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from otelprof.analysis.replay import ReplayError, ReplayOptions, replay
+
+    warn = WarningLog()
+    files = _open(args, warn)
+    if files is None:
+        return 2
+    options = ReplayOptions(
+        endpoint=args.endpoint,
+        tls=args.tls,
+        shift_to_now=args.shift_to_now,
+        batch_bytes=args.batch_bytes,
+        retries=args.retries,
+        timeout_s=args.timeout,
+        signals=args.signals,
+    )
+    try:
+        result = replay(files, options, warn)
+    except ReplayError as exc:
+        print(f"otelprof replay: error: {exc}", file=sys.stderr)
+        _finish(warn)
+        return 1
+    for line in result.describe():
+        print(line)
+    _finish(warn)
+    return 0 if result.ok else 1

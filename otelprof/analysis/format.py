@@ -1,0 +1,41 @@
+"""Human formatting of metric values by their OTel unit (shared by text and HTML reports)."""
+
+from __future__ import annotations
+
+import math
+
+
+def value(v: float, unit: str) -> str:
+    """'23.0%' for unit 1, '1.50 GiB' for By, '12.0 MiB/s' for By/s, else 3 significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if unit == "1":
+        return f"{100 * v:.1f}%"
+    if unit in ("By", "By/s"):
+        suffix = "/s" if unit == "By/s" else ""
+        size = abs(v)
+        for name, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if size >= scale:
+                return f"{v / scale:.2f} {name}{suffix}"
+        return f"{v:.0f} B{suffix}"
+    text = f"{v:.3g}"
+    clean = unit.strip("{}") if unit.startswith("{") else unit
+    return f"{text} {clean}".rstrip()
+
+
+def ms(seconds: float) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "-"
+    return f"{seconds * 1e3:.2f}"
+
+
+def size(nbytes: int) -> str:
+    return value(float(nbytes), "By")
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"

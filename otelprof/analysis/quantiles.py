@@ -1,0 +1,79 @@
+"""Bounded-memory duration statistics: exact up to a cap, then a log-bucket sketch.
+
+Why: reports on small and medium runs must match figures computed independently from the
+same spans exactly, yet a huge run must not hold every duration. Up to `exact_cap` values
+are kept and percentiles are exact (linear interpolation, as numpy's default); beyond it the
+values fold into logarithmic buckets of relative width `2 * rel_err`, so a percentile is then
+within `rel_err` of the true value and memory stays bounded (~7,000 buckets cover 1 ns..3 h).
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+
+
+class DurationStats:
+    """count, total, min, max and percentiles of non-negative values."""
+
+    __slots__ = ("_buckets", "_gamma_log", "_values", "count", "exact_cap", "max", "min", "total")
+
+    def __init__(self, exact_cap: int = 200_000, rel_err: float = 0.005) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self.exact_cap = exact_cap
+        self._values: array[float] | None = array("d")
+        self._buckets: dict[int, int] = {}
+        self._gamma_log = math.log((1 + rel_err) / (1 - rel_err))
+
+    @property
+    def exact(self) -> bool:
+        return self._values is not None
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        if value < self.min:
+            self.min = value
+        if value > self.max:
+            self.max = value
+        if self._values is not None:
+            self._values.append(value)
+            if len(self._values) > self.exact_cap:
+                values, self._values = self._values, None
+                for v in values:
+                    self._bucket_add(v)
+        else:
+            self._bucket_add(value)
+
+    def _bucket_add(self, value: float) -> None:
+        key = -(10**9) if value <= 0 else math.ceil(math.log(value) / self._gamma_log)
+        self._buckets[key] = self._buckets.get(key, 0) + 1
+
+    def percentile(self, q: float) -> float:
+        """The q-th percentile (0..100)."""
+        if not self.count:
+            return math.nan
+        if self._values is not None:
+            ordered = sorted(self._values)
+            pos = (len(ordered) - 1) * q / 100.0
+            lo = math.floor(pos)
+            hi = min(lo + 1, len(ordered) - 1)
+            return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+        rank = q / 100.0 * (self.count - 1)
+        seen = 0
+        for key in sorted(self._buckets):
+            seen += self._buckets[key]
+            if seen > rank:
+                if key == -(10**9):
+                    return 0.0
+                # midpoint (in relative terms) of the bucket (gamma^(k-1), gamma^k]
+                value = 2 * math.exp(key * self._gamma_log) / (1 + math.exp(self._gamma_log))
+                return min(max(value, self.min), self.max)
+        return self.max

@@ -1,0 +1,414 @@
+"""Streaming reader of detached run directories (OTLP JSON Lines written by the file exporters).
+
+Why our own reader: files can be gigabytes, a crashed run leaves a truncated last line, and
+users still want every intact line. So files are read one line at a time (memory bounded by
+the longest line), every bad line or item is skipped with a warning naming file and line, and
+each line is dispatched on its top-level key, so any `*.jsonl` name (per-rank files, renamed
+files) works.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Warn = Callable[[str], None]
+
+_KINDS = {"resourceSpans": "traces", "resourceMetrics": "metrics", "resourceLogs": "logs"}
+
+
+class RunDirError(Exception):
+    """The path given is not a readable run directory."""
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The telemetry files of one or more run directories (several nodes' dirs merge)."""
+
+    dirs: tuple[Path, ...]
+    jsonl: tuple[Path, ...]
+    run_info: tuple[dict[str, Any], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.jsonl)
+
+
+def _looks_like_run(path: Path) -> bool:
+    return (path / "run.json").is_file() or any(path.glob("*.jsonl"))
+
+
+def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
+    """Validate run directories and list their files; raise RunDirError with the reason."""
+    if not paths:
+        raise RunDirError("no run directory given")
+    dirs: list[Path] = []
+    files: list[Path] = []
+    infos: list[dict[str, Any]] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.exists():
+            raise RunDirError(f"{path}: no such directory")
+        if not path.is_dir():
+            raise RunDirError(f"{path}: not a directory (expected a run directory)")
+        if not _looks_like_run(path):
+            children = sorted(p.name for p in path.iterdir() if p.is_dir() and _looks_like_run(p))
+            hint = ""
+            if children:
+                shown = ", ".join(children[:5]) + (", ..." if len(children) > 5 else "")
+                hint = f"; it contains run directories ({shown}): pass one of them"
+            raise RunDirError(
+                f"{path} is not an otelprof run directory: no *.jsonl telemetry files "
+                f"and no run.json{hint}"
+            )
+        dirs.append(path)
+        files.extend(sorted(p for p in path.glob("*.jsonl") if p.is_file()))
+        info_path = path / "run.json"
+        if info_path.is_file():
+            try:
+                info = json.loads(info_path.read_text(encoding="utf-8"))
+                if isinstance(info, dict):
+                    infos.append(info)
+                elif warn:
+                    warn(f"{info_path}: not a JSON object; ignored")
+            except (OSError, ValueError) as exc:
+                if warn:
+                    warn(f"{info_path}: unreadable ({exc}); ignored")
+    return RunFiles(tuple(dirs), tuple(files), tuple(infos))
+
+
+class WarningLog:
+    """Counts warnings and prints the first `limit` of them (to stderr by default)."""
+
+    def __init__(self, limit: int = 20, sink: Callable[[str], None] | None = None) -> None:
+        self.limit = limit
+        self.count = 0
+        self.messages: list[str] = []
+        self._sink = sink or (lambda msg: print(f"warning: {msg}", file=sys.stderr))
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        if self.count <= self.limit:
+            self.messages.append(message)
+            self._sink(message)
+        elif self.count == self.limit + 1:
+            self._sink("more warnings follow; only their count is reported")
+
+    def summary(self) -> str | None:
+        if self.count <= self.limit:
+            return None
+        return f"{self.count} warnings in total ({self.count - self.limit} not shown)"
+
+
+@dataclass
+class ReadStats:
+    """What was read and skipped, for the report's footer."""
+
+    files: int = 0
+    bytes: int = 0
+    lines: int = 0
+    bad_lines: int = 0
+    spans: int = 0
+    points: int = 0
+    skipped_items: int = 0
+    other_lines: int = 0
+
+
+@dataclass(frozen=True)
+class Line:
+    path: Path
+    number: int
+    kind: str  # "traces" | "metrics" | "logs"
+    body: dict[str, Any]
+    raw: bytes
+
+
+def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[Line]:
+    """Yield every intact OTLP request line; skip and report the others."""
+    for path in files:
+        stats.files += 1
+        try:
+            handle = path.open("rb")
+        except OSError as exc:
+            warn(f"{path}: cannot open ({exc}); skipped")
+            continue
+        with handle:
+            number = 0
+            for raw in handle:
+                number += 1
+                stats.lines += 1
+                stats.bytes += len(raw)
+                if not raw.strip():
+                    continue
+                try:
+                    body = json.loads(raw)
+                except ValueError as exc:
+                    stats.bad_lines += 1
+                    if not raw.endswith(b"\n"):
+                        warn(
+                            f"{path}:{number}: truncated last line skipped "
+                            f"(the writer stopped mid-line, e.g. a crash): {exc}"
+                        )
+                    else:
+                        warn(f"{path}:{number}: corrupt line skipped (not JSON: {exc})")
+                    continue
+                kind = None
+                if isinstance(body, dict) and len(body) == 1:
+                    kind = _KINDS.get(next(iter(body)))
+                if kind is None or not isinstance(next(iter(body.values())), list):
+                    stats.bad_lines += 1
+                    what = list(body)[:3] if isinstance(body, dict) else type(body).__name__
+                    warn(f"{path}:{number}: not an OTLP request line (top level: {what}); skipped")
+                    continue
+                yield Line(path, number, kind, body, raw)
+
+
+def any_value(value: Any) -> Any:
+    """Decode an OTLP JSON AnyValue (int64 as decimal strings) into a Python value."""
+    if not isinstance(value, dict) or not value:
+        return None
+    kind, raw = next(iter(value.items()))
+    if kind == "stringValue":
+        return raw
+    if kind == "intValue":
+        return int(raw)
+    if kind == "doubleValue":
+        return float(raw)
+    if kind == "boolValue":
+        return bool(raw)
+    if kind == "arrayValue":
+        return [any_value(v) for v in raw.get("values", [])]
+    if kind == "kvlistValue":
+        return {kv["key"]: any_value(kv.get("value")) for kv in raw.get("values", [])}
+    return raw  # bytesValue stays base64 text
+
+
+def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Decode an OTLP JSON attribute list into a dict."""
+    return {item["key"]: any_value(item.get("value")) for item in items or ()}
+
+
+def attribute(items: list[dict[str, Any]] | None, key: str) -> Any:
+    """One attribute without decoding the whole list (the hot path reads a few keys)."""
+    for item in items or ():
+        if item.get("key") == key:
+            return any_value(item.get("value"))
+    return None
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A process's resource: the identity of a rank (host, pid, rank)."""
+
+    attrs: tuple[tuple[str, Any], ...]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    @property
+    def host(self) -> str:
+        return str(self.get("host.name", "unknown-host"))
+
+    @property
+    def rank(self) -> int | None:
+        rank = self.get("otelprof.rank")
+        return rank if isinstance(rank, int) else None
+
+    @property
+    def label(self) -> str:
+        """Short human name: 'rank 3 @ node1 (pid 42)'."""
+        parts = []
+        if self.rank is not None:
+            parts.append(f"rank {self.rank}")
+        parts.append(f"@ {self.host}" if parts else self.host)
+        pid = self.get("process.pid")
+        if pid is not None:
+            parts.append(f"(pid {pid})")
+        return " ".join(parts)
+
+
+class _ResourceCache:
+    def __init__(self) -> None:
+        self._by_attrs: dict[tuple[tuple[str, Any], ...], Resource] = {}
+
+    def get(self, raw: dict[str, Any] | None) -> Resource:
+        decoded = attributes((raw or {}).get("attributes"))
+        key = tuple(sorted((k, _hashable(v)) for k, v in decoded.items()))
+        res = self._by_attrs.get(key)
+        if res is None:
+            if len(self._by_attrs) > 100_000:  # pathological input: keep memory bounded
+                self._by_attrs.clear()
+            res = self._by_attrs[key] = Resource(key)
+        return res
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+@dataclass(slots=True)
+class SpanRec:
+    """One span, flattened; attributes stay raw until asked for."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    start_ns: int
+    end_ns: int
+    raw_attributes: list[dict[str, Any]]
+    resource: Resource
+    status_code: int = 0
+
+    def attr(self, key: str) -> Any:
+        return attribute(self.raw_attributes, key)
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_ns - self.start_ns
+
+
+@dataclass(slots=True)
+class PointRec:
+    """One gauge or sum data point."""
+
+    name: str
+    unit: str
+    kind: str  # "gauge" | "sum"
+    monotonic: bool
+    time_ns: int
+    value: float
+    attributes: tuple[tuple[str, Any], ...]
+    resource: Resource
+
+
+def _is_hex(text: Any, length: int) -> bool:
+    if not isinstance(text, str) or len(text) != length:
+        return False
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
+    where = f"{line.path}:{line.number}"
+    for rs in line.body["resourceSpans"]:
+        try:
+            resource = cache.get(rs.get("resource"))
+            scopes = rs.get("scopeSpans") or []
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed resource skipped ({type(exc).__name__}: {exc})")
+            continue
+        for ss in scopes:
+            for s in ss.get("spans") or () if isinstance(ss, dict) else ():
+                try:
+                    parent = s.get("parentSpanId") or ""
+                    if not (_is_hex(s["traceId"], 32) and _is_hex(s["spanId"], 16)) or (
+                        parent and not _is_hex(parent, 16)
+                    ):
+                        raise ValueError("trace/span ids are not hex")
+                    rec = SpanRec(
+                        name=str(s["name"]),
+                        trace_id=s["traceId"],
+                        span_id=s["spanId"],
+                        parent_span_id=parent,
+                        start_ns=int(s["startTimeUnixNano"]),
+                        end_ns=int(s["endTimeUnixNano"]),
+                        raw_attributes=s.get("attributes") or [],
+                        resource=resource,
+                        status_code=int((s.get("status") or {}).get("code", 0) or 0),
+                    )
+                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    stats.skipped_items += 1
+                    warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
+                    continue
+                stats.spans += 1
+                yield rec
+
+
+def _points_of(
+    line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats
+) -> Iterator[PointRec]:
+    where = f"{line.path}:{line.number}"
+    for rm in line.body["resourceMetrics"]:
+        try:
+            resource = cache.get(rm.get("resource"))
+            scopes = rm.get("scopeMetrics") or []
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed resource skipped ({type(exc).__name__}: {exc})")
+            continue
+        for sm in scopes:
+            for metric in sm.get("metrics") or () if isinstance(sm, dict) else ():
+                try:
+                    name = str(metric["name"])
+                    unit = str(metric.get("unit", ""))
+                    if "gauge" in metric:
+                        kind, data, mono = "gauge", metric["gauge"], False
+                    elif "sum" in metric:
+                        kind, data = "sum", metric["sum"]
+                        mono = bool(data.get("isMonotonic", False))
+                    else:
+                        continue  # histograms/summaries: not hardware gauges
+                    dps = data.get("dataPoints") or []
+                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    stats.skipped_items += 1
+                    warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
+                    continue
+                for dp in dps:
+                    try:
+                        raw = dp["asDouble"] if "asDouble" in dp else dp["asInt"]
+                        attrs = dp.get("attributes")
+                        rec = PointRec(
+                            name=name,
+                            unit=unit,
+                            kind=kind,
+                            monotonic=mono,
+                            time_ns=int(dp["timeUnixNano"]),
+                            value=float(raw),
+                            attributes=tuple(
+                                (k, _hashable(v)) for k, v in attributes(attrs).items()
+                            )
+                            if attrs
+                            else (),
+                            resource=resource,
+                        )
+                    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                        stats.skipped_items += 1
+                        warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
+                        continue
+                    stats.points += 1
+                    yield rec
+
+
+def iter_records(
+    files: Iterable[Path],
+    warn: Warn,
+    stats: ReadStats | None = None,
+    kinds: frozenset[str] = frozenset({"traces", "metrics"}),
+) -> Iterator[SpanRec | PointRec]:
+    """Spans and gauge/sum points of every intact line, file by file, in file order."""
+    stats = stats if stats is not None else ReadStats()
+    cache = _ResourceCache()
+    for line in iter_lines(files, warn, stats):
+        if line.kind not in kinds:
+            stats.other_lines += 1
+            continue
+        if line.kind == "traces":
+            yield from _spans_of(line, cache, warn, stats)
+        else:
+            yield from _points_of(line, cache, warn, stats)

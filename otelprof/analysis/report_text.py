@@ -1,0 +1,113 @@
+"""`otelprof report`: the terminal summary (rich tables) of a run."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from otelprof.analysis import format as fmt
+from otelprof.analysis.summary import RunSummary
+from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
+from otelprof.analysis.verdict import Verdict
+
+
+def _run_header(summary: RunSummary) -> str:
+    files = summary.files
+    ids = [str(i.get("run_id")) for i in files.run_info if i.get("run_id")]
+    lines = [
+        f"run: {', '.join(ids) or ', '.join(str(d) for d in files.dirs)}",
+        f"files: {len(files.jsonl)} ({fmt.size(summary.read.bytes)}), "
+        f"{summary.read.spans:,} spans, {summary.read.points:,} metric points, "
+        f"{len(summary.ranks) or '?'} process(es)",
+    ]
+    if summary.first_ns is not None and summary.last_ns is not None:
+        lines.append(f"time covered: {fmt.duration((summary.last_ns - summary.first_ns) / 1e9)}")
+    if summary.read.bad_lines or summary.read.skipped_items:
+        lines.append(
+            f"skipped: {summary.read.bad_lines} bad line(s), "
+            f"{summary.read.skipped_items} malformed item(s) (see warnings)"
+        )
+    return "\n".join(lines)
+
+
+def timings_table(summary: RunSummary) -> Table:
+    table = Table(title="Timings (ms; share = part of summed step time)", title_justify="left")
+    for col in ("name", "where", "count", "mean", "p50", "p95", "total s", "share"):
+        table.add_column(col, justify="left" if col in ("name", "where") else "right")
+    for row in timing_rows(summary):
+        share = "-" if row.share is None else f"{100 * row.share:.1f}%"
+        mark = "" if row.exact else "~"
+        table.add_row(
+            row.name,
+            row.level,
+            f"{row.count:,}" if row.count else "",
+            fmt.ms(row.mean_s),
+            mark + fmt.ms(row.p50_s),
+            mark + fmt.ms(row.p95_s),
+            f"{row.total_s:.3f}",
+            share,
+            style="bold" if row.level == "step" else ("dim" if row.share is None else None),
+        )
+    return table
+
+
+def ranks_table(summary: RunSummary) -> Table:
+    table = Table(title="Steps per process", title_justify="left")
+    for col in ("process", "steps", "mean ms", "p95 ms", "spans"):
+        table.add_column(col, justify="left" if col == "process" else "right")
+    for row in rank_rows(summary):
+        table.add_row(
+            row.label, f"{row.steps:,}", fmt.ms(row.mean_s), fmt.ms(row.p95_s), f"{row.spans:,}"
+        )
+    return table
+
+
+def hardware_table(summary: RunSummary) -> Table:
+    table = Table(title="Hardware metrics (min / mean / max over samples)", title_justify="left")
+    for col in ("host", "device", "metric", "min", "mean", "max", "samples"):
+        table.add_column(
+            col, justify="right" if col in ("min", "mean", "max", "samples") else "left"
+        )
+    last_host = None
+    for s in hardware_series(summary):
+        host = s.host if s.scope == "" else f"{s.host} {s.scope.split(' @ ')[0]}"
+        table.add_row(
+            host if host != last_host else "",
+            s.device,
+            s.name,
+            fmt.value(s.min, s.unit),
+            fmt.value(s.mean, s.unit),
+            fmt.value(s.max, s.unit),
+            f"{s.count:,}",
+        )
+        last_host = host
+    return table
+
+
+def render(summary: RunSummary, verdict: Verdict, console: Console) -> None:
+    """Print the whole report."""
+    console.print(_run_header(summary))
+    if summary.timings or summary.step.count:
+        console.print(timings_table(summary))
+        if any(not math.isnan(r.mean_s) for r in rank_rows(summary)) and len(summary.ranks) > 1:
+            console.print(ranks_table(summary))
+    else:
+        console.print("[dim]no timing spans in this run[/dim]")
+    if summary.series:
+        console.print(hardware_table(summary))
+    else:
+        console.print("[dim]no hardware gauges in this run[/dim]")
+    others = {k: v for k, v in summary.counters.items()}
+    if others:
+        console.print(
+            "[dim]counters not summarized: "
+            + ", ".join(f"{k} ({v} points)" for k, v in sorted(others.items()))
+            + "[/dim]"
+        )
+    body = verdict.headline
+    if verdict.evidence:
+        body += "\n\nevidence:\n" + "\n".join(f"  • {e}" for e in verdict.evidence)
+    console.print(Panel(body, title=f"verdict: {verdict.kind}", title_align="left"))

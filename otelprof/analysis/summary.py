@@ -1,0 +1,377 @@
+"""One streaming pass over a run: timing statistics, step breakdown, hardware gauges, phases.
+
+Memory is bounded whatever the run's size: durations go to `DurationStats` (exact up to a
+cap), time series to fixed-size downsamplers, and the "is this span a direct child of a
+step?" question is answered with a bounded window of recently seen span ids (exporters write
+children and their step within a few batches of each other; a child whose parent is not seen
+within the window is counted as unresolved, not guessed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelprof.analysis.quantiles import DurationStats
+from otelprof.analysis.reader import (
+    PointRec,
+    ReadStats,
+    Resource,
+    RunFiles,
+    SpanRec,
+    Warn,
+    iter_records,
+)
+
+STEP_SPAN = "step"
+_MAX_PHASES_PER_LABEL = 500
+_MAX_SERIES = 5_000
+
+
+class Downsampler:
+    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows."""
+
+    __slots__ = ("_acc", "_buckets", "max_points", "stride")
+
+    def __init__(self, max_points: int = 600) -> None:
+        self.max_points = max_points
+        self.stride = 1
+        self._buckets: list[tuple[float, float]] = []
+        self._acc: list[float] = [0.0, 0.0, 0.0]  # t_sum, v_sum, n
+
+    def add(self, t: float, v: float) -> None:
+        acc = self._acc
+        acc[0] += t
+        acc[1] += v
+        acc[2] += 1
+        if acc[2] >= self.stride:
+            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2]))
+            self._acc = [0.0, 0.0, 0.0]
+            if len(self._buckets) >= self.max_points:
+                b = self._buckets
+                self._buckets = [
+                    ((b[i][0] + b[i + 1][0]) / 2, (b[i][1] + b[i + 1][1]) / 2)
+                    for i in range(0, len(b) - 1, 2)
+                ]
+                self.stride *= 2
+
+    def points(self) -> list[tuple[float, float]]:
+        out = list(self._buckets)
+        if self._acc[2]:
+            out.append((self._acc[0] / self._acc[2], self._acc[1] / self._acc[2]))
+        return sorted(out)
+
+
+@dataclass
+class TimingAgg:
+    """Statistics of one timing name (seconds)."""
+
+    name: str
+    stats: DurationStats = field(default_factory=DurationStats)
+    direct_total_s: float = 0.0  # summed over spans that are direct children of a step
+    direct_count: int = 0
+    nested_count: int = 0
+    root_count: int = 0
+    unresolved_count: int = 0
+    nested_in: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def main_parent(self) -> str | None:
+        return max(self.nested_in, key=lambda k: self.nested_in[k]) if self.nested_in else None
+
+
+@dataclass
+class RankAgg:
+    """Per-process (rank) step statistics, for stragglers."""
+
+    resource: Resource
+    steps: DurationStats = field(default_factory=DurationStats)
+    spans: int = 0
+    first_ns: int | None = None
+    last_ns: int | None = None
+    step_series: Downsampler = field(default_factory=Downsampler)
+
+
+SeriesKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]  # host, scope, name, attrs
+
+
+@dataclass
+class SeriesAgg:
+    """One hardware time series (a gauge with its attributes on one host or process)."""
+
+    host: str
+    scope: str  # "" for host/GPU-wide metrics, else the process label
+    name: str
+    unit: str
+    attrs: tuple[tuple[str, Any], ...]
+    count: int = 0
+    total: float = 0.0
+    min: float = math.inf
+    max: float = -math.inf
+    series: Downsampler = field(default_factory=Downsampler)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else math.nan
+
+    @property
+    def device(self) -> str:
+        """'gpu 0', 'read', ... : the attributes that tell series of one metric apart."""
+        a = dict(self.attrs)
+        if "gpu.index" in a or "hw.id" in a:
+            return f"gpu {a['gpu.index']}" if "gpu.index" in a else str(a["hw.id"])
+        return ", ".join(str(v) for _, v in self.attrs)
+
+    @property
+    def gpu(self) -> str | None:
+        a = dict(self.attrs)
+        if "gpu.index" in a or "hw.id" in a:
+            return str(a.get("hw.id", a.get("gpu.index")))
+        return None
+
+
+@dataclass
+class Phase:
+    label: str
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class RunSummary:
+    """Everything the text and HTML reports and the verdict need."""
+
+    files: RunFiles
+    read: ReadStats
+    timings: dict[str, TimingAgg]
+    step: DurationStats
+    ranks: dict[Resource, RankAgg]
+    series: dict[SeriesKey, SeriesAgg]
+    phases: list[Phase]
+    counters: dict[str, int]
+    first_ns: int | None
+    last_ns: int | None
+    unresolved_children: int = 0
+
+    @property
+    def step_total_s(self) -> float:
+        return self.step.total
+
+    def share(self, name: str) -> float | None:
+        """Share of summed step time spent in direct-child spans of this name."""
+        agg = self.timings.get(name)
+        if agg is None or not self.step.total or not agg.direct_count:
+            return None
+        return agg.direct_total_s / self.step.total
+
+    @property
+    def untimed_share(self) -> float | None:
+        """Share of step time in no direct-child span (< 0 when children overlap)."""
+        if not self.step.total:
+            return None
+        timed = sum(a.direct_total_s for a in self.timings.values())
+        return 1.0 - timed / self.step.total
+
+    def gauge_mean(self, name: str) -> float | None:
+        """Sample-weighted mean of one gauge over all its series."""
+        count = sum(s.count for s in self.series.values() if s.name == name)
+        if not count:
+            return None
+        return sum(s.total for s in self.series.values() if s.name == name) / count
+
+
+class _Phases:
+    """Training phases from root-level spans: steps by epoch, other root spans by name."""
+
+    def __init__(self) -> None:
+        self._epochs: dict[str, list[int]] = {}
+        self._others: dict[str, list[list[int]]] = {}
+
+    def step(self, epoch: Any, start: int, end: int) -> None:
+        label = f"epoch {epoch}" if epoch is not None else "training"
+        span = self._epochs.get(label)
+        if span is None:
+            self._epochs[label] = [start, end]
+        else:
+            span[0] = min(span[0], start)
+            span[1] = max(span[1], end)
+
+    def root(self, name: str, start: int, end: int) -> None:
+        intervals = self._others.setdefault(name, [])
+        for iv in intervals:
+            if start <= iv[1] and end >= iv[0]:  # overlaps (another rank's copy): merge
+                iv[0] = min(iv[0], start)
+                iv[1] = max(iv[1], end)
+                return
+        intervals.append([start, end])
+        if len(intervals) > _MAX_PHASES_PER_LABEL:  # keep bounded: merge the closest pair
+            intervals.sort()
+            gaps = [intervals[i + 1][0] - intervals[i][1] for i in range(len(intervals) - 1)]
+            i = gaps.index(min(gaps))
+            intervals[i][1] = max(intervals[i][1], intervals[i + 1][1])
+            del intervals[i + 1]
+
+    def result(self) -> list[Phase]:
+        phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
+        for label, intervals in self._others.items():
+            phases.extend(Phase(label, s, e) for s, e in intervals)
+        return sorted(phases, key=lambda p: (p.start_ns, p.label))
+
+
+class _StepResolver:
+    """Decides whether each span is a direct child of a step, within a bounded window."""
+
+    def __init__(self, timings: dict[str, TimingAgg], window: int = 50_000) -> None:
+        self.window = window
+        self.timings = timings
+        self.steps: OrderedDict[str, None] = OrderedDict()
+        self.others: OrderedDict[str, str] = OrderedDict()  # span id -> name (non-step spans)
+        self.pending: OrderedDict[str, list[tuple[str, float]]] = OrderedDict()
+        self.unresolved = 0
+
+    @staticmethod
+    def _remember(od: OrderedDict[str, Any], key: str, value: Any, window: int) -> None:
+        od[key] = value
+        if len(od) > window:
+            od.popitem(last=False)
+
+    def _direct(self, name: str, dur_s: float) -> None:
+        agg = self.timings[name]
+        agg.direct_total_s += dur_s
+        agg.direct_count += 1
+
+    def _nested(self, name: str, parent: str) -> None:
+        agg = self.timings[name]
+        agg.nested_count += 1
+        if parent in agg.nested_in or len(agg.nested_in) < 50:
+            agg.nested_in[parent] = agg.nested_in.get(parent, 0) + 1
+
+    def span(self, rec: SpanRec, dur_s: float, is_step: bool) -> None:
+        children = self.pending.pop(rec.span_id, None)
+        if is_step:
+            self._remember(self.steps, rec.span_id, None, self.window)
+            for name, d in children or ():
+                self._direct(name, d)
+            return
+        self._remember(self.others, rec.span_id, rec.name, self.window)
+        for name, _ in children or ():
+            self._nested(name, rec.name)
+        parent = rec.parent_span_id
+        if not parent:
+            self.timings[rec.name].root_count += 1
+        elif parent in self.steps:
+            self._direct(rec.name, dur_s)
+        elif parent in self.others:
+            self._nested(rec.name, self.others[parent])
+        else:
+            self.pending.setdefault(parent, []).append((rec.name, dur_s))
+            if len(self.pending) > self.window:
+                _, lost = self.pending.popitem(last=False)
+                self._lost(lost)
+
+    def _lost(self, items: list[tuple[str, float]]) -> None:
+        for name, _ in items:
+            self.timings[name].unresolved_count += 1
+            self.unresolved += 1
+
+    def finish(self) -> None:
+        for items in self.pending.values():
+            self._lost(items)
+        self.pending.clear()
+
+
+def _scope_of(point: PointRec) -> str:
+    """Host- and GPU-wide metrics merge across ranks; anything else stays per process."""
+    if point.name.startswith(("hw.", "system.")):
+        return ""
+    return point.resource.label
+
+
+def summarize(files: RunFiles, warn: Warn, window: int = 50_000) -> RunSummary:
+    """Read the whole run once and aggregate it."""
+    read = ReadStats()
+    timings: dict[str, TimingAgg] = {}
+    step = DurationStats()
+    ranks: dict[Resource, RankAgg] = {}
+    series: dict[SeriesKey, SeriesAgg] = {}
+    counters: dict[str, int] = {}
+    phases = _Phases()
+    resolver = _StepResolver(timings, window)
+    first_ns: int | None = None
+    last_ns: int | None = None
+    records: Iterable[SpanRec | PointRec] = iter_records(files.jsonl, warn, read)
+    for rec in records:
+        if isinstance(rec, SpanRec):
+            start, end = rec.start_ns, rec.end_ns
+            if end < start:
+                warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
+                continue
+            dur_s = (end - start) / 1e9
+            if first_ns is None or start < first_ns:
+                first_ns = start
+            if last_ns is None or end > last_ns:
+                last_ns = end
+            rank = ranks.get(rec.resource)
+            if rank is None:
+                rank = ranks[rec.resource] = RankAgg(rec.resource)
+            rank.spans += 1
+            rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
+            rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
+            is_step = rec.name == STEP_SPAN
+            if is_step:
+                step.add(dur_s)
+                rank.steps.add(dur_s)
+                rank.step_series.add(start / 1e9, dur_s)
+                phases.step(rec.attr("otelprof.epoch"), start, end)
+            else:
+                if rec.name not in timings:
+                    timings[rec.name] = TimingAgg(rec.name)
+                timings[rec.name].stats.add(dur_s)
+                if not rec.parent_span_id:
+                    phases.root(rec.name, start, end)
+            resolver.span(rec, dur_s, is_step)
+        else:
+            if rec.kind == "sum" and rec.monotonic:
+                counters[rec.name] = counters.get(rec.name, 0) + 1
+                continue
+            scope = _scope_of(rec)
+            key = (rec.resource.host, scope, rec.name, rec.attributes)
+            agg = series.get(key)
+            if agg is None:
+                if len(series) >= _MAX_SERIES:
+                    counters["(series over the limit)"] = (
+                        counters.get("(series over the limit)", 0) + 1
+                    )
+                    continue
+                agg = series[key] = SeriesAgg(
+                    rec.resource.host, scope, rec.name, rec.unit, rec.attributes
+                )
+            v = rec.value
+            agg.count += 1
+            agg.total += v
+            if v < agg.min:
+                agg.min = v
+            if v > agg.max:
+                agg.max = v
+            agg.series.add(rec.time_ns / 1e9, v)
+            if first_ns is None or rec.time_ns < first_ns:
+                first_ns = rec.time_ns
+            if last_ns is None or rec.time_ns > last_ns:
+                last_ns = rec.time_ns
+    resolver.finish()
+    return RunSummary(
+        files=files,
+        read=read,
+        timings=timings,
+        step=step,
+        ranks=ranks,
+        series=series,
+        phases=phases.result(),
+        counters=counters,
+        first_ns=first_ns,
+        last_ns=last_ns,
+        unresolved_children=resolver.unresolved,
+    )

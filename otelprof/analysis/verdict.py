@@ -1,0 +1,146 @@
+"""A plain-language verdict on a run's main bottleneck, with the evidence behind it.
+
+The rule is deliberately simple and explainable: the largest direct part of step time (a
+timing span directly under `step`, or the time no span covers) names the bottleneck; hardware
+means qualify it (a dominant train_batch with a busy GPU is healthy compute-bound training,
+with an idle GPU it points at CPU-side overhead). Stragglers among ranks are added as evidence.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from otelprof.analysis.summary import RunSummary
+
+UNTIMED = "(untimed)"
+_COPY_NAMES = ("to_device", "from_device")
+_GPU_BUSY = 0.7
+
+
+@dataclass
+class Verdict:
+    kind: str  # short class, e.g. "data-loader bound"
+    headline: str  # the sentence shown first
+    evidence: list[str] = field(default_factory=list)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _hardware_clause(gpu: float | None, cpu: float | None) -> str:
+    if gpu is not None:
+        return f"GPU utilization averages {_pct(gpu)}"
+    if cpu is not None:
+        return f"CPU utilization averages {_pct(cpu)} (no GPU metrics in this run)"
+    return "no hardware metrics in this run"
+
+
+def direct_shares(summary: RunSummary) -> dict[str, float]:
+    """Direct-child shares of step time, plus the untimed remainder when positive."""
+    shares = {n: s for n in summary.timings if (s := summary.share(n)) is not None}
+    untimed = summary.untimed_share
+    if untimed is not None and untimed > 0:
+        shares[UNTIMED] = untimed
+    return shares
+
+
+def _stragglers(summary: RunSummary) -> list[str]:
+    means = {r.resource.label: r.steps.mean for r in summary.ranks.values() if r.steps.count}
+    if len(means) < 2:
+        return []
+    out = []
+    for label, m in sorted(means.items()):
+        others = statistics.median(v for k, v in means.items() if k != label)
+        if others > 0 and m >= 1.25 * others:
+            out.append(
+                f"straggler: {label} takes {m * 1e3:.1f} ms per step, {m / others:.2f}x the "
+                f"median of the other ranks ({others * 1e3:.1f} ms)"
+            )
+    return out
+
+
+def judge(summary: RunSummary) -> Verdict:
+    """Name the main bottleneck of a run."""
+    gpu = summary.gauge_mean("hw.gpu.utilization")
+    cpu = summary.gauge_mean("system.cpu.utilization")
+    hw = _hardware_clause(gpu, cpu)
+    shares = direct_shares(summary)
+    evidence = [
+        f"{name} takes {_pct(share)} of step time"
+        for name, share in sorted(shares.items(), key=lambda kv: -kv[1])[:4]
+    ]
+    if gpu is not None:
+        evidence.append(f"GPU utilization averages {_pct(gpu)}")
+    if cpu is not None:
+        evidence.append(f"host CPU utilization averages {_pct(cpu)}")
+    evidence.extend(_stragglers(summary))
+    if summary.unresolved_children:
+        evidence.append(
+            f"{summary.unresolved_children} spans had a parent that was never found "
+            "(truncated run?); they are left out of the breakdown"
+        )
+
+    if not summary.step.count:
+        if not summary.timings:
+            return Verdict("no timings", f"no timing spans in this run; {hw}", evidence)
+        top = max(summary.timings.values(), key=lambda a: a.stats.total)
+        return Verdict(
+            "no steps",
+            f"no step spans (call otelprof.step() each iteration for a breakdown); "
+            f"the most time is in {top.name} ({top.stats.total:.2f} s in total); {hw}",
+            evidence,
+        )
+
+    copies = sum(shares.get(n, 0.0) for n in _COPY_NAMES)
+    ranked = sorted(
+        [(s, n) for n, s in shares.items() if n not in _COPY_NAMES] + [(copies, "copies")],
+        reverse=True,
+    )
+    share, name = ranked[0]
+    if name == "dataloader_next":
+        return Verdict(
+            "data-loader bound",
+            f"data-loader bound: dataloader_next takes {_pct(share)} of step time while {hw}",
+            evidence,
+        )
+    if name == "copies":
+        parts = " + ".join(f"{n} {_pct(shares[n])}" for n in _COPY_NAMES if n in shares)
+        return Verdict(
+            "host-device copy bound",
+            f"host-device copy bound: copies take {_pct(share)} of step time ({parts}) while {hw}",
+            evidence,
+        )
+    if name == "train_batch":
+        if gpu is None:
+            return Verdict(
+                "compute bound",
+                f"compute bound: train_batch takes {_pct(share)} of step time; {hw}",
+                evidence,
+            )
+        if gpu >= _GPU_BUSY:
+            return Verdict(
+                "GPU compute bound",
+                f"GPU compute bound (healthy): train_batch takes {_pct(share)} of step time "
+                f"and {hw}",
+                evidence,
+            )
+        return Verdict(
+            "train_batch bound, GPU under-used",
+            f"train_batch takes {_pct(share)} of step time but {hw}: look for CPU-side "
+            "overhead, synchronisation or batches too small for the GPU",
+            evidence,
+        )
+    if name == UNTIMED:
+        return Verdict(
+            "untimed work",
+            f"untimed work: {_pct(share)} of step time is outside every timing span "
+            f"(wrap it in otelprof.timing() to see what it is); {hw}",
+            evidence,
+        )
+    return Verdict(
+        f"{name} bound",
+        f"{name} bound: {name} takes {_pct(share)} of step time while {hw}",
+        evidence,
+    )
