@@ -12,9 +12,10 @@ Hardware metrics become OTel observable gauges, training timings become OTel spa
 Prometheus endpoint.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from otelprof._profiler import Profiler, active_profiler, instrument, uninstrument
 from otelprof.config import ConfigError, Settings
-from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from otelprof.timings import (

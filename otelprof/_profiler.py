@@ -222,8 +222,10 @@ class Profiler:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
         rank = info["resource"].get("otelprof.rank", 0)
-        name = "run.json" if int(info["resource"].get("otelprof.world_size", 1)) <= 1 else (
-            f"run.rank{rank}.json"
+        name = (
+            "run.json"
+            if int(info["resource"].get("otelprof.world_size", 1)) <= 1
+            else (f"run.rank{rank}.json")
         )
         path = s.run_dir / name
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -63,9 +63,7 @@ class Settings:
         return self.output_dir / self.run_id
 
     @classmethod
-    def from_options(
-        cls, env: Mapping[str, str] | None = None, **options: Any
-    ) -> Settings:
+    def from_options(cls, env: Mapping[str, str] | None = None, **options: Any) -> Settings:
         """Resolve keywords + environment into validated settings (raises ConfigError)."""
         env = os.environ if env is None else env
         unknown = sorted(set(options) - _OPTION_NAMES)
@@ -303,7 +301,9 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
 
     schedule = raw["schedule"]
     if schedule is not None and not callable(schedule):
-        raise ConfigError(f"option 'schedule': expected a callable step -> action, got {schedule!r}")
+        raise ConfigError(
+            f"option 'schedule': expected a callable step -> action, got {schedule!r}"
+        )
     values["schedule"] = schedule
 
     queued = _as_number("max_queued_spans", raw["max_queued_spans"], int, 65536)

@@ -20,7 +20,7 @@ def _attrs(items: list[dict[str, Any]] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items or []:
         value = item["value"]
-        (kind, raw), = value.items() if value else (("stringValue", None),)
+        ((kind, raw),) = value.items() if value else (("stringValue", None),)
         if kind in ("intValue",):
             raw = int(raw)
         out[item["key"]] = raw

@@ -145,7 +145,9 @@ def _add_determined(
     from otelprof.export.determined import DeterminedMetricExporter
 
     pipelines.metric_readers.append(
-        _metric_reader("determined", DeterminedMetricExporter.from_environment(), settings, counters)
+        _metric_reader(
+            "determined", DeterminedMetricExporter.from_environment(), settings, counters
+        )
     )
 
 

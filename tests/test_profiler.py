@@ -1,0 +1,139 @@
+"""instrument()/shutdown(): lifecycle, the three export modes, and failures kept from training."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import otelprof
+from tests.otlp_files import read_points, read_spans
+from tests.otlp_sink import OtlpSink
+
+
+@pytest.fixture(autouse=True)
+def _no_profiler_left_running() -> Iterator[None]:
+    yield
+    otelprof.uninstrument()
+
+
+@pytest.fixture
+def sink() -> Iterator[OtlpSink]:
+    server = OtlpSink().start()
+    yield server
+    server.stop()
+
+
+def small_loop(steps: int = 5, sleep_s: float = 0.01) -> None:
+    for _ in range(steps):
+        with otelprof.timing("dataloader_next"):
+            time.sleep(sleep_s)
+        with otelprof.timing("train_batch"):
+            time.sleep(sleep_s)
+        otelprof.step()
+
+
+def test_second_instrument_call_returns_the_running_profiler(tmp_path: Path) -> None:
+    first = otelprof.instrument(output_dir=tmp_path)
+    assert otelprof.instrument() is first
+    assert otelprof.active_profiler() is first
+    first.shutdown()
+    assert otelprof.active_profiler() is None
+    second = otelprof.instrument(output_dir=tmp_path)
+    assert second is not first
+
+
+def test_context_manager_shuts_down_once_and_shutdown_is_idempotent(tmp_path: Path) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
+        small_loop(2)
+    assert otelprof.active_profiler() is None
+    prof.shutdown()  # a second call is harmless
+    info = json.loads((prof.settings.run_dir / "run.json").read_text())
+    assert info["run_id"] == prof.settings.run_id
+    assert info["stats"]["dropped_total"] == 0
+
+
+def test_bad_configuration_raises_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(otelprof.ConfigError, match="interval"):
+        otelprof.instrument(output_dir=tmp_path, interval=0)
+    assert otelprof.active_profiler() is None
+
+
+def test_detached_mode_writes_metrics_and_spans_as_otlp_json_lines(tmp_path: Path) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2, service_name="unit") as prof:
+        small_loop(5)
+        time.sleep(0.5)
+    assert prof.run_dir is not None and prof.run_dir.parent == tmp_path
+    points = read_points(prof.files["metrics"])
+    names = {p.name for p in points}
+    assert {"system.cpu.utilization", "system.memory.linux.available"} <= names
+    assert all(p.resource["service.name"] == "unit" for p in points)
+    spans = read_spans(prof.files["traces"])
+    assert sum(s.name == "train_batch" for s in spans) == 5
+    assert sum(s.name == "dataloader_next" for s in spans) == 5
+    stats = prof.stats()
+    assert stats["files.spans_exported"] == len(spans)
+    assert stats["dropped_total"] == 0
+
+
+def test_attached_mode_sends_metrics_and_spans_to_a_real_otlp_grpc_server(
+    tmp_path: Path, sink: OtlpSink
+) -> None:
+    with otelprof.instrument(endpoint=sink.endpoint, interval=0.2, output_dir=tmp_path) as prof:
+        assert prof.run_dir is None  # attached only: no files
+        small_loop(4)
+        assert sink.wait_for(lambda: "system.cpu.utilization" in sink.metric_names())
+    assert not any(tmp_path.iterdir())
+    assert {"system.cpu.utilization", "system.memory.linux.available"} <= sink.metric_names()
+    names = [span.name for span in sink.spans()]
+    assert names.count("train_batch") == 4
+    resource = sink.resources()[0]
+    assert resource["service.name"] == "otelprof"
+    assert resource["otelprof.rank"] == 0
+    assert "host.name" in resource
+    assert prof.stats()["otlp.spans_exported"] == len(names)
+
+
+def test_collector_failures_are_counted_and_never_reach_training(
+    tmp_path: Path, sink: OtlpSink
+) -> None:
+    sink.refuse = True
+    prof = otelprof.instrument(
+        endpoint=sink.endpoint, interval=0.2, export_timeout=0.5, output_dir=tmp_path
+    )
+    small_loop(6)  # must not raise although every export fails
+    time.sleep(0.6)
+    prof.shutdown()
+    stats = prof.stats()
+    assert stats["otlp.spans_failed"] >= 6
+    assert stats["otlp.metric_points_failed"] > 0
+    assert stats["dropped_total"] >= stats["otlp.spans_failed"]
+
+
+def test_unreachable_collector_at_startup_does_not_block_or_raise(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    prof = otelprof.instrument(
+        endpoint="http://127.0.0.1:9", interval=0.2, export_timeout=0.5, output_dir=tmp_path
+    )
+    small_loop(3)
+    loop_s = time.perf_counter() - started
+    prof.shutdown()
+    assert loop_s < 2.0  # 3 steps of ~20 ms: exports never ran on this thread
+    assert prof.stats()["dropped_total"] > 0
+
+
+def test_prometheus_pull_endpoint_serves_the_gauges(tmp_path: Path) -> None:
+    with otelprof.instrument(
+        prometheus_port=0, detached=False, interval=0.2, output_dir=tmp_path
+    ) as prof:
+        assert prof.prometheus_port
+        time.sleep(0.3)
+        body = httpx.get(f"http://127.0.0.1:{prof.prometheus_port}/metrics", timeout=5).text
+    assert "system_cpu_utilization_ratio" in body
+    assert "system_memory_linux_available_bytes" in body
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{prof.prometheus_port}/metrics", timeout=1)
