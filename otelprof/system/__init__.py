@@ -1,0 +1,50 @@
+"""Hardware metrics as OpenTelemetry observable instruments (psutil + NVML).
+
+    handle = register_system_metrics(meter, SystemMetricsSettings(interval_s=1.0))
+    ...
+    handle.close()
+
+Instruments (gauges unless noted; rates are Δcounter/Δt over the collection interval):
+
+| instrument | unit | attributes | source |
+|---|---|---|---|
+| `system.cpu.utilization` | `1` | – | psutil.cpu_times, busy = not idle/iowait, all cores |
+| `system.memory.linux.available` | `By` | – | psutil.virtual_memory().available |
+| `system.network.throughput` | `By/s` | `network.io.direction`=transmit/receive | NICs + lo |
+| `system.disk.iops` | `{operation}/s` | `disk.io.direction`=read/write | physical disks |
+| `system.disk.throughput` | `By/s` | `disk.io.direction`=read/write | physical disks |
+| `hw.gpu.utilization` | `1` | `hw.id`=UUID, `gpu.index` | mean of NVML samples |
+| `hw.gpu.memory.free` | `By` | `hw.id`, `gpu.index` | nvmlDeviceGetMemoryInfo |
+| `hw.gpu.memory.usage` | `By` | `hw.id`, `gpu.index` | nvmlDeviceGetMemoryInfo |
+| `hw.gpu.memory.limit` | `By` | `hw.id`, `gpu.index` | nvmlDeviceGetMemoryInfo |
+| `hw.power` | `W` | `hw.id`, `gpu.index`, `hw.type`=gpu | nvmlDeviceGetPowerUsage |
+| `hw.temperature` | `Cel` | `hw.id`, `gpu.index`, `hw.type`=gpu | nvmlDeviceGetTemperature |
+| `hw.energy` (counter) | `J` | `hw.id`, `gpu.index`, `hw.type`=gpu | NVML total energy |
+| `process.cpu.utilization` | `1` | – | this process, ÷ usable CPUs |
+| `process.memory.usage` | `By` | – | this process's RSS |
+| `otelprof.torch.cuda.memory.allocated` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
+| `otelprof.torch.cuda.memory.reserved` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
+
+Host rows come with `host_metrics` (local rank 0 by default, decided in config), GPU rows
+with `gpus="visible"|"all"` when NVML finds a GPU, process rows with `process_metrics`,
+torch rows once this process has initialized CUDA. A value that cannot be read is absent
+from that collection, never 0. Details: `host.py`, `gpu.py`, `rates.py`, `gauges.py`.
+"""
+
+from . import names
+from .gauges import (
+    MIN_INTERVAL_S,
+    SystemMetricsHandle,
+    SystemMetricsSettings,
+    register_system_metrics,
+)
+from .gpu import parse_visible_devices
+
+__all__ = [
+    "MIN_INTERVAL_S",
+    "SystemMetricsHandle",
+    "SystemMetricsSettings",
+    "names",
+    "parse_visible_devices",
+    "register_system_metrics",
+]

@@ -1,0 +1,37 @@
+"""Small pieces every sampler shares: a reading, and a log-once helper."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+AttrValue = str | int
+Attributes = dict[str, AttrValue]
+
+logger = logging.getLogger("otelprof.system")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One observation of one instrument: sampled once, handed to every reader."""
+
+    name: str
+    value: float
+    attributes: Attributes = field(default_factory=dict)
+
+
+class LogOnce:
+    """Logs each distinct problem once, so a refused metric does not flood the log."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, key: str, level: int, message: str, *args: object) -> bool:
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+        logger.log(level, message, *args)
+        return True

@@ -1,0 +1,323 @@
+"""GPU metrics from NVML for the GPUs this job can see (or all of them, on request).
+
+Selection: with `gpus="visible"`, `CUDA_VISIBLE_DEVICES` is read the way CUDA reads it:
+comma-separated entries, each an index, a `GPU-<uuid>` (unique prefix allowed) or a
+`MIG-<uuid>`, taken up to the first invalid entry; unset means every GPU, empty means none.
+Indices are NVML (PCI bus) indices, which match CUDA's numbering when
+`CUDA_DEVICE_ORDER=PCI_BUS_ID` or when the node's GPUs are all the same model (CUDA's
+default "fastest first" then also falls back to bus order). `gpu.index` on every series is
+the NVML index (the one nvidia-smi and dcgm-exporter show); for a MIG device, its parent's.
+
+Utilization is the mean of NVML's own utilization samples newer than the previous
+collection (`nvmlDeviceGetSamples`), i.e. the average over the interval, not one reading.
+When no new sample exists yet (intervals shorter than the driver's sampling period) or
+the call is unsupported, `nvmlDeviceGetUtilizationRates` (NVML's last period) is used.
+
+Degradation: no pynvml, no driver or no GPU turns GPU metrics off with one log line. A
+metric NVML refuses for a device (NotSupported, NoPermission: MIG slices, consumer boards)
+is omitted for that device from then on and logged once; other errors omit that one sample
+and are logged once. Nothing is ever reported as 0 in place of an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from . import names
+from ._common import Attributes, LogOnce, Reading, logger
+
+T = TypeVar("T")
+
+# nvmlValueType_t -> field of c_nvmlValue_t
+_SAMPLE_FIELDS = dict(enumerate(("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")))
+
+
+def parse_visible_devices(value: str | None) -> list[str] | None:
+    """`CUDA_VISIBLE_DEVICES` entries in order, or None when unset (every GPU is visible).
+
+    Like CUDA, parsing stops at the first entry that is not an index, `GPU-…` or `MIG-…`
+    (so `-1` or `""` hide every GPU).
+    """
+    if value is None:
+        return None
+    entries: list[str] = []
+    for raw in value.split(","):
+        entry = raw.strip()
+        if entry.isdigit() or entry.startswith(("GPU-", "MIG-")):
+            entries.append(entry)
+        else:
+            break
+    return entries
+
+
+@dataclass
+class GpuDevice:
+    """One GPU (or MIG slice) being sampled, with what NVML has refused for it."""
+
+    handle: Any
+    uuid: str
+    index: int
+    refused: set[str] = field(default_factory=set)
+    use_samples: bool = True
+    last_sample_us: int = 0
+
+    @property
+    def attributes(self) -> Attributes:
+        return {names.HW_ID: self.uuid, names.GPU_INDEX: self.index}
+
+    @property
+    def hw_attributes(self) -> Attributes:
+        return {**self.attributes, names.HW_TYPE: "gpu"}
+
+
+class GpuSampler:
+    """Owns the NVML session: init once in `start`, shut down in `close`."""
+
+    def __init__(
+        self,
+        selection: str = "visible",
+        nvml: Any = None,
+        env: Mapping[str, str] | None = None,
+        log: LogOnce | None = None,
+    ) -> None:
+        if selection not in ("visible", "all"):
+            raise ValueError(f"gpus must be 'visible' or 'all', got {selection!r}")
+        self._selection = selection
+        self._nvml = nvml
+        self._env = os.environ if env is None else env
+        self._log = log or LogOnce()
+        self._initialized = False
+        self.devices: list[GpuDevice] = []
+
+    def start(self) -> bool:
+        """Initialize NVML and resolve the GPUs; False (after one log line) if there are none."""
+        if self._nvml is None:
+            try:
+                import pynvml
+            except Exception as exc:
+                logger.info("GPU metrics off: pynvml cannot be imported (%s)", exc)
+                return False
+            self._nvml = pynvml
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+        except Exception as exc:
+            logger.info("GPU metrics off: NVML is not available (%s)", _describe(exc))
+            return False
+        self._initialized = True
+        try:
+            self.devices = self._resolve()
+        except Exception as exc:
+            logger.info("GPU metrics off: cannot list GPUs through NVML (%s)", _describe(exc))
+            self.devices = []
+        if not self.devices:
+            self.close()
+            return False
+        for device in self.devices:
+            self._prime_samples(device)
+        logger.info(
+            "GPU metrics for %d GPU(s): %s",
+            len(self.devices),
+            ", ".join(f"{d.index}={d.uuid}" for d in self.devices),
+        )
+        return True
+
+    def close(self) -> None:
+        if self._initialized:
+            self._initialized = False
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception as exc:
+                logger.debug("nvmlShutdown failed: %s", _describe(exc))
+
+    # -- device selection -------------------------------------------------------------
+
+    def _resolve(self) -> list[GpuDevice]:
+        nvml = self._nvml
+        count = nvml.nvmlDeviceGetCount()
+        if count == 0:
+            logger.info("GPU metrics off: NVML reports no GPU")
+            return []
+        every = []
+        for index in range(count):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            every.append(GpuDevice(handle, _text(nvml.nvmlDeviceGetUUID(handle)), index))
+        if self._selection == "all":
+            return every
+        raw = self._env.get("CUDA_VISIBLE_DEVICES")
+        entries = parse_visible_devices(raw)
+        if entries is None:
+            return every
+        chosen: list[GpuDevice] = []
+        for entry in entries:
+            device = self._lookup(entry, every)
+            if device is None:
+                if entry.startswith("MIG-"):
+                    continue
+                break  # CUDA ignores everything after an invalid entry
+            if all(device.uuid != d.uuid for d in chosen):
+                chosen.append(device)
+        if not chosen:
+            logger.info("GPU metrics off: CUDA_VISIBLE_DEVICES=%r selects no GPU", raw)
+        return chosen
+
+    def _lookup(self, entry: str, every: list[GpuDevice]) -> GpuDevice | None:
+        if entry.isdigit():
+            index = int(entry)
+            return every[index] if index < len(every) else None
+        if entry.startswith("GPU-"):
+            matches = [d for d in every if d.uuid.startswith(entry)]
+            return matches[0] if len(matches) == 1 else None
+        return self._lookup_mig(entry)
+
+    def _lookup_mig(self, entry: str) -> GpuDevice | None:
+        nvml = self._nvml
+        try:
+            handle = nvml.nvmlDeviceGetHandleByUUID(entry)
+            parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            return GpuDevice(handle, uuid, nvml.nvmlDeviceGetIndex(parent))
+        except Exception as exc:
+            logger.info("MIG device %s not found through NVML (%s); omitted", entry, _describe(exc))
+            return None
+
+    # -- sampling ----------------------------------------------------------------------
+
+    def sample(self) -> list[Reading]:
+        out: list[Reading] = []
+        for device in self.devices:
+            self._sample_device(device, out)
+        return out
+
+    def _sample_device(self, device: GpuDevice, out: list[Reading]) -> None:
+        nvml = self._nvml
+        handle = device.handle
+        attrs = device.attributes
+        utilization = self._utilization(device)
+        if utilization is not None:
+            out.append(Reading(names.GPU_UTILIZATION.name, utilization, attrs))
+        memory = self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        if memory is not None:
+            out.append(Reading(names.GPU_MEMORY_FREE.name, float(memory.free), attrs))
+            out.append(Reading(names.GPU_MEMORY_USAGE.name, float(memory.used), attrs))
+            out.append(Reading(names.GPU_MEMORY_LIMIT.name, float(memory.total), attrs))
+        hw_attrs = device.hw_attributes
+        milliwatts = self._query(device, "power", lambda: nvml.nvmlDeviceGetPowerUsage(handle))
+        if milliwatts is not None:
+            out.append(Reading(names.GPU_POWER.name, milliwatts / 1000.0, hw_attrs))
+        celsius = self._query(
+            device,
+            "temperature",
+            lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
+        )
+        if celsius is not None:
+            out.append(Reading(names.GPU_TEMPERATURE.name, float(celsius), hw_attrs))
+        millijoules = self._query(
+            device, "energy", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+        )
+        if millijoules is not None:
+            out.append(Reading(names.GPU_ENERGY.name, millijoules / 1000.0, hw_attrs))
+
+    def _prime_samples(self, device: GpuDevice) -> None:
+        """Skip NVML's sample history so the first average covers only our interval."""
+        try:
+            _, samples = self._nvml.nvmlDeviceGetSamples(
+                device.handle, self._nvml.NVML_GPU_UTILIZATION_SAMPLES, 0
+            )
+            device.last_sample_us = max((int(s.timeStamp) for s in samples), default=0)
+        except Exception:
+            pass  # no history yet, or unsupported: the first sample() finds out
+
+    def _utilization(self, device: GpuDevice) -> float | None:
+        nvml = self._nvml
+        if device.use_samples:
+            try:
+                value_type, samples = nvml.nvmlDeviceGetSamples(
+                    device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us
+                )
+                fresh = [s for s in samples if int(s.timeStamp) > device.last_sample_us]
+                if fresh:
+                    device.last_sample_us = max(int(s.timeStamp) for s in fresh)
+                    values = [_sample_value(value_type, s) for s in fresh]
+                    return sum(values) / len(values) / 100.0
+            except Exception as exc:
+                code = getattr(exc, "value", None)
+                if code == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
+                    pass  # no sample newer than the last one: use the running average
+                elif self._refusal(exc):
+                    device.use_samples = False
+                    self._log(
+                        f"samples:{device.uuid}",
+                        logging.INFO,
+                        "GPU %s: NVML utilization samples unavailable (%s); "
+                        "using nvmlDeviceGetUtilizationRates instead",
+                        device.uuid,
+                        _describe(exc),
+                    )
+                else:
+                    self._transient(device, "utilization samples", exc)
+        rates = self._query(
+            device, "utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(device.handle)
+        )
+        return None if rates is None else float(rates.gpu) / 100.0
+
+    def _query(self, device: GpuDevice, metric: str, call: Callable[[], T]) -> T | None:
+        if metric in device.refused:
+            return None
+        try:
+            return call()
+        except Exception as exc:
+            if self._refusal(exc):
+                device.refused.add(metric)
+                self._log(
+                    f"refused:{device.uuid}:{metric}",
+                    logging.INFO,
+                    "GPU %s: NVML refuses %s (%s); that series is omitted",
+                    device.uuid,
+                    metric,
+                    _describe(exc),
+                )
+            else:
+                self._transient(device, metric, exc)
+            return None
+
+    def _refusal(self, exc: Exception) -> bool:
+        """Errors that will not go away by asking again: the series is dropped for good."""
+        nvml = self._nvml
+        permanent = {
+            getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3),
+            getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4),
+            getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2),
+            getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13),
+        }
+        return isinstance(exc, nvml.NVMLError) and getattr(exc, "value", None) in permanent
+
+    def _transient(self, device: GpuDevice, metric: str, exc: Exception) -> None:
+        self._log(
+            f"failed:{device.uuid}:{metric}:{type(exc).__name__}",
+            logging.WARNING,
+            "GPU %s: reading %s failed (%s); omitted while it fails",
+            device.uuid,
+            metric,
+            _describe(exc),
+        )
+
+
+def _sample_value(value_type: int, sample: Any) -> float:
+    return float(getattr(sample.sampleValue, _SAMPLE_FIELDS.get(value_type, "uiVal")))
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,89 @@
+"""Instrument names, units and kinds: the one place dashboards and exporters can import.
+
+Names follow the OpenTelemetry semantic conventions where they define the quantity
+(`hw.*`, `system.*`, `process.*`); the rate gauges (`*.throughput`, `*.iops`) and
+`hw.gpu.memory.free` are the DESIGN.md names for the seed metrics, and `otelprof.*` marks
+what the conventions do not cover.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Instrument:
+    name: str
+    unit: str
+    description: str
+    kind: Literal["gauge", "counter"] = "gauge"
+
+
+# host (local rank 0 by default)
+CPU_UTILIZATION = Instrument(
+    "system.cpu.utilization", "1", "Share of all logical CPUs busy (not idle/iowait), 0-1"
+)
+MEMORY_AVAILABLE = Instrument(
+    "system.memory.linux.available", "By", "Memory available to start new work (MemAvailable)"
+)
+NETWORK_THROUGHPUT = Instrument(
+    "system.network.throughput", "By/s", "Bytes per second over all interfaces, loopback included"
+)
+DISK_IOPS = Instrument(
+    "system.disk.iops", "{operation}/s", "Completed read or write operations per second"
+)
+DISK_THROUGHPUT = Instrument(
+    "system.disk.throughput", "By/s", "Bytes read or written per second on physical disks"
+)
+
+# GPUs (visible to this job by default)
+GPU_UTILIZATION = Instrument(
+    "hw.gpu.utilization", "1", "Share of time a kernel ran, averaged over the interval, 0-1"
+)
+GPU_MEMORY_FREE = Instrument("hw.gpu.memory.free", "By", "Free GPU memory")
+GPU_MEMORY_USAGE = Instrument("hw.gpu.memory.usage", "By", "Used GPU memory")
+GPU_MEMORY_LIMIT = Instrument("hw.gpu.memory.limit", "By", "Total GPU memory")
+GPU_POWER = Instrument("hw.power", "W", "Power drawn by the GPU")
+GPU_TEMPERATURE = Instrument("hw.temperature", "Cel", "GPU core temperature")
+GPU_ENERGY = Instrument(
+    "hw.energy", "J", "Energy used by the GPU since the driver loaded", kind="counter"
+)
+
+# this process (every rank)
+PROCESS_CPU_UTILIZATION = Instrument(
+    "process.cpu.utilization", "1", "This process's CPU time over the interval / usable CPUs, 0-1"
+)
+PROCESS_MEMORY_USAGE = Instrument("process.memory.usage", "By", "This process's resident memory")
+
+# PyTorch caching allocator (when torch has initialized CUDA)
+TORCH_CUDA_ALLOCATED = Instrument(
+    "otelprof.torch.cuda.memory.allocated", "By", "Bytes held by tensors (caching allocator)"
+)
+TORCH_CUDA_RESERVED = Instrument(
+    "otelprof.torch.cuda.memory.reserved", "By", "Bytes reserved by the caching allocator"
+)
+
+HOST = (CPU_UTILIZATION, MEMORY_AVAILABLE, NETWORK_THROUGHPUT, DISK_IOPS, DISK_THROUGHPUT)
+GPU = (
+    GPU_UTILIZATION,
+    GPU_MEMORY_FREE,
+    GPU_MEMORY_USAGE,
+    GPU_MEMORY_LIMIT,
+    GPU_POWER,
+    GPU_TEMPERATURE,
+    GPU_ENERGY,
+)
+PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
+TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
+ALL = HOST + GPU + PROCESS + TORCH
+
+# attribute keys and values
+HW_ID = "hw.id"
+HW_TYPE = "hw.type"
+GPU_INDEX = "gpu.index"
+NETWORK_DIRECTION = "network.io.direction"
+DISK_DIRECTION = "disk.io.direction"
+CUDA_DEVICE = "otelprof.cuda.device"
+TRANSMIT, RECEIVE = "transmit", "receive"
+READ, WRITE = "read", "write"

@@ -1,0 +1,65 @@
+"""PyTorch caching-allocator memory per CUDA device, when this process has set up CUDA.
+
+Never imports torch and never initializes CUDA: it reads `sys.modules` and only asks the
+allocator once `torch.cuda.is_initialized()`, so a CPU-only or not-yet-started job pays
+nothing and gets no series. Attributes: `otelprof.cuda.device` (the CUDA ordinal this
+process uses) and `hw.id` (the GPU's UUID, to join with the `hw.gpu.*` series) when torch
+knows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from . import names
+from ._common import Attributes, LogOnce, Reading
+
+
+class TorchMemorySampler:
+    def __init__(self, log: LogOnce | None = None, modules: Any = None) -> None:
+        self._log = log or LogOnce()
+        self._modules = sys.modules if modules is None else modules
+        self._attributes: dict[int, Attributes] = {}
+
+    def sample(self) -> list[Reading]:
+        torch = self._modules.get("torch")
+        if torch is None:
+            return []
+        try:
+            cuda = torch.cuda
+            if not cuda.is_initialized():
+                return []
+            out = []
+            for ordinal in range(cuda.device_count()):
+                attrs = self._device_attributes(cuda, ordinal)
+                allocated = cuda.memory_allocated(ordinal)
+                reserved = cuda.memory_reserved(ordinal)
+                out.append(Reading(names.TORCH_CUDA_ALLOCATED.name, float(allocated), attrs))
+                out.append(Reading(names.TORCH_CUDA_RESERVED.name, float(reserved), attrs))
+            return out
+        except Exception as exc:
+            self._log(
+                f"torch:{type(exc).__name__}",
+                logging.WARNING,
+                "cannot read torch.cuda allocator statistics (%s: %s); omitted",
+                type(exc).__name__,
+                exc,
+            )
+            return []
+
+    def _device_attributes(self, cuda: Any, ordinal: int) -> Attributes:
+        known = self._attributes.get(ordinal)
+        if known is None:
+            known = {names.CUDA_DEVICE: ordinal}
+            try:
+                uuid = str(cuda.get_device_properties(ordinal).uuid)
+                if uuid and not uuid.startswith(("GPU-", "MIG-")):
+                    uuid = f"GPU-{uuid}"
+                if uuid:
+                    known[names.HW_ID] = uuid
+            except Exception:
+                pass  # older torch: no uuid property
+            self._attributes[ordinal] = known
+        return known
