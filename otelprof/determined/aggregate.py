@@ -1,0 +1,264 @@
+"""Report windows: average samples per trial/agent/group and build Determined reports.
+
+Determined's own profiler averages ten 1 s samples and posts one report per group every
+~10 s; this does the same over whatever arrives in a window. A group is reported only
+with its full key set (the Web UI's series list comes from the latest report), filling a
+key that missed this window with its last value from a recent window.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelprof.determined.mapping import (
+    DISK_IOPS_READ,
+    DISK_IOPS_WRITE,
+    PROFILING_KEYS,
+    STEP_INDEX_BASE,
+    GaugeSample,
+    TimingSample,
+)
+
+INT32_MAX = 2**31 - 1
+
+
+def rfc3339(time_ns: int) -> str:
+    """RFC 3339 UTC timestamp with milliseconds, as Determined's reportTime expects."""
+    stamp = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Report:
+    """One `POST /api/v1/trials/{trial_id}/metrics` body, ready to send."""
+
+    trial_id: int
+    run_id: int
+    group: str
+    body: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"trial_id": self.trial_id, "run_id": self.run_id, "group": self.group,
+                "body": self.body}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Report:
+        return cls(int(raw["trial_id"]), int(raw["run_id"]), str(raw["group"]), raw["body"])
+
+
+def build_body(
+    trial_id: int,
+    run_id: int,
+    group: str,
+    avg_metrics: dict[str, Any],
+    report_time_ns: int,
+    steps_completed: int | None = None,
+) -> dict[str, Any]:
+    """The ReportTrialMetricsRequest JSON (lowerCamel names, reference §1)."""
+    metrics: dict[str, Any] = {"trialId": trial_id, "trialRunId": run_id}
+    if steps_completed is not None:
+        metrics["stepsCompleted"] = steps_completed
+    metrics["reportTime"] = rfc3339(report_time_ns)
+    metrics["metrics"] = {"avgMetrics": avg_metrics}
+    return {"group": group, "metrics": metrics}
+
+
+@dataclass
+class _Trial:
+    # (agent, group, sub, key) -> [sum, n, max time]
+    gauges: dict[tuple[str, str, str, str], list[float]] = field(default_factory=dict)
+    # (agent, group, sub, key) -> (value, window it was fresh in)
+    last: dict[tuple[str, str, str, str], tuple[float, int]] = field(default_factory=dict)
+    timings: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum_s, count]
+    max_step: int = -1
+    timing_time_ns: int = 0
+    last_seen: int = 0
+
+
+@dataclass
+class AggregatorStats:
+    """Counters a human can read to see what was not reported and why."""
+
+    windows: int = 0
+    reports: int = 0
+    incomplete_groups: int = 0  # a group skipped because a key had no recent value
+    timings_held: int = 0  # timing windows waiting for a higher step count
+    dropped_trials: int = 0  # samples refused because max_trials was reached
+    dropped_names: int = 0  # timing names beyond max_timing_names per trial
+
+
+class WindowAggregator:
+    """Accumulates samples between flushes; `drain()` closes a window. Not thread-safe."""
+
+    def __init__(
+        self,
+        timings_group: str = "timings",
+        carry_windows: int = 3,
+        max_trials: int = 100_000,
+        max_timing_names: int = 256,
+        idle_windows: int = 360,
+    ) -> None:
+        self.timings_group = timings_group
+        self.carry_windows = carry_windows
+        self.max_trials = max_trials
+        self.max_timing_names = max_timing_names
+        self.idle_windows = idle_windows
+        self.window = 0
+        self.stats = AggregatorStats()
+        self._trials: dict[tuple[int, int], _Trial] = {}
+        # Highest stepsCompleted reported per (trial, run): a repeat would be merged by the
+        # master and refused on overlapping keys, so steps must strictly increase.
+        self.last_steps: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.incomplete: list[str] = []  # descriptions from the last drain, for logging
+
+    def _trial(self, trial_id: int, run_id: int) -> _Trial | None:
+        key = (trial_id, run_id)
+        state = self._trials.get(key)
+        if state is None:
+            if len(self._trials) >= self.max_trials:
+                self.stats.dropped_trials += 1
+                return None
+            state = self._trials[key] = _Trial()
+        state.last_seen = self.window
+        return state
+
+    def add_gauges(self, samples: list[GaugeSample]) -> None:
+        for s in samples:
+            state = self._trial(s.trial_id, s.run_id)
+            if state is None:
+                continue
+            acc = state.gauges.get((s.agent, s.group, s.sub, s.key))
+            if acc is None:
+                state.gauges[(s.agent, s.group, s.sub, s.key)] = [s.value, 1, s.time_ns]
+            else:
+                acc[0] += s.value
+                acc[1] += 1
+                acc[2] = max(acc[2], s.time_ns)
+
+    def add_timings(self, samples: list[TimingSample]) -> None:
+        for s in samples:
+            state = self._trial(s.trial_id, s.run_id)
+            if state is None:
+                continue
+            acc = state.timings.get(s.name)
+            if acc is None:
+                if len(state.timings) >= self.max_timing_names:
+                    self.stats.dropped_names += 1
+                    continue
+                acc = state.timings[s.name] = [0.0, 0]
+            acc[0] += s.total_s
+            acc[1] += s.n
+            state.max_step = max(state.max_step, s.max_step)
+            state.timing_time_ns = max(state.timing_time_ns, s.time_ns)
+
+    def drain(self) -> list[Report]:
+        """Close the current window and return its reports (profiling groups, then timings)."""
+        self.incomplete = []
+        reports: list[Report] = []
+        for (trial_id, run_id), state in list(self._trials.items()):
+            reports.extend(self._gauge_reports(trial_id, run_id, state))
+            timing = self._timing_report(trial_id, run_id, state)
+            if timing is not None:
+                reports.append(timing)
+            if (
+                not state.gauges
+                and not state.timings
+                and (self.window - state.last_seen > self.idle_windows)
+            ):
+                del self._trials[(trial_id, run_id)]
+        self.window += 1
+        self.stats.windows += 1
+        self.stats.reports += len(reports)
+        return reports
+
+    def _fresh(self, state: _Trial, key: tuple[str, str, str, str]) -> float | None:
+        acc = state.gauges.get(key)
+        if acc is not None:
+            return acc[0] / acc[1]
+        carried = state.last.get(key)
+        if carried is not None and self.window - carried[1] <= self.carry_windows:
+            return carried[0]
+        return None
+
+    def _gauge_reports(self, trial_id: int, run_id: int, state: _Trial) -> list[Report]:
+        if not state.gauges:
+            return []
+        # (agent, group) -> {sub: None} in first-seen order, plus the latest point time.
+        present: dict[tuple[str, str], tuple[dict[str, None], list[int]]] = {}
+        for (agent, group, sub, _key), acc in state.gauges.items():
+            subs, newest = present.setdefault((agent, group), ({}, [0]))
+            subs[sub] = None
+            newest[0] = max(newest[0], int(acc[2]))
+        reports = []
+        for (agent, group), (subs, newest) in present.items():
+            per_sub: dict[str, dict[str, float]] = {}
+            for sub in subs:
+                values = self._complete_keys(state, agent, group, sub)
+                if values is None:
+                    self.stats.incomplete_groups += 1
+                    self.incomplete.append(f"trial {trial_id} agent {agent} group {group} {sub}")
+                    continue
+                per_sub[sub] = values
+            if not per_sub:
+                continue
+            if group == "gpu":
+                avg: dict[str, Any] = {agent: per_sub}
+            else:
+                avg = {agent: per_sub.get("", next(iter(per_sub.values())))}
+            body = build_body(trial_id, run_id, group, avg, newest[0])
+            reports.append(Report(trial_id, run_id, group, body))
+        for key, acc in state.gauges.items():
+            state.last[key] = (acc[0] / acc[1], self.window)
+        state.gauges.clear()
+        return reports
+
+    def _complete_keys(
+        self, state: _Trial, agent: str, group: str, sub: str
+    ) -> dict[str, float] | None:
+        values: dict[str, float] = {}
+        for key in PROFILING_KEYS[group]:
+            if key == "disk_iops":
+                read = self._fresh(state, (agent, group, sub, DISK_IOPS_READ))
+                write = self._fresh(state, (agent, group, sub, DISK_IOPS_WRITE))
+                value = read + write if read is not None and write is not None else None
+                if value is None:
+                    value = self._fresh(state, (agent, group, sub, key))
+            else:
+                value = self._fresh(state, (agent, group, sub, key))
+            if value is None:
+                return None
+            values[key] = value
+        return values
+
+    def _timing_report(self, trial_id: int, run_id: int, state: _Trial) -> Report | None:
+        if not state.timings:
+            return None
+        if state.max_step < 0:
+            self.stats.timings_held += 1
+            return None
+        steps = min(state.max_step + 1 - STEP_INDEX_BASE, INT32_MAX)
+        if steps <= self.last_steps.get((trial_id, run_id), 0):
+            # No new step finished since the last report: keep accumulating.
+            self.stats.timings_held += 1
+            return None
+        avg: dict[str, float | int] = {}
+        for name, (total, count) in sorted(state.timings.items()):
+            avg[f"{name}_s"] = total / count
+            avg[f"{name}_count"] = int(count)
+        body = build_body(
+            trial_id, run_id, self.timings_group, avg, state.timing_time_ns, steps_completed=steps
+        )
+        self.remember_steps(trial_id, run_id, steps)
+        state.timings.clear()
+        return Report(trial_id, run_id, self.timings_group, body)
+
+    def remember_steps(self, trial_id: int, run_id: int, steps: int) -> None:
+        """Record a reported step count (also used to restore state after a restart)."""
+        key = (trial_id, run_id)
+        self.last_steps[key] = max(steps, self.last_steps.get(key, 0))
+        self.last_steps.move_to_end(key)
+        while len(self.last_steps) > self.max_trials:
+            self.last_steps.popitem(last=False)

@@ -1,0 +1,177 @@
+"""`otelprof determined-bridge`: run the OTLP → Determined bridge until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from otelprof.determined.settings import DEFAULT_LISTEN, ENV
+
+log = logging.getLogger("otelprof.determined")
+
+_HELP = """\
+Receive OTLP gRPC metrics and traces (from the collector's otlp/determined exporter or
+straight from otelprof.instrument), group them by Determined trial (resource attributes
+determined.trial.id, determined.trial.run_id, determined.agent.id), average them over a
+report window and post them to the master's generic-metrics API, so they appear in the
+trial's Profiler tab (gpu/cpu/memory/disk/network) and Metrics tab (timings).
+Reports wait in an on-disk spool while the master is unreachable.
+"""
+
+
+def register(subparsers: Any) -> None:
+    """Add the `determined-bridge` subcommand (called by otelprof.cli)."""
+    p = subparsers.add_parser(
+        "determined-bridge",
+        help="forward OTLP metrics/traces to a Determined master's Web UI",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+    def env(name: str) -> str:
+        return f"(env {ENV[name]})"
+
+    p.add_argument("--listen", help=f"OTLP gRPC address, default {DEFAULT_LISTEN} {env('listen')}")
+    p.add_argument("--master", help=f"Determined master URL, e.g. http://det:8080 {env('master')}")
+    auth = p.add_argument_group(
+        "authentication (one of; default: DET_USER_TOKEN, DET_SESSION_TOKEN or DET_USER+DET_PASS)"
+    )
+    auth.add_argument(
+        "--token-file",
+        help=f"file holding a user token (Authorization: Bearer) {env('token_file')}",
+    )
+    auth.add_argument(
+        "--allocation-token-file",
+        help="file holding a task's allocation token (DET_SESSION_TOKEN) "
+        f"{env('allocation_token_file')}",
+    )
+    auth.add_argument("--user", help=f"log in as this user via /api/v1/auth/login {env('user')}")
+    auth.add_argument(
+        "--password-file",
+        help=f"file holding --user's password (else DET_PASS) {env('password_file')}",
+    )
+    p.add_argument(
+        "--ca-bundle",
+        help="CA bundle to verify an https master; 'noverify' turns verification off "
+        f"{env('ca_bundle')}",
+    )
+    p.add_argument(
+        "--report-interval",
+        type=float,
+        help="seconds per report window, default 10 like Determined's profiler "
+        f"{env('report_interval')}",
+    )
+    p.add_argument(
+        "--spool-dir",
+        help="directory of the crash-safe report spool, default "
+        f"$XDG_STATE_HOME/otelprof/determined-bridge; 'none' keeps it in memory {env('spool_dir')}",
+    )
+    p.add_argument(
+        "--spool-max-mb",
+        type=float,
+        help="spool size cap; the oldest reports are dropped (and counted) beyond it, "
+        f"default 256 {env('spool_max_mb')}",
+    )
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="do not fsync spool batches (still safe against a process crash, not a power cut)",
+    )
+    route = p.add_argument_group("routing data that carries no Determined ids")
+    route.add_argument("--trial-id", type=int, help=f"trial to report it under {env('trial_id')}")
+    route.add_argument(
+        "--trial-run-id", type=int, help=f"that trial's run id {env('trial_run_id')}"
+    )
+    route.add_argument(
+        "--agent-id",
+        help=f"agent id when neither determined.agent.id nor host.name is set {env('agent_id')}",
+    )
+    p.add_argument(
+        "--timings-group",
+        help=f"generic metric group for timing spans, default 'timings' {env('timings_group')}",
+    )
+    p.add_argument(
+        "--retry-max-delay",
+        type=float,
+        help="cap of the exponential retry backoff in seconds, default 30 "
+        f"{env('retry_max_delay')}",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        help=f"HTTP timeout per request in seconds, default 10 {env('request_timeout')}",
+    )
+    p.add_argument("--workers", type=int, help="gRPC worker threads, default 8")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the bridge and serve until a signal; exit code 2 on bad settings."""
+    # Imported here so `otelprof --help` does not pay for grpc/httpx.
+    from otelprof.determined.client import ConfigError, DeterminedClient
+    from otelprof.determined.pipeline import Pipeline
+    from otelprof.determined.server import BridgeServer
+    from otelprof.determined.settings import BridgeSettings
+    from otelprof.determined.spool import DiskSpool, MemorySpool
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per POST otherwise
+    try:
+        settings = BridgeSettings.from_args(args)
+        client = DeterminedClient(
+            settings.master,
+            settings.credentials,
+            ca_bundle=settings.ca_bundle,
+            timeout_s=settings.request_timeout_s,
+            use_tls=settings.use_tls,
+            verify=settings.verify_tls,
+        )
+        spool: DiskSpool | MemorySpool = (
+            DiskSpool(settings.spool_dir, settings.spool_max_bytes, settings.fsync)
+            if settings.spool_dir
+            else MemorySpool(settings.spool_max_bytes)
+        )
+        pipeline = Pipeline(
+            client,
+            spool,
+            window_s=settings.window_s,
+            route=settings.route,
+            timings_group=settings.timings_group,
+            retry_max_s=settings.retry_max_s,
+        )
+        server = BridgeServer(pipeline, settings.listen, workers=settings.workers)
+    except (ConfigError, OSError, ValueError) as exc:
+        print(f"otelprof determined-bridge: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def _signal(signum: int, _frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _signal)
+    signal.signal(signal.SIGINT, _signal)
+    server.start()
+    # Machine-readable line for scripts and tests that let the bridge pick a port.
+    print(
+        f"otelprof determined-bridge listening on port {server.port} -> {client.master} "
+        f"(window {settings.window_s:g} s, spool {settings.spool_dir or 'memory'})",
+        flush=True,
+    )
+    last: dict[str, Any] = {}
+    while not stop.wait(60.0):
+        stats = pipeline.stats()
+        if stats != last:
+            log.info("stats: %s", stats)
+            last = stats
+    server.stop()
+    log.info("stopped; stats: %s", pipeline.stats())
+    return 0

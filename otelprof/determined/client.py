@@ -1,0 +1,255 @@
+"""A thin Determined REST client: one call (ReportTrialMetrics) plus login.
+
+The `determined` package is heavy (reference §7); the wire contract is small, so this
+speaks it directly with httpx. Tokens are held here and nowhere else: they are never put
+in log lines or error messages (`redact()` scrubs any text that could carry one).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from otelprof.determined.aggregate import Report
+
+log = logging.getLogger("otelprof.determined")
+
+USER_TOKEN_HEADER = "Authorization"
+ALLOCATION_TOKEN_HEADER = "Grpc-Metadata-x-allocation-token"
+# harness/determined/common/api/authentication.py salts the password this way.
+_PASSWORD_SALT = "GubPEmmotfiK9TMD6Zdw"
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work (no master, no credentials, unreadable token file)."""
+
+
+def normalize_master(master: str, use_tls: bool = False) -> str:
+    """`host:8080` → `http://host:8080` as Determined's CLI does; no trailing slash."""
+    master = master.strip().rstrip("/")
+    if not master:
+        raise ConfigError("no Determined master given (--master or DET_MASTER)")
+    if "://" not in master:
+        master = ("https://" if use_tls else "http://") + master
+    if not master.startswith(("http://", "https://")):
+        raise ConfigError(f"master URL must be http:// or https://, got {master!r}")
+    return master
+
+
+def _read_secret_file(path: str, what: str) -> str:
+    try:
+        value = Path(path).expanduser().read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
+    if not value:
+        raise ConfigError(f"{what} file {path} is empty")
+    return value
+
+
+@dataclass
+class Credentials:
+    """How to authenticate; exactly one kind is used (user token wins over allocation)."""
+
+    user_token: str | None = None
+    user_token_file: str | None = None
+    allocation_token: str | None = None
+    allocation_token_file: str | None = None
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Credentials:
+        """Explicit values (flags) first, then DET_USER_TOKEN / DET_SESSION_TOKEN / DET_USER."""
+        env = os.environ if env is None else env
+        given = {k: v for k, v in overrides.items() if v}
+        creds = cls(**given)
+        if creds.has_any():
+            return creds
+        return cls(
+            user_token=env.get("DET_USER_TOKEN") or None,
+            allocation_token=env.get("DET_SESSION_TOKEN") or None,
+            username=env.get("DET_USER") or None,
+            password=env.get("DET_PASS") or None,
+            password_file=given.get("password_file"),
+        )
+
+    def has_any(self) -> bool:
+        return any(
+            (self.user_token, self.user_token_file, self.allocation_token,
+             self.allocation_token_file, self.username)
+        )  # fmt: skip
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    RETRY = "retry"  # connection error, timeout, 5xx, 408, 429: the report stays queued
+    REJECTED = "rejected"  # any other 4xx: the master will never take this report
+
+
+@dataclass(frozen=True)
+class PostResult:
+    outcome: Outcome
+    status: int | None
+    message: str
+
+
+class DeterminedClient:
+    """Posts reports to one master. Thread-safe (httpx.Client is)."""
+
+    def __init__(
+        self,
+        master: str,
+        credentials: Credentials,
+        ca_bundle: str | None = None,
+        timeout_s: float = 10.0,
+        use_tls: bool = False,
+        verify: bool = True,
+    ) -> None:
+        self.master = normalize_master(master, use_tls)
+        self._creds = credentials
+        self._lock = threading.Lock()
+        self._header: tuple[str, str] | None = None
+        self._secrets: set[str] = set()
+        verify_arg: Any = verify
+        if ca_bundle:
+            if not Path(ca_bundle).expanduser().is_file():
+                raise ConfigError(f"CA bundle {ca_bundle} does not exist")
+            verify_arg = str(Path(ca_bundle).expanduser())
+        self._http = httpx.Client(
+            base_url=self.master, timeout=timeout_s, verify=verify_arg, follow_redirects=False
+        )
+        if credentials.password:
+            self._secrets.add(credentials.password)
+        if credentials.password_file:
+            self._secrets.add(_read_secret_file(credentials.password_file, "password"))
+
+    # -- secrets ---------------------------------------------------------------------------
+    def redact(self, text: str) -> str:
+        """`text` with every secret this client knows replaced by `***`."""
+        for secret in self._secrets:
+            if secret:
+                text = text.replace(secret, "***")
+        return text
+
+    def _auth_header(self, refresh: bool = False) -> tuple[str, str]:
+        with self._lock:
+            if self._header is not None and not refresh:
+                return self._header
+            c = self._creds
+            if c.user_token or c.user_token_file:
+                token = c.user_token or _read_secret_file(str(c.user_token_file), "token")
+                self._header = (USER_TOKEN_HEADER, f"Bearer {token}")
+            elif c.allocation_token or c.allocation_token_file:
+                token = c.allocation_token or _read_secret_file(
+                    str(c.allocation_token_file), "allocation token"
+                )
+                self._header = (ALLOCATION_TOKEN_HEADER, f"Bearer {token}")
+            elif c.username:
+                token = self._login()
+                self._header = (USER_TOKEN_HEADER, f"Bearer {token}")
+            else:
+                raise ConfigError(
+                    "no Determined credentials: give a user token (--token-file, "
+                    "DET_USER_TOKEN), an allocation token (--allocation-token-file, "
+                    "DET_SESSION_TOKEN) or a user (--user/DET_USER with DET_PASS)"
+                )
+            self._secrets.add(token)
+            return self._header
+
+    def _login(self) -> str:
+        c = self._creds
+        password = c.password
+        if password is None and c.password_file:
+            password = _read_secret_file(c.password_file, "password")
+        # Same as the Determined CLI: an empty password is sent as is.
+        salted = (
+            hashlib.sha512((_PASSWORD_SALT + password).encode()).hexdigest() if password else ""
+        )
+        response = self._http.post(
+            "/api/v1/auth/login",
+            json={"username": c.username, "password": salted, "isHashed": True},
+        )
+        if response.status_code != 200:
+            raise LoginError(
+                f"login as {c.username!r} refused by {self.master}: HTTP {response.status_code} "
+                f"{self.redact(master_message(response))}",
+                response.status_code,
+            )
+        token = response.json().get("token")
+        if not isinstance(token, str) or not token:
+            raise LoginError(f"login as {c.username!r}: the master's answer has no token", 200)
+        log.info("logged in to %s as %s", self.master, c.username)
+        return token
+
+    # -- the one call ----------------------------------------------------------------------
+    def report(self, report: Report) -> PostResult:
+        """POST one report; classify the answer so the caller knows to retry or drop."""
+        try:
+            result = self._post(report)
+            if result.status == 401 and self._can_refresh():
+                # Token files may rotate and login sessions expire: fetch a fresh one once.
+                self._auth_header(refresh=True)
+                result = self._post(report)
+            return result
+        except LoginError as exc:
+            retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
+            outcome = Outcome.RETRY if retry else Outcome.REJECTED
+            return PostResult(outcome, exc.status, self.redact(str(exc)))
+        except httpx.TransportError as exc:
+            return PostResult(Outcome.RETRY, None, self.redact(f"{type(exc).__name__}: {exc}"))
+
+    def _can_refresh(self) -> bool:
+        c = self._creds
+        return bool(
+            (c.user_token_file or c.allocation_token_file or c.username) and not c.user_token
+        )
+
+    def _post(self, report: Report) -> PostResult:
+        name, value = self._auth_header()
+        response = self._http.post(
+            f"/api/v1/trials/{report.trial_id}/metrics", json=report.body, headers={name: value}
+        )
+        status = response.status_code
+        if 200 <= status < 300:
+            return PostResult(Outcome.OK, status, "")
+        message = self.redact(master_message(response))
+        if status >= 500 or status in (408, 429):
+            return PostResult(Outcome.RETRY, status, message)
+        return PostResult(Outcome.REJECTED, status, message)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class LoginError(RuntimeError):
+    """The master refused the username/password (message names user and status only)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def master_message(response: httpx.Response) -> str:
+    """The master's own error text (grpc-gateway `message`, echo `message`, or raw body)."""
+    try:
+        payload = response.json()
+    except ValueError:
+        return response.text[:500].strip() or response.reason_phrase
+    if isinstance(payload, dict):
+        for key in ("message", "error"):
+            value = payload.get(key)
+            if isinstance(value, dict):
+                value = value.get("message") or value.get("error")
+            if isinstance(value, str) and value:
+                return value
+    return str(payload)[:500]

@@ -1,0 +1,347 @@
+"""OTLP → Determined samples: which trial, which group, which key, which unit.
+
+One module serves the bridge (protobuf straight off the wire) and the in-process exporter
+(SDK data encoded to the same protobuf), so both speak the same Determined dialect. The
+output is a list of small, JSON-able samples; windowing and report building live in
+`aggregate.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+# Resource attributes that route data to a trial (set by otelprof.resource from DET_* env).
+ATTR_TRIAL_ID = "determined.trial.id"
+ATTR_RUN_ID = "determined.trial.run_id"
+ATTR_AGENT_ID = "determined.agent.id"
+ATTR_HOST_NAME = "host.name"
+ATTR_STEP = "otelprof.step"
+
+# Determined's profiling groups and, for each, the full key set every report must carry:
+# the Web UI's series dropdown is built from the latest report only (reference §3).
+PROFILING_KEYS: dict[str, tuple[str, ...]] = {
+    "gpu": ("gpu_util", "gpu_free_memory"),
+    "cpu": ("cpu_util_simple",),
+    "memory": ("memory_free",),
+    "disk": ("disk_iops", "disk_throughput_read", "disk_throughput_write"),
+    "network": ("net_throughput_sent", "net_throughput_recv"),
+}
+PROFILING_GROUPS = frozenset(PROFILING_KEYS)
+
+# disk_iops is read + write; the two halves are carried separately until the report is built.
+DISK_IOPS_READ = "_disk_iops_read"
+DISK_IOPS_WRITE = "_disk_iops_write"
+
+# `otelprof.step` numbers steps from 0, so spans of step k mean k + 1 steps completed.
+STEP_INDEX_BASE = 0
+
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]+")
+MAX_TIMING_NAME = 100
+
+
+class GaugeSample(NamedTuple):
+    """One gauge value for one trial/agent/group key (sub = GPU UUID in group gpu)."""
+
+    trial_id: int
+    run_id: int
+    agent: str
+    group: str
+    sub: str
+    key: str
+    value: float
+    time_ns: int
+
+
+class TimingSample(NamedTuple):
+    """Spans of one name for one trial, pre-summed per request."""
+
+    trial_id: int
+    run_id: int
+    name: str
+    total_s: float
+    n: int
+    max_step: int  # -1 when no span carried otelprof.step
+    time_ns: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where data lacking Determined ids goes (the bridge's --trial-id/--trial-run-id)."""
+
+    trial_id: int | None = None
+    run_id: int | None = None
+    agent: str | None = None
+
+
+@dataclass
+class Extracted:
+    """Result of mapping one OTLP request: samples plus what was refused and why."""
+
+    gauges: list[GaugeSample] = field(default_factory=list)
+    timings: list[TimingSample] = field(default_factory=list)
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+    ignored: int = 0  # points of metrics Determined has no key for
+
+    def reject(self, count: int, message: str) -> None:
+        self.rejected += count
+        if message not in self.errors:
+            self.errors.append(message)
+
+
+@dataclass(frozen=True)
+class _GaugeRule:
+    group: str
+    key: str | None  # fixed key, or None when chosen by a direction attribute
+    direction_attr: str | None = None
+    by_direction: Mapping[str, str] = field(default_factory=dict)
+    units: Mapping[str, float] = field(default_factory=lambda: {"": 1.0})
+    combine: str = "mean"  # how points of one timestamp combine (e.g. several interfaces)
+    per_gpu: bool = False
+    skip_attrs: tuple[str, ...] = ()
+
+
+_UTIL_UNITS = {"1": 100.0, "": 100.0, "%": 1.0}
+_BYTES = {"By": 1.0, "": 1.0}
+_BYTES_PER_S = {"By/s": 1.0, "": 1.0}
+
+GAUGE_RULES: dict[str, _GaugeRule] = {
+    "hw.gpu.utilization": _GaugeRule("gpu", "gpu_util", units=_UTIL_UNITS, per_gpu=True),
+    "hw.gpu.memory.free": _GaugeRule("gpu", "gpu_free_memory", units=_BYTES, per_gpu=True),
+    "system.network.throughput": _GaugeRule(
+        "network",
+        None,
+        direction_attr="network.io.direction",
+        by_direction={"transmit": "net_throughput_sent", "receive": "net_throughput_recv"},
+        units=_BYTES_PER_S,
+        combine="sum",
+    ),
+    "system.disk.iops": _GaugeRule(
+        "disk",
+        "disk_iops",
+        direction_attr="disk.io.direction",
+        by_direction={"read": DISK_IOPS_READ, "write": DISK_IOPS_WRITE},
+        units={"{operation}/s": 1.0, "{operations}/s": 1.0, "1/s": 1.0, "": 1.0},
+        combine="sum",
+    ),
+    "system.disk.throughput": _GaugeRule(
+        "disk",
+        None,
+        direction_attr="disk.io.direction",
+        by_direction={"read": "disk_throughput_read", "write": "disk_throughput_write"},
+        units=_BYTES_PER_S,
+        combine="sum",
+    ),
+    "system.memory.linux.available": _GaugeRule("memory", "memory_free", units=_BYTES),
+    # The collector's hostmetrics receiver spells it this way.
+    "system.linux.memory.available": _GaugeRule("memory", "memory_free", units=_BYTES),
+    # Per-core / per-mode points (hostmetrics) are not "all cores"; only the plain series maps.
+    "system.cpu.utilization": _GaugeRule(
+        "cpu",
+        "cpu_util_simple",
+        units=_UTIL_UNITS,
+        skip_attrs=("cpu.mode", "state", "cpu.logical_number", "cpu"),
+    ),
+}
+
+
+def _any_value(value: AnyValue) -> Any:
+    kind = value.WhichOneof("value")
+    return None if kind is None else getattr(value, kind)
+
+
+def attributes_dict(items: Iterable[KeyValue]) -> dict[str, Any]:
+    """Flatten OTLP attributes to plain values (arrays and maps are kept as protobuf)."""
+    return {item.key: _any_value(item.value) for item in items}
+
+
+class RouteError(ValueError):
+    """The resource cannot be tied to a Determined trial."""
+
+
+def _as_int(attrs: Mapping[str, Any], key: str) -> int | None:
+    raw = attrs.get(key)
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, bool):
+        raise RouteError(f"resource attribute {key}={raw!r} is not an integer")
+    if isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, float) and raw.is_integer():
+        value = int(raw)
+    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        value = int(raw.strip())
+    else:
+        raise RouteError(f"resource attribute {key}={raw!r} is not an integer")
+    if not -(2**31) <= value < 2**31:
+        raise RouteError(f"resource attribute {key}={value} does not fit Determined's int32")
+    return value
+
+
+def _describe(attrs: Mapping[str, Any]) -> str:
+    parts = [f"{k}={attrs[k]}" for k in ("service.name", "host.name", "process.pid") if k in attrs]
+    return ", ".join(parts) or "no identifying attributes"
+
+
+def resolve_route(attrs: Mapping[str, Any], default: Route) -> tuple[int, int, str]:
+    """(trial id, run id, agent id) for a resource, or RouteError naming what is missing."""
+    trial = _as_int(attrs, ATTR_TRIAL_ID)
+    run = _as_int(attrs, ATTR_RUN_ID)
+    if trial is None and default.trial_id is not None:
+        trial = default.trial_id
+        run = default.run_id if run is None else run
+    if trial is None:
+        raise RouteError(
+            f"resource ({_describe(attrs)}) has no {ATTR_TRIAL_ID} attribute; run the job "
+            "under Determined (DET_TRIAL_ID is read by otelprof.instrument) or start the "
+            "bridge with --trial-id/--trial-run-id to route such data to one trial"
+        )
+    if run is None:
+        raise RouteError(
+            f"resource ({_describe(attrs)}) has {ATTR_TRIAL_ID}={trial} but no "
+            f"{ATTR_RUN_ID}; Determined refuses reports without the trial's run id"
+        )
+    agent = attrs.get(ATTR_AGENT_ID) or attrs.get(ATTR_HOST_NAME) or default.agent
+    if not agent:
+        raise RouteError(
+            f"resource ({_describe(attrs)}) has neither {ATTR_AGENT_ID} nor {ATTR_HOST_NAME}; "
+            "Determined nests system metrics under an agent id (or pass --agent-id)"
+        )
+    return trial, run, str(agent)
+
+
+def timing_name(name: str) -> str:
+    """A span name as a Determined metric key: no '.', spaces or slashes, bounded length."""
+    cleaned = _NAME_UNSAFE.sub("_", name).strip("_") or "unnamed"
+    return cleaned[:MAX_TIMING_NAME]
+
+
+def _combine(values: list[float], how: str) -> float:
+    return sum(values) if how == "sum" else sum(values) / len(values)
+
+
+def extract_metrics(request: ExportMetricsServiceRequest, default: Route) -> Extracted:
+    """Gauge samples for every data point Determined has a key for."""
+    out = Extracted()
+    for resource_metrics in request.resource_metrics:
+        attrs = attributes_dict(resource_metrics.resource.attributes)
+        points = sum(_point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
+        try:
+            trial, run, agent = resolve_route(attrs, default)
+        except RouteError as exc:
+            out.reject(points, str(exc))
+            continue
+        # (group, sub, key, time) -> values of one timestamp, combined per the rule.
+        buckets: dict[tuple[str, str, str, int], tuple[str, list[float]]] = {}
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                _map_metric(metric, buckets, out)
+        for (group, sub, key, time_ns), (how, values) in buckets.items():
+            value = _combine(values, how)
+            out.gauges.append(GaugeSample(trial, run, agent, group, sub, key, value, time_ns))
+    return out
+
+
+def _point_count(metric: Any) -> int:
+    kind = metric.WhichOneof("data")
+    return len(getattr(metric, kind).data_points) if kind else 0
+
+
+def _map_metric(
+    metric: Any,
+    buckets: dict[tuple[str, str, str, int], tuple[str, list[float]]],
+    out: Extracted,
+) -> None:
+    kind = metric.WhichOneof("data")
+    rule = GAUGE_RULES.get(metric.name)
+    if rule is None or kind not in ("gauge", "sum"):
+        out.ignored += len(getattr(metric, kind).data_points) if kind else 0
+        return
+    data_points = getattr(metric, kind).data_points
+    factor = rule.units.get(metric.unit)
+    if factor is None:
+        out.reject(
+            len(data_points),
+            f"metric {metric.name} has unit {metric.unit!r}; expected one of "
+            f"{sorted(u for u in rule.units if u)}",
+        )
+        return
+    for point in data_points:
+        attrs = attributes_dict(point.attributes)
+        if any(a in attrs for a in rule.skip_attrs):
+            out.ignored += 1
+            continue
+        key = rule.key
+        if rule.direction_attr and rule.direction_attr in attrs:
+            key = rule.by_direction.get(str(attrs[rule.direction_attr]))
+        if key is None:
+            out.ignored += 1
+            continue
+        sub = ""
+        if rule.per_gpu:
+            sub = str(attrs.get("hw.id") or "")
+            if not sub:
+                index = attrs.get("gpu.index")
+                if index is None:
+                    out.reject(1, f"metric {metric.name} point has neither hw.id nor gpu.index")
+                    continue
+                sub = f"GPU-{index}"
+        point_kind = point.WhichOneof("value")
+        if point_kind is None:
+            out.ignored += 1
+            continue
+        value = float(getattr(point, point_kind)) * factor
+        if value != value or value in (float("inf"), float("-inf")):
+            out.reject(1, f"metric {metric.name} has a non-finite value")
+            continue
+        bucket = buckets.setdefault(
+            (rule.group, sub, key, int(point.time_unix_nano)), (rule.combine, [])
+        )
+        bucket[1].append(value)
+
+
+def extract_spans(request: ExportTraceServiceRequest, default: Route) -> Extracted:
+    """Timing samples (sum of seconds, count, highest step) per trial and span name."""
+    out = Extracted()
+    for resource_spans in request.resource_spans:
+        attrs = attributes_dict(resource_spans.resource.attributes)
+        spans = [s for ss in resource_spans.scope_spans for s in ss.spans]
+        if not spans:
+            continue
+        try:
+            trial, run, _agent = resolve_route(attrs, default)
+        except RouteError as exc:
+            out.reject(len(spans), str(exc))
+            continue
+        sums: dict[str, list[float]] = {}  # name -> [total_s, count, max_step, max_end]
+        for span in spans:
+            start, end = int(span.start_time_unix_nano), int(span.end_time_unix_nano)
+            if start <= 0 or end < start:
+                out.reject(1, f"span {span.name!r} has end time before start time")
+                continue
+            step = -1
+            for kv in span.attributes:
+                if kv.key == ATTR_STEP:
+                    raw = _any_value(kv.value)
+                    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+                        step = raw
+                    break
+            acc = sums.setdefault(timing_name(span.name), [0.0, 0, -1, 0])
+            acc[0] += (end - start) / 1e9
+            acc[1] += 1
+            acc[2] = max(acc[2], step)
+            acc[3] = max(acc[3], end)
+        for name, (total, count, max_step, t_end) in sums.items():
+            out.timings.append(
+                TimingSample(trial, run, name, total, int(count), int(max_step), int(t_end))
+            )
+    return out

@@ -1,0 +1,173 @@
+"""OTLP requests in, Determined reports out: map → journal → window → spool → deliver.
+
+Shared by the bridge service and the in-process exporter, so both window, spool and retry
+the same way. `ingest_*` never blocks on the network: it maps, journals and aggregates in
+memory; a timer thread closes windows and a delivery thread posts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from otelprof.determined.aggregate import WindowAggregator
+from otelprof.determined.client import DeterminedClient
+from otelprof.determined.delivery import Deliverer
+from otelprof.determined.mapping import Extracted, Route, extract_metrics, extract_spans
+from otelprof.determined.spool import DiskSpool, MemorySpool
+
+log = logging.getLogger("otelprof.determined")
+
+_MAX_LOGGED = 1000
+
+
+class Pipeline:
+    """Owns the aggregator, the spool and the delivery thread for one master."""
+
+    def __init__(
+        self,
+        client: DeterminedClient,
+        spool: DiskSpool | MemorySpool,
+        window_s: float = 10.0,
+        route: Route | None = None,
+        timings_group: str = "timings",
+        max_trials: int = 100_000,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError(f"report window must be > 0 s, got {window_s}")
+        self.client = client
+        self.spool = spool
+        self.window_s = window_s
+        self.route = route or Route()
+        self.aggregator = WindowAggregator(timings_group=timings_group, max_trials=max_trials)
+        self.deliverer = Deliverer(spool, client, retry_initial_s, retry_max_s)
+        self.rejected_points = 0
+        self._lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._logged: set[str] = set()
+        self._started = False
+
+    def start(self) -> None:
+        """Recover the spool (replaying journaled samples), then start the threads."""
+        recovered = self.spool.recover()
+        with self._lock:
+            self.aggregator.window = recovered.window
+            for (trial, run), steps in recovered.last_steps.items():
+                self.aggregator.remember_steps(trial, run, steps)
+            self.aggregator.add_gauges(recovered.gauges)
+            self.aggregator.add_timings(recovered.timings)
+        if recovered.pending_reports or recovered.gauges or recovered.timings:
+            log.info(
+                "Determined spool recovered: %d reports to deliver, %d samples replayed",
+                recovered.pending_reports,
+                len(recovered.gauges) + len(recovered.timings),
+            )
+        self.deliverer.start()
+        self._timer = threading.Thread(
+            target=self._tick, name="otelprof-determined-window", daemon=True
+        )
+        self._timer.start()
+        self._started = True
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.window_s):
+            try:
+                self.flush()
+            except Exception:  # keep closing windows whatever one window did
+                log.exception("closing a Determined report window failed")
+
+    # -- ingest --------------------------------------------------------------------------------
+    def ingest_metrics(self, request: ExportMetricsServiceRequest) -> Extracted:
+        return self._ingest(extract_metrics(request, self.route))
+
+    def ingest_traces(self, request: ExportTraceServiceRequest) -> Extracted:
+        return self._ingest(extract_spans(request, self.route))
+
+    def _ingest(self, extracted: Extracted) -> Extracted:
+        with self._lock:
+            self.spool.journal(self.aggregator.window, extracted.gauges, extracted.timings)
+            self.aggregator.add_gauges(extracted.gauges)
+            self.aggregator.add_timings(extracted.timings)
+            self.rejected_points += extracted.rejected
+        for message in extracted.errors:
+            self._log_once(message)
+        return extracted
+
+    def _log_once(self, message: str) -> None:
+        if message in self._logged:
+            return
+        if len(self._logged) < _MAX_LOGGED:
+            self._logged.add(message)
+        log.error("refused OTLP data: %s", message)
+
+    # -- windows -------------------------------------------------------------------------------
+    def flush(self) -> int:
+        """Close the current window now; returns the number of reports it produced."""
+        with self._flush_lock:
+            with self._lock:
+                window = self.aggregator.window
+                reports = self.aggregator.drain()
+                last_steps = dict(self.aggregator.last_steps)
+                incomplete = list(self.aggregator.incomplete)
+            self.spool.commit_window(window, reports, last_steps)
+        for what in incomplete[:5]:
+            log.debug("not reported this window (a key has no recent value): %s", what)
+        if reports:
+            self.deliverer.wake()
+        return len(reports)
+
+    def wait_delivered(self, timeout_s: float) -> bool:
+        """Block until everything spooled has been answered by the master."""
+        return self.deliverer.wait_idle(timeout_s)
+
+    def shutdown(self, drain_timeout_s: float = 5.0) -> None:
+        """Close the last window and give delivery `drain_timeout_s` to empty the spool.
+
+        What is not delivered by then stays in a disk spool for the next start.
+        """
+        if not self._started:
+            self.spool.close()
+            self.client.close()
+            return
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.join(self.window_s + 1)
+        self.flush()
+        if not self.wait_delivered(drain_timeout_s):
+            log.warning(
+                "Determined: %d reports not delivered at shutdown (kept in the spool if on disk)",
+                self.spool.pending(),
+            )
+        self.deliverer.stop()
+        self.spool.close()
+        self.client.close()
+        self._started = False
+
+    def stats(self) -> dict[str, Any]:
+        a, s, d = self.aggregator.stats, self.spool.stats, self.deliverer.stats
+        return {
+            "windows": a.windows,
+            "reports": a.reports,
+            "incomplete_groups": a.incomplete_groups,
+            "timings_held": a.timings_held,
+            "dropped_trials": a.dropped_trials,
+            "dropped_timing_names": a.dropped_names,
+            "rejected_points": self.rejected_points,
+            "spooled": s.reports_spooled,
+            "spool_dropped": s.reports_dropped,
+            "journal_overflow": s.journal_overflow,
+            "pending": self.spool.pending(),
+            "delivered": d.delivered,
+            "refused_by_master": d.rejected,
+            "retries": d.retries,
+        }

@@ -1,0 +1,153 @@
+"""Bridge settings: command-line flags over environment variables, validated once.
+
+Every flag has an environment variable so the bridge can run as a container with no
+arguments; the Determined ones reuse the names a Determined task already has
+(DET_MASTER, DET_USER_TOKEN, DET_SESSION_TOKEN, DET_USER, DET_MASTER_CERT_FILE, ...).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otelprof.determined.client import ConfigError, Credentials
+from otelprof.determined.mapping import PROFILING_GROUPS, Route
+
+DEFAULT_LISTEN = "127.0.0.1:4327"
+DEFAULT_WINDOW_S = 10.0
+
+# flag destination -> environment variable
+ENV = {
+    "listen": "OTELPROF_BRIDGE_LISTEN",
+    "master": "DET_MASTER",
+    "token_file": "OTELPROF_DET_TOKEN_FILE",
+    "allocation_token_file": "OTELPROF_DET_ALLOCATION_TOKEN_FILE",
+    "user": "DET_USER",
+    "password_file": "OTELPROF_DET_PASSWORD_FILE",
+    "ca_bundle": "DET_MASTER_CERT_FILE",
+    "report_interval": "OTELPROF_BRIDGE_REPORT_INTERVAL",
+    "spool_dir": "OTELPROF_BRIDGE_SPOOL_DIR",
+    "spool_max_mb": "OTELPROF_BRIDGE_SPOOL_MAX_MB",
+    "trial_id": "OTELPROF_BRIDGE_TRIAL_ID",
+    "trial_run_id": "OTELPROF_BRIDGE_TRIAL_RUN_ID",
+    "agent_id": "OTELPROF_BRIDGE_AGENT_ID",
+    "timings_group": "OTELPROF_BRIDGE_TIMINGS_GROUP",
+    "retry_max_delay": "OTELPROF_BRIDGE_RETRY_MAX_DELAY",
+    "request_timeout": "OTELPROF_BRIDGE_REQUEST_TIMEOUT",
+}
+
+
+def default_spool_dir(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(base) / "otelprof" / "determined-bridge")
+
+
+def validate_group(name: str) -> str:
+    """Determined's rules for a generic group name (reference §1), plus: not a profiling one."""
+    if not name:
+        raise ConfigError("timings group name is empty")
+    if "." in name:
+        raise ConfigError(f"timings group {name!r}: Determined group names cannot contain '.'")
+    if name in ("avg_metrics", "validation_metrics"):
+        raise ConfigError(f"timings group {name!r} is reserved by Determined")
+    if name in PROFILING_GROUPS or name in ("training", "validation"):
+        raise ConfigError(
+            f"timings group {name!r} is one of Determined's built-in groups; pick another"
+        )
+    return name
+
+
+@dataclass
+class BridgeSettings:
+    """Everything `otelprof determined-bridge` needs, already checked."""
+
+    master: str
+    credentials: Credentials
+    listen: str = DEFAULT_LISTEN
+    ca_bundle: str | None = None
+    verify_tls: bool = True
+    use_tls: bool = False
+    window_s: float = DEFAULT_WINDOW_S
+    spool_dir: str | None = None
+    spool_max_bytes: int = 256 * 1024 * 1024
+    fsync: bool = True
+    route: Route = field(default_factory=Route)
+    timings_group: str = "timings"
+    retry_max_s: float = 30.0
+    request_timeout_s: float = 10.0
+    workers: int = 8
+
+    @classmethod
+    def from_args(cls, args: Any, env: Mapping[str, str] | None = None) -> BridgeSettings:
+        """Flags first, then environment, then defaults; raises ConfigError naming the problem."""
+        env = os.environ if env is None else env
+
+        def pick(name: str, default: Any = None) -> Any:
+            value = getattr(args, name, None)
+            if value is None or value == "":
+                value = env.get(ENV[name]) or None
+            return default if value is None else value
+
+        def number(name: str, default: float, kind: type = float, minimum: float = 0) -> Any:
+            raw = pick(name, default)
+            try:
+                value = kind(raw)
+            except (TypeError, ValueError):
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} / {ENV[name]}: not a number: {raw!r}") from None
+            if value <= minimum:
+                raise ConfigError(f"--{name.replace('_', '-')} must be > {minimum}, got {value}")
+            return value
+
+        master = pick("master")
+        if not master:
+            raise ConfigError("no Determined master: pass --master URL or set DET_MASTER")
+        password = env.get("DET_PASS") or None
+        creds = Credentials.from_env(
+            env,
+            user_token_file=pick("token_file"),
+            allocation_token_file=pick("allocation_token_file"),
+            username=getattr(args, "user", None),
+            password=password if getattr(args, "user", None) else None,
+            password_file=pick("password_file"),
+        )
+        if not creds.has_any():
+            raise ConfigError(
+                "no Determined credentials: pass --token-file (user token), "
+                "--allocation-token-file, or --user (password from DET_PASS or "
+                "--password-file); or set DET_USER_TOKEN / DET_SESSION_TOKEN / DET_USER"
+            )
+        ca = pick("ca_bundle")
+        verify = True
+        if ca == "noverify":  # Determined's own spelling for "do not verify"
+            ca, verify = None, False
+        trial = pick("trial_id")
+        run = pick("trial_run_id")
+        route = Route(
+            trial_id=int(number("trial_id", 0, int, -1)) if trial is not None else None,
+            run_id=int(number("trial_run_id", 0, int, -1)) if run is not None else None,
+            agent=pick("agent_id"),
+        )
+        if route.trial_id is not None and route.run_id is None:
+            raise ConfigError("--trial-id needs --trial-run-id (Determined checks the run id)")
+        spool_dir = pick("spool_dir", default_spool_dir(env))
+        return cls(
+            master=str(master),
+            credentials=creds,
+            listen=str(pick("listen", DEFAULT_LISTEN)),
+            ca_bundle=ca,
+            verify_tls=verify,
+            use_tls=env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes"),
+            window_s=number("report_interval", DEFAULT_WINDOW_S),
+            spool_dir=None if spool_dir == "none" else str(spool_dir),
+            spool_max_bytes=int(number("spool_max_mb", 256) * 1024 * 1024),
+            fsync=not getattr(args, "no_fsync", False),
+            route=route,
+            timings_group=validate_group(str(pick("timings_group", "timings"))),
+            retry_max_s=number("retry_max_delay", 30.0),
+            request_timeout_s=number("request_timeout", 10.0),
+            workers=int(getattr(args, "workers", None) or 8),
+        )

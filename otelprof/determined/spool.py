@@ -1,0 +1,403 @@
+"""Where reports wait for the master: a bounded, crash-safe on-disk queue (or memory).
+
+Layout of a spool directory:
+
+- ``journal-<window>.jsonl``: samples received during a window, appended before the OTLP
+  call is answered, so data acknowledged to the collector survives a kill -9 before the
+  window is closed (they are replayed into the aggregator at the next start);
+- ``batch-<window>.json``: the reports a closed window produced, written to a temporary
+  file, fsync'd and renamed into place (all or nothing);
+- ``batch-<window>.ack``: indices of that batch's reports already answered by the master
+  (appended after each answer), so a restart resumes mid-batch without resending;
+- ``state.json``: the last closed window and the step counts reported per trial.
+
+Delivery is in window order and, inside a batch, in report order. When the pending batches
+exceed ``max_bytes`` the oldest are dropped, counted and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from otelprof.determined.aggregate import Report
+from otelprof.determined.mapping import GaugeSample, TimingSample
+
+log = logging.getLogger("otelprof.determined")
+
+_WIDTH = 12
+
+
+@dataclass
+class Recovered:
+    """What a spool hands back at start: where to resume and what to replay."""
+
+    window: int = 0
+    last_steps: dict[tuple[int, int], int] = field(default_factory=dict)
+    gauges: list[GaugeSample] = field(default_factory=list)
+    timings: list[TimingSample] = field(default_factory=list)
+    pending_reports: int = 0
+
+
+@dataclass
+class SpoolStats:
+    reports_spooled: int = 0
+    reports_acked: int = 0
+    reports_dropped: int = 0  # oldest batches dropped because the spool was full
+    journal_overflow: int = 0  # ingests not journaled because the journal hit its cap
+
+
+@dataclass
+class _Batch:
+    window: int
+    size: int
+    reports: list[Report] | None = None  # loaded lazily for the disk spool
+    acked: set[int] = field(default_factory=set)
+
+    def next_index(self) -> int | None:
+        assert self.reports is not None
+        for i in range(len(self.reports)):
+            if i not in self.acked:
+                return i
+        return None
+
+
+class MemorySpool:
+    """Bounded in-memory queue with the spool interface (in-process exporter default)."""
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self.stats = SpoolStats()
+        self._lock = threading.Lock()
+        self._batches: deque[_Batch] = deque()
+        self._bytes = 0
+
+    def recover(self) -> Recovered:
+        return Recovered()
+
+    def journal(self, window: int, gauges: list[GaugeSample], timings: list[TimingSample]) -> None:
+        """Nothing to journal: memory does not survive a restart anyway."""
+
+    def commit_window(
+        self, window: int, reports: list[Report], last_steps: dict[tuple[int, int], int]
+    ) -> None:
+        if not reports:
+            return
+        size = sum(len(json.dumps(r.body)) for r in reports)
+        with self._lock:
+            self._batches.append(_Batch(window, size, list(reports)))
+            self._bytes += size
+            self.stats.reports_spooled += len(reports)
+            _enforce_cap(self, self._batches)
+
+    def peek(self) -> tuple[int, int, Report] | None:
+        with self._lock:
+            while self._batches:
+                batch = self._batches[0]
+                index = batch.next_index()
+                if index is not None:
+                    assert batch.reports is not None
+                    return batch.window, index, batch.reports[index]
+                self._pop_head()
+            return None
+
+    def ack(self, window: int, index: int) -> None:
+        with self._lock:
+            if not self._batches or self._batches[0].window != window:
+                return
+            batch = self._batches[0]
+            batch.acked.add(index)
+            self.stats.reports_acked += 1
+            if batch.next_index() is None:
+                self._pop_head()
+
+    def _pop_head(self) -> None:
+        batch = self._batches.popleft()
+        self._bytes -= batch.size
+
+    def _drop_head(self) -> int:
+        batch = self._batches[0]
+        count = (len(batch.reports) if batch.reports is not None else 0) - len(batch.acked)
+        self._pop_head()
+        return count
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(
+                (len(b.reports) if b.reports is not None else 0) - len(b.acked)
+                for b in self._batches
+            )
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def _enforce_cap(spool: Any, batches: deque[_Batch]) -> None:
+    """Drop the oldest batches (never the newest) until the spool fits max_bytes."""
+    dropped = 0
+    while len(batches) > 1 and spool._bytes > spool.max_bytes:
+        dropped += spool._drop_head()
+    if dropped:
+        spool.stats.reports_dropped += dropped
+        log.warning(
+            "Determined spool full (%d bytes max): dropped the %d oldest reports "
+            "(%d dropped so far)",
+            spool.max_bytes,
+            dropped,
+            spool.stats.reports_dropped,
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class DiskSpool:
+    """The crash-safe spool described in the module docstring. Thread-safe."""
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int = 256 * 1024 * 1024,
+                 fsync: bool = True) -> None:  # fmt: skip
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.stats = SpoolStats()
+        self._lock = threading.Lock()
+        self._batches: deque[_Batch] = deque()
+        self._bytes = 0
+        self._journal_window = -1
+        self._journal_fh: IO[bytes] | None = None
+        self._journal_bytes = 0
+        self._ack_fh: tuple[int, IO[bytes]] | None = None
+
+    # -- paths ---------------------------------------------------------------------------
+    def _path(self, kind: str, window: int, suffix: str) -> Path:
+        return self.directory / f"{kind}-{window:0{_WIDTH}d}{suffix}"
+
+    @staticmethod
+    def _window_of(path: Path) -> int:
+        return int(path.name.split("-", 1)[1].split(".", 1)[0])
+
+    # -- start -----------------------------------------------------------------------------
+    def recover(self) -> Recovered:
+        """Reload pending batches, find where to resume, and collect journals to replay."""
+        out = Recovered()
+        for tmp in self.directory.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+        flushed = -1
+        state_path = self.directory / "state.json"
+        if state_path.exists():
+            try:
+                state = json.loads(state_path.read_bytes())
+                flushed = int(state.get("flushed_window", -1))
+                for trial, run, steps in state.get("last_steps", []):
+                    out.last_steps[(int(trial), int(run))] = int(steps)
+            except (ValueError, TypeError) as exc:
+                log.error("Determined spool: unreadable %s (%s); starting over", state_path, exc)
+        for path in sorted(self.directory.glob("batch-*.json")):
+            window = self._window_of(path)
+            try:
+                reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("Determined spool: dropping unreadable batch %s (%s)", path.name, exc)
+                path.unlink(missing_ok=True)
+                continue
+            acked = self._read_acks(window)
+            flushed = max(flushed, window)
+            for report in reports:
+                steps = report.body["metrics"].get("stepsCompleted")
+                if steps is not None:
+                    key = (report.trial_id, report.run_id)
+                    out.last_steps[key] = max(out.last_steps.get(key, 0), int(steps))
+            if len(acked) >= len(reports):
+                self._remove_batch(window)
+                continue
+            self._batches.append(_Batch(window, path.stat().st_size, None, acked))
+            self._bytes += path.stat().st_size
+            out.pending_reports += len(reports) - len(acked)
+        for ack in self.directory.glob("batch-*.ack"):
+            if not self._path("batch", self._window_of(ack), ".json").exists():
+                ack.unlink(missing_ok=True)
+        journals = sorted(self.directory.glob("journal-*.jsonl"))
+        out.window = flushed + 1
+        for path in journals:
+            window = self._window_of(path)
+            if window <= flushed:
+                path.unlink(missing_ok=True)
+                continue
+            out.window = max(out.window, window)
+            self._replay(path, out)
+        return out
+
+    def _read_acks(self, window: int) -> set[int]:
+        path = self._path("batch", window, ".ack")
+        if not path.exists():
+            return set()
+        acked = set()
+        for line in path.read_bytes().splitlines():
+            with contextlib.suppress(ValueError):
+                acked.add(int(line))
+        return acked
+
+    @staticmethod
+    def _replay(path: Path, out: Recovered) -> None:
+        for line in path.read_bytes().splitlines():
+            try:
+                entry = json.loads(line)
+                out.gauges.extend(GaugeSample(*g) for g in entry.get("g", []))
+                out.timings.extend(TimingSample(*t) for t in entry.get("t", []))
+            except (ValueError, TypeError):
+                continue  # a line cut short by a crash: what it held was never acknowledged
+
+    # -- ingest side -------------------------------------------------------------------------
+    def journal(self, window: int, gauges: list[GaugeSample], timings: list[TimingSample]) -> None:
+        """Append this request's samples to the window's journal before it is acknowledged."""
+        if not gauges and not timings:
+            return
+        line = json.dumps({"g": gauges, "t": timings}, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            if window != self._journal_window:
+                if self._journal_fh is not None:
+                    self._journal_fh.close()
+                self._journal_fh = open(self._path("journal", window, ".jsonl"), "ab")  # noqa: SIM115
+                self._journal_window = window
+                self._journal_bytes = 0
+            if self._journal_bytes + len(line) > self.max_bytes // 4:
+                self.stats.journal_overflow += 1
+                return
+            fh = self._journal_fh
+            assert fh is not None
+            fh.write(line)
+            fh.flush()  # in the kernel's hands: survives kill -9 of this process
+            self._journal_bytes += len(line)
+
+    def commit_window(
+        self, window: int, reports: list[Report], last_steps: dict[tuple[int, int], int]
+    ) -> None:
+        """Persist a closed window's reports, then forget its journal."""
+        if reports:
+            data = json.dumps([r.to_json() for r in reports], separators=(",", ":")).encode()
+            _atomic_write(self._path("batch", window, ".json"), data, self.fsync)
+        journals = [
+            p for p in self.directory.glob("journal-*.jsonl") if self._window_of(p) <= window
+        ]
+        if reports or journals:
+            state = {
+                "flushed_window": window,
+                "last_steps": [[t, r, s] for (t, r), s in last_steps.items()],
+            }
+            _atomic_write(self.directory / "state.json", json.dumps(state).encode(), self.fsync)
+            if self.fsync:
+                _fsync_dir(self.directory)
+        with self._lock:
+            if reports:
+                self._batches.append(_Batch(window, len(data), list(reports)))
+                self._bytes += len(data)
+                self.stats.reports_spooled += len(reports)
+                _enforce_cap(self, self._batches)
+            if self._journal_window <= window and self._journal_fh is not None:
+                self._journal_fh.close()
+                self._journal_fh = None
+                self._journal_window = -1
+        for path in journals:
+            path.unlink(missing_ok=True)
+
+    # -- delivery side -------------------------------------------------------------------------
+    def peek(self) -> tuple[int, int, Report] | None:
+        """The oldest report not yet answered by the master: (window, index, report)."""
+        with self._lock:
+            while self._batches:
+                batch = self._batches[0]
+                if batch.reports is None:
+                    path = self._path("batch", batch.window, ".json")
+                    try:
+                        batch.reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
+                    except (OSError, ValueError, KeyError, TypeError) as exc:
+                        log.error("Determined spool: dropping unreadable %s (%s)", path.name, exc)
+                        self._pop_head()
+                        continue
+                index = batch.next_index()
+                if index is not None:
+                    return batch.window, index, batch.reports[index]
+                self._pop_head()
+            return None
+
+    def ack(self, window: int, index: int) -> None:
+        """The master answered this report (accepted, or refused for good): never resend it."""
+        with self._lock:
+            if not self._batches or self._batches[0].window != window:
+                return
+            batch = self._batches[0]
+            if self._ack_fh is None or self._ack_fh[0] != window:
+                if self._ack_fh is not None:
+                    self._ack_fh[1].close()
+                fh = open(self._path("batch", window, ".ack"), "ab")  # noqa: SIM115
+                self._ack_fh = (window, fh)
+            self._ack_fh[1].write(f"{index}\n".encode())
+            self._ack_fh[1].flush()
+            batch.acked.add(index)
+            self.stats.reports_acked += 1
+            if batch.next_index() is None:
+                self._pop_head()
+
+    def _remove_batch(self, window: int) -> None:
+        if self._ack_fh is not None and self._ack_fh[0] == window:
+            self._ack_fh[1].close()
+            self._ack_fh = None
+        self._path("batch", window, ".json").unlink(missing_ok=True)
+        self._path("batch", window, ".ack").unlink(missing_ok=True)
+
+    def _pop_head(self) -> None:
+        batch = self._batches.popleft()
+        self._bytes -= batch.size
+        self._remove_batch(batch.window)
+
+    def _drop_head(self) -> int:
+        batch = self._batches[0]
+        total = len(batch.reports) if batch.reports is not None else self._count(batch.window)
+        self._pop_head()
+        return total - len(batch.acked)
+
+    def _count(self, window: int) -> int:
+        try:
+            return len(json.loads(self._path("batch", window, ".json").read_bytes()))
+        except (OSError, ValueError):
+            return 0
+
+    def pending(self) -> int:
+        with self._lock:
+            total = 0
+            for b in self._batches:
+                n = len(b.reports) if b.reports is not None else self._count(b.window)
+                total += n - len(b.acked)
+            return total
+
+    def close(self) -> None:
+        with self._lock:
+            if self._journal_fh is not None:
+                self._journal_fh.close()
+                self._journal_fh = None
+            if self._ack_fh is not None:
+                self._ack_fh[1].close()
+                self._ack_fh = None
