@@ -242,7 +242,7 @@ def write_sdk_run(run_dir: Path, spec: RunSpec | None = None, run_json: bool = T
             json.dumps(
                 {
                     "run_id": run_dir.name,
-                    "start_time_unix_nano": str(T0_NS),
+                    "started_unix_nano": T0_NS,
                     "resource": {"service.name": spec.service, "host.name": spec.host},
                 }
             )

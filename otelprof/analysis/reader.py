@@ -9,6 +9,7 @@ files) works.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,9 +38,19 @@ class RunFiles:
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.jsonl)
 
+    @property
+    def started_ns(self) -> int | None:
+        """Earliest start time recorded in run.json files, if any."""
+        starts = []
+        for info in self.run_info:
+            for key in ("started_unix_nano", "start_time_unix_nano"):
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    starts.append(int(info[key]))
+        return min(starts) if starts else None
+
 
 def _looks_like_run(path: Path) -> bool:
-    return (path / "run.json").is_file() or any(path.glob("*.jsonl"))
+    return any(path.glob("run*.json")) or any(path.glob("*.jsonl"))
 
 
 def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
@@ -67,17 +78,17 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
             )
         dirs.append(path)
         files.extend(sorted(p for p in path.glob("*.jsonl") if p.is_file()))
-        info_path = path / "run.json"
-        if info_path.is_file():
+        for info_path in sorted(path.glob("run*.json")):  # run.json, run.rank<N>.json
             try:
                 info = json.loads(info_path.read_text(encoding="utf-8"))
-                if isinstance(info, dict):
-                    infos.append(info)
-                elif warn:
-                    warn(f"{info_path}: not a JSON object; ignored")
             except (OSError, ValueError) as exc:
                 if warn:
                     warn(f"{info_path}: unreadable ({exc}); ignored")
+                continue
+            if isinstance(info, dict):
+                infos.append(info)
+            elif warn:
+                warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
 
 

@@ -1,0 +1,237 @@
+"""`otelprof trace`: a detached run as a Chrome / Perfetto trace (JSON trace event format).
+
+Each process (rank) becomes a trace process, its spans complete ("X") slices and its
+hardware gauges counter ("C") tracks; all files of all given run directories share one time
+axis (microseconds since the run's start), which is what Composer's merged trace gives,
+here from OTel data. Events are streamed to the output as they are read, so memory does not
+grow with the run; viewers sort events themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from otelprof.analysis.reader import (
+    PointRec,
+    ReadStats,
+    Resource,
+    RunFiles,
+    SpanRec,
+    Warn,
+    attributes,
+    iter_records,
+)
+
+SPAN_TID = 1
+
+
+@dataclass
+class TraceResult:
+    processes: int
+    slices: int
+    counters: int
+    origin_ns: int
+
+
+def _first_timestamp(path: Path) -> int | None:
+    """Smallest timestamp in the first intact line of a file (cheap: one line)."""
+    try:
+        with path.open("rb") as handle:
+            for raw in handle:
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    continue
+                found: list[int] = []
+                _collect_times(body, found)
+                return min(found) if found else None
+    except OSError:
+        return None
+    return None
+
+
+def _collect_times(node: Any, out: list[int]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            # spans' starts and points' times; not metric start times (the process start)
+            if key == "timeUnixNano" or (key == "startTimeUnixNano" and "endTimeUnixNano" in node):
+                with contextlib.suppress(TypeError, ValueError):
+                    out.append(int(value))
+            elif isinstance(value, (dict, list)):
+                _collect_times(value, out)
+    elif isinstance(node, list):
+        for item in node:
+            _collect_times(item, out)
+
+
+def time_origin(files: RunFiles) -> int:
+    """The trace's zero: the run's start, or the earliest first-line timestamp of any file.
+
+    A span that starts before it (rare: a long span written after its children) gets a
+    negative timestamp, which both Perfetto and chrome://tracing accept.
+    """
+    candidates = [t for p in files.jsonl if (t := _first_timestamp(p)) is not None]
+    started = files.started_ns
+    if started is not None:
+        candidates.append(started)
+    return min(candidates) if candidates else 0
+
+
+def _us(ns: int) -> str:
+    """Nanoseconds as exact decimal microseconds (no float rounding of nested slices)."""
+    sign = "-" if ns < 0 else ""
+    q, r = divmod(abs(ns), 1000)
+    return f"{sign}{q}.{r:03d}" if r else f"{sign}{q}"
+
+
+class _EventWriter:
+    """Writes the comma-separated event list of the traceEvents array."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self.first = True
+
+    def raw(self, event_json: str) -> None:
+        self.out.write("\n" if self.first else ",\n")
+        self.first = False
+        self.out.write(event_json)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.raw(json.dumps(event, separators=(",", ":"), default=str))
+
+
+class _Processes:
+    """Maps resources to trace pids (the rank when it is free) and emits their metadata."""
+
+    def __init__(self, out: _EventWriter) -> None:
+        self.out = out
+        self.pids: dict[Resource, int] = {}
+        self.used: set[int] = set()
+        self.next_free = 100_000
+        self.threads: set[tuple[int, int]] = set()
+
+    def pid(self, resource: Resource) -> int:
+        pid = self.pids.get(resource)
+        if pid is not None:
+            return pid
+        rank = resource.rank
+        if rank is not None and rank not in self.used:
+            pid = rank
+        else:
+            while self.next_free in self.used:
+                self.next_free += 1
+            pid = self.next_free
+        self.used.add(pid)
+        self.pids[resource] = pid
+        label = resource.label
+        service = resource.get("service.name")
+        if service:
+            label = f"{label} · {service}"
+        self.out.emit(
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}}
+        )
+        self.out.emit(
+            {
+                "ph": "M",
+                "name": "process_sort_index",
+                "pid": pid,
+                "tid": 0,
+                "args": {"sort_index": pid},
+            }
+        )
+        labels = {k: v for k, v in resource.attrs if k.startswith(("otelprof.", "host."))}
+        if labels:
+            self.out.emit(
+                {
+                    "ph": "M",
+                    "name": "process_labels",
+                    "pid": pid,
+                    "tid": 0,
+                    "args": {"labels": ", ".join(f"{k}={v}" for k, v in labels.items())},
+                }
+            )
+        return pid
+
+    def thread(self, pid: int, tid: int, name: str) -> None:
+        if (pid, tid) not in self.threads:
+            self.threads.add((pid, tid))
+            self.out.emit(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            )
+
+
+def _counter_name(point: PointRec) -> str:
+    attrs = dict(point.attributes)
+    if "gpu.index" in attrs:
+        where = f"gpu {attrs['gpu.index']}"
+    elif "hw.id" in attrs:
+        where = str(attrs["hw.id"])
+    else:
+        where = ", ".join(str(v) for v in attrs.values())
+    unit = f" ({point.unit})" if point.unit else ""
+    return f"{point.name}{' [' + where + ']' if where else ''}{unit}"
+
+
+def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True) -> TraceResult:
+    """Write the Chrome trace of a run; return what it holds."""
+    origin = time_origin(files)
+    opener = gzip.open if output.suffix == ".gz" else open
+    slices = counters = 0
+    stats = ReadStats()
+    with opener(output, "wt", encoding="utf-8") as out:
+        out.write('{"displayTimeUnit":"ms","otherData":')
+        out.write(
+            json.dumps(
+                {
+                    "generator": "otelprof trace",
+                    "origin_unix_nano": str(origin),
+                    "run_dirs": [str(d) for d in files.dirs],
+                }
+            )
+        )
+        out.write(',"traceEvents":[')
+        events = _EventWriter(out)
+        procs = _Processes(events)
+        kinds = frozenset({"traces", "metrics"} if metrics else {"traces"})
+        for rec in iter_records(files.jsonl, warn, stats, kinds):
+            pid = procs.pid(rec.resource)
+            if isinstance(rec, SpanRec):
+                if rec.end_ns < rec.start_ns:
+                    warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
+                    continue
+                args = attributes(rec.raw_attributes)
+                tid = args.get("thread.id", SPAN_TID)
+                tid = tid if isinstance(tid, int) else SPAN_TID
+                procs.thread(pid, tid, str(args.get("thread.name", "timings")))
+                args["span_id"] = rec.span_id
+                args["trace_id"] = rec.trace_id
+                if rec.parent_span_id:
+                    args["parent_span_id"] = rec.parent_span_id
+                if rec.status_code == 2:
+                    args["status"] = "ERROR"
+                start = _us(rec.start_ns - origin)
+                dur = _us(rec.end_ns - rec.start_ns)
+                # ts/dur written as raw decimals: exact to the nanosecond
+                events.raw(
+                    f'{{"ph":"X","cat":"otelprof","name":{json.dumps(rec.name)},"pid":{pid},'
+                    f'"tid":{tid},"ts":{start},"dur":{dur},'
+                    f'"args":{json.dumps(args, separators=(",", ":"), default=str)}}}'
+                )
+                slices += 1
+            else:
+                if (rec.kind == "sum" and rec.monotonic) or not math.isfinite(rec.value):
+                    continue  # cumulative counters make poor counter tracks; JSON has no NaN
+                events.raw(
+                    f'{{"ph":"C","cat":"otelprof.metrics",'
+                    f'"name":{json.dumps(_counter_name(rec))},"pid":{pid},'
+                    f'"ts":{_us(rec.time_ns - origin)},"args":{{"value":{rec.value!r}}}}}'
+                )
+                counters += 1
+        out.write("\n]}\n")
+    return TraceResult(len(procs.pids), slices, counters, origin)

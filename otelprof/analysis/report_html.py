@@ -1,0 +1,199 @@
+"""`otelprof report --html`: one self-contained HTML file (inline SVG plots, inline CSS)."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from otelprof.analysis import format as fmt
+from otelprof.analysis.summary import RunSummary, SeriesAgg
+from otelprof.analysis.svg import bar_chart, line_chart
+from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
+from otelprof.analysis.verdict import Verdict, direct_shares
+
+_CSS = """
+body{font-family:sans-serif;margin:24px;color:#222;max-width:1000px}
+h1{font-size:20px} h2{font-size:16px;margin-top:28px}
+table{border-collapse:collapse;font-size:13px}
+th,td{padding:3px 9px;border-bottom:1px solid #ddd;text-align:right}
+th:first-child,td:first-child,td.l,th.l{text-align:left}
+tr.dim td{color:#888}
+.verdict{border:2px solid #c0392b;border-radius:6px;padding:10px 14px;background:#fdf2f0}
+.verdict b{font-size:15px} .meta{color:#555;font-size:13px}
+"""
+
+
+def _table(
+    headers: list[str], rows: list[list[str]], dim: list[bool] | None = None, left: int = 1
+) -> str:
+    head = "".join(
+        f'<th class="{"l" if i < left else ""}">{escape(h)}</th>' for i, h in enumerate(headers)
+    )
+    body = []
+    for r, row in enumerate(rows):
+        cls = ' class="dim"' if dim and dim[r] else ""
+        cells = "".join(
+            f'<td class="{"l" if i < left else ""}">{escape(c)}</td>' for i, c in enumerate(row)
+        )
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _byte_scale(group: list[SeriesAgg]) -> float:
+    """GiB, MiB or KiB: the unit the axis of a bytes chart counts in."""
+    peak = max((s.max for s in group), default=0.0)
+    for scale in (2**30, 2**20, 2**10):
+        if peak >= scale:
+            return float(scale)
+    return 1.0
+
+
+def _metric_charts(
+    summary: RunSummary, t0: float, t1: float, phases: list[tuple[str, float, float]]
+) -> list[str]:
+    by_metric: dict[str, list[SeriesAgg]] = {}
+    for s in hardware_series(summary):
+        by_metric.setdefault(s.name, []).append(s)
+    charts = []
+    for name, group in by_metric.items():
+        unit = group[0].unit
+
+        def yfmt(v: float, unit: str = unit) -> str:
+            return fmt.value(v, unit)
+
+        lines = []
+        for s in group:
+            where = s.device or "host"
+            who = s.host if s.scope == "" else f"{s.host} {s.scope.split(' @ ')[0]}"
+            label = f"{who} {where}" if len({x.host for x in group}) > 1 or s.scope else where
+            lines.append((label, [(t, v) for t, v in s.series.points()]))
+        charts.append(
+            line_chart(
+                f"{name} ({unit})" if unit else name,
+                lines,
+                (t0, t1),
+                phases,
+                y_format=yfmt,
+                y_max=1.0 if unit == "1" else None,
+                y_scale=_byte_scale(group) if unit.startswith("By") else 1.0,
+            )
+        )
+    return charts
+
+
+def build_html(summary: RunSummary, verdict: Verdict) -> str:
+    """The report as one HTML string."""
+    files = summary.files
+    ids = [str(i.get("run_id")) for i in files.run_info if i.get("run_id")]
+    title = f"otelprof report: {', '.join(ids) or ', '.join(d.name for d in files.dirs)}"
+    t0 = (summary.first_ns or 0) / 1e9
+    t1 = (summary.last_ns or 0) / 1e9
+    phases = [(p.label, p.start_ns / 1e9, p.end_ns / 1e9) for p in summary.phases]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>"
+    ]
+    parts.append(
+        f"<p class='meta'>{len(files.jsonl)} files ({escape(fmt.size(summary.read.bytes))}), "
+        f"{summary.read.spans:,} spans, {summary.read.points:,} metric points, "
+        f"{len(summary.ranks)} process(es), {escape(fmt.duration(max(t1 - t0, 0)))} covered"
+        + (
+            f"; skipped {summary.read.bad_lines} bad line(s) and "
+            f"{summary.read.skipped_items} malformed item(s)"
+            if summary.read.bad_lines or summary.read.skipped_items
+            else ""
+        )
+        + "</p>"
+    )
+    evidence = "".join(f"<li>{escape(e)}</li>" for e in verdict.evidence)
+    parts.append(f"<div class='verdict'><b>{escape(verdict.headline)}</b><ul>{evidence}</ul></div>")
+
+    parts.append("<h2>Step-time breakdown</h2>")
+    shares = sorted(direct_shares(summary).items(), key=lambda kv: -kv[1])
+    if shares:
+        parts.append(
+            bar_chart(
+                "share of summed step time (direct children of step)",
+                [(n, s, f"{100 * s:.1f}%") for n, s in shares],
+            )
+        )
+    step_lines = [
+        (r.resource.label.split(" (pid")[0], [(t, v * 1e3) for t, v in r.step_series.points()])
+        for r in summary.ranks.values()
+        if r.steps.count
+    ]
+    if step_lines:
+        parts.append(
+            line_chart(
+                "step duration (ms)", step_lines, (t0, t1), phases, y_format=lambda v: f"{v:.0f} ms"
+            )
+        )
+    rows = timing_rows(summary)
+    if rows:
+        parts.append("<h2>Timings</h2>")
+        parts.append(
+            _table(
+                ["name", "where", "count", "mean ms", "p50 ms", "p95 ms", "total s", "share"],
+                [
+                    [
+                        r.name,
+                        r.level,
+                        f"{r.count:,}" if r.count else "",
+                        fmt.ms(r.mean_s),
+                        fmt.ms(r.p50_s),
+                        fmt.ms(r.p95_s),
+                        f"{r.total_s:.3f}",
+                        "-" if r.share is None else f"{100 * r.share:.1f}%",
+                    ]
+                    for r in rows
+                ],
+                dim=[r.share is None for r in rows],
+                left=2,
+            )
+        )
+    ranks = rank_rows(summary)
+    if len(ranks) > 1:
+        parts.append("<h2>Steps per process</h2>")
+        parts.append(
+            _table(
+                ["process", "steps", "mean ms", "p95 ms", "spans"],
+                [
+                    [r.label, f"{r.steps:,}", fmt.ms(r.mean_s), fmt.ms(r.p95_s), f"{r.spans:,}"]
+                    for r in ranks
+                ],
+            )
+        )
+    if summary.series:
+        parts.append("<h2>Hardware metrics</h2>")
+        parts.append(
+            "<p class='meta'>Shaded bands are training phases: epochs (from the "
+            "steps' otelprof.epoch) and other top-level spans such as validation."
+            "</p>"
+        )
+        parts.extend(_metric_charts(summary, t0, t1, phases))
+        parts.append(
+            _table(
+                ["host", "device", "metric", "min", "mean", "max", "samples"],
+                [
+                    [
+                        s.host if not s.scope else f"{s.host} {s.scope}",
+                        s.device,
+                        s.name,
+                        fmt.value(s.min, s.unit),
+                        fmt.value(s.mean, s.unit),
+                        fmt.value(s.max, s.unit),
+                        f"{s.count:,}",
+                    ]
+                    for s in hardware_series(summary)
+                ],
+                left=3,
+            )
+        )
+    if not rows and not summary.series:
+        parts.append("<p>This run holds no spans and no gauges.</p>")
+    parts.append("</body></html>\n")
+    return "".join(parts)
+
+
+def write_html(summary: RunSummary, verdict: Verdict, path: Path) -> None:
+    path.write_text(build_html(summary, verdict), encoding="utf-8")
