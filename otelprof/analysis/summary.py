@@ -290,11 +290,17 @@ def _scope_of(point: PointRec) -> str:
     return point.resource.label
 
 
-def summarize(files: RunFiles, warn: Warn, window: int = 50_000) -> RunSummary:
-    """Read the whole run once and aggregate it."""
+def summarize(
+    files: RunFiles, warn: Warn, window: int = 50_000, exact_cap: int = 200_000
+) -> RunSummary:
+    """Read the whole run once and aggregate it.
+
+    `window` bounds the span ids remembered to link children to steps; `exact_cap` the
+    durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch).
+    """
     read = ReadStats()
     timings: dict[str, TimingAgg] = {}
-    step = DurationStats()
+    step = DurationStats(exact_cap)
     ranks: dict[Resource, RankAgg] = {}
     series: dict[SeriesKey, SeriesAgg] = {}
     counters: dict[str, int] = {}
@@ -316,7 +322,7 @@ def summarize(files: RunFiles, warn: Warn, window: int = 50_000) -> RunSummary:
                 last_ns = end
             rank = ranks.get(rec.resource)
             if rank is None:
-                rank = ranks[rec.resource] = RankAgg(rec.resource)
+                rank = ranks[rec.resource] = RankAgg(rec.resource, DurationStats(exact_cap))
             rank.spans += 1
             rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
             rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
@@ -328,7 +334,7 @@ def summarize(files: RunFiles, warn: Warn, window: int = 50_000) -> RunSummary:
                 phases.step(rec.attr("otelprof.epoch"), start, end)
             else:
                 if rec.name not in timings:
-                    timings[rec.name] = TimingAgg(rec.name)
+                    timings[rec.name] = TimingAgg(rec.name, DurationStats(exact_cap))
                 timings[rec.name].stats.add(dur_s)
                 if not rec.parent_span_id:
                     phases.root(rec.name, start, end)

@@ -1,0 +1,337 @@
+"""`otelprof replay`: send a detached run to a collector over OTLP gRPC, as it was recorded.
+
+Each JSON line is already an OTLP export request; it is parsed into the protobuf message
+(`google.protobuf.json_format`, after turning the file format's hex trace/span ids into the
+base64 that proto3 JSON expects), consecutive lines are merged into requests of about
+`batch_bytes`, and each request is sent with retries on transient errors. Timestamps and
+resource attributes are kept exactly, unless `shift_to_now` moves every timestamp by one
+offset so that the run ends now (see the README on Prometheus and old samples).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from otelprof.analysis.reader import ReadStats, RunFiles, Warn, iter_lines
+
+_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
+_TIME_KEYS = frozenset(
+    {"startTimeUnixNano", "endTimeUnixNano", "timeUnixNano", "observedTimeUnixNano"}
+)
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+PROMETHEUS_HEAD_WINDOW_S = 3600.0  # Prometheus rejects samples older than ~1 h behind its head
+
+
+class ReplayError(Exception):
+    """Replay cannot proceed (collector unreachable, nothing to send)."""
+
+
+@dataclass
+class ReplayOptions:
+    endpoint: str
+    tls: bool = False
+    shift_to_now: bool = False
+    batch_bytes: int = 1 << 20
+    retries: int = 5
+    timeout_s: float = 10.0
+    signals: str = "all"  # "all" | "traces" | "metrics"
+    backoff_s: float = 0.5
+
+
+@dataclass
+class ReplayResult:
+    lines: int = 0
+    requests: int = 0
+    spans: int = 0
+    points: int = 0
+    failed_requests: int = 0
+    failed_spans: int = 0
+    failed_points: int = 0
+    rejected_spans: int = 0
+    rejected_points: int = 0
+    retries: int = 0
+    skipped_lines: int = 0
+    shift_ns: int = 0
+    oldest_point_ns: int | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.failed_requests == 0
+
+    def describe(self) -> list[str]:
+        out = [
+            f"replayed {self.lines:,} lines in {self.requests:,} requests: "
+            f"{self.spans:,} spans, {self.points:,} metric data points"
+            + (f" ({self.retries} retries)" if self.retries else "")
+        ]
+        if self.shift_ns:
+            out.append(f"timestamps shifted by {self.shift_ns / 1e9:+.3f} s so the run ends now")
+        if self.rejected_spans or self.rejected_points:
+            out.append(
+                f"the collector rejected {self.rejected_spans:,} spans and "
+                f"{self.rejected_points:,} data points (partial success)"
+            )
+        if self.failed_requests:
+            out.append(
+                f"FAILED: {self.failed_requests} requests ({self.failed_spans:,} spans, "
+                f"{self.failed_points:,} data points) were not delivered: "
+                + "; ".join(self.errors[:3])
+            )
+        if self.skipped_lines:
+            out.append(f"{self.skipped_lines} bad lines skipped (see warnings)")
+        if self.oldest_point_ns is not None and not self.shift_ns:
+            age = time.time() - self.oldest_point_ns / 1e9
+            if age > PROMETHEUS_HEAD_WINDOW_S:
+                out.append(
+                    f"note: the oldest metric point is {age / 3600:.1f} h old; Prometheus keeps "
+                    "only the latest value per series from the collector's scrape endpoint and "
+                    "refuses remote-written samples older than about 1 h behind its newest "
+                    "sample unless out_of_order_time_window is set; use --shift-to-now to "
+                    "see the run's time series in Prometheus"
+                )
+        return out
+
+
+def _fix_ids(node: Any) -> None:
+    """Hex ids (file format) to base64 (proto3 JSON), in place, at any depth."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _ID_KEYS and isinstance(value, str):
+                node[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
+            elif isinstance(value, (dict, list)):
+                _fix_ids(value)
+    elif isinstance(node, list):
+        for item in node:
+            _fix_ids(item)
+
+
+def _shift_times(node: Any, shift_ns: int) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _TIME_KEYS and value not in (None, "0", 0):
+                node[key] = str(int(value) + shift_ns)
+            elif isinstance(value, (dict, list)):
+                _shift_times(value, shift_ns)
+    elif isinstance(node, list):
+        for item in node:
+            _shift_times(item, shift_ns)
+    # startTimeUnixNano of cumulative metric points moves too (same key), keeping rates right
+
+
+def _max_time(node: Any) -> int:
+    best = 0
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _TIME_KEYS:
+                with contextlib.suppress(TypeError, ValueError):
+                    best = max(best, int(value))
+            elif isinstance(value, (dict, list)):
+                best = max(best, _max_time(value))
+    elif isinstance(node, list):
+        for item in node:
+            best = max(best, _max_time(item))
+    return best
+
+
+def _count_spans(req: trace_service_pb2.ExportTraceServiceRequest) -> int:
+    return sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+
+
+def _count_points(req: metrics_service_pb2.ExportMetricsServiceRequest) -> int:
+    n = 0
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                if kind:
+                    n += len(getattr(m, kind).data_points)
+    return n
+
+
+def _oldest_point(req: metrics_service_pb2.ExportMetricsServiceRequest) -> int | None:
+    oldest = None
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                for dp in getattr(m, kind).data_points if kind else ():
+                    t = dp.time_unix_nano
+                    if t and (oldest is None or t < oldest):
+                        oldest = t
+    return oldest
+
+
+def _target(endpoint: str, tls: bool) -> tuple[str, bool]:
+    """Accept host:port, http://host:port and https://host:port."""
+    if endpoint.startswith("https://"):
+        return endpoint[len("https://") :].rstrip("/"), True
+    if endpoint.startswith("http://"):
+        return endpoint[len("http://") :].rstrip("/"), tls
+    return endpoint, tls
+
+
+class _Sender:
+    """One signal's batching and sending."""
+
+    def __init__(
+        self,
+        kind: str,
+        call: Callable[..., Any],
+        options: ReplayOptions,
+        result: ReplayResult,
+    ) -> None:
+        self.kind = kind
+        self.call = call
+        self.options = options
+        self.result = result
+        self.request: Any = self._new()
+        self.size = 0
+
+    def _new(self) -> Any:
+        if self.kind == "traces":
+            return trace_service_pb2.ExportTraceServiceRequest()
+        return metrics_service_pb2.ExportMetricsServiceRequest()
+
+    def add(self, message: Any) -> None:
+        if self.kind == "traces":
+            self.request.resource_spans.extend(message.resource_spans)
+        else:
+            self.request.resource_metrics.extend(message.resource_metrics)
+        self.size += message.ByteSize()
+        if self.size >= self.options.batch_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        request, self.request, self.size = self.request, self._new(), 0
+        items = _count_spans(request) if self.kind == "traces" else _count_points(request)
+        if not items:
+            return
+        if self.kind == "metrics":
+            oldest = _oldest_point(request)
+            if oldest is not None and (
+                self.result.oldest_point_ns is None or oldest < self.result.oldest_point_ns
+            ):
+                self.result.oldest_point_ns = oldest
+        r = self.result
+        delay = self.options.backoff_s
+        for attempt in range(1, max(1, self.options.retries) + 1):
+            try:
+                response = self.call(request, timeout=self.options.timeout_s)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code in _RETRYABLE and attempt < self.options.retries:
+                    r.retries += 1
+                    time.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+                    continue
+                r.failed_requests += 1
+                if self.kind == "traces":
+                    r.failed_spans += items
+                else:
+                    r.failed_points += items
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                r.errors.append(f"{self.kind}: {code}: {details}")
+                if r.requests == 0 and code == grpc.StatusCode.UNAVAILABLE:
+                    raise ReplayError(
+                        f"collector at {self.options.endpoint} is unavailable: {details}"
+                    ) from exc
+                return
+            r.requests += 1
+            partial = response.partial_success
+            if self.kind == "traces":
+                r.spans += items
+                r.rejected_spans += partial.rejected_spans
+            else:
+                r.points += items
+                r.rejected_points += partial.rejected_data_points
+            if partial.error_message:
+                r.errors.append(f"{self.kind}: partial success: {partial.error_message}")
+            return
+
+
+def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
+    """Send every intact line of a run to the collector; return the counts."""
+    result = ReplayResult()
+    kinds = {"all": {"traces", "metrics"}, "traces": {"traces"}, "metrics": {"metrics"}}[
+        options.signals
+    ]
+    if options.shift_to_now:
+        newest = 0
+        for line in iter_lines(files.jsonl, lambda _msg: None, ReadStats()):
+            if line.kind in kinds:
+                newest = max(newest, _max_time(line.body))
+        if newest:
+            result.shift_ns = time.time_ns() - newest
+    target, tls = _target(options.endpoint, options.tls)
+    channel = (
+        grpc.secure_channel(target, grpc.ssl_channel_credentials())
+        if tls
+        else grpc.insecure_channel(target)
+    )
+    try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=options.timeout_s)
+        except grpc.FutureTimeoutError as exc:
+            raise ReplayError(
+                f"no OTLP gRPC server answered at {target} within {options.timeout_s:g} s"
+            ) from exc
+        senders = {
+            "traces": _Sender(
+                "traces", trace_service_pb2_grpc.TraceServiceStub(channel).Export, options, result
+            ),
+            "metrics": _Sender(
+                "metrics",
+                metrics_service_pb2_grpc.MetricsServiceStub(channel).Export,
+                options,
+                result,
+            ),
+        }
+        stats = ReadStats()
+        for line in iter_lines(files.jsonl, warn, stats):
+            if line.kind not in kinds:
+                continue
+            body = line.body
+            try:
+                _fix_ids(body)
+                if result.shift_ns:
+                    _shift_times(body, result.shift_ns)
+                message = json_format.ParseDict(
+                    body,
+                    trace_service_pb2.ExportTraceServiceRequest()
+                    if line.kind == "traces"
+                    else metrics_service_pb2.ExportMetricsServiceRequest(),
+                    ignore_unknown_fields=True,
+                )
+            except (json_format.ParseError, ValueError, TypeError) as exc:
+                result.skipped_lines += 1
+                warn(f"{line.path}:{line.number}: not a valid OTLP request ({exc}); skipped")
+                continue
+            result.lines += 1
+            senders[line.kind].add(message)
+        for sender in senders.values():
+            sender.flush()
+        result.skipped_lines += stats.bad_lines
+    finally:
+        channel.close()
+    if result.lines == 0 and result.skipped_lines == 0:
+        raise ReplayError("the run holds no trace or metric lines to replay")
+    return result
