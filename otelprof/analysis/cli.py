@@ -109,7 +109,10 @@ def _report(args: argparse.Namespace) -> int:
     verdict = judge(summary)
     from otelprof.analysis.report_text import render
 
-    render(summary, verdict, Console(width=args.width))
+    console = Console(width=args.width)
+    if args.width is None and not console.is_terminal:
+        console = Console(width=max(console.width, 132))  # piped: do not squeeze the tables
+    render(summary, verdict, console)
     if args.html:
         from otelprof.analysis.report_html import write_html
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 
 def value(v: float, unit: str) -> str:
@@ -19,8 +20,11 @@ def value(v: float, unit: str) -> str:
                 return f"{v / scale:.2f} {name}{suffix}"
         return f"{v:.0f} B{suffix}"
     text = f"{v:.3g}"
-    clean = unit.strip("{}") if unit.startswith("{") else unit
-    return f"{text} {clean}".rstrip()
+    # annotations such as {operation}/s carry no unit: show "/s"
+    clean = re.sub(r"\{[^}]*\}", "", unit)
+    if not clean or clean.startswith("/"):
+        return f"{text}{clean}"
+    return f"{text} {clean}"
 
 
 def ms(seconds: float) -> str:

@@ -36,7 +36,12 @@ def _run_header(summary: RunSummary) -> str:
 def timings_table(summary: RunSummary) -> Table:
     table = Table(title="Timings (ms; share = part of summed step time)", title_justify="left")
     for col in ("name", "where", "count", "mean", "p50", "p95", "total s", "share"):
-        table.add_column(col, justify="left" if col in ("name", "where") else "right")
+        table.add_column(
+            col,
+            justify="left" if col in ("name", "where") else "right",
+            overflow="fold",
+            no_wrap=col not in ("name", "where"),
+        )
     for row in timing_rows(summary):
         share = "-" if row.share is None else f"{100 * row.share:.1f}%"
         mark = "" if row.exact else "~"
@@ -57,7 +62,7 @@ def timings_table(summary: RunSummary) -> Table:
 def ranks_table(summary: RunSummary) -> Table:
     table = Table(title="Steps per process", title_justify="left")
     for col in ("process", "steps", "mean ms", "p95 ms", "spans"):
-        table.add_column(col, justify="left" if col == "process" else "right")
+        table.add_column(col, justify="left" if col == "process" else "right", overflow="fold")
     for row in rank_rows(summary):
         table.add_row(
             row.label, f"{row.steps:,}", fmt.ms(row.mean_s), fmt.ms(row.p95_s), f"{row.spans:,}"
@@ -68,8 +73,9 @@ def ranks_table(summary: RunSummary) -> Table:
 def hardware_table(summary: RunSummary) -> Table:
     table = Table(title="Hardware metrics (min / mean / max over samples)", title_justify="left")
     for col in ("host", "device", "metric", "min", "mean", "max", "samples"):
+        numeric = col in ("min", "mean", "max", "samples")
         table.add_column(
-            col, justify="right" if col in ("min", "mean", "max", "samples") else "left"
+            col, justify="right" if numeric else "left", overflow="fold", no_wrap=numeric
         )
     last_host = None
     for s in hardware_series(summary):
