@@ -193,7 +193,10 @@ class WindowAggregator:
             subs[sub] = None
             newest[0] = max(newest[0], int(acc[2]))
         reports = []
-        for (agent, group), (subs, newest) in present.items():
+        order = {g: i for i, g in enumerate(PROFILING_KEYS)}  # gpu, cpu, memory, disk, network
+        for (agent, group), (subs, newest) in sorted(
+            present.items(), key=lambda item: (item[0][0], order[item[0][1]])
+        ):
             per_sub: dict[str, dict[str, float]] = {}
             for sub in subs:
                 values = self._complete_keys(state, agent, group, sub)

@@ -114,7 +114,7 @@ class Deliverer:
                     failing_since_retry = self.stats.retries
                     log.warning(
                         "Determined master %s unavailable (%s); keeping reports in the spool "
-                        "and retrying with backoff up to %.0f s",
+                        "and retrying with backoff up to %g s",
                         self.client.master,
                         f"HTTP {result.status}: {result.message}"
                         if result.status
