@@ -57,6 +57,9 @@ class RunSpec:
     validation: bool = True  # a top-level "validation" span after each epoch
     seed: int = 7
     service: str = "train"
+    t0_ns: int = T0_NS  # when the run starts (wall-clock ns)
+    first_rank: int = 0  # global rank of this directory's first process (multi-node runs)
+    world_size: int | None = None  # defaults to `ranks`
     extra_resource: dict[str, Any] = field(default_factory=dict)
 
 
@@ -70,8 +73,8 @@ def _resource(spec: RunSpec, rank: int) -> Resource:
         "host.name": spec.host,
         "process.pid": 1000 + rank,
         "otelprof.rank": rank,
-        "otelprof.local_rank": rank,
-        "otelprof.world_size": spec.ranks,
+        "otelprof.local_rank": rank - spec.first_rank,
+        "otelprof.world_size": spec.world_size or spec.ranks,
     }
     attrs.update(spec.extra_resource)
     return Resource.create(attrs)
@@ -97,7 +100,7 @@ def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> li
         span.end(end_time=start + dur)
         return start + dur
 
-    t = T0_NS
+    t = spec.t0_ns
     windows = []
     steps_per_epoch = max(1, spec.steps // spec.epochs)
     for i in range(spec.steps):
@@ -148,7 +151,7 @@ def _write_metrics(
     resource = _resource(spec, rank)
     scope = InstrumentationScope("otelprof.system")
     end = windows[-1][1]
-    t = T0_NS + _ns(spec.metric_interval_s)
+    t = spec.t0_ns + _ns(spec.metric_interval_s)
     w = 0
     while t <= end + _ns(spec.metric_interval_s):
         while w < len(windows) - 1 and windows[w][1] < t:
@@ -158,17 +161,24 @@ def _write_metrics(
 
         def pt(value: float, attrs: dict[str, Any] | None = None, t: int = t) -> NumberDataPoint:
             return NumberDataPoint(
-                attributes=attrs or {}, start_time_unix_nano=T0_NS, time_unix_nano=t, value=value
+                attributes=attrs or {},
+                start_time_unix_nano=spec.t0_ns,
+                time_unix_nano=t,
+                value=value,
             )
 
         metrics = []
-        if spec.gpus and rank == 0:
+        local_rank0 = rank == spec.first_rank  # host metrics come from local rank 0
+        if spec.gpus and local_rank0:
             gpu_points = [(f"GPU-{g:04d}-uuid", g) for g in range(spec.gpus)]
             metrics.append(
                 _gauge(
                     "hw.gpu.utilization",
                     "1",
-                    [pt(gpu_util, {"hw.id": u, "gpu.index": g}) for u, g in gpu_points],
+                    [
+                        pt(gpu_util * (1 - 0.1 * g), {"hw.id": u, "gpu.index": g})
+                        for u, g in gpu_points
+                    ],
                 )
             )
             metrics.append(
@@ -181,7 +191,7 @@ def _write_metrics(
                     ],
                 )
             )
-        if rank == 0:
+        if local_rank0:
             metrics.append(
                 _gauge(
                     "system.cpu.utilization", "1", [pt(0.3 + 0.4 * loading + 0.05 * rng.random())]
@@ -233,8 +243,8 @@ def write_sdk_run(run_dir: Path, spec: RunSpec | None = None, run_json: bool = T
     spec = spec or RunSpec()
     run_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(spec.seed)
-    for rank in range(spec.ranks):
-        suffix = f".rank{rank}" if spec.ranks > 1 else ""
+    for rank in range(spec.first_rank, spec.first_rank + spec.ranks):
+        suffix = f".rank{rank}" if (spec.world_size or spec.ranks) > 1 else ""
         windows = _write_spans(spec, rank, run_dir / f"traces{suffix}.jsonl", rng)
         _write_metrics(spec, rank, run_dir / f"metrics{suffix}.jsonl", windows, rng)
     if run_json:
@@ -242,7 +252,7 @@ def write_sdk_run(run_dir: Path, spec: RunSpec | None = None, run_json: bool = T
             json.dumps(
                 {
                     "run_id": run_dir.name,
-                    "started_unix_nano": T0_NS,
+                    "started_unix_nano": spec.t0_ns,
                     "resource": {"service.name": spec.service, "host.name": spec.host},
                 }
             )
