@@ -11,6 +11,7 @@ import enum
 import hashlib
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,7 +125,7 @@ class DeterminedClient:
         if ca_bundle:
             if not Path(ca_bundle).expanduser().is_file():
                 raise ConfigError(f"CA bundle {ca_bundle} does not exist")
-            verify_arg = str(Path(ca_bundle).expanduser())
+            verify_arg = ssl.create_default_context(cafile=str(Path(ca_bundle).expanduser()))
         self._http = httpx.Client(
             base_url=self.master, timeout=timeout_s, verify=verify_arg, follow_redirects=False
         )
