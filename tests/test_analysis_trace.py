@@ -1,0 +1,133 @@
+"""`otelprof trace`: valid Chrome trace JSON, a process per rank, slices, counter tracks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otelprof.analysis.chrome_trace import write_trace
+from otelprof.analysis.reader import WarningLog, open_run
+from otelprof.cli import main as cli_main
+from tests.otlp_files import read_points, read_spans
+from tests.run_generators import T0_NS, RunSpec, write_sdk_run
+
+
+def load_chrome_trace(path: Path) -> list[dict[str, Any]]:
+    """Parse and check the trace event format rules a viewer relies on."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:  # type: ignore[operator]
+        doc = json.load(f)
+    assert isinstance(doc, dict) and isinstance(doc["traceEvents"], list)
+    for ev in doc["traceEvents"]:
+        assert ev["ph"] in {"X", "C", "M"}, ev
+        assert isinstance(ev["name"], str) and isinstance(ev["pid"], int)
+        if ev["ph"] == "X":
+            assert isinstance(ev["tid"], int)
+            assert isinstance(ev["ts"], (int, float)) and isinstance(ev["dur"], (int, float))
+            assert ev["dur"] >= 0
+        if ev["ph"] == "C":
+            assert isinstance(ev["ts"], (int, float))
+            assert all(isinstance(v, (int, float)) for v in ev["args"].values())
+    return list(doc["traceEvents"])
+
+
+def _spans(*run_dirs: Path) -> list[Any]:
+    return [s for d in run_dirs for f in sorted(d.glob("traces*.jsonl")) for s in read_spans(f)]
+
+
+def test_trace_has_a_process_per_rank_slices_for_spans_and_counter_tracks(
+    tmp_path: Path,
+) -> None:
+    run = write_sdk_run(tmp_path / "run", RunSpec(ranks=2, gpus=2, steps=20))
+    out = tmp_path / "trace.json"
+    assert cli_main(["trace", str(run), "-o", str(out)]) == 0
+    events = load_chrome_trace(out)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1]
+    assert names[0].startswith("rank 0 @ node0") and names[1].startswith("rank 1 @ node0")
+    slices = [e for e in events if e["ph"] == "X"]
+    spans = _spans(run)
+    assert len(slices) == len(spans)
+    by_pid = defaultdict(set)
+    for e in slices:
+        by_pid[e["pid"]].add(e["name"])
+    assert {"step", "dataloader_next", "train_batch", "forward"} <= by_pid[0]
+    counters = {(e["pid"], e["name"]) for e in events if e["ph"] == "C"}
+    assert (0, "hw.gpu.utilization [gpu 0] (1)") in counters
+    assert (0, "hw.gpu.utilization [gpu 1] (1)") in counters
+    assert (0, "system.disk.throughput [read] (By/s)") in counters
+    assert (1, "process.memory.usage (By)") in counters
+    points = [p for f in sorted(run.glob("metrics*.jsonl")) for p in read_points(f)]
+    assert sum(e["ph"] == "C" for e in events) == len(points)
+
+
+def test_slices_keep_nanosecond_times_and_nest_inside_their_step(tmp_path: Path) -> None:
+    run = write_sdk_run(tmp_path / "run", RunSpec(steps=10))
+    warn = WarningLog(sink=lambda _m: None)
+    result = write_trace(open_run([run]), tmp_path / "t.json", warn)
+    events = load_chrome_trace(tmp_path / "t.json")
+    origin = result.origin_ns
+    assert origin == T0_NS  # run.json's start
+    by_id = {e["args"]["span_id"]: e for e in events if e["ph"] == "X"}
+    for span in _spans(run):
+        ev = by_id[span.span_id]
+        assert ev["ts"] == pytest.approx((span.start_ns - origin) / 1000, abs=1e-6)
+        assert ev["dur"] == pytest.approx((span.end_ns - span.start_ns) / 1000, abs=1e-6)
+        assert ev["args"].get("otelprof.step") == span.attributes.get("otelprof.step")
+        parent = by_id.get(span.parent_span_id)
+        if parent is not None:  # properly nested on the same track: a viewer draws a stack
+            assert (parent["pid"], parent["tid"]) == (ev["pid"], ev["tid"])
+            assert (
+                parent["ts"] <= ev["ts"]
+                and ev["ts"] + ev["dur"] <= parent["ts"] + parent["dur"] + 1e-6
+            )
+
+
+def test_two_nodes_run_directories_merge_on_one_time_axis(tmp_path: Path) -> None:
+    node0 = write_sdk_run(
+        tmp_path / "node0", RunSpec(ranks=2, world_size=4, host="node0", steps=10)
+    )
+    node1 = write_sdk_run(
+        tmp_path / "node1",
+        RunSpec(
+            ranks=2, world_size=4, first_rank=2, host="node1", steps=10, t0_ns=T0_NS + 250_000_000
+        ),
+    )
+    out = tmp_path / "merged.json.gz"
+    assert cli_main(["trace", str(node0), str(node1), "-o", str(out)]) == 0
+    events = load_chrome_trace(out)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1, 2, 3]
+    assert "@ node1" in names[3] and "@ node0" in names[0]
+    first_step = {
+        e["pid"]: e["ts"]
+        for e in events
+        if e["ph"] == "X" and e["args"].get("otelprof.step") == 0 and e["name"] == "step"
+    }
+    # one clock: node1 started 250 ms after node0, and the trace shows exactly that
+    assert first_step[0] == 0 and first_step[2] == pytest.approx(250_000, abs=1e-3)
+
+
+def test_trace_without_metrics_has_no_counter_tracks(tmp_path: Path) -> None:
+    run = write_sdk_run(tmp_path / "run", RunSpec(steps=5))
+    out = tmp_path / "t.json"
+    assert cli_main(["trace", str(run), "-o", str(out), "--no-metrics"]) == 0
+    assert not [e for e in load_chrome_trace(out) if e["ph"] == "C"]
+
+
+def test_a_truncated_trace_file_still_converts_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = write_sdk_run(tmp_path / "run", RunSpec(steps=5))
+    intact = len(_spans(run))
+    with (run / "traces.jsonl").open("a") as f:
+        f.write('{"resourceSpans":[{"resource":{"attr')
+    out = tmp_path / "t.json"
+    assert cli_main(["trace", str(run), "-o", str(out)]) == 0
+    assert "traces.jsonl:2: truncated last line skipped" in capsys.readouterr().err
+    assert len([e for e in load_chrome_trace(out) if e["ph"] == "X"]) == intact
