@@ -1,0 +1,131 @@
+"""The in-process Determined exporters (no collector): SDK → same mapping → master."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+
+import pytest
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from otelprof.determined.client import ConfigError, Credentials
+from otelprof.export.determined import DeterminedMetricExporter, build_pipeline
+from tests.determined_contract import DeterminedContractServer, available_series, trial_metrics
+from tests.determined_feed import trial_resource
+
+GPU = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
+
+
+@pytest.fixture
+def master() -> Iterator[DeterminedContractServer]:
+    server = DeterminedContractServer().start()
+    server.token = server.add_user("alice")  # type: ignore[attr-defined]
+    server.add_trial(42, run_id=1, editors=("alice",))
+    yield server
+    server.stop()
+
+
+def _gauges(meter_provider: MeterProvider) -> None:
+    meter = meter_provider.get_meter("test")
+
+    def one(value: float, attrs: dict[str, object] | None = None):  # type: ignore[no-untyped-def]
+        def cb(_o: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(value, attrs or {})
+
+        return cb
+
+    def gpu(value: float):  # type: ignore[no-untyped-def]
+        def cb(_o: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(value, {"hw.id": GPU, "gpu.index": 0})
+
+        return cb
+
+    def directions(attr: str, a: str, b: str, va: float, vb: float):  # type: ignore[no-untyped-def]
+        def cb(_o: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(va, {attr: a})
+            yield Observation(vb, {attr: b})
+
+        return cb
+
+    meter.create_observable_gauge("hw.gpu.utilization", [gpu(0.5)], unit="1")
+    meter.create_observable_gauge("hw.gpu.memory.free", [gpu(1e9)], unit="By")
+    meter.create_observable_gauge("system.cpu.utilization", [one(0.25)], unit="1")
+    meter.create_observable_gauge("system.memory.linux.available", [one(2e9)], unit="By")
+    meter.create_observable_gauge(
+        "system.network.throughput",
+        [directions("network.io.direction", "transmit", "receive", 10.0, 20.0)],
+        unit="By/s",
+    )
+    meter.create_observable_gauge(
+        "system.disk.iops",
+        [directions("disk.io.direction", "read", "write", 3.0, 4.0)],
+        unit="{operation}/s",
+    )
+    meter.create_observable_gauge(
+        "system.disk.throughput",
+        [directions("disk.io.direction", "read", "write", 5.0, 6.0)],
+        unit="By/s",
+    )
+
+
+def _run(master: DeterminedContractServer, resource: dict[str, object]) -> None:
+    exporter = DeterminedMetricExporter(
+        master=master.url,
+        credentials=Credentials(user_token=master.token),  # type: ignore[attr-defined]
+        report_interval_s=3600,
+        env={},
+    )
+    res = Resource.create(resource)  # type: ignore[arg-type]
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=3_600_000)
+    meters = MeterProvider(resource=res, metric_readers=[reader])
+    _gauges(meters)
+    tracer_provider = TracerProvider(resource=res)
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter.span_exporter()))
+    tracer = tracer_provider.get_tracer("t")
+    for step in range(4):
+        with tracer.start_as_current_span("step", attributes={"otelprof.step": step}):
+            with tracer.start_as_current_span("train_batch", attributes={"otelprof.step": step}):
+                time.sleep(0.002)
+    reader.collect()
+    assert exporter.force_flush(10_000)
+    tracer_provider.shutdown()
+    meters.shutdown()
+
+
+def test_in_process_exporter_posts_the_same_reports_as_the_bridge(
+    master: DeterminedContractServer,
+) -> None:
+    _run(master, trial_resource(42))
+    labels = available_series(master.url, master.token, 42)  # type: ignore[attr-defined]
+    assert {(x["name"], x.get("gpuUuid", "")) for x in labels} == {
+        ("gpu_util", GPU), ("gpu_free_memory", GPU), ("cpu_util_simple", ""),
+        ("memory_free", ""), ("disk_iops", ""), ("disk_throughput_read", ""),
+        ("disk_throughput_write", ""), ("net_throughput_sent", ""), ("net_throughput_recv", ""),
+    }  # fmt: skip
+    disk = next(p.body for p in master.posts() if p.group == "disk")
+    assert disk["metrics"]["metrics"]["avgMetrics"]["agent-1"]["disk_iops"] == 7.0
+    timings = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
+    assert len(timings) == 1 and timings[0]["totalBatches"] == 4
+    assert timings[0]["metrics"]["avg_metrics"]["train_batch_count"] == 4
+    assert timings[0]["metrics"]["avg_metrics"]["step_count"] == 4
+
+
+def test_only_local_rank_0_reports_hardware_and_only_rank_0_timings(
+    master: DeterminedContractServer,
+) -> None:
+    _run(master, trial_resource(42, **{"otelprof.rank": 1, "otelprof.local_rank": 1}))
+    assert master.posts() == []
+    _run(master, trial_resource(42, **{"otelprof.rank": 1, "otelprof.local_rank": 0}))
+    assert {p.group for p in master.posts()} == {"gpu", "cpu", "memory", "disk", "network"}
+
+
+def test_missing_master_or_credentials_is_a_clear_config_error() -> None:
+    with pytest.raises(ConfigError, match="no master"):
+        build_pipeline(env={})
+    with pytest.raises(ConfigError, match="no credentials"):
+        build_pipeline(env={"DET_MASTER": "http://127.0.0.1:1"})
