@@ -13,6 +13,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+import otelprof
 from otelprof.determined.client import ConfigError, Credentials
 from otelprof.export.determined import DeterminedMetricExporter, build_pipeline
 from tests.determined_contract import DeterminedContractServer, available_series, trial_metrics
@@ -88,9 +89,12 @@ def _run(master: DeterminedContractServer, resource: dict[str, object]) -> None:
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter.span_exporter()))
     tracer = tracer_provider.get_tracer("t")
     for step in range(4):
-        with tracer.start_as_current_span("step", attributes={"otelprof.step": step}):
-            with tracer.start_as_current_span("train_batch", attributes={"otelprof.step": step}):
-                time.sleep(0.002)
+        attrs = {"otelprof.step": step}
+        with (
+            tracer.start_as_current_span("step", attributes=attrs),
+            tracer.start_as_current_span("train_batch", attributes=attrs),
+        ):
+            time.sleep(0.002)
     reader.collect()
     assert exporter.force_flush(10_000)
     tracer_provider.shutdown()
@@ -124,8 +128,20 @@ def test_only_local_rank_0_reports_hardware_and_only_rank_0_timings(
     assert {p.group for p in master.posts()} == {"gpu", "cpu", "memory", "disk", "network"}
 
 
+def test_exporter_reads_the_determined_task_environment(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DET_MASTER", master.url)
+    monkeypatch.setenv("DET_SESSION_TOKEN", master.add_allocation_token("alice"))
+    exporter = DeterminedMetricExporter.from_environment(report_interval_s=3600)
+    try:
+        assert exporter.pipeline.client.master == master.url
+    finally:
+        exporter.shutdown()
+
+
 def test_missing_master_or_credentials_is_a_clear_config_error() -> None:
-    with pytest.raises(ConfigError, match="no master"):
+    with pytest.raises(otelprof.ConfigError, match="no master"):
         build_pipeline(env={})
     with pytest.raises(ConfigError, match="no credentials"):
         build_pipeline(env={"DET_MASTER": "http://127.0.0.1:1"})

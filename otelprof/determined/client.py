@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from otelprof.config import ConfigError as _BaseConfigError
 from otelprof.determined.aggregate import Report
 
 log = logging.getLogger("otelprof.determined")
@@ -30,7 +31,7 @@ ALLOCATION_TOKEN_HEADER = "Grpc-Metadata-x-allocation-token"
 _PASSWORD_SALT = "GubPEmmotfiK9TMD6Zdw"
 
 
-class ConfigError(ValueError):
+class ConfigError(_BaseConfigError):
     """Settings that cannot work (no master, no credentials, unreadable token file)."""
 
 

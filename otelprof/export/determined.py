@@ -132,6 +132,13 @@ class DeterminedMetricExporter(MetricExporter):
         self.pipeline = self._shared.pipeline
         self._failed_logged = False
 
+    @classmethod
+    def from_environment(
+        cls, env: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> DeterminedMetricExporter:
+        """Everything from the Determined task environment (see `build_pipeline`)."""
+        return cls(build_pipeline(env=env, **kwargs))
+
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
