@@ -132,7 +132,9 @@ def wait_for(
         if time.monotonic() >= deadline:
             detail = f" (last error: {last_error!r})" if last_error else ""
             extra = f"\n{on_timeout()}" if on_timeout else ""
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}{detail}{extra}")
+            raise TimeoutError(
+                f"timed out after {timeout_s:.0f}s waiting for {what}{detail}{extra}"
+            )
         time.sleep(interval_s)
 
 
@@ -268,7 +270,9 @@ class Collector:
             return httpx.get(url, timeout=1.0).status_code == 200
 
         wait_for(
-            healthy, timeout_s=timeout_s, what=f"collector health_check at {url}",
+            healthy,
+            timeout_s=timeout_s,
+            what=f"collector health_check at {url}",
             on_timeout=process.log_tail,
         )
 
@@ -344,9 +348,7 @@ def start_collector(
     """
     binary = require_collector()
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {
-        name: free_port() for name in ("grpc", "http", "health", "prometheus", "telemetry")
-    }
+    ports = {name: free_port() for name in ("grpc", "http", "health", "prometheus", "telemetry")}
     env = collector_env(
         workdir,
         ports=ports,
@@ -538,16 +540,18 @@ def start_prometheus(
 
         try:
             wait_for(
-                ready, timeout_s=timeout_s, what=f"Prometheus ready at {url}",
+                ready,
+                timeout_s=timeout_s,
+                what=f"Prometheus ready at {url}",
                 on_timeout=process.log_tail,
             )
+
             # Service discovery hands targets to the scrape manager at most every 5 s:
             # return once they are active, so callers do not race the first scrape.
-            wanted = len(targets)
-            wait_for(
-                lambda prom=prom: len(prom.targets()) >= wanted,
-                timeout_s=timeout_s, what="Prometheus to activate its scrape targets",
-            )
+            def active(prom: Prometheus = prom) -> bool:
+                return len(prom.targets()) >= len(targets)
+
+            wait_for(active, timeout_s=timeout_s, what="Prometheus to activate its scrape targets")
             return prom
         except (ServiceFailed, TimeoutError) as error:
             last_error = error

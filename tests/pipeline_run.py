@@ -1,0 +1,312 @@
+"""One real attached-mode run through collector → Prometheus, shared by tests and scripts.
+
+`run_pipeline()` starts the built collector (collector-config/otelcol.yaml) and a private
+Prometheus, trains a small PyTorch model on the CPU under `otelprof.instrument(endpoint=...)`
+exporting OTLP gRPC, and waits until Prometheus has every step's timings. The end-to-end
+tests assert on the result; the dashboard tests and scripts/render_dashboards.py run every
+dashboard query against the same Prometheus.
+
+What is real: the collector, Prometheus, PyTorch, otelprof's profiler, system gauges and
+exporters. What is synthetic, and says so: this machine has no GPU, so a second OTLP feed
+runs otelprof's own GPU gauges (otelprof.system) over a scripted NVML driver
+(tests/fake_nvml.py). Its resource carries `otelprof.synthetic="fake-nvml"`, which becomes
+the Prometheus label `otelprof_synthetic`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.otlp_sink import OtlpSink
+from tests.services import Collector, Prometheus, start_collector, start_prometheus, wait_for
+
+# The timing names of Determined's profiler, each opened once per step by the loop below.
+DETERMINED_TIMINGS = (
+    "dataloader_next",
+    "to_device",
+    "train_batch",
+    "step_lr_schedulers",
+    "from_device",
+    "reduce_metrics",
+)
+STEP_SPAN = "step"
+
+# Rank environment of the training process: the second node's first process of four, so
+# that the rank label cannot pass by being the default 0, and host metrics stay on.
+RANK_ENV = {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+
+SYNTHETIC_GPUS = 2
+
+
+@dataclass
+class TrainingResult:
+    steps: int
+    step_times_s: list[float]
+    stats: dict[str, int]
+    resource: dict[str, Any]
+
+
+@dataclass
+class PipelineRun:
+    """Everything a test needs to query what one run left behind."""
+
+    collector: Collector
+    prometheus: Prometheus
+    tempo: OtlpSink  # a real OTLP gRPC server behind the collector's otlp_grpc/tempo exporter
+    training: TrainingResult
+    service_name: str
+    gpu_uuids: list[str]
+    started: float
+    finished: float
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return self.training.steps
+
+    @property
+    def host_name(self) -> str:
+        return str(self.training.resource["host.name"])
+
+    @property
+    def rank(self) -> str:
+        return str(self.training.resource["otelprof.rank"])
+
+    @property
+    def traces_file(self) -> Path:
+        return self.collector.debug_dir / "traces.jsonl"
+
+    def stop(self) -> None:
+        for stop in (self.prometheus.stop, self.collector.stop, self.tempo.stop):
+            with contextlib.suppress(Exception):
+                stop()
+
+
+def train(endpoint: str, *, steps: int, service_name: str, interval_s: float = 0.5) -> Any:
+    """A real CPU training loop instrumented with otelprof's public API, exporting OTLP gRPC.
+
+    Every step opens the six Determined timings inside the step span; the model, loss,
+    optimizer and scheduler are ordinary PyTorch.
+    """
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import otelprof
+
+    torch.manual_seed(0)
+    batch = 32
+    data = TensorDataset(torch.randn(steps * batch, 64), torch.randint(0, 8, (steps * batch,)))
+    loader = DataLoader(data, batch_size=batch, shuffle=True)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    device = torch.device("cpu")
+
+    prof = otelprof.instrument(endpoint=endpoint, interval=interval_s, service_name=service_name)
+    step_times: list[float] = []
+    try:
+        batches = iter(loader)
+        losses: list[torch.Tensor] = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            with otelprof.timing("dataloader_next"):
+                x, y = next(batches)
+            with otelprof.timing("to_device"):
+                x, y = x.to(device), y.to(device)
+            with otelprof.timing("train_batch"):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+            with otelprof.timing("step_lr_schedulers"):
+                scheduler.step()
+            with otelprof.timing("from_device"):
+                losses.append(loss.detach().to("cpu"))
+            with otelprof.timing("reduce_metrics"):
+                float(torch.stack(losses[-10:]).mean())
+            prof.step()
+            step_times.append(time.perf_counter() - t0)
+            time.sleep(0.02)  # a few steps per gauge interval, like a real job's cadence
+    finally:
+        resource = dict(prof.resource.attributes)
+        prof.shutdown()
+    return TrainingResult(steps, step_times, prof.stats(), resource)
+
+
+class SyntheticGpuFeed:
+    """otelprof's GPU gauges over a scripted NVML driver, exported OTLP gRPC to a collector.
+
+    Synthetic on purpose (no GPU here); the values follow the training run's cadence:
+    utilization 35-95 %, memory used rising, power and temperature varying.
+    """
+
+    def __init__(self, endpoint: str, resource: dict[str, Any], interval_s: float = 0.5) -> None:
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+        from opentelemetry.sdk.resources import Resource
+
+        from otelprof.system import SystemMetricsSettings, register_system_metrics
+        from tests.fake_nvml import NVML_ERROR_NOT_SUPPORTED, FakeGpu, FakeNvml
+
+        self.gpus = [
+            FakeGpu(
+                uuid=f"GPU-{i}{i}{i}{i}5e7e-0000-4000-8000-00000000000{i}",
+                memory_total=80 * 2**30,
+                # no sample buffer: the sampler falls back to nvmlDeviceGetUtilizationRates
+                errors={"nvmlDeviceGetSamples": NVML_ERROR_NOT_SUPPORTED},
+            )
+            for i in range(SYNTHETIC_GPUS)
+        ]
+        attributes = dict(resource)
+        attributes["service.instance.id"] = f"{resource.get('service.instance.id')}-fake-nvml"
+        attributes["otelprof.synthetic"] = "fake-nvml"
+        self.provider = MeterProvider(
+            resource=Resource.create(attributes),
+            metric_readers=[
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=endpoint, insecure=True),
+                    export_interval_millis=int(interval_s * 1000),
+                )
+            ],
+        )
+        self.handle = register_system_metrics(
+            self.provider.get_meter("otelprof"),
+            SystemMetricsSettings(
+                interval_s=interval_s,
+                host_metrics=False,
+                gpus="all",
+                process_metrics=False,
+                torch_cuda_memory=False,
+            ),
+            nvml=FakeNvml(self.gpus),
+            env={},
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drive, name="fake-nvml", daemon=True)
+        self._thread.start()
+
+    def _drive(self) -> None:
+        tick = 0
+        while not self._stop.wait(0.2):
+            tick += 1
+            for i, gpu in enumerate(self.gpus):
+                gpu.utilization_rate = 35 + (tick * 7 + i * 20) % 61
+                gpu.memory_used = min(gpu.memory_total, (8 + i * 4) * 2**30 + tick * 2**26)
+                gpu.power_mw = 150_000 + gpu.utilization_rate * 2_500
+                gpu.temperature_c = 45 + gpu.utilization_rate // 4
+                gpu.energy_mj += gpu.power_mw // 5
+
+    @property
+    def uuids(self) -> list[str]:
+        return [gpu.uuid for gpu in self.gpus]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.provider.force_flush()
+        self.handle.close()
+        self.provider.shutdown()
+
+
+@contextlib.contextmanager
+def rank_environment() -> Iterator[None]:
+    import os
+
+    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    os.environ.update(RANK_ENV)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_pipeline(workdir: Path, *, steps: int = 40, timeout_s: float = 60.0) -> PipelineRun:
+    """Start the services, train, feed synthetic GPU gauges, wait until Prometheus has it all.
+
+    The caller must call `.stop()` on the result (the fixture and the script do).
+    """
+    service_name = f"e2e-{uuid.uuid4().hex[:8]}"
+    tempo = OtlpSink().start()
+    collector = start_collector(
+        workdir / "otelcol",
+        traces_exporters=["span_metrics", "otlp_grpc/tempo", "file/traces"],
+        metrics_exporters=["prometheus"],
+        extra_env={"OTELCOL_TEMPO_ENDPOINT": f"127.0.0.1:{tempo.port}"},
+    )
+    prometheus: Prometheus | None = None
+    try:
+        prometheus = start_prometheus(workdir / "prometheus", collector=collector)
+        started = time.time()
+        with rank_environment():
+            from otelprof.config import Settings
+            from otelprof.resource import build_resource
+
+            resource = dict(
+                build_resource(Settings.from_options(service_name=service_name)).attributes
+            )
+        gpu_feed = SyntheticGpuFeed(collector.otlp_endpoint, resource)
+        try:
+            with rank_environment():
+                training = train(collector.otlp_endpoint, steps=steps, service_name=service_name)
+            time.sleep(1.0)  # a couple more GPU samples after the last step
+        finally:
+            gpu_feed.stop()
+        run = PipelineRun(
+            collector=collector,
+            prometheus=prometheus,
+            tempo=tempo,
+            training=training,
+            service_name=service_name,
+            gpu_uuids=gpu_feed.uuids,
+            started=started,
+            finished=time.time(),
+        )
+        wait_until_complete(run, timeout_s)
+        return run
+    except BaseException:
+        if prometheus is not None:
+            prometheus.stop()
+        collector.stop()
+        tempo.stop()
+        raise
+
+
+def wait_until_complete(run: PipelineRun, timeout_s: float) -> None:
+    """Wait until Prometheus counts every step of every timing (the last flush arrived)."""
+    names = "|".join((*DETERMINED_TIMINGS, STEP_SPAN))
+    query = (
+        f'sum by (span_name) (traces_span_metrics_calls_total{{service_name="{run.service_name}",'
+        f'span_name=~"{names}"}})'
+    )
+
+    def complete() -> bool:
+        counts = {
+            s["metric"]["span_name"]: float(s["value"][1]) for s in run.prometheus.query(query)
+        }
+        return len(counts) == len(DETERMINED_TIMINGS) + 1 and all(
+            v >= run.steps for v in counts.values()
+        )
+
+    wait_for(
+        complete,
+        timeout_s=timeout_s,
+        what=f"Prometheus to count {run.steps} calls of every timing ({query})",
+        interval_s=0.5,
+        on_timeout=lambda: run.collector.process.log_tail() if run.collector.process else "",
+    )
+    # and the last gauge samples of both feeds
+    time.sleep(2.0)
