@@ -1,0 +1,69 @@
+"""Training timings as OTel spans: record_function bridge, step spans, schedules, CUDA events.
+
+The training thread only records names and timestamps (`_recorder`); a builder thread turns
+them into ReadableSpans for the provider's span processors (`_builder`). `TimingsEngine`
+(`_engine`) owns steps, schedules, the torch bridge (`_bridge`), CUDA-event timing (`_cuda`)
+and optional Kineto windows (`_kineto`). Importing this package never imports torch.
+"""
+
+from otelprof.timings._api import (
+    DATALOADER_NEXT,
+    FROM_DEVICE,
+    OPTIMIZER_STEP,
+    REDUCE_METRICS,
+    STEP_LR_SCHEDULERS,
+    TO_DEVICE,
+    TRAIN_BATCH,
+    HookHandle,
+    from_device,
+    instrument_lr_scheduler,
+    instrument_optimizer,
+    reduce_metrics,
+    set_epoch,
+    step,
+    timed_dataloader,
+    to_device,
+    train_batch,
+)
+from otelprof.timings._builder import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_SOURCE, ATTR_STEP
+from otelprof.timings._engine import TimingsEngine
+from otelprof.timings._recorder import Timing, timing
+from otelprof.timings._schedule import (
+    CyclicSchedule,
+    Schedule,
+    ScheduleAction,
+    cyclic_schedule,
+    schedule,
+)
+
+__all__ = [
+    "ATTR_CUDA_DURATION",
+    "ATTR_EPOCH",
+    "ATTR_SOURCE",
+    "ATTR_STEP",
+    "DATALOADER_NEXT",
+    "FROM_DEVICE",
+    "OPTIMIZER_STEP",
+    "REDUCE_METRICS",
+    "STEP_LR_SCHEDULERS",
+    "TO_DEVICE",
+    "TRAIN_BATCH",
+    "CyclicSchedule",
+    "HookHandle",
+    "Schedule",
+    "ScheduleAction",
+    "Timing",
+    "TimingsEngine",
+    "cyclic_schedule",
+    "from_device",
+    "instrument_lr_scheduler",
+    "instrument_optimizer",
+    "reduce_metrics",
+    "schedule",
+    "set_epoch",
+    "step",
+    "timed_dataloader",
+    "timing",
+    "to_device",
+    "train_batch",
+]

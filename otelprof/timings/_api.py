@@ -1,0 +1,217 @@
+"""The Determined timings without hand-written annotations, and the module-level API.
+
+Each helper opens a span with Determined's name: `dataloader_next` (per item of any
+iterable), `to_device` / `from_device` (nested tensors), `optimizer_step` (optimizer hook
+API) and `step_lr_schedulers`. All of them resolve the running engine at call time and are
+cheap no-ops that still do the work when no profiler runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+from otelprof.timings import _engine
+from otelprof.timings._recorder import Timing, timing
+
+DATALOADER_NEXT = "dataloader_next"
+TO_DEVICE = "to_device"
+FROM_DEVICE = "from_device"
+TRAIN_BATCH = "train_batch"
+STEP_LR_SCHEDULERS = "step_lr_schedulers"
+REDUCE_METRICS = "reduce_metrics"
+OPTIMIZER_STEP = "optimizer_step"
+
+T = TypeVar("T")
+
+
+def step() -> None:
+    """Mark a training-step boundary on the running profiler (no-op when none runs)."""
+    engine = _engine._active
+    if engine is not None:
+        engine.step()
+
+
+def set_epoch(epoch: int | None) -> None:
+    """Tag the following spans with `otelprof.epoch` (no-op when no profiler runs)."""
+    engine = _engine._active
+    if engine is not None:
+        engine.set_epoch(epoch)
+
+
+class timed_dataloader(Generic[T]):
+    """Wrap any iterable (a DataLoader, a generator): each `next()` is a `dataloader_next`
+    span. Keeps `len()` and can be iterated again when the wrapped object can (epochs).
+    The final `next()` that finds the iterable exhausted is not a span."""
+
+    def __init__(self, iterable: Iterable[T], name: str = DATALOADER_NEXT) -> None:
+        self.iterable = iterable
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.iterable)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[T]:
+        iterator = iter(self.iterable)
+        name = self.name
+        while True:
+            span = timing(name)
+            span.__enter__()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                span.cancel()
+                return
+            except BaseException as error:
+                span.__exit__(type(error), error, error.__traceback__)
+                raise
+            span.__exit__(None, None, None)
+            yield item
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = _engine_torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _engine_torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _map_nested(data: Any, fn: Any) -> Any:
+    """Apply `fn` to every tensor in nested dict/list/tuple/namedtuple/dataclass data."""
+    if _is_tensor(data):
+        return fn(data)
+    if isinstance(data, Mapping):
+        items = {key: _map_nested(value, fn) for key, value in data.items()}
+        kind: Any = type(data)
+        try:
+            return kind(items)
+        except Exception:
+            return items
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+        return type(data)(*(_map_nested(value, fn) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_nested(value, fn) for value in data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changes = {
+            f.name: _map_nested(getattr(data, f.name), fn)
+            for f in dataclasses.fields(data)
+            if f.init
+        }
+        return dataclasses.replace(data, **changes)
+    return data
+
+
+def to_device(data: T, device: Any, non_blocking: bool = False) -> T:
+    """Move every tensor in `data` to `device` under a `to_device` span."""
+    with timing(TO_DEVICE):
+        return _map_nested(data, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def from_device(data: T) -> T:
+    """Detach every tensor in `data` and copy it to the host under a `from_device` span."""
+    with timing(FROM_DEVICE):
+        return _map_nested(data, lambda t: t.detach().cpu())
+
+
+class HookHandle:
+    """What `instrument_optimizer` / `instrument_lr_scheduler` return: `remove()` undoes it."""
+
+    def __init__(self, remove: Any) -> None:
+        self._remove = remove
+
+    def remove(self) -> None:
+        remove, self._remove = self._remove, None
+        if remove is not None:
+            remove()
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.remove()
+
+
+def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHandle:
+    """Time `optimizer.step()` through torch's step pre/post hooks (`optimizer_step` span).
+
+    If `step()` raises, torch skips the post hook: that occurrence is not a span.
+    """
+    if not (
+        hasattr(optimizer, "register_step_pre_hook")
+        and hasattr(optimizer, "register_step_post_hook")
+    ):
+        raise TypeError(
+            f"instrument_optimizer needs a torch.optim.Optimizer (step hook API), "
+            f"got {type(optimizer).__name__}"
+        )
+    open_spans: list[Timing] = []
+
+    def pre(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        while open_spans:  # a previous step raised before its post hook
+            open_spans.pop().cancel()
+        span = timing(name)
+        span.__enter__()
+        open_spans.append(span)
+
+    def post(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if open_spans:
+            open_spans.pop().__exit__(None, None, None)
+
+    pre_handle = optimizer.register_step_pre_hook(pre)
+    post_handle = optimizer.register_step_post_hook(post)
+
+    def remove() -> None:
+        pre_handle.remove()
+        post_handle.remove()
+        while open_spans:
+            open_spans.pop().cancel()
+
+    return HookHandle(remove)
+
+
+def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> HookHandle:
+    """Time `scheduler.step()` as a `step_lr_schedulers` span (schedulers have no hooks, so
+    the instance's `step` is wrapped; `remove()` restores it)."""
+    original = getattr(scheduler, "step", None)
+    if not callable(original):
+        raise TypeError(
+            f"instrument_lr_scheduler needs an object with a step() method, "
+            f"got {type(scheduler).__name__}"
+        )
+    had_own = "step" in vars(scheduler)
+    own = vars(scheduler).get("step")
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        with timing(name):
+            return original(*args, **kwargs)
+
+    scheduler.step = timed_step
+
+    def remove() -> None:
+        if vars(scheduler).get("step") is timed_step:
+            if had_own:
+                scheduler.step = own
+            else:
+                del scheduler.step
+
+    return HookHandle(remove)
+
+
+def train_batch(**attributes: Any) -> Timing:
+    """`with train_batch():` — the `train_batch` span (forward, backward, optimizer)."""
+    return timing(TRAIN_BATCH, **attributes)
+
+
+def reduce_metrics(**attributes: Any) -> Timing:
+    """`with reduce_metrics():` — the `reduce_metrics` span."""
+    return timing(REDUCE_METRICS, **attributes)
+
+
+def active() -> bool:
+    """True while a timings engine runs in this process."""
+    return _engine._active is not None

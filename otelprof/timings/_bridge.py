@@ -1,0 +1,80 @@
+"""The record_function bridge: every Python `record_function` range also becomes a span.
+
+We wrap `__enter__`/`__exit__` on torch's `record_function` class itself, so every alias
+(`torch.profiler.record_function`, `torch.autograd.profiler.record_function`, names a library
+imported earlier) and both uses (context manager, decorator) are covered, and torch's own
+methods still run first/last, so a torch.profiler session sees every range as before.
+`uninstall()` puts back exactly the attributes that were there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+from otelprof.timings import _recorder as rec
+
+_log = logging.getLogger("otelprof")
+_METHODS = ("__enter__", "__exit__")
+_MISSING = object()
+
+
+def record_function_classes() -> list[type]:
+    """The distinct classes behind torch's public record_function names."""
+    classes: list[type] = []
+    for module_name in ("torch.profiler", "torch.autograd.profiler"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        cls = getattr(module, "record_function", None)
+        if isinstance(cls, type) and cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+class Bridge:
+    """Installed wrappers on the record_function class(es), and what they replaced."""
+
+    def __init__(self) -> None:
+        self._classes = record_function_classes()
+        self._saved: dict[type, dict[str, Any]] = {}
+        self._installed: dict[type, dict[str, Any]] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._installed)
+
+    def install(self) -> None:
+        for cls in self._classes:
+            target: Any = cls
+            saved = {name: cls.__dict__.get(name, _MISSING) for name in _METHODS}
+            if any(getattr(getattr(cls, n), "_otelprof_bridge", False) for n in _METHODS):
+                raise RuntimeError(
+                    f"{cls.__module__}.{cls.__qualname__} is already bridged by another "
+                    "otelprof engine; shut that one down first"
+                )
+            enter, exit_ = rec.bridged_methods(target.__enter__, target.__exit__)
+            self._saved[cls] = saved
+            target.__enter__ = enter
+            target.__exit__ = exit_
+            self._installed[cls] = {"__enter__": enter, "__exit__": exit_}
+
+    def uninstall(self) -> None:
+        """Restore each class attribute exactly (or leave a later patch in place, warning)."""
+        for cls, ours in list(self._installed.items()):
+            saved = self._saved[cls]
+            for name in _METHODS:
+                if cls.__dict__.get(name) is not ours[name]:
+                    _log.warning(
+                        "otelprof: %s.%s was re-patched by someone else; leaving it",
+                        cls.__qualname__,
+                        name,
+                    )
+                    continue
+                if saved[name] is _MISSING:
+                    delattr(cls, name)
+                else:
+                    setattr(cls, name, saved[name])
+            del self._installed[cls]

@@ -1,0 +1,303 @@
+"""The span builder thread: recorded frames -> ReadableSpans -> the provider's span processors.
+
+Runs every `interval_s` (and on flush), so the training thread never builds an OTel object.
+Frames with CUDA events wait here until their events complete, then carry the device-side
+duration. Timestamps are perf_counter_ns on the hot path and become Unix-epoch nanoseconds
+here through one (wall, monotonic) pair taken at engine start: monotonic within the run,
+and aligned with the wall clock of the other telemetry.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from otelprof.timings import _recorder as rec
+
+_log = logging.getLogger("otelprof")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_OK_TYPES = (str, bool, int, float)
+_getrandbits = random.getrandbits
+_UNSET = Status(StatusCode.UNSET)
+
+ATTR_STEP = "otelprof.step"
+ATTR_EPOCH = "otelprof.epoch"
+ATTR_SOURCE = "otelprof.source"
+ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
+
+
+class Clock:
+    """perf_counter_ns -> Unix-epoch ns through one pair sampled at engine start."""
+
+    def __init__(self) -> None:
+        self.wall_ns = time.time_ns()
+        self.mono_ns = time.perf_counter_ns()
+
+    def to_wall(self, mono_ns: int) -> int:
+        return self.wall_ns + (mono_ns - self.mono_ns)
+
+    def to_mono(self, wall_ns: int) -> int:
+        return self.mono_ns + (wall_ns - self.wall_ns)
+
+
+def _clean_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Keep OTel-valid values; other values become their str() instead of failing export."""
+    out: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if value is None:
+            continue
+        if isinstance(value, _OK_TYPES):
+            out[str(key)] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, _OK_TYPES) for v in value):
+            out[str(key)] = tuple(value)
+        else:
+            out[str(key)] = str(value)
+    return out
+
+
+def _span_id(frame: list[Any]) -> int:
+    """Span ids are drawn here, lazily, so the hot path spends nothing on randomness."""
+    span_id: int = frame[rec.F_SPAN]
+    if not span_id:
+        span_id = frame[rec.F_SPAN] = _getrandbits(64) or 1
+    return span_id
+
+
+def _parent_id(frame: list[Any], ctx: rec.StepContext, kind: str) -> int:
+    if kind == rec.KIND_STEP:
+        return 0
+    parent = frame[rec.F_PARENT]
+    if parent is None:
+        return ctx.span_id
+    frame[rec.F_PARENT] = None  # drop the reference: the parent may be long-lived
+    return _span_id(parent)
+
+
+class SpanBuilder:
+    """Drains the recorder queue on its own thread and hands finished spans to the provider."""
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider,
+        clock: Clock,
+        *,
+        interval_s: float = 0.2,
+        cuda_timer: Any = None,
+        max_pending_cuda: int = 65536,
+        version: str = "0",
+    ) -> None:
+        processor = getattr(tracer_provider, "_active_span_processor", None)
+        if processor is None or not hasattr(processor, "on_end"):
+            raise TypeError(
+                "TimingsEngine needs an opentelemetry.sdk.trace.TracerProvider, got "
+                f"{type(tracer_provider).__name__}"
+            )
+        self._processor = processor
+        self._resource = tracer_provider.resource
+        self._scope = InstrumentationScope("otelprof", version)
+        self._clock = clock
+        self._interval_s = interval_s
+        self._cuda = cuda_timer
+        self._max_pending = max_pending_cuda
+        self._pending: deque[list[Any]] = deque()
+        self._jobs: deque[Callable[[], Iterable[ReadableSpan]]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one drain at a time (thread vs flush())
+        self._thread: threading.Thread | None = None
+        self.built = 0
+        self.failed = 0
+        self.cuda_unresolved = 0
+        self.job_spans = 0
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="otelprof-spans", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread, then drain everything left, waiting up to `timeout_s` for CUDA."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.drain(final=True, timeout_s=timeout_s)
+
+    def submit(self, job: Callable[[], Iterable[ReadableSpan]]) -> None:
+        """Run `job` on the builder thread; the spans it yields are exported like the others."""
+        self._jobs.append(job)
+        self._wake.set()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Build and hand over everything queued so far (waiting for CUDA events)."""
+        self.drain(final=True, timeout_s=timeout_s)
+
+    def pending_cuda(self) -> int:
+        return len(self._pending)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            try:
+                self.drain(final=False)
+            except Exception as error:  # never let the thread die
+                _log.warning("otelprof: span builder error %r", error)
+
+    # ---- work ----
+    def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
+        with self._lock:
+            self._drain_queue()
+            self._run_jobs()
+            self._resolve_pending(final=final, timeout_s=timeout_s)
+
+    def _drain_queue(self) -> None:
+        queue = rec.queue
+        popleft = queue.popleft
+        while True:
+            try:
+                frame = popleft()
+            except IndexError:
+                return
+            cuda = frame[rec.F_CUDA]
+            if cuda is not None and not self._cuda.ready(cuda):
+                if len(self._pending) < self._max_pending:
+                    self._pending.append(frame)
+                    continue
+                self.cuda_unresolved += 1
+            self._emit(frame)
+
+    def _resolve_pending(self, *, final: bool, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            frame = self._pending[0]
+            if self._cuda.ready(frame[rec.F_CUDA]):
+                self._pending.popleft()
+                self._emit(frame)
+                continue
+            if not final:
+                return
+            if time.monotonic() >= deadline:
+                # give up waiting: emit the rest with host durations only
+                while self._pending:
+                    frame = self._pending.popleft()
+                    frame[rec.F_CUDA] = None
+                    self.cuda_unresolved += 1
+                    self._emit(frame)
+                return
+            time.sleep(0.001)
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            job = self._jobs.popleft()
+            try:
+                for span in job():
+                    self._hand_over(span)
+                    self.job_spans += 1
+            except Exception as error:
+                _log.warning("otelprof: span job failed: %r", error)
+
+    def _emit(self, frame: list[Any]) -> None:
+        try:
+            span = self.build(frame)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
+            return
+        self._hand_over(span)
+        self.built += 1
+
+    def _hand_over(self, span: ReadableSpan) -> None:
+        try:
+            self._processor.on_end(span)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: span processor raised %r", error)
+
+    def build(self, frame: list[Any]) -> ReadableSpan:
+        """One frame -> one ReadableSpan (ids, parent, step/epoch, thread, error, CUDA)."""
+        ctx: rec.StepContext = frame[rec.F_CTX]
+        kind = frame[rec.F_KIND]
+        attributes: dict[str, Any] = {ATTR_STEP: ctx.step, ATTR_SOURCE: kind}
+        if ctx.epoch is not None:
+            attributes[ATTR_EPOCH] = ctx.epoch
+        if kind != rec.KIND_STEP:
+            ctx.has_children = True
+            thread = frame[rec.F_THREAD]
+            attributes["thread.id"] = thread.ident
+            attributes["thread.name"] = thread.name
+        if frame[rec.F_ATTRS]:
+            attributes.update(_clean_attributes(frame[rec.F_ATTRS]))
+        cuda = frame[rec.F_CUDA]
+        if cuda is not None:
+            seconds = self._cuda.elapsed_s(cuda)
+            if seconds is not None:
+                attributes[ATTR_CUDA_DURATION] = seconds
+        return self.make_span(
+            name=frame[rec.F_NAME],
+            trace_id=ctx.trace_id,
+            span_id=_span_id(frame),
+            parent_id=_parent_id(frame, ctx, kind),
+            start_ns=self._clock.to_wall(frame[rec.F_START]),
+            end_ns=self._clock.to_wall(frame[rec.F_END]),
+            attributes=attributes,
+            error=frame[rec.F_ERROR],
+        )
+
+    def make_span(
+        self,
+        *,
+        name: str,
+        trace_id: int,
+        span_id: int,
+        parent_id: int,
+        start_ns: int,
+        end_ns: int,
+        attributes: dict[str, Any],
+        error: tuple[str, str, str] | None = None,
+    ) -> ReadableSpan:
+        context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+        parent = (
+            SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED)
+            if parent_id
+            else None
+        )
+        events: tuple[Event, ...] = ()
+        status = _UNSET
+        if error is not None:
+            type_name, message, stack = error
+            status = Status(StatusCode.ERROR, f"{type_name}: {message}")
+            events = (
+                Event(
+                    "exception",
+                    {
+                        "exception.type": type_name,
+                        "exception.message": message,
+                        "exception.stacktrace": stack,
+                        "exception.escaped": "True",
+                    },
+                    timestamp=end_ns,
+                ),
+            )
+        return ReadableSpan(
+            name=name,
+            context=context,
+            parent=parent,
+            resource=self._resource,
+            attributes=attributes,
+            events=events,
+            kind=SpanKind.INTERNAL,
+            status=status,
+            start_time=start_ns,
+            end_time=end_ns,
+            instrumentation_scope=self._scope,
+        )

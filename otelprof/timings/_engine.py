@@ -1,0 +1,276 @@
+"""TimingsEngine: step boundaries, schedules, and the lifecycle of bridge, builder and Kineto.
+
+One engine runs per process (the recorder is process-wide). Steps: step 0 begins at
+`start()`, each `step()` ends one step and begins the next, like `torch.profiler.profile`.
+A recording step is one trace whose root span is named `step`; every range opened during it
+is a child of the enclosing range on its thread, or of the step span. A range that is still
+open across a boundary stays in the trace of the step it started in. Nothing is recorded
+before `start()` or after `shutdown()`; the trailing step (last `step()` to `shutdown()`)
+is exported only if some range was recorded in it, and ranges still open at shutdown are
+not exported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from time import perf_counter_ns
+from typing import Any
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from otelprof.config import Settings
+from otelprof.timings import _recorder as rec
+from otelprof.timings._bridge import Bridge
+from otelprof.timings._builder import Clock, SpanBuilder
+from otelprof.timings._schedule import ScheduleAction, as_action, schedule
+
+_log = logging.getLogger("otelprof")
+_lock = threading.Lock()
+_active: TimingsEngine | None = None
+
+DEFAULT_KINETO_SCHEDULE = schedule(wait=1, warmup=1, active=3, repeat=1)
+"""Kineto's window when no schedule is given: timing spans stay always on, but a full
+torch.profiler session on every step would grow without bound, so it gets one short window."""
+
+
+def active_engine() -> TimingsEngine | None:
+    return _active
+
+
+def _import_torch() -> Any:
+    try:
+        return importlib.import_module("torch")
+    except Exception:
+        return None
+
+
+class TimingsEngine:
+    """Turns record_function ranges, `timing()` blocks and steps into OTel spans."""
+
+    def __init__(self, tracer_provider: TracerProvider, settings: Settings) -> None:
+        self._settings = settings
+        self._clock = Clock()
+        self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
+        if self._torch is None and settings.cuda_events:
+            self._torch = _import_torch()
+        self._cuda = self._make_cuda_timer()
+        self._builder = SpanBuilder(
+            tracer_provider, self._clock, cuda_timer=self._cuda, version=_version()
+        )
+        self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
+        self._kineto: Any = None
+        self._schedule = settings.schedule
+        self._running = False
+        self._finished = False
+        self._step = 0
+        self._epoch: int | None = None
+        self._batch_in_epoch = 0
+        self._step_start = 0
+        self._ctx: rec.StepContext | None = None
+        self._kineto_action = ScheduleAction.NONE
+        self._schedule_errors = 0
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Begin step 0: start the builder thread, install the bridge, start Kineto if asked."""
+        global _active
+        with _lock:
+            if self._running or self._finished:
+                raise RuntimeError("a TimingsEngine can be started once")
+            if _active is not None:
+                raise RuntimeError("another TimingsEngine is running; shut it down first")
+            _active = self
+            self._running = True
+        rec.dropped = 0
+        rec.queue.clear()
+        rec.capacity = self._settings.max_queued_spans
+        rec.cuda_timer = self._cuda
+        self._set_torch_hooks()
+        self._builder.start()
+        if self._bridge is not None:
+            self._bridge.install()
+        if self._settings.kineto and self._torch is not None:
+            self._start_kineto()
+        self._begin_step(perf_counter_ns())
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Restore torch, end the trailing step, and hand every queued span to the provider."""
+        global _active
+        with _lock:
+            if not self._running:
+                return
+            self._running = False
+            self._finished = True
+        timeout = self._settings.export_timeout_s if timeout_s is None else timeout_s
+        end = perf_counter_ns()
+        ctx = self._ctx
+        rec.current = None
+        self._ctx = None
+        try:
+            if self._bridge is not None:
+                self._bridge.uninstall()
+            if self._kineto is not None:
+                self._kineto.stop(self._window_step(ctx, end))
+            self._builder.flush(timeout)
+            if ctx is not None and ctx.has_children:
+                rec.emit_step(ctx, end)
+            self._builder.stop(timeout)
+        finally:
+            rec.capacity = 0
+            rec.cuda_timer = None
+            rec.torch_profiler_state = None
+            rec.torch_range_enter = None
+            rec.torch_range_exit = None
+            with _lock:
+                if _active is self:
+                    _active = None
+
+    # ---- steps ----
+    def step(self) -> None:
+        """End the current step and begin the next (like `torch.profiler.profile.step()`)."""
+        if not self._running:
+            return
+        try:
+            end = perf_counter_ns()
+            ctx = self._ctx
+            rec.current = None
+            if ctx is not None:
+                rec.emit_step(ctx, end)
+            self._step += 1
+            self._batch_in_epoch += 1
+            if self._kineto is not None:
+                finished = self._window_step(ctx, end)
+                self._kineto_action = self._kineto_action_for(self._step)
+                self._kineto.step(finished, self._kineto_action)
+            self._begin_step(perf_counter_ns())
+        except Exception as error:  # telemetry never breaks training
+            _log.warning("otelprof: step() failed: %r", error)
+
+    def set_epoch(self, epoch: int | None) -> None:
+        """Tag this and later steps with `otelprof.epoch`; a new epoch restarts per-epoch
+        schedules (`cyclic_schedule`) at the current step."""
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
+            raise TypeError(f"set_epoch: epoch must be an int or None, got {epoch!r}")
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        self._batch_in_epoch = 0
+        if not self._running:
+            return
+        if self._ctx is not None:
+            self._ctx.epoch = epoch
+        if getattr(self._schedule, "restarts_each_epoch", False):
+            self._begin_step(self._step_start, keep=True)
+
+    @property
+    def step_number(self) -> int:
+        return self._step
+
+    def timing(self, name: str, **attributes: Any) -> rec.Timing:
+        """A timing span (context manager or decorator); see `otelprof.timing`."""
+        return rec.timing(name, **attributes)
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Hand every span recorded so far to the provider's processors (tests, shutdown)."""
+        self._builder.flush(timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        builder = self._builder
+        stats = {
+            "spans_recorded": builder.built + builder.job_spans,
+            "spans_dropped": rec.dropped + builder.failed,
+            "spans_queued": len(rec.queue),
+            "steps": self._step,
+            "cuda_pending": builder.pending_cuda(),
+            "cuda_unresolved": builder.cuda_unresolved,
+            "schedule_errors": self._schedule_errors,
+            "bridge_installed": int(self._bridge is not None and self._bridge.installed),
+        }
+        if self._kineto is not None:
+            stats["kineto_traces"] = self._kineto.traces
+            stats["kineto_spans"] = self._kineto.spans
+            stats["kineto_events_dropped"] = self._kineto.events_dropped
+        return stats
+
+    # ---- internals ----
+    def _begin_step(self, start_ns: int, keep: bool = False) -> None:
+        action = self._timing_action()
+        previous = self._ctx if keep else None
+        self._step_start = start_ns
+        if action.records:
+            if previous is None:
+                previous = rec.StepContext(self._step, self._epoch, start_ns)
+            self._ctx = previous
+        else:
+            self._ctx = None
+        rec.current = self._ctx
+
+    def _call_schedule(self, fn: Any, step: int) -> ScheduleAction:
+        arg = self._batch_in_epoch if getattr(fn, "restarts_each_epoch", False) else step
+        try:
+            return as_action(fn(arg))
+        except Exception as error:
+            self._schedule_errors += 1
+            if self._schedule_errors == 1:
+                _log.warning("otelprof: the schedule raised %r; not recording this step", error)
+            return ScheduleAction.NONE
+
+    def _timing_action(self) -> ScheduleAction:
+        if self._schedule is None:
+            return ScheduleAction.RECORD
+        return self._call_schedule(self._schedule, self._step)
+
+    def _kineto_action_for(self, step: int) -> ScheduleAction:
+        return self._call_schedule(self._schedule or DEFAULT_KINETO_SCHEDULE, step)
+
+    def _window_step(self, ctx: rec.StepContext | None, end_ns: int) -> Any:
+        from otelprof.timings._kineto import WindowStep
+
+        if ctx is None or not self._kineto_action.records:
+            return None
+        return WindowStep(ctx, self._clock.to_wall(ctx.start_ns), self._clock.to_wall(end_ns))
+
+    def _start_kineto(self) -> None:
+        from otelprof.timings._kineto import KinetoSession
+
+        self._kineto = KinetoSession(
+            self._torch, self._builder, self._clock, self._settings.run_dir / "kineto"
+        )
+        self._kineto_action = self._kineto_action_for(0)
+        self._kineto.start(self._kineto_action)
+
+    def _make_cuda_timer(self) -> Any:
+        torch = self._torch
+        s = self._settings
+        if torch is None or not (s.cuda_events or s.sync_cuda):
+            return None
+        try:
+            if not torch.cuda.is_available():
+                return None
+        except Exception:
+            return None
+        from otelprof.timings._cuda import CudaTimer
+
+        return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
+
+    def _set_torch_hooks(self) -> None:
+        torch = self._torch
+        if torch is None:
+            return
+        try:
+            rec.torch_profiler_state = torch.autograd.profiler
+            rec.torch_range_enter = torch.ops.profiler._record_function_enter_new
+            rec.torch_range_exit = torch.ops.profiler._record_function_exit._RecordFunction
+        except Exception:
+            rec.torch_profiler_state = None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("otelprof")
+    except PackageNotFoundError:
+        return "0"

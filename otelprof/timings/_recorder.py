@@ -1,0 +1,388 @@
+"""The hot path: what the training thread does per range — two timestamps and an append.
+
+A range becomes a *frame*, a small list (name, ids, step context, timestamps, error), pushed
+on a per-thread stack while open (so nested ranges find their parent) and appended to a
+bounded queue when it closes. Nothing here builds OTel objects, takes a lock, or does I/O:
+the span builder thread turns frames into ReadableSpans. When the queue is full the frame is
+dropped and counted; training never waits on telemetry.
+
+The recorder is process-wide (module globals, for the cheapest possible reads on the hot
+path); `TimingsEngine` is the only writer of that state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from time import perf_counter_ns
+from types import TracebackType
+from typing import Any, TypeVar
+
+# frame layout (a list, for cheap construction and in-place completion)
+F_NAME = 0
+F_SPAN = 1  # int span id; 0 until the builder assigns one (no randomness on the hot path)
+F_PARENT = 2  # the parent frame (a list), or None: the parent is the step span
+F_CTX = 3  # StepContext the range was opened in
+F_THREAD = 4  # ThreadState of the opening thread
+F_ATTRS = 5  # user attributes or None
+F_START = 6  # perf_counter_ns
+F_END = 7  # perf_counter_ns
+F_ERROR = 8  # (type name, message, stacktrace) or None
+F_CUDA = 9  # CUDA event pair or None
+F_KIND = 10  # source: KIND_* below
+F_OWNER = 11  # the object that opened it (record_function instance / timing)
+F_RANGE = 12  # timing frames only: the torch profiler range opened alongside, or None
+
+KIND_RECORD_FUNCTION = KIND_RF = "record_function"
+KIND_TIMING = "timing"
+KIND_STEP = "step"
+
+MAX_DEPTH = 256
+"""Open ranges kept per thread; ranges that are never closed cannot grow memory past this."""
+
+
+class StepContext:
+    """One training step while it records: its trace, its root span, its number and epoch."""
+
+    __slots__ = ("epoch", "has_children", "span_id", "start_ns", "step", "trace_id")
+
+    def __init__(self, step: int, epoch: int | None, start_ns: int) -> None:
+        self.step = step
+        self.epoch = epoch
+        self.trace_id = random.getrandbits(128) or 1
+        self.span_id = random.getrandbits(64) or 1
+        self.start_ns = start_ns
+        self.has_children = False  # set by the builder thread
+
+
+class ThreadState:
+    """Per-thread open-range stack, plus the thread's identity for span attributes."""
+
+    __slots__ = ("ident", "name", "stack")
+
+    def __init__(self) -> None:
+        thread = threading.current_thread()
+        self.ident = threading.get_ident()
+        self.name = thread.name
+        self.stack: list[list[Any]] = []
+
+
+class _Local(threading.local):
+    state: ThreadState | None = None
+
+
+# ---- process-wide recorder state; written only by TimingsEngine ----
+current: StepContext | None = None
+"""The recording step's context; None when nothing records (no engine, or a NONE/WARMUP step)."""
+queue: deque[list[Any]] = deque()
+capacity: int = 0
+dropped: int = 0
+_drop_lock = threading.Lock()
+_local = _Local()
+_getrandbits = random.getrandbits
+
+# Optional torch hooks for `timing()`, set by the engine when torch is importable.
+torch_profiler_state: Any = None
+"""torch.autograd.profiler: its `_is_profiler_enabled` flag is set by every Python-level torch
+profiler (torch.profiler.profile, autograd.profiler.profile, emit_nvtx/itt); a module
+attribute read is ~4x cheaper than torch.autograd._profiler_enabled()."""
+torch_range_enter: Callable[[str, str | None], Any] | None = None
+torch_range_exit: Callable[[Any], Any] | None = None
+cuda_timer: Any = None  # _cuda.CudaTimer while CUDA timing is on
+
+
+def thread_state() -> ThreadState:
+    state = _local.state
+    if state is None:
+        state = _local.state = ThreadState()
+    return state
+
+
+def _count_drop() -> None:
+    global dropped
+    with _drop_lock:
+        dropped += 1
+
+
+def describe_error(
+    exc_type: type[BaseException], exc: BaseException | None, tb: TracebackType | None
+) -> tuple[str, str, str]:
+    """Exception type, message and stack trace as strings, so no frame (or tensor) is kept."""
+    try:
+        stack = "".join(traceback.format_exception(exc_type, exc, tb))
+    except Exception:
+        stack = ""
+    return (f"{exc_type.__module__}.{exc_type.__qualname__}", str(exc), stack)
+
+
+def open_frame(name: str, owner: object, ctx: StepContext, kind: str) -> list[Any]:
+    """Push a new frame on this thread's stack; its parent is the innermost open range of
+    the same step, else the step span."""
+    state = _local.state
+    if state is None:
+        state = thread_state()
+    stack = state.stack
+    parent = stack[-1] if stack and stack[-1][3] is ctx else None
+    frame = [name, 0, parent, ctx, state, None, 0, 0, None, None, kind, owner]
+    if len(stack) < MAX_DEPTH:
+        stack.append(frame)
+    frame[6] = perf_counter_ns()
+    return frame
+
+
+def close_frame(
+    frame: list[Any],
+    end_ns: int,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> None:
+    """Pop the frame from its thread's stack and queue it for the builder (or count a drop)."""
+    stack = frame[F_THREAD].stack
+    if stack and stack[-1] is frame:
+        stack.pop()
+    else:
+        _remove(stack, frame)
+    frame[F_END] = end_ns
+    if exc_type is not None:
+        frame[F_ERROR] = describe_error(exc_type, exc, tb)
+    if len(queue) < capacity:
+        queue.append(frame)
+    else:
+        _count_drop()
+
+
+def _remove(stack: list[list[Any]], frame: list[Any]) -> None:
+    with contextlib.suppress(ValueError):
+        stack.remove(frame)
+
+
+def discard_frame(frame: list[Any]) -> None:
+    """Forget an open frame without emitting it (e.g. the data loader's final, empty next())."""
+    _remove(frame[F_THREAD].stack, frame)
+
+
+def find_owned_frame(owner: object) -> list[Any] | None:
+    """The innermost open frame on this thread opened by `owner`, if any."""
+    state = _local.state
+    if state is None:
+        return None
+    stack = state.stack
+    if stack:
+        top = stack[-1]
+        if top[F_OWNER] is owner:
+            return top
+        for frame in reversed(stack):
+            if frame[F_OWNER] is owner:
+                return frame
+    return None
+
+
+def emit_step(ctx: StepContext, end_ns: int) -> None:
+    """Queue the step span (the root of the step's trace)."""
+    frame = [
+        "step",
+        ctx.span_id,
+        0,
+        ctx,
+        thread_state(),
+        None,
+        ctx.start_ns,
+        end_ns,
+        None,
+        None,
+        KIND_STEP,
+        None,
+    ]
+    if len(queue) < capacity:
+        queue.append(frame)
+    else:
+        _count_drop()
+
+
+def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
+    """`__enter__`/`__exit__` for torch's record_function: torch's own run first/last, and
+    in between the range is recorded like a `timing` (inlined: this is the hot path)."""
+
+    local = _local
+    pc = perf_counter_ns
+    kind = KIND_RF
+    frames = queue
+
+    def __enter__(self: Any) -> Any:
+        result = original_enter(self)
+        ctx = current
+        if ctx is not None:
+            state = local.state
+            if state is None:
+                state = thread_state()
+            stack = state.stack
+            parent = stack[-1] if stack and stack[-1][3] is ctx else None
+            frame = [self.name, 0, parent, ctx, state, None, 0, 0, None, None, kind, self]
+            if len(stack) < MAX_DEPTH:
+                stack.append(frame)
+            frame[6] = pc()
+        return result
+
+    def __exit__(
+        self: Any,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Any:
+        state = local.state
+        if state is not None and state.stack:
+            end = pc()
+            stack = state.stack
+            frame: Any = stack[-1]
+            if frame[11] is self:
+                stack.pop()
+            else:
+                frame = find_owned_frame(self)
+                if frame is not None:
+                    _remove(stack, frame)
+            if frame is not None:
+                frame[7] = end
+                if exc_type is not None:
+                    frame[8] = describe_error(exc_type, exc, tb)
+                if len(frames) < capacity:
+                    frames.append(frame)
+                else:
+                    _count_drop()
+        return original_exit(self, exc_type, exc, tb)
+
+    __enter__._otelprof_bridge = True  # type: ignore[attr-defined]
+    __exit__._otelprof_bridge = True  # type: ignore[attr-defined]
+    return __enter__, __exit__
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Timing:
+    """A timing span around a block or a function; made by `timing()`."""
+
+    __slots__ = ("attributes", "name")
+
+    def __init__(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"timing: name must be a non-empty string, got {name!r}")
+        self.name = name
+        self.attributes = attributes or None
+
+    def __enter__(self) -> Timing:
+        ctx = current
+        if ctx is None:
+            return self
+        state = _local.state
+        if state is None:
+            state = thread_state()
+        stack = state.stack
+        parent = stack[-1] if stack and stack[-1][3] is ctx else None
+        # the F_* layout with literal indices (hot path); F_RANGE only exists on timing frames
+        frame = [self.name, 0, parent, ctx, state, self.attributes, 0, 0, None, None, KIND_TIMING,
+                 self, None]  # fmt: skip
+        stack.append(frame)
+        if torch_profiler_state is not None and torch_profiler_state._is_profiler_enabled:
+            frame[12] = _torch_range_enter(self.name)
+        if cuda_timer is not None:
+            frame[9] = cuda_timer.enter()
+        frame[6] = perf_counter_ns()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        state = _local.state
+        if state is None or not state.stack:
+            return
+        stack = state.stack
+        frame: Any = stack[-1]
+        if frame[11] is self:
+            stack.pop()
+        else:
+            frame = find_owned_frame(self)
+            if frame is None:
+                return
+            _remove(stack, frame)
+        if frame[9] is not None:
+            cuda_timer.exit(frame[9])
+        frame[7] = perf_counter_ns()
+        if exc_type is not None:
+            frame[8] = describe_error(exc_type, exc, tb)
+        if len(queue) < capacity:
+            queue.append(frame)
+        else:
+            _count_drop()
+        if frame[12] is not None:
+            _torch_range_exit(frame[12])
+
+    def cancel(self) -> None:
+        """Close without emitting a span (the block turned out not to be a real occurrence)."""
+        frame = find_owned_frame(self)
+        if frame is not None:
+            discard_frame(frame)
+            if frame[12] is not None:
+                _torch_range_exit(frame[12])
+
+    def __call__(self, func: _F) -> _F:
+        """Decorator use: every call of `func` is one span."""
+
+        @functools.wraps(func)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return func(*args, **kwargs)
+
+        return timed  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"timing({self.name!r}{', ' if self.attributes else ''}{self.attributes or ''})"
+
+
+_timings_by_name: dict[str, Timing] = {}
+MAX_CACHED_NAMES = 4096
+
+
+def timing(name: str, **attributes: Any) -> Timing:
+    """A timing span around a block (`with timing("reduce_metrics"):`) or a function
+    (`@timing("train_batch")`), a child of the enclosing range or of the step span.
+
+    Free when no profiler records. While a torch profiler is recording it also opens a
+    `record_function` range of the same name, so the name shows up in torch traces.
+    Exceptions mark the span as an error and propagate unchanged. Open ranges live on the
+    thread's stack, not in the object, so one object may be entered on several threads
+    and nested in itself (attribute-free timings are shared per name).
+    """
+    if attributes:
+        return Timing(name, attributes)
+    cached = _timings_by_name.get(name)
+    if cached is None:
+        cached = Timing(name)
+        if len(_timings_by_name) < MAX_CACHED_NAMES:
+            _timings_by_name[name] = cached
+    return cached
+
+
+def _torch_range_enter(name: str) -> Any:
+    try:
+        return torch_range_enter(name, None)  # type: ignore[misc]
+    except Exception:
+        return None
+
+
+def _torch_range_exit(handle: Any) -> None:
+    with contextlib.suppress(Exception):
+        torch_range_exit(handle)  # type: ignore[misc]
+
+
+def is_recording() -> bool:
+    """True while the current step records timing spans."""
+    return current is not None
