@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     stats = prof.stats()
     run_dir = prof.run_dir
     assert run_dir is not None
+    console.print(f"\n[bold]Run files[/]: {run_dir}", soft_wrap=True, highlight=False)
     table = Table(title="What was collected", show_header=False)
-    table.add_row("run directory", str(run_dir))
     for kind, path in prof.files.items():
         size = path.stat().st_size if path.exists() else 0
         table.add_row(f"{kind} file", f"{path.name} ({size / 1024:.0f} KiB)")
