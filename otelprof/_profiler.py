@@ -67,8 +67,8 @@ class Profiler:
         for processor in self._pipelines.span_processors:
             self.tracer_provider.add_span_processor(processor)
         self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
-        self._system = self._start_system_metrics()
-        self._timings = self._start_timings()
+        self._system = _degrade("system metrics", self._start_system_metrics)
+        self._timings = _degrade("timings", self._start_timings)
         self._register_self_telemetry()
         if settings.detached:
             self._write_run_info()
@@ -231,6 +231,15 @@ class Profiler:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
         tmp.replace(path)
+
+
+def _degrade(what: str, start: Any) -> Any:
+    """Start a source; if it breaks, profile without it rather than fail the training job."""
+    try:
+        return start()
+    except Exception:
+        _log.exception("otelprof: could not start %s; continuing without them", what)
+        return None
 
 
 def _is_loss(key: str) -> bool:

@@ -138,3 +138,18 @@ def test_prometheus_pull_endpoint_serves_the_gauges(tmp_path: Path) -> None:
     assert "system_memory_linux_available_bytes" in body
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{prof.prometheus_port}/metrics", timeout=1)
+
+
+def test_a_source_that_fails_to_start_is_left_out_and_the_rest_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import otelprof.system
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(otelprof.system, "register_system_metrics", broken)
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
+        small_loop(2)
+    assert "could not start system metrics" in caplog.text
+    assert [s.name for s in read_spans(prof.files["traces"])].count("train_batch") == 2
