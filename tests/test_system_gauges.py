@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from otelprof.system import SystemMetricsSettings, names, register_system_metrics
 from otelprof.system.gauges import Snapshots
@@ -27,7 +27,11 @@ def collect(reader: InMemoryMetricReader) -> Collected:
                 out[m.name] = {
                     "unit": m.unit,
                     "kind": type(m.data).__name__,
-                    "points": [(p.value, dict(p.attributes)) for p in m.data.data_points],
+                    "points": [
+                        (p.value, dict(p.attributes or {}))
+                        for p in m.data.data_points
+                        if isinstance(p, NumberDataPoint)
+                    ],
                 }
     return out
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from otelprof.system import (
     SystemMetricsHandle,
@@ -72,7 +72,9 @@ class GpuRig:
             for sm in rm.scope_metrics:
                 for metric in sm.metrics:
                     for p in metric.data.data_points:
-                        out.setdefault(metric.name, []).append((p.value, dict(p.attributes)))
+                        assert isinstance(p, NumberDataPoint)
+                        point = (p.value, dict(p.attributes or {}))
+                        out.setdefault(metric.name, []).append(point)
         return out
 
     def close(self) -> None:
