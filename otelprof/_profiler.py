@@ -55,8 +55,8 @@ class Profiler:
         self._shutdown_done = False
         self._started_ns = time.time_ns()
         attrs = self.resource.attributes
-        world_size = int(attrs.get("otelprof.world_size", 1) or 1)
-        rank = int(attrs.get("otelprof.rank", 0) or 0)
+        world_size = _int_attribute(attrs.get("otelprof.world_size"), 1)
+        rank = _int_attribute(attrs.get("otelprof.rank"), 0)
         self._pipelines = build_pipelines(
             settings, self._counters, world_size=world_size, rank=rank
         )
@@ -240,6 +240,10 @@ def _degrade(what: str, start: Any) -> Any:
     except Exception:
         _log.exception("otelprof: could not start %s; continuing without them", what)
         return None
+
+
+def _int_attribute(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _is_loss(key: str) -> bool:
