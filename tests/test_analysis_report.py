@@ -273,3 +273,21 @@ def test_html_report_is_self_contained_with_plots_and_phases(tmp_path: Path) -> 
     assert "epoch 0" in html and "epoch 1" in html and "validation" in html  # phase shading
     summary, _ = _summary(run)
     assert escape(judge(summary).headline) in html
+
+
+def test_a_run_without_step_spans_says_so_and_names_the_biggest_timing(tmp_path: Path) -> None:
+    run = write_sdk_run(tmp_path / "run", RunSpec(steps=10, validation=False))
+    traces = run / "traces.jsonl"
+    lines = []
+    for line in traces.read_text().splitlines():
+        body = json.loads(line)
+        for rs in body["resourceSpans"]:
+            for ss in rs["scopeSpans"]:
+                ss["spans"] = [s for s in ss["spans"] if s["name"] != "step"]
+        lines.append(json.dumps(body))
+    traces.write_text("\n".join(lines) + "\n")
+    summary, _ = _summary(run)
+    verdict = judge(summary)
+    assert summary.step.count == 0
+    assert verdict.kind == "no steps" and "the most time is in train_batch" in verdict.headline
+    assert all(r.share is None for r in timing_rows(summary))

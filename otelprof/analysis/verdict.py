@@ -95,9 +95,16 @@ def judge(summary: RunSummary) -> Verdict:
 
     copies = sum(shares.get(n, 0.0) for n in _COPY_NAMES)
     ranked = sorted(
-        [(s, n) for n, s in shares.items() if n not in _COPY_NAMES] + [(copies, "copies")],
+        [(s, n) for n, s in shares.items() if n not in _COPY_NAMES]
+        + ([(copies, "copies")] if copies > 0 else []),
         reverse=True,
     )
+    if not ranked or ranked[0][0] <= 0:
+        return Verdict(
+            "no breakdown",
+            f"steps have no timing spans inside them, so there is no breakdown; {hw}",
+            evidence,
+        )
     share, name = ranked[0]
     if name == "dataloader_next":
         return Verdict(
