@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from otelprof.timings import _engine
+from otelprof.timings import _recorder as _rec
 from otelprof.timings._recorder import Timing, timing
 
 DATALOADER_NEXT = "dataloader_next"
@@ -139,7 +140,8 @@ class HookHandle:
 def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHandle:
     """Time `optimizer.step()` through torch's step pre/post hooks (`optimizer_step` span).
 
-    If `step()` raises, torch skips the post hook: that occurrence is not a span.
+    If `step()` raises, torch skips the post hook: that occurrence is not a span. The span
+    is a leaf (torch's own `Optimizer.step#...` range, bridged too, encloses the hooks).
     """
     if not (
         hasattr(optimizer, "register_step_pre_hook")
@@ -149,18 +151,17 @@ def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHand
             f"instrument_optimizer needs a torch.optim.Optimizer (step hook API), "
             f"got {type(optimizer).__name__}"
         )
-    open_spans: list[Timing] = []
+    started: list[list[Any]] = []  # at most one: a step that raised never reached `post`
 
     def pre(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        while open_spans:  # a previous step raised before its post hook
-            open_spans.pop().cancel()
-        span = timing(name)
-        span.__enter__()
-        open_spans.append(span)
+        started.clear()
+        frame = _rec.begin_leaf(name)
+        if frame is not None:
+            started.append(frame)
 
     def post(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if open_spans:
-            open_spans.pop().__exit__(None, None, None)
+        if started:
+            _rec.end_leaf(started.pop())
 
     pre_handle = optimizer.register_step_pre_hook(pre)
     post_handle = optimizer.register_step_post_hook(post)
@@ -168,8 +169,7 @@ def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHand
     def remove() -> None:
         pre_handle.remove()
         post_handle.remove()
-        while open_spans:
-            open_spans.pop().cancel()
+        started.clear()
 
     return HookHandle(remove)
 

@@ -135,6 +135,28 @@ def open_frame(name: str, owner: object, ctx: StepContext, kind: str) -> list[An
     return frame
 
 
+def begin_leaf(name: str) -> list[Any] | None:
+    """Start a span that is never a parent (not pushed on the thread's stack), for ranges
+    whose end may never come, like an optimizer step that raises between its hooks."""
+    ctx = current
+    if ctx is None:
+        return None
+    state = thread_state()
+    stack = state.stack
+    parent = stack[-1] if stack and stack[-1][3] is ctx else None
+    frame = [name, 0, parent, ctx, state, None, 0, 0, None, None, KIND_TIMING, None, None]
+    frame[6] = perf_counter_ns()
+    return frame
+
+
+def end_leaf(frame: list[Any]) -> None:
+    frame[7] = perf_counter_ns()
+    if len(queue) < capacity:
+        queue.append(frame)
+    else:
+        _count_drop()
+
+
 def close_frame(
     frame: list[Any],
     end_ns: int,

@@ -1,0 +1,170 @@
+"""Steps, epochs, schedules, bounded queue and lifecycle of the TimingsEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import otelprof.timings as timings
+from otelprof.timings import ScheduleAction, cyclic_schedule, schedule, timing
+from tests.timings_harness import by_name, start_run
+
+
+def _work(steps: int) -> None:
+    for i in range(steps):
+        with timing("train_batch", index=i), torch.profiler.record_function("forward"):
+            pass
+        timings.step()
+
+
+def test_each_step_is_one_trace_rooted_at_a_step_span(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    _work(3)
+    spans = run.finish()
+    steps = sorted(by_name(spans, "step"), key=lambda s: s.attributes["otelprof.step"])
+    assert [s.attributes["otelprof.step"] for s in steps] == [0, 1, 2]
+    assert len({s.trace_id for s in steps}) == 3
+    for step in steps:
+        n = step.attributes["otelprof.step"]
+        children = [s for s in spans if s.trace_id == step.trace_id and s is not step]
+        assert sorted(c.name for c in children) == ["forward", "train_batch"]
+        batch = next(c for c in children if c.name == "train_batch")
+        assert batch.parent_span_id == step.span_id
+        assert batch.attributes["index"] == n
+        assert all(c.attributes["otelprof.step"] == n for c in children)
+    # consecutive steps tile time: one ends where the next begins (within the boundary cost)
+    for a, b in itertools.pairwise(steps):
+        assert 0 <= b.start_ns - a.end_ns < 5_000_000
+    # the trailing step (after the last step() call) had no ranges: not exported
+    assert run.engine.stats()["steps"] == 3
+
+
+def test_trailing_step_with_ranges_is_exported_at_shutdown(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    _work(1)
+    with timing("final_eval"):
+        pass
+    spans = run.finish()
+    assert sorted(s.attributes["otelprof.step"] for s in by_name(spans, "step")) == [0, 1]
+
+
+def test_epoch_is_carried_by_step_and_timing_spans(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    for epoch in range(2):
+        timings.set_epoch(epoch)
+        _work(2)
+    spans = run.finish()
+    assert {(s.attributes["otelprof.step"], s.attributes["otelprof.epoch"]) for s in spans} == {
+        (0, 0),
+        (1, 0),
+        (2, 1),
+        (3, 1),
+    }
+    assert all("otelprof.epoch" in s.attributes for s in spans)
+
+
+def test_schedule_windows_produce_spans_exactly_on_active_steps(tmp_path: Path) -> None:
+    sched = schedule(skip_first=1, wait=1, warmup=1, active=2, repeat=2)
+    run = start_run(tmp_path, schedule=sched)
+    _work(14)
+    spans = run.finish()
+    active = {n for n in range(14) if sched(n).records}
+    assert active == {3, 4, 7, 8}
+    for name in ("step", "train_batch", "forward"):
+        assert {s.attributes["otelprof.step"] for s in by_name(spans, name)} == active
+
+
+def test_cyclic_schedule_restarts_at_each_epoch(tmp_path: Path) -> None:
+    run = start_run(
+        tmp_path, schedule=cyclic_schedule(skip_first=1, wait=0, warmup=0, active=1, repeat=1)
+    )
+    for epoch in range(2):
+        timings.set_epoch(epoch)
+        _work(5)
+    spans = run.finish()
+    recorded = sorted(
+        (s.attributes["otelprof.epoch"], s.attributes["otelprof.step"])
+        for s in by_name(spans, "step")
+    )
+    # batches 1 and 2 of each epoch (one window + one repetition), global steps 1,2 and 6,7
+    assert recorded == [(0, 1), (0, 2), (1, 6), (1, 7)]
+
+
+def test_a_raising_schedule_records_nothing_and_is_counted(tmp_path: Path) -> None:
+    def broken(step: int) -> ScheduleAction:
+        raise RuntimeError("bad schedule")
+
+    run = start_run(tmp_path, schedule=broken)
+    _work(2)
+    spans = run.finish()
+    assert spans == []
+    assert run.engine.stats()["schedule_errors"] == 3
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
+    run = start_run(tmp_path, max_queued_spans=10)
+    started = time.perf_counter()
+    for _ in range(5000):
+        with timing("burst"):
+            pass
+    assert time.perf_counter() - started < 5.0
+    spans = run.finish()
+    stats = run.engine.stats()
+    assert stats["spans_dropped"] > 0
+    assert len(by_name(spans, "burst")) + stats["spans_dropped"] == 5000
+    assert stats["spans_recorded"] == len(spans)
+
+
+def test_helpers_are_no_ops_that_still_run_the_code_without_an_engine() -> None:
+    calls = []
+
+    @timing("decorated")
+    def work() -> int:
+        calls.append(1)
+        return 5
+
+    with timing("block", k="v"):
+        calls.append(2)
+    assert work() == 5
+    timings.step()
+    timings.set_epoch(3)
+    assert calls == [2, 1]
+
+
+def test_unexportable_attribute_values_become_strings(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    with timing("attrs", shape=(2, 3), device=torch.device("cpu"), missing=None, flag=True):
+        pass
+    span = by_name(run.finish(), "attrs")[0]
+    assert span.attributes["device"] == "cpu"
+    assert span.attributes["flag"] is True
+    assert "missing" not in span.attributes
+    assert "shape" in span.attributes
+
+
+def test_timing_rejects_an_empty_name() -> None:
+    with pytest.raises(ValueError, match="non-empty string"):
+        timing("")
+
+
+def test_start_twice_is_an_error_and_shutdown_is_idempotent(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    with pytest.raises(RuntimeError, match="started once"):
+        run.engine.start()
+    run.finish()
+    run.engine.shutdown()
+
+
+def test_stats_report_recorded_spans(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    _work(2)
+    run.engine.flush()
+    stats = run.engine.stats()
+    assert stats["spans_recorded"] == 6  # 2 x (step, train_batch, forward)
+    assert stats["spans_dropped"] == 0
+    assert stats["bridge_installed"] == 1
+    run.finish()

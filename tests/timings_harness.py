@@ -1,0 +1,59 @@
+"""A real span pipeline for the timings tests: engine -> BatchSpanProcessor -> JSON Lines file.
+
+The spans are read back with the tests' own OTLP reader (`tests/otlp_files.py`), so what the
+tests check is what reached the detached file, not what the engine kept in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+from otelprof.config import Settings
+from otelprof.timings import TimingsEngine
+from tests.otlp_files import Span, read_spans
+
+
+@dataclass
+class TimingsRun:
+    engine: TimingsEngine
+    provider: TracerProvider
+    path: Path
+    settings: Settings
+
+    def finish(self) -> list[Span]:
+        """Shut the engine and provider down (flushing everything) and read the file."""
+        self.engine.shutdown()
+        self.provider.shutdown()
+        return read_spans(self.path) if self.path.exists() else []
+
+
+def start_run(tmp_path: Path, start: bool = True, **options: Any) -> TimingsRun:
+    settings = Settings.from_options(output_dir=str(tmp_path), run_id="run", env={}, **options)
+    path = tmp_path / "traces.jsonl"
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "timings-test", "otelprof.rank": 3})
+    )
+    provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(str(path))))
+    engine = TimingsEngine(provider, settings)
+    if start:
+        engine.start()
+    return TimingsRun(engine, provider, path, settings)
+
+
+def by_name(spans: list[Span], name: str) -> list[Span]:
+    return [s for s in spans if s.name == name]
+
+
+def one(spans: list[Span], name: str) -> Span:
+    found = by_name(spans, name)
+    assert len(found) == 1, (
+        f"expected one {name!r} span, got {len(found)}: {[s.name for s in spans]}"
+    )
+    return found[0]
