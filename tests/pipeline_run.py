@@ -89,11 +89,14 @@ class PipelineRun:
                 stop()
 
 
-def train(endpoint: str, *, steps: int, service_name: str, interval_s: float = 0.5) -> Any:
-    """A real CPU training loop instrumented with otelprof's public API, exporting OTLP gRPC.
+def training_loop(
+    prof: Any, *, steps: int | None = None, should_stop: Any = None, pause_s: float = 0.02
+) -> list[float]:
+    """A real CPU training loop instrumented with otelprof's public API.
 
     Every step opens the six Determined timings inside the step span; the model, loss,
-    optimizer and scheduler are ordinary PyTorch.
+    optimizer and scheduler are ordinary PyTorch. Runs `steps` steps, or until
+    `should_stop()` is true; returns each step's wall time (seconds).
     """
     import torch
     from torch import nn
@@ -103,43 +106,58 @@ def train(endpoint: str, *, steps: int, service_name: str, interval_s: float = 0
 
     torch.manual_seed(0)
     batch = 32
-    data = TensorDataset(torch.randn(steps * batch, 64), torch.randint(0, 8, (steps * batch,)))
-    loader = DataLoader(data, batch_size=batch, shuffle=True)
+    data = TensorDataset(torch.randn(64 * batch, 64), torch.randint(0, 8, (64 * batch,)))
+    loader = DataLoader(data, batch_size=batch, shuffle=True, drop_last=True)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loss_fn = nn.CrossEntropyLoss()
     device = torch.device("cpu")
+    step_times: list[float] = []
+    losses: list[torch.Tensor] = []
+    batches = iter(loader)
+    while (steps is None or len(step_times) < steps) and not (should_stop and should_stop()):
+        t0 = time.perf_counter()
+        with otelprof.timing("dataloader_next"):
+            try:
+                x, y = next(batches)
+            except StopIteration:  # next epoch
+                batches = iter(loader)
+                x, y = next(batches)
+        with otelprof.timing("to_device"):
+            x, y = x.to(device), y.to(device)
+        with otelprof.timing("train_batch"):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+        with otelprof.timing("step_lr_schedulers"):
+            scheduler.step()
+        with otelprof.timing("from_device"):
+            losses.append(loss.detach().to("cpu"))
+            del losses[:-10]
+        with otelprof.timing("reduce_metrics"):
+            float(torch.stack(losses).mean())
+        prof.step()
+        step_times.append(time.perf_counter() - t0)
+        if pause_s:
+            time.sleep(pause_s)  # a few steps per gauge interval, like a real job's cadence
+    return step_times
+
+
+def train(
+    endpoint: str, *, steps: int, service_name: str, interval_s: float = 0.5
+) -> TrainingResult:
+    """`training_loop` under `otelprof.instrument(endpoint=...)` (attached mode, OTLP gRPC)."""
+    import otelprof
 
     prof = otelprof.instrument(endpoint=endpoint, interval=interval_s, service_name=service_name)
-    step_times: list[float] = []
     try:
-        batches = iter(loader)
-        losses: list[torch.Tensor] = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            with otelprof.timing("dataloader_next"):
-                x, y = next(batches)
-            with otelprof.timing("to_device"):
-                x, y = x.to(device), y.to(device)
-            with otelprof.timing("train_batch"):
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                optimizer.step()
-            with otelprof.timing("step_lr_schedulers"):
-                scheduler.step()
-            with otelprof.timing("from_device"):
-                losses.append(loss.detach().to("cpu"))
-            with otelprof.timing("reduce_metrics"):
-                float(torch.stack(losses[-10:]).mean())
-            prof.step()
-            step_times.append(time.perf_counter() - t0)
-            time.sleep(0.02)  # a few steps per gauge interval, like a real job's cadence
+        step_times = training_loop(prof, steps=steps)
     finally:
         resource = dict(prof.resource.attributes)
         prof.shutdown()
-    return TrainingResult(steps, step_times, prof.stats(), resource)
+    return TrainingResult(len(step_times), step_times, prof.stats(), resource)
 
 
 class SyntheticGpuFeed:
