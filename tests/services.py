@@ -219,6 +219,7 @@ class Collector:
     workdir: Path
     env: dict[str, str]
     ports: dict[str, int]
+    overlays: list[Path] = field(default_factory=list)
     process: ManagedProcess | None = None
     starts: int = 0
 
@@ -250,7 +251,10 @@ class Collector:
         self.starts += 1
         self.process = ManagedProcess(
             "collector",
-            [str(self.binary), "--config", str(self.config)],
+            [
+                str(self.binary),
+                *(f"--config={path}" for path in (self.config, *self.overlays)),
+            ],
             self.workdir / f"collector.{self.starts}.log",
             env=self.env,
             cwd=self.workdir,
@@ -337,12 +341,14 @@ def start_collector(
     spanmetrics_flush_interval: str = "1s",
     extra_env: Mapping[str, str] | None = None,
     config: Path = COLLECTOR_CONFIG,
+    overlays: Iterable[Path] = (),
     wait: bool = True,
 ) -> Collector:
     """Start the built collector with the shipped config on free loopback ports.
 
     `traces_exporters` / `metrics_exporters` are the config's switches (exporter names, e.g.
     "file/traces", "prometheus_remote_write"); `extra_env` overrides any OTELCOL_* variable.
+    `overlays` are further config files merged over `config` (e.g. collector-config/replay.yaml).
     With wait=False the collector is prepared but not started (call `.start()`), which is how
     a test begins with the collector down.
     """
@@ -357,7 +363,14 @@ def start_collector(
         spanmetrics_flush_interval=spanmetrics_flush_interval,
         extra=extra_env,
     )
-    collector = Collector(binary=binary, config=config, workdir=workdir, env=env, ports=ports)
+    collector = Collector(
+        binary=binary,
+        config=config,
+        workdir=workdir,
+        env=env,
+        ports=ports,
+        overlays=list(overlays),
+    )
     if wait:
         collector.start()
     return collector

@@ -42,11 +42,13 @@ class Worker:
         lines = self.progress()
         return int(lines[-1]["steps"]) if lines else 0
 
-    def alive(self) -> None:
+    def alive(self) -> bool:
+        """True while the training process runs; raises with its log once it has exited."""
         if self.process.poll() is not None:
             raise AssertionError(
                 f"training process exited ({self.process.returncode}):\n{self.log.read_text()}"
             )
+        return True
 
     def finish(self, timeout_s: float = 60.0) -> dict[str, Any]:
         (self.control / "stop").touch()
@@ -144,7 +146,7 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     worker = start_worker(collector.otlp_endpoint)
 
     # 1. collector down from the start
-    wait_for(lambda: worker.alive() or worker.steps() > 20, timeout_s=60, what="training to start")
+    wait_for(lambda: worker.alive() and worker.steps() > 20, timeout_s=60, what="training to start")
     time.sleep(DOWN_S)
     worker.alive()
     steps_at_first_start = worker.steps()
@@ -211,7 +213,7 @@ def test_shutdown_with_the_collector_down_returns_promptly_and_counts_the_loss(
 ) -> None:
     collector = collector_factory(wait=False)  # never started
     worker = start_worker(collector.otlp_endpoint)
-    wait_for(lambda: worker.alive() or worker.steps() > 50, timeout_s=60, what="training")
+    wait_for(lambda: worker.alive() and worker.steps() > 50, timeout_s=60, what="training")
     time.sleep(2.0)
     result = worker.finish(timeout_s=90.0)
     assert result["stats"]["dropped_total"] > 0, result["stats"]
