@@ -206,3 +206,22 @@ def test_cli_exits_2_naming_the_problem(
     )  # fmt: skip
     assert code == 2
     assert "CA bundle /nonexistent/ca.pem does not exist" in capsys.readouterr().err
+
+
+def test_master_is_asked_whether_a_report_from_before_a_crash_is_stored(
+    master: DeterminedContractServer,
+) -> None:
+    client = DeterminedClient(master.url, Credentials(user_token=master.add_user("alice")))
+    gpu = Report(42, 1, "gpu", build_body(42, 1, "gpu", {"a": {"GPU-1": {"gpu_util": 5.0,
+                 "gpu_free_memory": 1.0}}}, T0))  # fmt: skip
+    timings = Report(42, 1, "timings",
+                     build_body(42, 1, "timings", {"x_s": 0.1, "x_count": 3}, T0, 12))  # fmt: skip
+    assert client.already_stored(gpu) is False
+    assert client.already_stored(timings) is False
+    assert client.report(gpu).outcome is Outcome.OK
+    assert client.report(timings).outcome is Outcome.OK
+    assert client.already_stored(gpu) is True
+    assert client.already_stored(timings) is True
+    assert client.already_stored(_report()) is False  # same trial, other group
+    unreachable = DeterminedClient("http://127.0.0.1:9", Credentials(user_token="t"))
+    assert unreachable.already_stored(gpu) is None  # cannot tell: send it

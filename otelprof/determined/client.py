@@ -7,8 +7,10 @@ in log lines or error messages (`redact()` scrubs any text that could carry one)
 
 from __future__ import annotations
 
+import datetime
 import enum
 import hashlib
+import json
 import logging
 import os
 import ssl
@@ -22,6 +24,7 @@ import httpx
 
 from otelprof.config import ConfigError as _BaseConfigError
 from otelprof.determined.aggregate import Report
+from otelprof.determined.mapping import PROFILING_GROUPS
 
 log = logging.getLogger("otelprof.determined")
 
@@ -229,8 +232,65 @@ class DeterminedClient:
             return PostResult(Outcome.RETRY, status, message)
         return PostResult(Outcome.REJECTED, status, message)
 
+    def already_stored(self, report: Report) -> bool | None:
+        """Does the master already hold this report? None when it cannot tell.
+
+        Asked only for a report posted by a process that died before the answer arrived,
+        through the read endpoints the Web UI uses (reference §5): a profiling report is
+        found by its agent, key and reportTime, a generic one by its stepsCompleted and keys.
+        """
+        try:
+            if report.group in PROFILING_GROUPS:
+                return self._profiling_stored(report)
+            return self._generic_stored(report)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration, ConfigError):
+            return None
+
+    def _get_ndjson(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+        name, value = self._auth_header()
+        response = self._http.get(path, params=params, headers={name: value})
+        response.raise_for_status()
+        return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+    def _profiling_stored(self, report: Report) -> bool:
+        metrics = report.body["metrics"]
+        agent, values = next(iter(metrics["metrics"]["avgMetrics"].items()))
+        params = {"labels.agentId": agent, "labels.metricType": "PROFILER_METRIC_TYPE_SYSTEM",
+                  "follow": "false"}  # fmt: skip
+        if report.group == "gpu":
+            uuid, values = next(iter(values.items()))
+            params["labels.gpuUuid"] = uuid
+        params["labels.name"] = next(iter(values))
+        wanted = _parse_time(metrics["reportTime"])
+        lines = self._get_ndjson(f"/api/v1/trials/{report.trial_id}/profiler/metrics", params)
+        for line in lines:
+            batch = line.get("result", {}).get("batch", {})
+            if any(_parse_time(t) == wanted for t in batch.get("timestamps", [])):
+                return True
+        return False
+
+    def _generic_stored(self, report: Report) -> bool:
+        metrics = report.body["metrics"]
+        params = {"trialIds": str(report.trial_id), "group": report.group}
+        for line in self._get_ndjson("/api/v1/trials/metrics/trial_metrics", params):
+            for row in line.get("result", {}).get("metrics", []):
+                stored = (row.get("metrics") or {}).get("avg_metrics") or {}
+                if (
+                    int(row.get("totalBatches", -1)) == metrics.get("stepsCompleted")
+                    and int(row.get("trialRunId", metrics["trialRunId"])) == metrics["trialRunId"]
+                    and set(metrics["metrics"]["avgMetrics"]) <= set(stored)
+                ):
+                    return True
+        return False
+
     def close(self) -> None:
         self._http.close()
+
+
+def _parse_time(stamp: str) -> datetime.datetime:
+    """RFC 3339 → aware datetime at millisecond precision (the master truncates to ms)."""
+    value = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return value.replace(microsecond=value.microsecond // 1000 * 1000)
 
 
 class LoginError(RuntimeError):

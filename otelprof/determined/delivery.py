@@ -26,6 +26,7 @@ class DeliveryStats:
     delivered: int = 0
     rejected: int = 0
     retries: int = 0
+    found_stored: int = 0  # in flight at a crash, found on the master after the restart
 
 
 class Deliverer:
@@ -85,6 +86,13 @@ class Deliverer:
                 self._wake.clear()
                 continue
             window, index, report = item
+            if self.spool.maybe_delivered(window, index) and self.client.already_stored(report):
+                # Posted just before a crash and taken by the master: do not store it twice.
+                log.info("a %s report posted before the restart was already stored", report.group)
+                self.spool.ack(window, index)
+                self.stats.found_stored += 1
+                continue
+            self.spool.mark_inflight(window, index)
             try:
                 result = self.client.report(report)
             except Exception as exc:  # a bad token file, a bug: keep the report, keep going

@@ -170,4 +170,5 @@ class Pipeline:
             "delivered": d.delivered,
             "refused_by_master": d.rejected,
             "retries": d.retries,
+            "found_stored_after_restart": d.found_stored,
         }

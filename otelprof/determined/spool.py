@@ -60,6 +60,8 @@ class _Batch:
     size: int
     reports: list[Report] | None = None  # loaded lazily for the disk spool
     acked: set[int] = field(default_factory=set)
+    # Posted but unanswered when the process died: the master may already hold them.
+    maybe_sent: set[int] = field(default_factory=set)
 
     def next_index(self) -> int | None:
         assert self.reports is not None
@@ -117,6 +119,12 @@ class MemorySpool:
             self.stats.reports_acked += 1
             if batch.next_index() is None:
                 self._pop_head()
+
+    def mark_inflight(self, window: int, index: int) -> None:
+        """Memory does not outlive the process: nothing to remember."""
+
+    def maybe_delivered(self, window: int, index: int) -> bool:
+        return False
 
     def _pop_head(self) -> None:
         batch = self._batches.popleft()
@@ -223,7 +231,7 @@ class DiskSpool:
                 log.error("Determined spool: dropping unreadable batch %s (%s)", path.name, exc)
                 path.unlink(missing_ok=True)
                 continue
-            acked = self._read_acks(window)
+            acked, inflight = self._read_acks(window)
             flushed = max(flushed, window)
             for report in reports:
                 steps = report.body["metrics"].get("stepsCompleted")
@@ -233,7 +241,7 @@ class DiskSpool:
             if len(acked) >= len(reports):
                 self._remove_batch(window)
                 continue
-            self._batches.append(_Batch(window, path.stat().st_size, None, acked))
+            self._batches.append(_Batch(window, path.stat().st_size, None, acked, inflight - acked))
             self._bytes += path.stat().st_size
             out.pending_reports += len(reports) - len(acked)
         for ack in self.directory.glob("batch-*.ack"):
@@ -250,15 +258,20 @@ class DiskSpool:
             self._replay(path, out)
         return out
 
-    def _read_acks(self, window: int) -> set[int]:
+    def _read_acks(self, window: int) -> tuple[set[int], set[int]]:
+        """(answered indices, indices posted at some point) from the batch's .ack file."""
         path = self._path("batch", window, ".ack")
+        acked: set[int] = set()
+        inflight: set[int] = set()
         if not path.exists():
-            return set()
-        acked = set()
+            return acked, inflight
         for line in path.read_bytes().splitlines():
             with contextlib.suppress(ValueError):
-                acked.add(int(line))
-        return acked
+                if line.startswith(b"i"):
+                    inflight.add(int(line[1:]))
+                else:
+                    acked.add(int(line))
+        return acked, inflight
 
     @staticmethod
     def _replay(path: Path, out: Recovered) -> None:
@@ -343,20 +356,39 @@ class DiskSpool:
                 self._pop_head()
             return None
 
+    def _ack_line(self, window: int, line: str) -> None:
+        if self._ack_fh is None or self._ack_fh[0] != window:
+            if self._ack_fh is not None:
+                self._ack_fh[1].close()
+            fh = open(self._path("batch", window, ".ack"), "ab")  # noqa: SIM115
+            self._ack_fh = (window, fh)
+        self._ack_fh[1].write(line.encode())
+        self._ack_fh[1].flush()  # survives kill -9 once written
+
+    def mark_inflight(self, window: int, index: int) -> None:
+        """About to POST this report: after a crash, ask the master before resending it."""
+        with self._lock:
+            if self._batches and self._batches[0].window == window:
+                self._ack_line(window, f"i{index}\n")
+
+    def maybe_delivered(self, window: int, index: int) -> bool:
+        """Was this report posted by a process that died before hearing the answer?"""
+        with self._lock:
+            return bool(
+                self._batches
+                and self._batches[0].window == window
+                and index in self._batches[0].maybe_sent
+            )
+
     def ack(self, window: int, index: int) -> None:
         """The master answered this report (accepted, or refused for good): never resend it."""
         with self._lock:
             if not self._batches or self._batches[0].window != window:
                 return
             batch = self._batches[0]
-            if self._ack_fh is None or self._ack_fh[0] != window:
-                if self._ack_fh is not None:
-                    self._ack_fh[1].close()
-                fh = open(self._path("batch", window, ".ack"), "ab")  # noqa: SIM115
-                self._ack_fh = (window, fh)
-            self._ack_fh[1].write(f"{index}\n".encode())
-            self._ack_fh[1].flush()
+            self._ack_line(window, f"{index}\n")
             batch.acked.add(index)
+            batch.maybe_sent.discard(index)
             self.stats.reports_acked += 1
             if batch.next_index() is None:
                 self._pop_head()
