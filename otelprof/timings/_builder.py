@@ -227,14 +227,16 @@ class SpanBuilder:
         """One frame -> one ReadableSpan (ids, parent, step/epoch, thread, error, CUDA)."""
         ctx: rec.StepContext = frame[rec.F_CTX]
         kind = frame[rec.F_KIND]
-        attributes: dict[str, Any] = {ATTR_STEP: ctx.step, ATTR_SOURCE: kind}
+        # few attributes: encoding each one is a large part of a span's export cost
+        attributes: dict[str, Any] = {ATTR_STEP: ctx.step}
         if ctx.epoch is not None:
             attributes[ATTR_EPOCH] = ctx.epoch
         if kind != rec.KIND_STEP:
             ctx.has_children = True
             thread = frame[rec.F_THREAD]
             attributes["thread.id"] = thread.ident
-            attributes["thread.name"] = thread.name
+            if thread.name != "MainThread":
+                attributes["thread.name"] = thread.name
         if frame[rec.F_ATTRS]:
             attributes.update(_clean_attributes(frame[rec.F_ATTRS]))
         cuda = frame[rec.F_CUDA]

@@ -49,7 +49,15 @@ def _import_torch() -> Any:
 class TimingsEngine:
     """Turns record_function ranges, `timing()` blocks and steps into OTel spans."""
 
-    def __init__(self, tracer_provider: TracerProvider, settings: Settings) -> None:
+    def __init__(
+        self,
+        tracer_provider: TracerProvider,
+        settings: Settings,
+        *,
+        builder_interval_s: float = 0.2,
+    ) -> None:
+        """`builder_interval_s`: how often the builder thread turns recorded ranges into
+        spans (a burst of ranges is built in one go, off the training thread)."""
         self._settings = settings
         self._clock = Clock()
         self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
@@ -57,7 +65,11 @@ class TimingsEngine:
             self._torch = _import_torch()
         self._cuda = self._make_cuda_timer()
         self._builder = SpanBuilder(
-            tracer_provider, self._clock, cuda_timer=self._cuda, version=_version()
+            tracer_provider,
+            self._clock,
+            interval_s=builder_interval_s,
+            cuda_timer=self._cuda,
+            version=_version(),
         )
         self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
         self._kineto: Any = None
