@@ -168,3 +168,32 @@ def test_stats_report_recorded_spans(tmp_path: Path) -> None:
     assert stats["spans_dropped"] == 0
     assert stats["bridge_installed"] == 1
     run.finish()
+
+
+def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    time.sleep(0.2)  # set-up between instrument() and the first batch: not step time
+    with timing("first"):
+        pass
+    timings.step()
+    with timing("second"):
+        pass
+    timings.step()
+    time.sleep(0.1)
+    spans = run.finish()
+    steps = sorted(by_name(spans, "step"), key=lambda s: s.attributes["otelprof.step"])
+    first = by_name(spans, "first")[0]
+    assert steps[0].start_ns == first.start_ns
+    assert steps[0].duration_s < 0.1
+    assert steps[1].start_ns - steps[0].end_ns < 5_000_000, "later steps start at step()"
+
+
+def test_trailing_step_ends_at_its_last_range(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    timings.step()
+    with timing("evaluate"):
+        pass
+    time.sleep(0.2)  # tear-down before shutdown: not step time
+    spans = run.finish()
+    trailing = next(s for s in by_name(spans, "step") if s.attributes["otelprof.step"] == 1)
+    assert trailing.end_ns == by_name(spans, "evaluate")[0].end_ns

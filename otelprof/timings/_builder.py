@@ -231,7 +231,16 @@ class SpanBuilder:
         attributes: dict[str, Any] = {ATTR_STEP: ctx.step}
         if ctx.epoch is not None:
             attributes[ATTR_EPOCH] = ctx.epoch
-        if kind != rec.KIND_STEP:
+        start_ns, end_ns = frame[rec.F_START], frame[rec.F_END]
+        if kind == rec.KIND_STEP:
+            if ctx.has_children and ctx.trim_start:
+                start_ns = max(start_ns, ctx.first_child_ns)
+            if ctx.has_children and ctx.trim_end:
+                end_ns = min(end_ns, ctx.last_child_ns)
+        else:
+            if not ctx.has_children or start_ns < ctx.first_child_ns:
+                ctx.first_child_ns = start_ns
+            ctx.last_child_ns = max(ctx.last_child_ns, end_ns)
             ctx.has_children = True
             thread = frame[rec.F_THREAD]
             attributes["thread.id"] = thread.ident
@@ -249,8 +258,8 @@ class SpanBuilder:
             trace_id=ctx.trace_id,
             span_id=_span_id(frame),
             parent_id=_parent_id(frame, ctx, kind),
-            start_ns=self._clock.to_wall(frame[rec.F_START]),
-            end_ns=self._clock.to_wall(frame[rec.F_END]),
+            start_ns=self._clock.to_wall(start_ns),
+            end_ns=self._clock.to_wall(end_ns),
             attributes=attributes,
             error=frame[rec.F_ERROR],
         )

@@ -4,10 +4,13 @@ One engine runs per process (the recorder is process-wide). Steps: step 0 begins
 `start()`, each `step()` ends one step and begins the next, like `torch.profiler.profile`.
 A recording step is one trace whose root span is named `step`; every range opened during it
 is a child of the enclosing range on its thread, or of the step span. A range that is still
-open across a boundary stays in the trace of the step it started in. Nothing is recorded
-before `start()` or after `shutdown()`; the trailing step (last `step()` to `shutdown()`)
-is exported only if some range was recorded in it, and ranges still open at shutdown are
-not exported.
+open across a boundary stays in the trace of the step it started in.
+
+Edges: nothing is recorded before `start()` or after `shutdown()`. The first step's span
+starts at its first range rather than at `start()` (model building and other set-up between
+`instrument()` and the first batch are not step time); the trailing step (last `step()` to
+`shutdown()`) is exported only if a range was recorded in it, and ends at its last range.
+Ranges still open at shutdown are not exported.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class TimingsEngine:
         self._ctx: rec.StepContext | None = None
         self._kineto_action = ScheduleAction.NONE
         self._schedule_errors = 0
+        self._step_from_start = True  # the current step began at start(), not at step()
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -127,6 +131,7 @@ class TimingsEngine:
                 self._kineto.stop(self._window_step(ctx, end))
             self._builder.flush(timeout)
             if ctx is not None and ctx.has_children:
+                ctx.trim_end = True
                 rec.emit_step(ctx, end)
             self._builder.stop(timeout)
         finally:
@@ -152,6 +157,7 @@ class TimingsEngine:
                 rec.emit_step(ctx, end)
             self._step += 1
             self._batch_in_epoch += 1
+            self._step_from_start = False
             if self._kineto is not None:
                 finished = self._window_step(ctx, end)
                 self._kineto_action = self._kineto_action_for(self._step)
@@ -213,7 +219,9 @@ class TimingsEngine:
         self._step_start = start_ns
         if action.records:
             if previous is None:
-                previous = rec.StepContext(self._step, self._epoch, start_ns)
+                previous = rec.StepContext(
+                    self._step, self._epoch, start_ns, trim_start=self._step_from_start
+                )
             self._ctx = previous
         else:
             self._ctx = None

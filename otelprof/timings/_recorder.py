@@ -49,15 +49,36 @@ MAX_DEPTH = 256
 class StepContext:
     """One training step while it records: its trace, its root span, its number and epoch."""
 
-    __slots__ = ("epoch", "has_children", "span_id", "start_ns", "step", "trace_id")
+    __slots__ = (
+        "epoch",
+        "first_child_ns",
+        "has_children",
+        "last_child_ns",
+        "span_id",
+        "start_ns",
+        "step",
+        "trace_id",
+        "trim_end",
+        "trim_start",
+    )
 
-    def __init__(self, step: int, epoch: int | None, start_ns: int) -> None:
+    def __init__(
+        self, step: int, epoch: int | None, start_ns: int, trim_start: bool = False
+    ) -> None:
         self.step = step
         self.epoch = epoch
         self.trace_id = random.getrandbits(128) or 1
         self.span_id = random.getrandbits(64) or 1
         self.start_ns = start_ns
-        self.has_children = False  # set by the builder thread
+        # A side of the step with no step() call (the start of the first step, opened by
+        # start(); the end of the trailing one, closed by shutdown()) is trimmed to the
+        # step's ranges, so set-up and tear-down do not count as step time.
+        self.trim_start = trim_start
+        self.trim_end = False
+        # builder thread only: whether ranges were recorded in it, and their extent
+        self.has_children = False
+        self.first_child_ns = 0
+        self.last_child_ns = 0
 
 
 class ThreadState:
