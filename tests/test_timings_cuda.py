@@ -10,12 +10,14 @@ import torch
 from otelprof.timings import ATTR_CUDA_DURATION, timing
 from tests.timings_harness import one, start_run
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here"),
-]
+
+def gpu_only(test):  # type: ignore[no-untyped-def]
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")(test)
+    )
 
 
+@gpu_only
 def test_no_cuda_events_before_the_process_uses_cuda(tmp_path: Path) -> None:
     # on a GPU machine, CPU-only code must not create a CUDA context through otelprof
     if torch.cuda.is_initialized():
@@ -35,6 +37,7 @@ def _gpu_work() -> None:
         a = a / a.norm()
 
 
+@gpu_only
 def test_timing_span_gets_the_device_duration_without_synchronizing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -58,6 +61,7 @@ def test_timing_span_gets_the_device_duration_without_synchronizing(
     assert device_s > 5 * span.duration_s, (device_s, span.duration_s)
 
 
+@gpu_only
 def test_sync_mode_reproduces_synchronized_host_timings(tmp_path: Path) -> None:
     torch.zeros(1, device="cuda")
     run = start_run(tmp_path, sync_cuda=True)
@@ -66,3 +70,59 @@ def test_sync_mode_reproduces_synchronized_host_timings(tmp_path: Path) -> None:
     span = one(run.finish(), "gpu_block")
     device_s = span.attributes[ATTR_CUDA_DURATION]
     assert span.duration_s >= 0.9 * device_s
+
+
+class _StandInEvent:
+    """CUDA cannot run on CPU machines; this stands in for torch.cuda.Event to check our own
+    queueing: the builder must wait for the end event without blocking, then read it."""
+
+    completed = False
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        assert enable_timing
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return _StandInEvent.completed
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        return 12.5  # milliseconds
+
+
+class _StandInCuda:
+    Event = _StandInEvent
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        raise AssertionError("the training thread must not synchronize")
+
+
+class _StandInTorch:
+    cuda = _StandInCuda
+
+
+def test_device_durations_wait_for_their_events_then_reach_the_span(tmp_path: Path) -> None:
+    from otelprof.timings import _recorder as rec
+    from otelprof.timings._cuda import CudaTimer
+
+    run = start_run(tmp_path)
+    timer = CudaTimer(_StandInTorch, events=True, sync=False)
+    run.engine._builder._cuda = timer
+    rec.cuda_timer = timer
+    _StandInEvent.completed = False
+    with timing("pending_gpu"):
+        pass
+    rec.cuda_timer = None
+    run.engine._builder.drain(final=False)
+    assert run.engine.stats()["cuda_pending"] == 1, "not built until the end event completes"
+    _StandInEvent.completed = True
+    run.engine._builder.drain(final=False)
+    assert run.engine.stats()["cuda_pending"] == 0
+    span = one(run.finish(), "pending_gpu")
+    assert span.attributes[ATTR_CUDA_DURATION] == pytest.approx(0.0125)
