@@ -145,3 +145,27 @@ def test_missing_master_or_credentials_is_a_clear_config_error() -> None:
         build_pipeline(env={})
     with pytest.raises(ConfigError, match="no credentials"):
         build_pipeline(env={"DET_MASTER": "http://127.0.0.1:1"})
+
+
+def test_instrument_with_determined_posts_real_hardware_and_timings_from_the_process(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    for name, value in {
+        "DET_MASTER": master.url,
+        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": "1",
+        "DET_AGENT_ID": "agent-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
+        for _ in range(3):
+            with otelprof.timing("train_batch"):
+                time.sleep(0.01)
+            prof.step()
+        time.sleep(0.5)
+    names = {x["name"] for x in available_series(master.url, master.token, 42)}  # type: ignore[attr-defined]
+    assert {"cpu_util_simple", "memory_free", "disk_iops", "net_throughput_sent"} <= names
+    timings = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
+    assert sum(t["metrics"]["avg_metrics"].get("train_batch_count", 0) for t in timings) == 3
+    assert prof.stats()["dropped_total"] == 0

@@ -144,11 +144,12 @@ def _add_determined(
 ) -> None:
     from otelprof.export.determined import DeterminedMetricExporter
 
-    pipelines.metric_readers.append(
-        _metric_reader(
-            "determined", DeterminedMetricExporter.from_environment(), settings, counters
+    exporter = DeterminedMetricExporter.from_environment()
+    pipelines.metric_readers.append(_metric_reader("determined", exporter, settings, counters))
+    if settings.timings:
+        pipelines.span_processors.append(
+            _span_processor("determined", exporter.span_exporter(), counters)
         )
-    )
 
 
 def build_pipelines(

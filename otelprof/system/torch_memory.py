@@ -27,8 +27,10 @@ class TorchMemorySampler:
         torch = self._modules.get("torch")
         if torch is None:
             return []
+        cuda = getattr(torch, "cuda", None)
+        if cuda is None:  # torch is still being imported by another thread
+            return []
         try:
-            cuda = torch.cuda
             if not cuda.is_initialized():
                 return []
             out = []
