@@ -38,9 +38,19 @@ DETERMINED_TIMINGS = (
 )
 STEP_SPAN = "step"
 
-# Rank environment of the training process: the second node's first process of four, so
-# that the rank label cannot pass by being the default 0, and host metrics stay on.
-RANK_ENV = {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+# Environment of the training process: the second node's first process of four, so that the
+# rank label cannot pass by being the default 0 (and host metrics stay on), inside a
+# Determined trial (the ids become resource attributes and labels).
+RANK_ENV = {
+    "RANK": "2",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "DET_EXPERIMENT_ID": "17",
+    "DET_TRIAL_ID": "42",
+    "DET_TRIAL_RUN_ID": "1",
+    "DET_AGENT_ID": "agent-e2e",
+}
 
 SYNTHETIC_GPUS = 2
 

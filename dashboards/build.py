@@ -1,0 +1,605 @@
+"""Generate otelprof's Grafana dashboards (otelprof-system.json, otelprof-training.json).
+
+    python dashboards/build.py          # rewrite the JSON files next to this script
+
+The JSON files are committed (Grafana provisions them as they are); this script is how they
+are edited, and tests/test_dashboards.py checks that the committed files match its output.
+Every PromQL expression here is run against a real Prometheus fed by a real pipeline run
+(tests/test_dashboards.py), so only names the collector really produces appear:
+
+- hardware gauges: otelprof.system names through the prometheus exporter
+  (system_cpu_utilization_ratio, hw_gpu_utilization_ratio, ...), resource attributes as
+  labels (service_name, host_name, otelprof_rank, determined_trial_id, ...);
+- timings: the span_metrics connector's traces_span_metrics_duration_seconds_* histograms
+  and traces_span_metrics_calls_total, labelled span_name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+PROMETHEUS = {"type": "prometheus", "uid": "otelprof-prometheus"}
+TEMPO_UID = "otelprof-tempo"
+SCHEMA_VERSION = 39
+
+DETERMINED_TIMINGS = (
+    "dataloader_next",
+    "to_device",
+    "train_batch",
+    "step_lr_schedulers",
+    "from_device",
+    "reduce_metrics",
+)
+PHASES = "|".join(DETERMINED_TIMINGS)
+HIST = "traces_span_metrics_duration_seconds"
+CALLS = "traces_span_metrics_calls_total"
+
+# Label filters of each dashboard's template variables.
+HOST_SEL = 'service_name=~"$service", host_name=~"$host", determined_trial_id=~"$trial"'
+RANK_SEL = HOST_SEL + ', otelprof_rank=~"$rank"'
+GPU_SEL = RANK_SEL + ', gpu_index=~"$gpu"'
+SPAN_SEL = RANK_SEL
+
+
+def variable(
+    name: str, label: str, query: str, *, all_value: str = ".+", multi: bool = True
+) -> dict[str, Any]:
+    """A Prometheus query variable (label_values), All selected by default."""
+    return {
+        "type": "query",
+        "name": name,
+        "label": label,
+        "datasource": PROMETHEUS,
+        "definition": query,
+        "query": {
+            "qryType": 1,
+            "query": query,
+            "refId": "PrometheusVariableQueryEditor-VariableQuery",
+        },
+        "refresh": 2,
+        "includeAll": True,
+        "allValue": all_value,
+        "multi": multi,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 3,
+        "hide": 0,
+        "options": [],
+        "regex": "",
+        "skipUrlSync": False,
+    }
+
+
+def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> dict[str, Any]:
+    return {
+        "datasource": PROMETHEUS,
+        "expr": expr,
+        "legendFormat": legend,
+        "refId": ref,
+        "range": True,
+        "instant": False,
+        "exemplar": exemplar,
+        "editorMode": "code",
+    }
+
+
+class Layout:
+    """Places panels left to right on a 24-column grid and numbers them."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict[str, Any]] = []
+        self.x = 0
+        self.y = 0
+        self.row_height = 0
+        self.next_id = 1
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self.panels.append(
+            {
+                "type": "row",
+                "id": self._id(),
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+                "panels": [],
+            }
+        )
+        self.y += 1
+
+    def timeseries(
+        self,
+        title: str,
+        description: str,
+        targets: list[dict[str, Any]],
+        *,
+        unit: str,
+        width: int = 12,
+        height: int = 8,
+        stacked: bool = False,
+        bars: bool = False,
+        min_value: float | None = 0,
+        max_value: float | None = None,
+    ) -> None:
+        if self.x + width > 24:
+            self._newline()
+        defaults: dict[str, Any] = {
+            "unit": unit,
+            "custom": {
+                "drawStyle": "bars" if bars else "line",
+                "lineWidth": 1,
+                "fillOpacity": 60 if stacked else 10,
+                "showPoints": "never",
+                "spanNulls": True,
+                "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
+            },
+        }
+        if min_value is not None:
+            defaults["min"] = min_value
+        if max_value is not None:
+            defaults["max"] = max_value
+        self.panels.append(
+            {
+                "type": "timeseries",
+                "id": self._id(),
+                "title": title,
+                "description": description,
+                "datasource": PROMETHEUS,
+                "gridPos": {"h": height, "w": width, "x": self.x, "y": self.y},
+                "targets": targets,
+                "fieldConfig": {"defaults": defaults, "overrides": []},
+                "options": {
+                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"},
+                },
+            }
+        )
+        self.x += width
+        self.row_height = max(self.row_height, height)
+
+    def stat(self, title: str, description: str, expr: str, *, unit: str, width: int = 6) -> None:
+        if self.x + width > 24:
+            self._newline()
+        self.panels.append(
+            {
+                "type": "stat",
+                "id": self._id(),
+                "title": title,
+                "description": description,
+                "datasource": PROMETHEUS,
+                "gridPos": {"h": 4, "w": width, "x": self.x, "y": self.y},
+                "targets": [target(expr, "", "A")],
+                "fieldConfig": {"defaults": {"unit": unit, "decimals": 2}, "overrides": []},
+                "options": {
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "value",
+                    "graphMode": "area",
+                    "textMode": "auto",
+                },
+            }
+        )
+        self.x += width
+        self.row_height = max(self.row_height, 4)
+
+    def _newline(self) -> None:
+        if self.x:
+            self.y += self.row_height
+        self.x = 0
+        self.row_height = 0
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+
+def dashboard(
+    uid: str, title: str, description: str, variables: list[dict[str, Any]], layout: Layout
+) -> dict[str, Any]:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["otelprof"],
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "editable": False,
+        "graphTooltip": 1,
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "10s",
+        "timezone": "browser",
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "links": [
+            {
+                "title": "otelprof",
+                "type": "dashboards",
+                "tags": ["otelprof"],
+                "asDropdown": False,
+                "includeVars": True,
+                "keepTime": True,
+            }
+        ],
+        "templating": {"list": variables},
+        "panels": layout.panels,
+    }
+
+
+def _common_variables(metrics: str) -> list[dict[str, Any]]:
+    """service, host, rank and Determined trial, each narrowed by the ones before it."""
+    return [
+        variable("service", "Service", f'label_values({{__name__=~"{metrics}"}}, service_name)'),
+        variable(
+            "host",
+            "Host",
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, host_name)',
+        ),
+        variable(
+            "rank",
+            "Rank",
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service", '
+            f'host_name=~"$host"}}, otelprof_rank)',
+        ),
+        variable(
+            "trial",
+            "Determined trial",
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, '
+            f"determined_trial_id)",
+            all_value=".*",  # runs outside Determined have no trial label
+        ),
+    ]
+
+
+def system_dashboard() -> dict[str, Any]:
+    metrics = "system_cpu_utilization_ratio|hw_gpu_utilization_ratio|process_cpu_utilization_ratio"
+    variables = _common_variables(metrics)
+    variables.append(
+        variable(
+            "gpu",
+            "GPU",
+            'label_values(hw_gpu_utilization_ratio{service_name=~"$service", '
+            'host_name=~"$host"}, gpu_index)',
+        )
+    )
+    gpu = "max by (host_name, gpu_index, hw_id)"
+    lay = Layout()
+    lay.row("GPUs (per host and GPU)")
+    lay.timeseries(
+        "GPU utilization",
+        "Share of time a kernel ran on the GPU, averaged over the collection interval (NVML).",
+        [
+            target(
+                f"{gpu} (hw_gpu_utilization_ratio{{{GPU_SEL}}})", "{{host_name}} GPU {{gpu_index}}"
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    lay.timeseries(
+        "GPU memory used and free",
+        "Device memory in use and free per GPU (NVML); free is Determined's gpu_free_memory.",
+        [
+            target(
+                f"{gpu} (hw_gpu_memory_usage_bytes{{{GPU_SEL}}})",
+                "used {{host_name}} GPU {{gpu_index}}",
+            ),
+            target(
+                f"{gpu} (hw_gpu_memory_free_bytes{{{GPU_SEL}}})",
+                "free {{host_name}} GPU {{gpu_index}}",
+                "B",
+            ),
+        ],
+        unit="bytes",
+    )
+    lay.timeseries(
+        "GPU power",
+        "Power drawn per GPU (NVML).",
+        [
+            target(
+                f'{gpu} (hw_power_watts{{hw_type="gpu", {GPU_SEL}}})',
+                "{{host_name}} GPU {{gpu_index}}",
+            )
+        ],
+        unit="watt",
+    )
+    lay.timeseries(
+        "GPU temperature",
+        "GPU core temperature (NVML).",
+        [
+            target(
+                f'{gpu} (hw_temperature_celsius{{hw_type="gpu", {GPU_SEL}}})',
+                "{{host_name}} GPU {{gpu_index}}",
+            )
+        ],
+        unit="celsius",
+    )
+    lay.row("Host (reported by local rank 0 of each host)")
+    lay.timeseries(
+        "CPU utilization",
+        "Share of all logical CPUs busy, averaged over the collection interval.",
+        [
+            target(
+                f"max by (host_name) (system_cpu_utilization_ratio{{{HOST_SEL}}})", "{{host_name}}"
+            )
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    lay.timeseries(
+        "Available memory",
+        "Memory available to start new work (MemAvailable), swap excluded.",
+        [
+            target(
+                f"max by (host_name) (system_memory_linux_available_bytes{{{HOST_SEL}}})",
+                "{{host_name}}",
+            )
+        ],
+        unit="bytes",
+    )
+    lay.timeseries(
+        "Disk IOPS",
+        "Completed read and write operations per second on physical disks.",
+        [
+            target(
+                "max by (host_name, disk_io_direction) "
+                f"(system_disk_iops_per_second{{{HOST_SEL}}})",
+                "{{host_name}} {{disk_io_direction}}",
+            )
+        ],
+        unit="iops",
+    )
+    lay.timeseries(
+        "Disk throughput",
+        "Bytes read and written per second on physical disks.",
+        [
+            target(
+                "max by (host_name, disk_io_direction) "
+                f"(system_disk_throughput_bytes_per_second{{{HOST_SEL}}})",
+                "{{host_name}} {{disk_io_direction}}",
+            )
+        ],
+        unit="Bps",
+    )
+    lay.timeseries(
+        "Network sent and received",
+        "Bytes per second over all interfaces (loopback included), transmit and receive.",
+        [
+            target(
+                "max by (host_name, network_io_direction) "
+                f"(system_network_throughput_bytes_per_second{{{HOST_SEL}}})",
+                "{{host_name}} {{network_io_direction}}",
+            )
+        ],
+        unit="Bps",
+        width=24,
+    )
+    lay.row("Training processes (every rank)")
+    lay.timeseries(
+        "Process CPU utilization per rank",
+        "CPU time of each training process over the interval, as a share of usable CPUs.",
+        [
+            target(
+                f"max by (host_name, otelprof_rank) (process_cpu_utilization_ratio{{{RANK_SEL}}})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="percentunit",
+    )
+    lay.timeseries(
+        "Process resident memory per rank",
+        "Resident memory of each training process.",
+        [
+            target(
+                f"max by (host_name, otelprof_rank) (process_memory_usage_bytes{{{RANK_SEL}}})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="bytes",
+    )
+    return dashboard(
+        "otelprof-system",
+        "otelprof — system",
+        "Hardware metrics of training jobs per host and GPU (otelprof observable gauges).",
+        variables,
+        lay,
+    )
+
+
+def _rate(metric: str, selector: str) -> str:
+    return f"rate({metric}{{{selector}}}[$__rate_interval])"
+
+
+def training_dashboard() -> dict[str, Any]:
+    variables = _common_variables(CALLS)
+    step = f'span_name="step", {SPAN_SEL}'
+    phases = f'span_name=~"{PHASES}", {SPAN_SEL}'
+    phase_buckets = _rate(HIST + "_bucket", phases)
+    phase_sums = _rate(HIST + "_sum", phases)
+    lay = Layout()
+    lay.row("Steps")
+    lay.stat(
+        "Steps per second",
+        "Training steps completed per second, averaged over the selected ranks.",
+        f"avg(sum by (host_name, otelprof_rank) ({_rate(CALLS, step)}))",
+        unit="none",
+    )
+    lay.stat(
+        "Step time p50",
+        "Median step time (span_metrics histogram of the step span).",
+        f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        unit="s",
+    )
+    lay.stat(
+        "Step time p95",
+        "95th percentile of the step time.",
+        f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        unit="s",
+    )
+    lay.stat(
+        "Rank skew (slowest / fastest mean step)",
+        "1.0 when every rank steps equally fast; above 1 a straggler holds the others back.",
+        f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+        unit="none",
+    )
+    lay.timeseries(
+        "Step time p50 / p95 (exemplars link to traces)",
+        "Quantiles of the step span's duration. The dots are exemplars: click one to open "
+        "that step's trace in Tempo.",
+        [
+            target(
+                f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+                "p50",
+                exemplar=True,
+            ),
+            target(
+                f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+                "p95",
+                "B",
+                exemplar=True,
+            ),
+        ],
+        unit="s",
+    )
+    lay.timeseries(
+        "Steps per second per rank",
+        "Steps completed per second by each rank.",
+        [
+            target(
+                f"sum by (host_name, otelprof_rank) ({_rate(CALLS, step)})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="none",
+    )
+    lay.row("Where the step time goes")
+    lay.timeseries(
+        "Phase time p50",
+        "Median duration of each Determined timing (data loading, copies, forward/backward/"
+        "optimizer, LR schedulers, metric reduction).",
+        [
+            target(
+                f"histogram_quantile(0.5, sum by (le, span_name) ({phase_buckets}))",
+                "{{span_name}}",
+            )
+        ],
+        unit="s",
+    )
+    lay.timeseries(
+        "Phase time p95",
+        "95th percentile of each Determined timing.",
+        [
+            target(
+                f"histogram_quantile(0.95, sum by (le, span_name) ({phase_buckets}))",
+                "{{span_name}}",
+                exemplar=True,
+            )
+        ],
+        unit="s",
+    )
+    step_time = f"sum({_rate(HIST + '_sum', step)})"
+    loader = f'span_name="dataloader_next", {SPAN_SEL}'
+    lay.timeseries(
+        "Share of step time per phase",
+        "Time spent in each timing divided by the step time; 'other' is step time outside "
+        "every timing (Python overhead, unannotated work).",
+        [
+            target(
+                f"sum by (span_name) ({phase_sums}) / on() group_left() {step_time}",
+                "{{span_name}}",
+            ),
+            target(
+                f"clamp_min(1 - sum({phase_sums}) / {step_time}, 0)",
+                "other",
+                "B",
+            ),
+        ],
+        unit="percentunit",
+        stacked=True,
+        max_value=1,
+    )
+    lay.timeseries(
+        "Data-loader bound?",
+        "Share of step time spent waiting for the next batch (dataloader_next) against GPU "
+        "utilization. A high share with low GPU utilization means the input pipeline, not "
+        "the model, limits throughput.",
+        [
+            target(
+                f"sum({_rate(HIST + '_sum', loader)}) / {step_time}",
+                "time in dataloader_next",
+            ),
+            target(
+                f"avg(hw_gpu_utilization_ratio{{{SPAN_SEL}}})",
+                "GPU utilization",
+                "B",
+            ),
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    lay.row("Ranks")
+    lay.timeseries(
+        "Mean step time per rank (stragglers)",
+        "Mean step time of each rank; a rank above the others is a straggler.",
+        [target(_mean_step_by_rank(step), "rank {{otelprof_rank}} ({{host_name}})")],
+        unit="s",
+    )
+    lay.timeseries(
+        "Rank skew over time",
+        "Slowest rank's mean step time divided by the fastest's (1 = balanced).",
+        [
+            target(
+                f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+                "slowest / fastest",
+            )
+        ],
+        unit="none",
+        min_value=None,
+    )
+    return dashboard(
+        "otelprof-training",
+        "otelprof — training",
+        "Step time and its breakdown into Determined's timings, from the collector's "
+        "span_metrics histograms; exemplars link to traces in Tempo.",
+        variables,
+        lay,
+    )
+
+
+def _mean_step_by_rank(step: str) -> str:
+    return (
+        f"sum by (host_name, otelprof_rank) ({_rate(HIST + '_sum', step)})"
+        f" / sum by (host_name, otelprof_rank) ({_rate(HIST + '_count', step)})"
+    )
+
+
+DASHBOARDS = {
+    "otelprof-system.json": system_dashboard,
+    "otelprof-training.json": training_dashboard,
+}
+
+
+def render(name: str) -> str:
+    """The exact text of one dashboard file."""
+    return json.dumps(DASHBOARDS[name](), indent=2, ensure_ascii=False) + "\n"
+
+
+def main() -> None:
+    for name in DASHBOARDS:
+        (HERE / name).write_text(render(name))
+        print(HERE / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""compose.yaml, checked as far as possible without a Docker engine.
+
+The file is loaded by the Compose Specification's own Go loader (scripts/compose-check: the
+library `docker compose config` uses: schema validation, interpolation, normalization), and
+by `docker compose config` too where a Compose plugin is installed. Then: every file it
+mounts exists, every published port binds loopback and matches the port the service's
+config listens on, service-to-service addresses match, images are pinned, the collector
+config validates with the environment compose gives it, and Prometheus's config passes
+promtool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.services import COLLECTOR_CONFIG, PROMETHEUS_CONFIG, REPO, validate_collector_config
+
+COMPOSE = REPO / "compose.yaml"
+CHECKER = REPO / "scripts" / "compose-check"
+DATASOURCES = REPO / "dashboards" / "provisioning" / "datasources" / "datasources.yaml"
+TEMPO_CONFIG = REPO / "tempo" / "tempo.yaml"
+ENV = {"GRAFANA_ADMIN_PASSWORD": "test-only-password"}
+
+
+@pytest.fixture(scope="module")
+def compose_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    go = shutil.which("go")
+    if go is None:
+        pytest.fail("Go is not installed; it builds the collector and scripts/compose-check")
+    binary = tmp_path_factory.mktemp("compose-check") / "compose-check"
+    built = subprocess.run(
+        [go, "build", "-o", str(binary), "."],
+        cwd=CHECKER,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CGO_ENABLED": "0"},
+    )
+    assert built.returncode == 0, built.stderr
+    return binary
+
+
+def _load(checker: Path, *profiles: str, env: dict[str, str] | None = None) -> Any:
+    # only what the test sets: no OTELCOL_*, GRAFANA_*, DET_* or bind address from the shell
+    prefixes = ("OTELCOL_", "GRAFANA_", "DET_", "OTELPROF_", "PROMETHEUS_")
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    run_env.update(ENV if env is None else env)
+    args = [str(checker), *(f"--profile={p}" for p in profiles), str(COMPOSE)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=run_env)
+    if result.returncode != 0:
+        return result
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def project(compose_check: Path) -> dict[str, Any]:
+    loaded = _load(compose_check)
+    assert isinstance(loaded, dict), loaded.stderr
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def project_with_bridge(compose_check: Path) -> dict[str, Any]:
+    loaded = _load(compose_check, "determined")
+    assert isinstance(loaded, dict), loaded.stderr
+    return loaded
+
+
+def _published(service: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {int(p["target"]): p for p in service.get("ports", [])}
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def test_compose_file_loads_with_the_stack_and_the_bridge_only_in_its_profile(
+    project: dict[str, Any], project_with_bridge: dict[str, Any]
+) -> None:
+    assert set(project["services"]) == {"otelcol", "prometheus", "tempo", "tempo-init", "grafana"}
+    assert set(project_with_bridge["services"]) == set(project["services"]) | {"determined-bridge"}
+
+
+def test_docker_compose_config_accepts_it_where_the_plugin_is_installed() -> None:
+    docker = shutil.which("docker")
+    plugin = docker and subprocess.run(
+        [docker, "compose", "version"], capture_output=True, text=True, timeout=30
+    )
+    if not plugin or plugin.returncode != 0:
+        # No Compose plugin on this machine: the Go loader above is the check.
+        assert not plugin or "compose" in (plugin.stderr + plugin.stdout)
+        return
+    result = subprocess.run(
+        [str(docker), "compose", "-f", str(COMPOSE), "--profile", "determined", "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **ENV},
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_grafana_refuses_to_start_without_an_admin_password(compose_check: Path) -> None:
+    result = _load(compose_check, env={})
+    assert not isinstance(result, dict), "compose loaded without GRAFANA_ADMIN_PASSWORD"
+    assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+
+
+def test_grafana_has_no_default_admin_password_and_anonymous_users_only_view(
+    project: dict[str, Any],
+) -> None:
+    env = project["services"]["grafana"]["environment"]
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == ENV["GRAFANA_ADMIN_PASSWORD"]  # from the user
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_USERS_ALLOW_SIGN_UP"] == "false"
+
+
+# -- files and images ------------------------------------------------------------------------
+
+
+def test_every_bind_mounted_file_exists_in_the_repository(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    mounts = [
+        (name, volume)
+        for name, service in project_with_bridge["services"].items()
+        for volume in service.get("volumes", [])
+        if volume["type"] == "bind"
+    ]
+    assert len(mounts) >= 8
+    for name, volume in mounts:
+        source = Path(volume["source"])
+        assert source.exists(), f"{name} mounts {source}, which does not exist"
+        assert volume.get("read_only"), f"{name} mounts {source} writable"
+        if source != Path("/dev/null"):
+            assert source.resolve().is_relative_to(REPO.resolve()), source
+
+
+def test_every_image_is_pinned_to_a_version(project_with_bridge: dict[str, Any]) -> None:
+    for name, service in project_with_bridge["services"].items():
+        image = service["image"]
+        repo, _, tag = image.rpartition(":")
+        assert repo and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{name}: {image} is not pinned"
+    inline = project_with_bridge["services"]["determined-bridge"]["build"]["dockerfile_inline"]
+    base = re.search(r"^FROM (\S+)", inline, re.MULTILINE)
+    assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), inline
+
+
+def test_collector_image_matches_the_release_our_build_uses(project: dict[str, Any]) -> None:
+    manifest = yaml.safe_load((REPO / "collector-config" / "builder-config.yaml").read_text())
+    image = project["services"]["otelcol"]["image"]
+    assert image == f"otel/opentelemetry-collector-contrib:{manifest['dist']['version']}"
+
+
+# -- ports and addresses -----------------------------------------------------------------------
+
+
+def test_published_ports_bind_loopback_by_default(project_with_bridge: dict[str, Any]) -> None:
+    published = [
+        (name, port)
+        for name, service in project_with_bridge["services"].items()
+        for port in service.get("ports", [])
+    ]
+    assert published
+    for name, port in published:
+        assert port["host_ip"] == "127.0.0.1", f"{name} publishes {port} beyond loopback"
+        assert str(port["published"]) == str(port["target"]), (name, port)
+
+
+def test_collector_publishes_exactly_the_ports_its_config_listens_on(
+    project: dict[str, Any],
+) -> None:
+    otelcol = project["services"]["otelcol"]
+    env = otelcol["environment"]
+    listening = {
+        _port(env["OTELCOL_OTLP_GRPC_ENDPOINT"]): 4317,
+        _port(env["OTELCOL_OTLP_HTTP_ENDPOINT"]): 4318,
+        _port(env["OTELCOL_HEALTH_ENDPOINT"]): 13133,
+        _port(env["OTELCOL_PROMETHEUS_ENDPOINT"]): 8889,
+    }
+    assert all(port == expected for port, expected in listening.items()), listening
+    assert set(_published(otelcol)) == set(listening)
+    for key in ("OTELCOL_OTLP_GRPC_ENDPOINT", "OTELCOL_PROMETHEUS_ENDPOINT"):
+        assert env[key].startswith("0.0.0.0:"), "inside the container it must listen on all"
+    mounted = {v["target"]: v["source"] for v in otelcol["volumes"] if v["type"] == "bind"}
+    config_arg = otelcol["command"][0].removeprefix("--config=")
+    assert Path(mounted[config_arg]) == COLLECTOR_CONFIG
+
+
+def test_prometheus_scrapes_the_collector_where_compose_runs_it(project: dict[str, Any]) -> None:
+    services = project["services"]
+    env = services["otelcol"]["environment"]
+    scrape = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    targets = {
+        job["job_name"]: job["static_configs"][0]["targets"][0] for job in scrape["scrape_configs"]
+    }
+    assert targets["otelcol"] == f"otelcol:{_port(env['OTELCOL_PROMETHEUS_ENDPOINT'])}"
+    assert targets["otelcol-self"] == f"otelcol:{env['OTELCOL_TELEMETRY_PORT']}"
+    jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
+    assert jobs["otelcol"]["honor_labels"] is True
+    command = services["prometheus"]["command"]
+    assert "--web.enable-remote-write-receiver" in command
+    assert "--enable-feature=exemplar-storage" in command
+    mounted = {v["target"]: v["source"] for v in services["prometheus"]["volumes"]}
+    config_path = next(c for c in command if c.startswith("--config.file=")).split("=", 1)[1]
+    assert Path(mounted[config_path]) == PROMETHEUS_CONFIG
+    assert 9090 in _published(services["prometheus"])
+
+
+def test_collector_sends_traces_to_tempos_otlp_port_and_the_bridge_to_its_listen_port(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    services = project_with_bridge["services"]
+    env = services["otelcol"]["environment"]
+    tempo = yaml.safe_load(TEMPO_CONFIG.read_text())
+    tempo_grpc = tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert env["OTELCOL_TEMPO_ENDPOINT"] == f"tempo:{_port(tempo_grpc)}"
+    bridge_listen = services["determined-bridge"]["environment"]["OTELPROF_BRIDGE_LISTEN"]
+    assert env["OTELCOL_DETERMINED_BRIDGE_ENDPOINT"] == f"determined-bridge:{_port(bridge_listen)}"
+    tempo_http = tempo["server"]["http_listen_port"]
+    assert tempo_http in _published(services["tempo"])
+    mounted = {
+        v["target"]: v["source"] for v in services["tempo"]["volumes"] if v["type"] == "bind"
+    }
+    config_path = services["tempo"]["command"][0].split("=", 1)[1]
+    assert Path(mounted[config_path]) == TEMPO_CONFIG
+
+
+def test_grafana_datasources_point_at_the_compose_services(project: dict[str, Any]) -> None:
+    services = project["services"]
+    tempo = yaml.safe_load(TEMPO_CONFIG.read_text())
+    datasources = {d["type"]: d for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
+    assert datasources["prometheus"]["url"] == "http://prometheus:9090"
+    assert datasources["tempo"]["url"] == f"http://tempo:{tempo['server']['http_listen_port']}"
+    mounted = {v["target"] for v in services["grafana"]["volumes"]}
+    assert "/etc/grafana/provisioning/datasources" in mounted
+    assert "/etc/grafana/provisioning/dashboards" in mounted
+    assert 3000 in _published(services["grafana"])
+
+
+# -- the configs compose hands to the services ----------------------------------------------
+
+
+@pytest.mark.parametrize("with_bridge", [False, True], ids=["default", "determined-profile"])
+def test_collector_config_validates_with_the_environment_compose_gives_it(
+    project: dict[str, Any], collector_binary: Path, with_bridge: bool
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTELCOL_")}
+    env.update(project["services"]["otelcol"]["environment"])
+    if with_bridge:  # the switches README gives for the determined profile
+        env["OTELCOL_METRICS_EXPORTERS"] = "[prometheus, otlp_grpc/determined]"
+        env["OTELCOL_TRACES_EXPORTERS"] = "[span_metrics, otlp_grpc/tempo, otlp_grpc/determined]"
+    result = validate_collector_config(COLLECTOR_CONFIG, env, collector_binary)
+    assert result.returncode == 0, result.stderr
+
+
+def test_prometheus_config_passes_promtool(prometheus_binary: Path) -> None:
+    promtool = prometheus_binary.with_name("promtool")
+    if not promtool.exists():
+        promtool = Path(shutil.which("promtool") or "promtool")
+    result = subprocess.run(
+        [str(promtool), "check", "config", str(PROMETHEUS_CONFIG)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

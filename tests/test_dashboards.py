@@ -1,0 +1,237 @@
+"""Grafana dashboards and provisioning: structure, and every query proven on real data.
+
+The data tests run every PromQL expression of every panel and variable, with the variables
+set to the values of one real attached-mode run (tests/pipeline_run.py: CPU PyTorch →
+collector → Prometheus), and fail with the panel's title when one returns nothing. GPU
+panels are fed by otelprof's GPU gauges over a scripted NVML driver: SYNTHETIC data, since
+this machine has no GPU (labelled otelprof_synthetic="fake-nvml" in Prometheus).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.dashboard_queries import (
+    DASHBOARD_DIR,
+    DASHBOARD_FILES,
+    label_values,
+    load,
+    panels,
+    queries,
+    references,
+    run_range,
+    substitute,
+    variable_query,
+)
+from tests.pipeline_run import RANK_ENV, PipelineRun
+from tests.services import REPO
+
+PROVISIONING = DASHBOARD_DIR / "provisioning"
+DATASOURCES = PROVISIONING / "datasources" / "datasources.yaml"
+PROVIDERS = PROVISIONING / "dashboards" / "dashboards.yaml"
+IDS = [p.name for p in DASHBOARD_FILES]
+
+
+def _build_module() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "otelprof_dashboards_build", DASHBOARD_DIR / "build.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _datasources() -> dict[str, dict[str, Any]]:
+    return {d["uid"]: d for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
+
+
+# -- structure -------------------------------------------------------------------------------
+
+
+def test_both_dashboards_are_shipped() -> None:
+    assert IDS == ["otelprof-system.json", "otelprof-training.json"]
+
+
+def test_committed_dashboards_are_what_build_py_generates() -> None:
+    build = _build_module()
+    for path in DASHBOARD_FILES:
+        assert path.read_text() == build.render(path.name), (
+            f"{path.name} differs from dashboards/build.py's output: run python dashboards/build.py"
+        )
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_dashboard_is_valid_grafana_json(path: Path) -> None:
+    dashboard = load(path)
+    assert isinstance(dashboard["schemaVersion"], int) and dashboard["schemaVersion"] >= 36
+    assert dashboard["uid"] == path.stem and dashboard["title"]
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    assert all(isinstance(i, int) and i > 0 for i in ids)
+    for panel in panels(dashboard):
+        grid = panel["gridPos"]
+        assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] != "row":
+            assert panel["targets"], f"{panel['title']} has no query"
+            refs = [t["refId"] for t in panel["targets"]]
+            assert len(refs) == len(set(refs)), panel["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_panels_do_not_overlap(path: Path) -> None:
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels(load(path)):
+        g = panel["gridPos"]
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_every_datasource_uid_is_provisioned(path: Path) -> None:
+    provisioned = _datasources()
+    dashboard = load(path)
+    used = []
+    for panel in panels(dashboard):
+        if "datasource" in panel:
+            used.append((panel["title"], panel["datasource"]))
+        used += [(panel["title"], t["datasource"]) for t in panel.get("targets", [])]
+    used += [(v["name"], v["datasource"]) for v in dashboard["templating"]["list"]]
+    assert used
+    for where, ds in used:
+        assert ds["uid"] in provisioned, f"{where}: datasource uid {ds['uid']} not provisioned"
+        assert ds["type"] == provisioned[ds["uid"]]["type"], where
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_every_variable_used_is_defined_and_every_defined_one_is_used(path: Path) -> None:
+    dashboard = load(path)
+    defined = [v["name"] for v in dashboard["templating"]["list"]]
+    assert len(defined) == len(set(defined))
+    used: set[str] = set()
+    for query in queries(dashboard):
+        undefined = references(query.expr) - set(defined)
+        assert not undefined, f"{query.panel}: uses undefined variables {undefined}"
+        used |= references(query.expr)
+    for position, var in enumerate(dashboard["templating"]["list"]):
+        refs = references(variable_query(var))
+        earlier = set(defined[:position])
+        assert refs <= earlier, f"variable {var['name']} uses {refs - earlier} before definition"
+        used |= refs
+    assert used == set(defined), f"defined but unused: {set(defined) - used}"
+
+
+def test_datasources_have_fixed_uids_and_link_exemplars_and_traces_both_ways() -> None:
+    sources = _datasources()
+    assert set(sources) == {"otelprof-prometheus", "otelprof-tempo"}
+    prometheus, tempo = sources["otelprof-prometheus"], sources["otelprof-tempo"]
+    (link,) = prometheus["jsonData"]["exemplarTraceIdDestinations"]
+    assert link == {"name": "trace_id", "datasourceUid": "otelprof-tempo"}  # collector label
+    to_metrics = tempo["jsonData"]["tracesToMetrics"]
+    assert to_metrics["datasourceUid"] == "otelprof-prometheus"
+    assert {t["key"]: t["value"] for t in to_metrics["tags"]} == {
+        "service.name": "service_name",
+        "host.name": "host_name",
+        "otelprof.rank": "otelprof_rank",
+    }
+    for query in to_metrics["queries"]:
+        # Grafana expands $VAR in provisioning files: its own variables must be $$-escaped.
+        assert "$$__tags" in query["query"] and "$${__span.name}" in query["query"]
+
+
+def test_dashboard_provider_reads_the_directory_compose_mounts_the_dashboards_in() -> None:
+    (provider,) = yaml.safe_load(PROVIDERS.read_text())["providers"]
+    path = provider["options"]["path"]
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    for dashboard in DASHBOARD_FILES:
+        assert f"./dashboards/{dashboard.name}:{path}/{dashboard.name}:ro" in mounts
+
+
+# -- every query on real data ---------------------------------------------------------------
+
+
+def _values_of_the_run(run: PipelineRun) -> dict[str, str]:
+    return {
+        "service": run.service_name,
+        "host": run.host_name,
+        "rank": run.rank,
+        "trial": RANK_ENV["DET_TRIAL_ID"],
+        "gpu": "0",
+    }
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_every_variable_query_lists_the_runs_value(pipeline_run: PipelineRun, path: Path) -> None:
+    values = _values_of_the_run(pipeline_run)
+    for var in load(path)["templating"]["list"]:
+        query = substitute(variable_query(var), values)
+        found = label_values(pipeline_run.prometheus, query, pipeline_run.started - 5)
+        assert values[var["name"]] in found, (
+            f"variable {var['name']} ({query}) lists {found}, not {values[var['name']]}"
+        )
+
+
+def _panel_queries() -> list[Any]:
+    return [q for path in DASHBOARD_FILES for q in queries(load(path))]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "query", _panel_queries(), ids=lambda q: f"{q.dashboard}|{q.panel}|{q.ref}"
+)
+def test_every_panel_query_returns_data_from_the_run(pipeline_run: PipelineRun, query: Any) -> None:
+    run = pipeline_run
+    expr = substitute(query.expr, _values_of_the_run(run))
+    series = run_range(run.prometheus, expr, run.started, run.finished + 3.0)
+    points = sum(len(values) for _, _, values in series)
+    assert points, (
+        f"panel {query.panel!r} ({query.dashboard}, {query.ref}) returned no data: {expr}"
+    )
+
+
+@pytest.mark.e2e
+def test_step_spans_carry_what_tempo_search_needs(pipeline_run: PipelineRun) -> None:
+    """TraceQL `{ name = "step" && resource.service.name = ... && resource.otelprof.rank = ... }`
+    with `span.otelprof.step` to pick a step: all three must be on the exported spans."""
+    requests = pipeline_run.tempo.trace_requests
+    steps = set()
+    for request in requests:
+        for rs in request.resource_spans:
+            resource = {kv.key: kv.value for kv in rs.resource.attributes}
+            assert resource["service.name"].string_value == pipeline_run.service_name
+            assert resource["otelprof.rank"].int_value == int(pipeline_run.rank)
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    if span.name == "step":
+                        attrs = {kv.key: kv.value for kv in span.attributes}
+                        steps.add(attrs["otelprof.step"].int_value)
+    assert steps == set(range(pipeline_run.steps))
+
+
+@pytest.mark.e2e
+def test_render_script_draws_every_dashboard_from_the_run(
+    pipeline_run: PipelineRun, tmp_path: Path
+) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import render_dashboards
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    written = render_dashboards.render(pipeline_run, tmp_path)
+    assert sorted(p.name for p in written) == ["otelprof-system.png", "otelprof-training.png"]
+    for png in written:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert all(panel["points"] > 0 for panel in summary["panels"]), summary
