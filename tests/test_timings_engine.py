@@ -197,3 +197,22 @@ def test_trailing_step_ends_at_its_last_range(tmp_path: Path) -> None:
     spans = run.finish()
     trailing = next(s for s in by_name(spans, "step") if s.attributes["otelprof.step"] == 1)
     assert trailing.end_ns == by_name(spans, "evaluate")[0].end_ns
+
+
+def test_a_forked_child_records_nothing(tmp_path: Path) -> None:
+    import os
+
+    run = start_run(tmp_path)
+    with timing("parent"):
+        pass
+    pid = os.fork()
+    if pid == 0:  # child: e.g. a DataLoader worker; nothing may queue up there
+        from otelprof.timings import _recorder as rec
+
+        with timing("child"), torch.profiler.record_function("child_rf"):
+            pass
+        os._exit(0 if rec.current is None and len(rec.queue) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    names = {s.name for s in run.finish()}
+    assert names == {"step", "parent"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
 import threading
 import traceback
@@ -115,6 +116,19 @@ attribute read is ~4x cheaper than torch.autograd._profiler_enabled()."""
 torch_range_enter: Callable[[str, str | None], Any] | None = None
 torch_range_exit: Callable[[Any], Any] | None = None
 cuda_timer: Any = None  # _cuda.CudaTimer while CUDA timing is on
+
+
+def _stop_in_forked_child() -> None:
+    """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing there,
+    rather than filling a queue nobody drains."""
+    global current, capacity
+    current = None
+    capacity = 0
+    queue.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stop_in_forked_child)
 
 
 def thread_state() -> ThreadState:
