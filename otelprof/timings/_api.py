@@ -9,6 +9,7 @@ cheap no-ops that still do the work when no profiler runs.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -72,14 +73,8 @@ class timed_dataloader(Generic[T]):
 
 
 def _is_tensor(value: Any) -> bool:
-    torch = _engine_torch()
+    torch = sys.modules.get("torch")  # data holding tensors means torch is imported
     return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _engine_torch() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
 
 
 def _map_nested(data: Any, fn: Any) -> Any:
@@ -210,8 +205,3 @@ def train_batch(**attributes: Any) -> Timing:
 def reduce_metrics(**attributes: Any) -> Timing:
     """`with reduce_metrics():` — the `reduce_metrics` span."""
     return timing(REDUCE_METRICS, **attributes)
-
-
-def active() -> bool:
-    """True while a timings engine runs in this process."""
-    return _engine._active is not None

@@ -45,9 +45,6 @@ class Clock:
     def to_wall(self, mono_ns: int) -> int:
         return self.wall_ns + (mono_ns - self.mono_ns)
 
-    def to_mono(self, wall_ns: int) -> int:
-        return self.mono_ns + (wall_ns - self.wall_ns)
-
 
 def _clean_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
     """Keep OTel-valid values; other values become their str() instead of failing export."""

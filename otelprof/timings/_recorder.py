@@ -2,7 +2,8 @@
 
 A range becomes a *frame*, a small list (name, ids, step context, timestamps, error), pushed
 on a per-thread stack while open (so nested ranges find their parent) and appended to a
-bounded queue when it closes. Nothing here builds OTel objects, takes a lock, or does I/O:
+bounded queue when it closes. Nothing here builds OTel objects, does I/O or takes a lock
+(except to count a drop):
 the span builder thread turns frames into ReadableSpans. When the queue is full the frame is
 dropped and counted; training never waits on telemetry.
 
@@ -155,21 +156,6 @@ def describe_error(
     return (f"{exc_type.__module__}.{exc_type.__qualname__}", str(exc), stack)
 
 
-def open_frame(name: str, owner: object, ctx: StepContext, kind: str) -> list[Any]:
-    """Push a new frame on this thread's stack; its parent is the innermost open range of
-    the same step, else the step span."""
-    state = _local.state
-    if state is None:
-        state = thread_state()
-    stack = state.stack
-    parent = stack[-1] if stack and stack[-1][3] is ctx else None
-    frame = [name, 0, parent, ctx, state, None, 0, 0, None, None, kind, owner]
-    if len(stack) < MAX_DEPTH:
-        stack.append(frame)
-    frame[6] = perf_counter_ns()
-    return frame
-
-
 def begin_leaf(name: str) -> list[Any] | None:
     """Start a span that is never a parent (not pushed on the thread's stack), for ranges
     whose end may never come, like an optimizer step that raises between its hooks."""
@@ -186,28 +172,6 @@ def begin_leaf(name: str) -> list[Any] | None:
 
 def end_leaf(frame: list[Any]) -> None:
     frame[7] = perf_counter_ns()
-    if len(queue) < capacity:
-        queue.append(frame)
-    else:
-        _count_drop()
-
-
-def close_frame(
-    frame: list[Any],
-    end_ns: int,
-    exc_type: type[BaseException] | None,
-    exc: BaseException | None,
-    tb: TracebackType | None,
-) -> None:
-    """Pop the frame from its thread's stack and queue it for the builder (or count a drop)."""
-    stack = frame[F_THREAD].stack
-    if stack and stack[-1] is frame:
-        stack.pop()
-    else:
-        _remove(stack, frame)
-    frame[F_END] = end_ns
-    if exc_type is not None:
-        frame[F_ERROR] = describe_error(exc_type, exc, tb)
     if len(queue) < capacity:
         queue.append(frame)
     else:
@@ -438,8 +402,3 @@ def _torch_range_enter(name: str) -> Any:
 def _torch_range_exit(handle: Any) -> None:
     with contextlib.suppress(Exception):
         torch_range_exit(handle)  # type: ignore[misc]
-
-
-def is_recording() -> bool:
-    """True while the current step records timing spans."""
-    return current is not None
