@@ -3,9 +3,8 @@
 A range becomes a *frame*, a small list (name, ids, step context, timestamps, error), pushed
 on a per-thread stack while open (so nested ranges find their parent) and appended to a
 bounded queue when it closes. Nothing here builds OTel objects, does I/O or takes a lock
-(except to count a drop):
-the span builder thread turns frames into ReadableSpans. When the queue is full the frame is
-dropped and counted; training never waits on telemetry.
+(except to count a drop): the span builder thread turns frames into ReadableSpans. When the
+queue is full the frame is dropped and counted; training never waits on telemetry.
 
 The recorder is process-wide (module globals, for the cheapest possible reads on the hot
 path); `TimingsEngine` is the only writer of that state.
