@@ -8,9 +8,9 @@ optimizer and LR-scheduler steps, metric reduction): per step the spans `dataloa
 `optimizer_step`, `step_lr_schedulers`, `from_device`, `reduce_metrics` and `step`.
 Instrumented blocks run under `otelprof.instrument()` (detached mode: OTLP JSON Lines files,
 hardware metrics every 1 s); baseline blocks run the same loop with no profiler. Blocks last
-a few seconds (so the 1 s sampling happens inside them) and alternate A-B-B-A so drift and
+`--block-seconds` (so the 1 s sampling happens inside them) and alternate A-B-B-A so drift and
 noisy neighbours hit both alike; time per step = block wall time (data loading included) /
-steps. Target: overhead < 1%.
+steps done in it. Target: overhead < 1%.
 
 Two views are printed: wall time per step (what the target is about; noisy on a shared
 machine), and CPU accounting — the CPU time otelprof's own threads (span builder, span
@@ -52,7 +52,7 @@ def _otelprof_thread_cpu() -> float:
     )
 
 
-def _block(instrumented: bool, steps: int, output_dir: str, index: int) -> dict[str, Any]:
+def _block(instrumented: bool, seconds: float, output_dir: str, index: int) -> dict[str, Any]:
     """Wall s/step, process CPU s/step and (instrumented) background-thread CPU s/step."""
     profiler = None
     if instrumented:
@@ -60,7 +60,7 @@ def _block(instrumented: bool, steps: int, output_dir: str, index: int) -> dict[
     try:
         background = _otelprof_thread_cpu()
         cpu = time.process_time()
-        result = train(profiler, steps=steps, seed=index)
+        result = train(profiler, seconds=seconds, seed=index)
         cpu = time.process_time() - cpu
         background = _otelprof_thread_cpu() - background
     finally:
@@ -69,7 +69,8 @@ def _block(instrumented: bool, steps: int, output_dir: str, index: int) -> dict[
     return {
         "wall": result.seconds / result.steps,
         "cpu": cpu / result.steps,
-        "background": background / result.steps,
+        "background_s": background,  # total: psutil thread times tick at 10 ms
+        "steps": result.steps,
         "stats": profiler.stats() if profiler is not None else {},
     }
 
@@ -88,28 +89,30 @@ def main() -> int:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="otelprof-bench-") as output_dir:
-        calibration = _block(False, 10, output_dir, 99)  # also warms up imports and pools
-        steps = max(20, round(args.block_seconds / calibration["wall"]))
+        _block(False, 1.0, output_dir, 99)  # warm-up: imports, allocator, thread pools
         blocks: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
         started = time.perf_counter()
         for pair in range(args.pairs):
             order = (False, True) if pair % 2 == 0 else (True, False)
             for instrumented in order:
-                blocks[instrumented].append(_block(instrumented, steps, output_dir, pair))
+                blocks[instrumented].append(
+                    _block(instrumented, args.block_seconds, output_dir, pair)
+                )
         elapsed = time.perf_counter() - started
 
     base, inst = blocks[False], blocks[True]
     paired = [i["wall"] / b["wall"] - 1.0 for b, i in zip(base, inst, strict=True)]
     spans = sum(i["stats"].get("timings.spans_recorded", 0) for i in inst)
+    inst_steps = sum(i["steps"] for i in inst)
     dropped = sum(i["stats"].get("dropped_total", 0) for i in inst)
     base_cpu = statistics.median(b["cpu"] for b in base)
-    background = statistics.median(i["background"] for i in inst)
+    background = sum(i["background_s"] for i in inst) / sum(i["steps"] for i in inst)
 
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}, ")
     print(
-        f"  {torch.get_num_threads()} intra-op threads; {args.pairs} pairs of blocks x {steps} "
-        f"steps (A-B-B-A), {elapsed:.0f} s; {spans / (args.pairs * steps):.1f} spans/step "
-        f"exported, {dropped} dropped"
+        f"  {torch.get_num_threads()} intra-op threads; {args.pairs} pairs of "
+        f"{args.block_seconds:g} s blocks (A-B-B-A), {elapsed:.0f} s; "
+        f"{spans / inst_steps:.1f} spans/step exported, {dropped} dropped"
     )
     med_base = statistics.median(b["wall"] for b in base)
     med_inst = statistics.median(i["wall"] for i in inst)
