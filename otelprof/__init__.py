@@ -19,34 +19,42 @@ from otelprof.config import ConfigError, Settings
 
 if TYPE_CHECKING:
     from otelprof.timings import (
+        HookHandle,
         ScheduleAction,
+        Timing,
         cyclic_schedule,
         from_device,
         instrument_lr_scheduler,
         instrument_optimizer,
+        reduce_metrics,
         schedule,
         set_epoch,
         step,
         timed_dataloader,
         timing,
         to_device,
+        train_batch,
     )
 
 # Timing helpers load on first use, so `import otelprof` (and its config/CLI modules) stays
 # light and never imports torch by itself.
 _TIMINGS_NAMES = frozenset(
     {
+        "HookHandle",
         "ScheduleAction",
+        "Timing",
         "cyclic_schedule",
         "from_device",
         "instrument_lr_scheduler",
         "instrument_optimizer",
+        "reduce_metrics",
         "schedule",
         "set_epoch",
         "step",
         "timed_dataloader",
         "timing",
         "to_device",
+        "train_batch",
     }
 )
 
@@ -63,20 +71,24 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ConfigError",
+    "HookHandle",
     "Profiler",
     "ScheduleAction",
     "Settings",
+    "Timing",
     "active_profiler",
     "cyclic_schedule",
     "from_device",
     "instrument",
     "instrument_lr_scheduler",
     "instrument_optimizer",
+    "reduce_metrics",
     "schedule",
     "set_epoch",
     "step",
     "timed_dataloader",
     "timing",
     "to_device",
+    "train_batch",
     "uninstrument",
 ]
