@@ -7,6 +7,7 @@ is down at the start, comes up mid-run, is SIGKILLed, and comes back on the same
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -58,10 +59,10 @@ class Worker:
 
 
 @pytest.fixture
-def start_worker(tmp_path: Path) -> Iterator[Callable[[str], Worker]]:
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     workers: list[Worker] = []
 
-    def start(endpoint: str) -> Worker:
+    def start(endpoint: str, env: dict[str, str] | None = None) -> Worker:
         control = tmp_path / f"worker-{len(workers)}"
         control.mkdir()
         log = control / "worker.log"
@@ -70,6 +71,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[[str], Worker]]:
                 [sys.executable, str(WORKER), endpoint, str(control)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
             )
         worker = Worker(process, control, log)
         workers.append(worker)
@@ -136,14 +138,14 @@ def _wait_for_flow(collector: Collector, worker: Worker, after_step: int) -> Non
 
 
 def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
-    collector_factory: Callable[..., Collector], start_worker: Callable[[str], Worker]
+    collector_factory: Callable[..., Collector], start_worker: Callable[..., Worker]
 ) -> None:
     collector = collector_factory(
         traces_exporters=["span_metrics", "file/traces"],
         metrics_exporters=["prometheus"],
         wait=False,
     )
-    worker = start_worker(collector.otlp_endpoint)
+    worker = start_worker(collector.otlp_endpoint, {"OTELPROF_EXPORT_TIMEOUT": "2"})
 
     # 1. collector down from the start
     wait_for(lambda: worker.alive() and worker.steps() > 20, timeout_s=60, what="training to start")
@@ -177,18 +179,30 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     # The loop never stalls: no step much slower than the run's normal step.
     median = statistics.median(step_times)
     slowest = max(step_times[5:])  # the first steps include DataLoader and model warm-up
+    print(
+        f"{len(step_times)} steps, median {median * 1e3:.2f} ms, slowest {slowest * 1e3:.1f} ms, "
+        f"RSS {min(rss) / 2**20:.0f}-{max(rss) / 2**20:.0f} MiB, stats {stats}"
+    )
     assert slowest < max(20 * median, 0.5), (
         f"a step took {slowest * 1000:.1f} ms (median {median * 1000:.2f} ms)"
     )
 
     # Memory stays bounded: what an outage queues is capped, not proportional to its length.
-    warm = rss[min(8, len(rss) - 1)]
-    assert max(rss) - warm < 200 * 2**20, (
+    # (Baseline: once training runs; PyTorch's first steps allocate ~150 MiB by themselves.)
+    progress = worker.progress()
+    warm = next(p["rss"] for p in progress if p["steps"] >= 20)
+    assert max(rss) - warm < 100 * 2**20, (
         f"RSS grew {(max(rss) - warm) / 2**20:.0f} MiB during outages"
     )
 
-    # Dropped telemetry is counted and shown to the user.
+    # Dropped telemetry is counted and shown to the user. Each outage (5 s) outlasts the
+    # export timeout (2 s here), so some exports must have failed; every recorded span is
+    # either exported or counted as lost.
     assert stats["dropped_total"] > 0, stats
+    lost_spans = stats.get("otlp.spans_failed", 0) + stats.get("otlp.spans_dropped_queue_full", 0)
+    assert stats.get("otlp.spans_exported", 0) + lost_spans == stats["timings.spans_recorded"], (
+        stats
+    )
     log = worker.log.read_text()
     assert "telemetry was dropped" in log, log[-2000:]
     assert "Traceback" not in log, log[-4000:]
@@ -209,7 +223,7 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     "span batch and the final metric export retry up to the 10 s export timeout); reported",
 )
 def test_shutdown_with_the_collector_down_returns_promptly_and_counts_the_loss(
-    collector_factory: Callable[..., Collector], start_worker: Callable[[str], Worker]
+    collector_factory: Callable[..., Collector], start_worker: Callable[..., Worker]
 ) -> None:
     collector = collector_factory(wait=False)  # never started
     worker = start_worker(collector.otlp_endpoint)
