@@ -156,14 +156,24 @@ def training_loop(
 
 
 def train(
-    endpoint: str, *, steps: int, service_name: str, interval_s: float = 0.5
+    endpoint: str,
+    *,
+    steps: int,
+    service_name: str,
+    interval_s: float = 0.5,
+    pause_s: float = 0.15,
 ) -> TrainingResult:
-    """`training_loop` under `otelprof.instrument(endpoint=...)` (attached mode, OTLP gRPC)."""
+    """`training_loop` under `otelprof.instrument(endpoint=...)` (attached mode, OTLP gRPC).
+
+    The pause between steps spreads the run over several span batches, span_metrics flushes
+    and scrapes (40 steps: ~6 s), so that rate() windows see the counters grow, as they
+    would in a long job; without it the whole run fits in one flush.
+    """
     import otelprof
 
     prof = otelprof.instrument(endpoint=endpoint, interval=interval_s, service_name=service_name)
     try:
-        step_times = training_loop(prof, steps=steps)
+        step_times = training_loop(prof, steps=steps, pause_s=pause_s)
     finally:
         resource = dict(prof.resource.attributes)
         prof.shutdown()
