@@ -130,6 +130,11 @@ class Profiler:
             self._shutdown_done = True
             if _active is self:
                 _active = None
+        # Flushing gets one export timeout in all; exports still retrying after that (a
+        # collector that is down) are abandoned and what they held is counted as dropped.
+        watchdog = threading.Timer(self.settings.export_timeout_s, self._pipelines.abandon_exports)
+        watchdog.daemon = True
+        watchdog.start()
         steps: list[tuple[str, Any]] = [
             ("timings", self._timings.shutdown if self._timings else None),
             ("traces", self.tracer_provider.shutdown),
@@ -144,6 +149,7 @@ class Profiler:
                 action()
             except Exception as error:
                 _log.warning("otelprof: shutting down %s raised %r", what, error)
+        watchdog.cancel()
         stats = self.stats()
         if self.settings.detached:
             with contextlib.suppress(Exception):

@@ -44,6 +44,10 @@ _PREFIX_GROUP = (("cpu_", "cpu"), ("gpu_", "gpu"), ("disk_", "disk"), ("net_", "
                  ("memory_", "memory"))  # fmt: skip
 
 
+class _ClientGone(Exception):
+    """The request body ended before its Content-Length."""
+
+
 class ApiError(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
@@ -188,6 +192,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
+        if len(raw) < length:
+            # The client went away mid-request (e.g. killed): like an HTTP server hitting an
+            # unexpected EOF, drop the request unprocessed instead of answering it.
+            self.close_connection = True
+            raise _ClientGone
         try:
             return json.loads(raw or b"null")
         except ValueError as exc:
@@ -250,6 +259,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(5, "Not Found")
         except ApiError as exc:
             self._error(exc)
+        except _ClientGone:
+            return
 
     def _auth_header(self) -> str:
         for header in ("Authorization", "Grpc-Metadata-x-user-token",

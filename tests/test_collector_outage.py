@@ -217,11 +217,6 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     wait_for(drops_visible, timeout_s=10.0, what="otelprof_telemetry_dropped_total in /metrics")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: Profiler.shutdown() with the collector unreachable takes ~35 s (each queued "
-    "span batch and the final metric export retry up to the 10 s export timeout); reported",
-)
 def test_shutdown_with_the_collector_down_returns_promptly_and_counts_the_loss(
     collector_factory: Callable[..., Collector], start_worker: Callable[..., Worker]
 ) -> None:

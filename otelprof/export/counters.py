@@ -63,15 +63,51 @@ def _count_points(data: MetricsData) -> int:
     )
 
 
-class CountingSpanExporter(SpanExporter):
+class _Abandonable:
+    """Shared by the counting exporters: shut the inner exporter down once, on demand.
+
+    `abandon()` is called when shutdown runs out of time: it interrupts an export that is
+    still retrying (the OTLP exporters stop backing off when shut down) and makes every later
+    export fail fast, counted, so flushing a dead collector cannot hold the job hostage.
+    """
+
+    name: str
+    _inner: Any
+    _counters: ExportCounters
+
+    def _init_abandon(self) -> None:
+        self._abandoned = False
+        self._inner_shut = False
+        self._shut_lock = threading.Lock()
+
+    def _shutdown_inner_once(self, **kwargs: Any) -> None:
+        with self._shut_lock:
+            if self._inner_shut:
+                return
+            self._inner_shut = True
+        try:
+            self._inner.shutdown(**kwargs)
+        except Exception as error:
+            _log.warning("otelprof: %s exporter shutdown raised %r", self.name, error)
+
+    def abandon(self) -> None:
+        self._abandoned = True
+        self._shutdown_inner_once()
+
+
+class CountingSpanExporter(_Abandonable, SpanExporter):
     """Delegates to `inner`, counting spans exported and spans lost to failed exports."""
 
     def __init__(self, name: str, inner: SpanExporter, counters: ExportCounters) -> None:
         self.name = name
         self._inner = inner
         self._counters = counters
+        self._init_abandon()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._abandoned:
+            self._counters.add(f"{self.name}.spans_failed", len(spans))
+            return SpanExportResult.FAILURE
         try:
             result = self._inner.export(spans)
         except Exception as error:  # an exporter bug must not kill the export thread
@@ -92,10 +128,7 @@ class CountingSpanExporter(SpanExporter):
         return result
 
     def shutdown(self) -> None:
-        try:
-            self._inner.shutdown()
-        except Exception as error:
-            _log.warning("otelprof: %s span exporter shutdown raised %r", self.name, error)
+        self._shutdown_inner_once()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         try:
@@ -104,7 +137,7 @@ class CountingSpanExporter(SpanExporter):
             return False
 
 
-class CountingMetricExporter(MetricExporter):
+class CountingMetricExporter(_Abandonable, MetricExporter):
     """Delegates to `inner`, counting data points exported and lost."""
 
     def __init__(self, name: str, inner: MetricExporter, counters: ExportCounters) -> None:
@@ -115,11 +148,16 @@ class CountingMetricExporter(MetricExporter):
         self.name = name
         self._inner = inner
         self._counters = counters
+        self._init_abandon()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
         points = _count_points(metrics_data)
+        if self._abandoned:
+            self._counters.add(f"{self.name}.metric_points_failed", points)
+            self._counters.add(f"{self.name}.metric_exports_failed")
+            return MetricExportResult.FAILURE
         try:
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as error:
@@ -150,10 +188,7 @@ class CountingMetricExporter(MetricExporter):
             return False
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        try:
-            self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
-        except Exception as error:
-            _log.warning("otelprof: %s metric exporter shutdown raised %r", self.name, error)
+        self._shutdown_inner_once(timeout_millis=timeout_millis, **kwargs)
 
 
 class _DropCountingMetrics:

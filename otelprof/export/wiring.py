@@ -41,6 +41,12 @@ class ExportPipelines:
     closers: list[Callable[[], None]] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_port: int | None = None
+    exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
+
+    def abandon_exports(self) -> None:
+        """Stop exports still retrying (shutdown's time is up); what they held is counted."""
+        for exporter in self.exporters:
+            exporter.abandon()
 
     def close(self) -> None:
         for closer in self.closers:
@@ -57,10 +63,14 @@ def file_names(world_size: int, rank: int) -> tuple[str, str]:
     return "metrics.jsonl", "traces.jsonl"
 
 
-def _span_processor(name: str, exporter: Any, counters: ExportCounters) -> SpanProcessor:
+def _span_processor(
+    pipelines: ExportPipelines, name: str, exporter: Any, counters: ExportCounters
+) -> SpanProcessor:
+    counting = CountingSpanExporter(name, exporter, counters)
+    pipelines.exporters.append(counting)
     return CountingBatchSpanProcessor(
         name,
-        CountingSpanExporter(name, exporter, counters),
+        counting,
         counters,
         max_queue_size=SPAN_QUEUE_SIZE,
         max_export_batch_size=SPAN_BATCH_SIZE,
@@ -69,10 +79,16 @@ def _span_processor(name: str, exporter: Any, counters: ExportCounters) -> SpanP
 
 
 def _metric_reader(
-    name: str, exporter: Any, settings: Settings, counters: ExportCounters
+    pipelines: ExportPipelines,
+    name: str,
+    exporter: Any,
+    settings: Settings,
+    counters: ExportCounters,
 ) -> MetricReader:
+    counting = CountingMetricExporter(name, exporter, counters)
+    pipelines.exporters.append(counting)
     return PeriodicExportingMetricReader(
-        CountingMetricExporter(name, exporter, counters),
+        counting,
         export_interval_millis=settings.interval_s * 1000,
         export_timeout_millis=settings.export_timeout_s * 1000,
     )
@@ -92,11 +108,15 @@ def _add_files(
     metrics_name, traces_name = file_names(world_size, rank)
     pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
     pipelines.metric_readers.append(
-        _metric_reader("files", FileMetricExporter(pipelines.files["metrics"]), settings, counters)
+        _metric_reader(
+            pipelines, "files", FileMetricExporter(pipelines.files["metrics"]), settings, counters
+        )
     )
     if settings.timings:
         pipelines.span_processors.append(
-            _span_processor("files", FileSpanExporter(pipelines.files["traces"]), counters)
+            _span_processor(
+                pipelines, "files", FileSpanExporter(pipelines.files["traces"]), counters
+            )
         )
 
 
@@ -111,11 +131,11 @@ def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCo
         "timeout": settings.export_timeout_s,
     }
     pipelines.metric_readers.append(
-        _metric_reader("otlp", OTLPMetricExporter(**common), settings, counters)
+        _metric_reader(pipelines, "otlp", OTLPMetricExporter(**common), settings, counters)
     )
     if settings.timings:
         pipelines.span_processors.append(
-            _span_processor("otlp", OTLPSpanExporter(**common), counters)
+            _span_processor(pipelines, "otlp", OTLPSpanExporter(**common), counters)
         )
 
 
@@ -145,10 +165,12 @@ def _add_determined(
     from otelprof.export.determined import DeterminedMetricExporter
 
     exporter = DeterminedMetricExporter.from_environment()
-    pipelines.metric_readers.append(_metric_reader("determined", exporter, settings, counters))
+    pipelines.metric_readers.append(
+        _metric_reader(pipelines, "determined", exporter, settings, counters)
+    )
     if settings.timings:
         pipelines.span_processors.append(
-            _span_processor("determined", exporter.span_exporter(), counters)
+            _span_processor(pipelines, "determined", exporter.span_exporter(), counters)
         )
 
 
