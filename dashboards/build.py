@@ -20,19 +20,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from otelprof.timings import DETERMINED_TIMINGS
+
 HERE = Path(__file__).resolve().parent
 PROMETHEUS = {"type": "prometheus", "uid": "otelprof-prometheus"}
 TEMPO_UID = "otelprof-tempo"
 SCHEMA_VERSION = 39
 
-DETERMINED_TIMINGS = (
-    "dataloader_next",
-    "to_device",
-    "train_batch",
-    "step_lr_schedulers",
-    "from_device",
-    "reduce_metrics",
-)
 PHASES = "|".join(DETERMINED_TIMINGS)
 HIST = "traces_span_metrics_duration_seconds"
 CALLS = "traces_span_metrics_calls_total"

@@ -20,14 +20,9 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-TIMING_NAMES = (
-    "dataloader_next",
-    "to_device",
-    "train_batch",
-    "step_lr_schedulers",
-    "from_device",
-    "reduce_metrics",
-)
+from tests.spec import DETERMINED_TIMINGS
+
+TIMING_NAMES = DETERMINED_TIMINGS
 
 
 def kv(key: str, value: Any) -> KeyValue:

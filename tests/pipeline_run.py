@@ -26,16 +26,9 @@ from typing import Any
 
 from tests.otlp_sink import OtlpSink
 from tests.services import Collector, Prometheus, start_collector, start_prometheus, wait_for
+from tests.spec import DETERMINED_TIMINGS
 
 # The timing names of Determined's profiler, each opened once per step by the loop below.
-DETERMINED_TIMINGS = (
-    "dataloader_next",
-    "to_device",
-    "train_batch",
-    "step_lr_schedulers",
-    "from_device",
-    "reduce_metrics",
-)
 STEP_SPAN = "step"
 
 # Environment of the training process: the second node's first process of four, so that the

@@ -17,8 +17,9 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.pipeline_run import DETERMINED_TIMINGS, STEP_SPAN, PipelineRun
+from tests.pipeline_run import STEP_SPAN, PipelineRun
 from tests.services import Collector, Prometheus
+from tests.spec import DETERMINED_TIMINGS
 
 pytestmark = pytest.mark.e2e
 

@@ -8,6 +8,7 @@ and optional Kineto windows (`_kineto`). Importing this package never imports to
 
 from otelprof.timings._api import (
     DATALOADER_NEXT,
+    DETERMINED_TIMINGS,
     FROM_DEVICE,
     OPTIMIZER_STEP,
     REDUCE_METRICS,
@@ -42,6 +43,7 @@ __all__ = [
     "ATTR_SOURCE",
     "ATTR_STEP",
     "DATALOADER_NEXT",
+    "DETERMINED_TIMINGS",
     "FROM_DEVICE",
     "OPTIMIZER_STEP",
     "REDUCE_METRICS",

@@ -24,6 +24,15 @@ TRAIN_BATCH = "train_batch"
 STEP_LR_SCHEDULERS = "step_lr_schedulers"
 REDUCE_METRICS = "reduce_metrics"
 OPTIMIZER_STEP = "optimizer_step"
+DETERMINED_TIMINGS = (
+    DATALOADER_NEXT,
+    TO_DEVICE,
+    TRAIN_BATCH,
+    STEP_LR_SCHEDULERS,
+    FROM_DEVICE,
+    REDUCE_METRICS,
+)
+"""The timing names of Determined's PyTorchTrial profiler, in the order a step runs them."""
 
 T = TypeVar("T")
 
