@@ -52,11 +52,18 @@ def _otelprof_thread_cpu() -> float:
     )
 
 
-def _block(instrumented: bool, seconds: float, output_dir: str, index: int) -> dict[str, Any]:
+def _block(
+    instrumented: bool, seconds: float, output_dir: str, index: int, bridge: bool = True
+) -> dict[str, Any]:
     """Wall s/step, process CPU s/step and (instrumented) background-thread CPU s/step."""
     profiler = None
     if instrumented:
-        profiler = otelprof.instrument(output_dir=output_dir, run_id=f"block{index}", interval=1.0)
+        profiler = otelprof.instrument(
+            output_dir=output_dir,
+            run_id=f"block{index}-{int(bridge)}",
+            interval=1.0,
+            record_function=bridge,
+        )
     try:
         background = _otelprof_thread_cpu()
         cpu = time.process_time()
@@ -82,23 +89,16 @@ def _trimmed_mean(values: list[float], cut: float = 0.2) -> float:
     return sum(kept) / len(kept)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10, help="baseline/otelprof block pairs")
-    parser.add_argument("--block-seconds", type=float, default=3.0)
-    args = parser.parse_args()
-
-    with tempfile.TemporaryDirectory(prefix="otelprof-bench-") as output_dir:
-        _block(False, 1.0, output_dir, 99)  # warm-up: imports, allocator, thread pools
-        blocks: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-        started = time.perf_counter()
-        for pair in range(args.pairs):
-            order = (False, True) if pair % 2 == 0 else (True, False)
-            for instrumented in order:
-                blocks[instrumented].append(
-                    _block(instrumented, args.block_seconds, output_dir, pair)
-                )
-        elapsed = time.perf_counter() - started
+def _run(args: argparse.Namespace, output_dir: str, bridge: bool) -> None:
+    blocks: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    started = time.perf_counter()
+    for pair in range(args.pairs):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        for instrumented in order:
+            blocks[instrumented].append(
+                _block(instrumented, args.block_seconds, output_dir, pair, bridge)
+            )
+    elapsed = time.perf_counter() - started
 
     base, inst = blocks[False], blocks[True]
     paired = [i["wall"] / b["wall"] - 1.0 for b, i in zip(base, inst, strict=True)]
@@ -106,11 +106,16 @@ def main() -> int:
     inst_steps = sum(i["steps"] for i in inst)
     dropped = sum(i["stats"].get("dropped_total", 0) for i in inst)
     base_cpu = statistics.median(b["cpu"] for b in base)
-    background = sum(i["background_s"] for i in inst) / sum(i["steps"] for i in inst)
+    background = sum(i["background_s"] for i in inst) / inst_steps
 
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}, ")
+    what = (
+        "demo loop, every record_function range bridged"
+        if bridge
+        else "the six Determined timings + optimizer_step + step (no record_function bridge)"
+    )
+    print(f"== {what}")
     print(
-        f"  {torch.get_num_threads()} intra-op threads; {args.pairs} pairs of "
+        f"  {torch.get_num_threads()} intra-op thread(s); {args.pairs} pairs of "
         f"{args.block_seconds:g} s blocks (A-B-B-A), {elapsed:.0f} s; "
         f"{spans / inst_steps:.1f} spans/step exported, {dropped} dropped"
     )
@@ -118,15 +123,41 @@ def main() -> int:
     med_inst = statistics.median(i["wall"] for i in inst)
     print(f"  baseline  median {med_base * 1000:8.2f} ms/step")
     print(f"  otelprof  median {med_inst * 1000:8.2f} ms/step")
-    print("wall-time overhead (target < 1%):")
-    print(f"  ratio of medians             {(med_inst / med_base - 1) * 100:+6.2f}%")
-    print(f"  median of paired blocks      {statistics.median(paired) * 100:+6.2f}%")
-    print(f"  trimmed mean of paired (20%) {_trimmed_mean(paired) * 100:+6.2f}%")
-    print(f"  paired blocks: {' '.join(f'{p * 100:+.1f}%' for p in paired)}")
-    print("CPU accounting:")
-    print(f"  loop CPU per step (baseline, all threads)   {base_cpu * 1000:8.2f} ms")
-    print(f"  otelprof background threads per step        {background * 1000:8.3f} ms")
-    print(f"  -> background share of the loop's CPU       {background / base_cpu * 100:6.2f}%")
+    print("  wall-time overhead (target < 1%):")
+    print(f"    ratio of medians             {(med_inst / med_base - 1) * 100:+6.2f}%")
+    print(f"    median of paired blocks      {statistics.median(paired) * 100:+6.2f}%")
+    print(f"    trimmed mean of paired (20%) {_trimmed_mean(paired) * 100:+6.2f}%")
+    print(f"    paired blocks: {' '.join(f'{p * 100:+.1f}%' for p in paired)}")
+    print("  CPU accounting:")
+    print(f"    loop CPU per step (baseline, all threads)   {base_cpu * 1000:8.2f} ms")
+    print(f"    otelprof background threads per step        {background * 1000:8.3f} ms")
+    print(f"    -> background share of the loop's CPU       {background / base_cpu * 100:6.2f}%")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=10, help="baseline/otelprof block pairs")
+    parser.add_argument("--block-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: leaves a core for background threads and "
+        "keeps two busy pools from thrashing a 2-core machine; 0 = torch's default)",
+    )
+    parser.add_argument(
+        "--variant", choices=("demo", "six", "both"), default="both", help="which span load"
+    )
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
+    with tempfile.TemporaryDirectory(prefix="otelprof-bench-") as output_dir:
+        _block(False, 1.0, output_dir, 99)  # warm-up: imports, allocator, thread pools
+        if args.variant in ("six", "both"):
+            _run(args, output_dir, bridge=False)
+        if args.variant in ("demo", "both"):
+            _run(args, output_dir, bridge=True)
     return 0
 
 
