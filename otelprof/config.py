@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 MIN_INTERVAL_S = 0.1
 DEFAULT_INTERVAL_S = 1.0
@@ -191,8 +191,6 @@ def _as_mapping(name: str, raw: Any) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"{_where(name, raw)}: malformed entry {item!r}, expected key=value")
-        from urllib.parse import unquote
-
         out[key.strip()] = unquote(value.strip())
     return out
 
