@@ -157,3 +157,45 @@ def test_a_source_that_fails_to_start_is_left_out_and_the_rest_runs(
         small_loop(2)
     assert "could not start system metrics" in caplog.text
     assert [s.name for s in read_spans(prof.files["traces"])].count("train_batch") == 2
+
+
+RANK_SCRIPT = """
+import otelprof, time
+with otelprof.instrument(interval=0.2) as prof:
+    for _ in range(3):
+        with otelprof.timing("train_batch"):
+            time.sleep(0.01)
+        prof.step()
+"""
+
+
+def test_ranks_of_one_job_share_a_run_directory_with_a_file_each(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "OTELPROF_OUTPUT_DIR": str(tmp_path),
+        "OTELPROF_RUN_ID": "job-1",
+        "WORLD_SIZE": "2",
+    }
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in (0, 1)
+    ]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]  # neither waited on the other
+    run_dir = tmp_path / "job-1"
+    for rank in (0, 1):
+        spans = read_spans(run_dir / f"traces.rank{rank}.jsonl")
+        assert [s.name for s in spans].count("train_batch") == 3
+        assert {s.resource["otelprof.rank"] for s in spans} == {rank}
+        assert {s.resource["otelprof.world_size"] for s in spans} == {2}
+        points = read_points(run_dir / f"metrics.rank{rank}.jsonl")
+        host_metrics = {p.name for p in points} & {"system.cpu.utilization"}
+        # host metrics come from local rank 0 only: one set per node
+        assert host_metrics == ({"system.cpu.utilization"} if rank == 0 else set())
+        assert (run_dir / f"run.rank{rank}.json").exists()
