@@ -309,16 +309,27 @@ def _is_id(text: Any, length: int) -> bool:
     return isinstance(text, str) and len(text) == length
 
 
-def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
-    where = f"{line.path}:{line.number}"
-    for rs in line.body["resourceSpans"]:
+def _scopes_by_resource(
+    line: Line, signal: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
+) -> Iterator[tuple[Resource, list[Any]]]:
+    """(resource, its scope entries) of one line; a malformed resource is skipped, warned."""
+    for entry in line.body[f"resource{signal}"]:
         try:
-            resource = cache.get(rs.get("resource"))
-            scopes = rs.get("scopeSpans") or []
+            resource = cache.get(entry.get("resource"))
+            scopes = entry.get(f"scope{signal}") or []
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             stats.skipped_items += 1
-            warn(f"{where}: malformed resource skipped ({type(exc).__name__}: {exc})")
+            warn(
+                f"{line.path}:{line.number}: malformed resource skipped "
+                f"({type(exc).__name__}: {exc})"
+            )
             continue
+        yield resource, scopes
+
+
+def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
+    where = f"{line.path}:{line.number}"
+    for resource, scopes in _scopes_by_resource(line, "Spans", cache, warn, stats):
         for ss in scopes:
             for s in ss.get("spans") or () if isinstance(ss, dict) else ():
                 try:
@@ -350,14 +361,7 @@ def _points_of(
     line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats
 ) -> Iterator[PointRec]:
     where = f"{line.path}:{line.number}"
-    for rm in line.body["resourceMetrics"]:
-        try:
-            resource = cache.get(rm.get("resource"))
-            scopes = rm.get("scopeMetrics") or []
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed resource skipped ({type(exc).__name__}: {exc})")
-            continue
+    for resource, scopes in _scopes_by_resource(line, "Metrics", cache, warn, stats):
         for sm in scopes:
             for metric in sm.get("metrics") or () if isinstance(sm, dict) else ():
                 try:
