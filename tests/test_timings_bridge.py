@@ -186,3 +186,20 @@ def test_a_second_engine_cannot_bridge_twice(tmp_path: Path) -> None:
             start_run(tmp_path / "second")
     finally:
         run.finish()
+
+
+def test_a_closed_range_does_not_keep_torchs_range_object_alive(tmp_path: Path) -> None:
+    """The queued span keeps names and times, not the record_function object (and its torch
+    handle): otherwise every queued range would stay alive until the builder runs."""
+    import gc
+    import weakref
+
+    run = start_run(tmp_path)
+    with torch.profiler.record_function("released") as rf:
+        pass
+    ref = weakref.ref(rf)
+    del rf
+    gc.collect()
+    assert ref() is None, "the bridge still holds the record_function after its range closed"
+    spans = run.finish()
+    assert len(by_name(spans, "released")) == 1

@@ -268,6 +268,7 @@ def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
                     _remove(stack, frame)
             if frame is not None:
                 frame[7] = end
+                frame[11] = None  # let torch free the range object now, not on the builder
                 if exc_type is not None:
                     frame[8] = describe_error(exc_type, exc, tb)
                 if len(frames) < capacity:
