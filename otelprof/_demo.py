@@ -113,12 +113,11 @@ def train(
     losses: list[torch.Tensor] = []
     done = 0
     epoch = 0
-    started = time.perf_counter()
+    started = last_step_end = time.perf_counter()
     try:
         while True:
             otelprof.set_epoch(epoch)
             for images, labels in otelprof.timed_dataloader(loader):
-                t0 = time.perf_counter()
                 images, labels = otelprof.to_device(
                     (images, labels), device, non_blocking=device.type == "cuda"
                 )
@@ -135,7 +134,9 @@ def train(
                     window_loss = float(torch.stack(losses[-20:]).mean())
                 done += 1
                 otelprof.step()
-                step_times.append(time.perf_counter() - t0)
+                now = time.perf_counter()
+                step_times.append(now - last_step_end)  # data loading included
+                last_step_end = now
                 if (steps is not None and done >= steps) or (
                     deadline is not None and time.perf_counter() >= deadline
                 ):
