@@ -53,21 +53,29 @@ def _otelprof_thread_cpu() -> float:
 
 
 def _block(
-    instrumented: bool, seconds: float, output_dir: str, index: int, bridge: bool = True
+    instrumented: bool,
+    seconds: float,
+    output_dir: str,
+    index: int,
+    bridge: bool = True,
+    null: bool = False,
 ) -> dict[str, Any]:
     """Wall s/step, process CPU s/step and (instrumented) background-thread CPU s/step."""
     profiler = None
     if instrumented:
+        options: dict[str, Any] = {"record_function": bridge}
+        if null:  # A/A: a profiler with every source and exporter off
+            options = {"timings": False, "host_metrics": False, "process_metrics": False}
+            options.update(gpus="none", detached=False)
         profiler = otelprof.instrument(
-            output_dir=output_dir,
-            run_id=f"block{index}-{int(bridge)}",
-            interval=1.0,
-            record_function=bridge,
+            output_dir=output_dir, run_id=f"block{index}-{int(bridge)}", interval=1.0, **options
         )
     try:
         background = _otelprof_thread_cpu()
         cpu = time.process_time()
+        thread_cpu = time.thread_time()
         result = train(profiler, seconds=seconds, seed=index)
+        thread_cpu = time.thread_time() - thread_cpu
         cpu = time.process_time() - cpu
         background = _otelprof_thread_cpu() - background
     finally:
@@ -77,6 +85,7 @@ def _block(
         "wall": result.seconds / result.steps,
         "step_median": statistics.median(result.step_times_s),
         "cpu": cpu / result.steps,
+        "thread_cpu": thread_cpu / result.steps,
         "background_s": background,  # total: psutil thread times tick at 10 ms
         "steps": result.steps,
         "stats": profiler.stats() if profiler is not None else {},
@@ -90,14 +99,14 @@ def _trimmed_mean(values: list[float], cut: float = 0.2) -> float:
     return sum(kept) / len(kept)
 
 
-def _run(args: argparse.Namespace, output_dir: str, bridge: bool) -> None:
+def _run(args: argparse.Namespace, output_dir: str, bridge: bool, null: bool = False) -> None:
     blocks: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     started = time.perf_counter()
     for pair in range(args.pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
         for instrumented in order:
             blocks[instrumented].append(
-                _block(instrumented, args.block_seconds, output_dir, pair, bridge)
+                _block(instrumented, args.block_seconds, output_dir, pair, bridge, null)
             )
     elapsed = time.perf_counter() - started
 
@@ -110,7 +119,9 @@ def _run(args: argparse.Namespace, output_dir: str, bridge: bool) -> None:
     background = sum(i["background_s"] for i in inst) / inst_steps
 
     what = (
-        "demo loop, every record_function range bridged"
+        "A/A: the same loop under a profiler with everything off (the method's noise floor)"
+        if null
+        else "demo loop, every record_function range bridged"
         if bridge
         else "the six Determined timings + optimizer_step + step (no record_function bridge)"
     )
@@ -140,7 +151,18 @@ def _run(args: argparse.Namespace, output_dir: str, bridge: bool) -> None:
     print(f"    median of paired blocks      {statistics.median(paired) * 100:+6.2f}%")
     print(f"    trimmed mean of paired (20%) {_trimmed_mean(paired) * 100:+6.2f}%")
     print(f"    paired blocks: {' '.join(f'{p * 100:+.1f}%' for p in paired)}")
+    thread_base = statistics.median(b["thread_cpu"] for b in base)
+    thread_inst = statistics.median(i["thread_cpu"] for i in inst)
+    paired_thread = [
+        i["thread_cpu"] / b["thread_cpu"] - 1.0 for b, i in zip(base, inst, strict=True)
+    ]
     print("  CPU accounting:")
+    print(
+        "    training thread CPU per step          "
+        f"{thread_base * 1000:.2f} -> {thread_inst * 1000:.2f} ms: "
+        f"{(thread_inst / thread_base - 1) * 100:+6.2f}% "
+        f"(median of paired blocks {statistics.median(paired_thread) * 100:+.2f}%)"
+    )
     print(f"    loop CPU per step (baseline, all threads)   {base_cpu * 1000:8.2f} ms")
     print(f"    otelprof background threads per step        {background * 1000:8.3f} ms")
     print(f"    -> background share of the loop's CPU       {background / base_cpu * 100:6.2f}%")
@@ -158,7 +180,10 @@ def main() -> int:
         "keeps two busy pools from thrashing a 2-core machine; 0 = torch's default)",
     )
     parser.add_argument(
-        "--variant", choices=("demo", "six", "both"), default="both", help="which span load"
+        "--variant",
+        choices=("demo", "six", "both", "aa"),
+        default="both",
+        help="which span load; aa = A/A run measuring the method's own noise",
     )
     args = parser.parse_args()
     if args.threads:
@@ -166,6 +191,8 @@ def main() -> int:
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
     with tempfile.TemporaryDirectory(prefix="otelprof-bench-") as output_dir:
         _block(False, 1.0, output_dir, 99)  # warm-up: imports, allocator, thread pools
+        if args.variant == "aa":
+            _run(args, output_dir, bridge=False, null=True)
         if args.variant in ("six", "both"):
             _run(args, output_dir, bridge=False)
         if args.variant in ("demo", "both"):
