@@ -82,6 +82,10 @@ class StepContext:
         self.last_child_ns = 0
 
 
+_BASE_FRAME: list[Any] = [None] * 13
+"""Bottom of every thread's stack: belongs to no step (F_CTX None) and no owner."""
+
+
 class ThreadState:
     """Per-thread open-range stack, plus the thread's identity for span attributes."""
 
@@ -91,7 +95,9 @@ class ThreadState:
         thread = threading.current_thread()
         self.ident = threading.get_ident()
         self.name = thread.name
-        self.stack: list[list[Any]] = []
+        # The base frame is never popped: a list that empties and refills on every range
+        # would be reallocated twice per range (CPython shrinks it at size 0).
+        self.stack: list[list[Any]] = [_BASE_FRAME]
 
 
 class _Local(threading.local):
