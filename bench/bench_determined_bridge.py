@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from _machine import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -66,15 +67,7 @@ def _free_port() -> int:
 
 
 def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs ({model}), Python {platform.python_version()}"
+    return f"{os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}"
 
 
 def _batched(trials: int, per_request: int, step: int, t: int) -> list[tuple[object, object]]:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _machine import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -182,21 +184,11 @@ def overhead_run(
     return baseline, profiled
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="duration of each rate step")
     args = parser.parse_args(argv)
-    print(f"machine: {os.cpu_count()} CPUs, {_cpu_model()}, Python {platform.python_version()}")
+    print(f"machine: {os.cpu_count()} CPUs, {cpu_model()}, Python {platform.python_version()}")
     with tempfile.TemporaryDirectory(prefix="otelprof-bench-") as work:
         collector = start_collector(Path(work) / "otelcol", spanmetrics_flush_interval="5s")
         try:

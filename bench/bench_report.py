@@ -21,22 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from otelprof.analysis.reader import WarningLog, open_run  # noqa: E402
 from otelprof.analysis.summary import summarize  # noqa: E402
 from tests.run_generators import write_big_run  # noqa: E402
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _read_only(files: list[Path]) -> int:
@@ -91,7 +83,7 @@ def main() -> int:
 
     base = args.dir or Path(tempfile.mkdtemp(prefix="otelprof-bench-"))
     run = base / "run"
-    print(f"machine: {os.cpu_count()} cores, {_cpu_model()}, Python {platform.python_version()}")
+    print(f"machine: {os.cpu_count()} cores, {cpu_model()}, Python {platform.python_version()}")
     try:
         start = time.perf_counter()
         size = write_big_run(run, int(args.gb * 1e9), ranks=8)

@@ -22,6 +22,7 @@ import platform
 import time
 from collections.abc import Sequence
 
+from _machine import cpu_model
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (
     MetricExporter,
@@ -94,17 +95,6 @@ def per_sample_cost(samples: int) -> dict[str, float]:
     handle.close()
     provider.shutdown()
     return costs
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

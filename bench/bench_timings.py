@@ -20,12 +20,12 @@ runs off the training thread, after each burst (`engine.flush()` outside the tim
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from _machine import cpu_model
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -74,17 +74,6 @@ def _burst(fn: Callable[[int], None], n: int) -> float:
     start = time.perf_counter_ns()
     fn(n)
     return (time.perf_counter_ns() - start) / n / 1000.0
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> int:

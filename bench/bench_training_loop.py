@@ -23,21 +23,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+from _machine import cpu_model
 
 import otelprof
 from otelprof._demo import train
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_timings import cpu_model
 
 OTELPROF_THREADS = ("otelprof-", "Otel")
 
