@@ -95,6 +95,18 @@ def _trimmed_mean(values: list[float], cut: float = 0.2) -> float:
     return sum(kept) / len(kept)
 
 
+def _compare(label: str, base: list[dict[str, Any]], inst: list[dict[str, Any]], key: str) -> str:
+    """Baseline -> otelprof medians of a per-block figure, and the median paired change."""
+    median_base = statistics.median(b[key] for b in base)
+    median_inst = statistics.median(i[key] for i in inst)
+    paired = [i[key] / b[key] - 1.0 for b, i in zip(base, inst, strict=True)]
+    return (
+        f"{label}{median_base * 1000:.2f} -> {median_inst * 1000:.2f} ms: "
+        f"{(median_inst / median_base - 1) * 100:+6.2f}% "
+        f"(median of paired blocks {statistics.median(paired) * 100:+.2f}%)"
+    )
+
+
 def _run(args: argparse.Namespace, output_dir: str, bridge: bool, null: bool = False) -> None:
     blocks: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     started = time.perf_counter()
@@ -131,34 +143,14 @@ def _run(args: argparse.Namespace, output_dir: str, bridge: bool, null: bool = F
     med_inst = statistics.median(i["wall"] for i in inst)
     print(f"  baseline  median {med_base * 1000:8.2f} ms/step")
     print(f"  otelprof  median {med_inst * 1000:8.2f} ms/step")
-    pooled_base = statistics.median(b["step_median"] for b in base)
-    pooled_inst = statistics.median(i["step_median"] for i in inst)
-    paired_steps = [
-        i["step_median"] / b["step_median"] - 1.0 for b, i in zip(base, inst, strict=True)
-    ]
     print("  wall-time overhead (target < 1%):")
-    print(
-        "    median step time (robust to stalls)  "
-        f"{pooled_base * 1000:.2f} -> {pooled_inst * 1000:.2f} ms: "
-        f"{(pooled_inst / pooled_base - 1) * 100:+6.2f}% "
-        f"(median of paired blocks {statistics.median(paired_steps) * 100:+.2f}%)"
-    )
+    print(_compare("    median step time (robust to stalls)  ", base, inst, "step_median"))
     print(f"    ratio of medians             {(med_inst / med_base - 1) * 100:+6.2f}%")
     print(f"    median of paired blocks      {statistics.median(paired) * 100:+6.2f}%")
     print(f"    trimmed mean of paired (20%) {_trimmed_mean(paired) * 100:+6.2f}%")
     print(f"    paired blocks: {' '.join(f'{p * 100:+.1f}%' for p in paired)}")
-    thread_base = statistics.median(b["thread_cpu"] for b in base)
-    thread_inst = statistics.median(i["thread_cpu"] for i in inst)
-    paired_thread = [
-        i["thread_cpu"] / b["thread_cpu"] - 1.0 for b, i in zip(base, inst, strict=True)
-    ]
     print("  CPU accounting:")
-    print(
-        "    training thread CPU per step          "
-        f"{thread_base * 1000:.2f} -> {thread_inst * 1000:.2f} ms: "
-        f"{(thread_inst / thread_base - 1) * 100:+6.2f}% "
-        f"(median of paired blocks {statistics.median(paired_thread) * 100:+.2f}%)"
-    )
+    print(_compare("    training thread CPU per step          ", base, inst, "thread_cpu"))
     print(f"    loop CPU per step (baseline, all threads)   {base_cpu * 1000:8.2f} ms")
     print(f"    otelprof background threads per step        {background * 1000:8.3f} ms")
     print(f"    -> background share of the loop's CPU       {background / base_cpu * 100:6.2f}%")
