@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from otelprof.analysis.replay import ReplayOptions, replay
 from otelprof.analysis.summary import summarize
 from otelprof.analysis.verdict import judge
 from otelprof.cli import main as cli_main
+from tests.demo_runs import run_demo
 from tests.otlp_sink import OtlpSink
 from tests.test_analysis_report import assert_report_matches_oracle
 from tests.test_analysis_trace import load_chrome_trace
@@ -21,28 +20,9 @@ from tests.test_analysis_trace import load_chrome_trace
 @pytest.fixture(scope="module")
 def slow_loader_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "otelprof",
-            "demo",
-            "--steps",
-            "12",
-            "--interval",
-            "0.2",
-            "--slow-dataloader",
-            "0.3",
-            "--no-report",
-            "--output-dir",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    _, run_dir = run_demo(
+        out, "--steps", "12", "--interval", "0.2", "--slow-dataloader", "0.3", "--no-report"
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
     return run_dir
 
 

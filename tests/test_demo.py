@@ -3,34 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.demo_runs import run_demo
 from tests.otlp_files import read_points, read_spans
 from tests.spec import DETERMINED_TIMINGS
 
 
 def test_demo_trains_in_detached_mode_and_prints_the_report(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "otelprof",
-            "demo",
-            "--steps",
-            "40",
-            "--interval",
-            "0.2",
-            "--output-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    result, run_dir = run_demo(tmp_path, "--steps", "40", "--interval", "0.2")
     assert str(run_dir) in result.stdout.replace("\n", "")
     spans = read_spans(run_dir / "traces.jsonl")
     steps = [s for s in spans if s.name == "step"]

@@ -1,0 +1,20 @@
+"""Run `otelprof demo` as a user would (a subprocess), for tests that need a real run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_demo(output_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The finished command and the one run directory it created under `output_dir`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "otelprof", "demo", *args, "--output-dir", str(output_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = [p for p in output_dir.iterdir() if p.is_dir()]
+    return result, run_dir
