@@ -138,6 +138,7 @@ class Profiler:
         steps: list[tuple[str, Any]] = [
             ("timings", self._timings.shutdown if self._timings else None),
             ("traces", self.tracer_provider.shutdown),
+            ("system metrics final sample", self._system.final_sample if self._system else None),
             ("metrics", self.meter_provider.shutdown),
             ("system metrics", self._system.close if self._system else None),
             ("exporter resources", self._pipelines.close),

@@ -12,6 +12,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from otelprof.system import SystemMetricsSettings, names, register_system_metrics
+from otelprof.system._common import Reading
+from otelprof.system._stamps import Clock
 from otelprof.system.gauges import Snapshots
 
 Collected = dict[str, dict[str, Any]]
@@ -136,15 +138,37 @@ def test_snapshots_resample_only_after_half_the_interval() -> None:
     now = [0.0]
     calls: list[float] = []
 
-    def source(t: float) -> list[Any]:
-        calls.append(t)
+    def source() -> list[Any]:
+        calls.append(now[0])
         return []
 
-    snaps = Snapshots([("s", source)], max_age_s=0.5, clock=lambda: now[0])
+    clock = Clock(monotonic_ns=lambda: round(now[0] * 1e9))
+    snaps = Snapshots([("s", source)], max_age_s=0.5, clock=clock)
     for t in (0.0, 0.1, 0.49, 0.5, 0.6, 1.0):
         now[0] = t
         snaps.observations("x")
     assert calls == [0.0, 0.5, 1.0]
+
+
+def test_final_collection_reads_again_instead_of_re_serving_the_last_snapshot() -> None:
+    now = [0.0]
+    value = [1.0]
+
+    def source() -> list[Reading]:
+        t = round(now[0] * 1e9)
+        return [Reading("x", value[0], {}, t, t - 10**9)]
+
+    clock = Clock(monotonic_ns=lambda: round(now[0] * 1e9))
+    snaps = Snapshots([("s", source)], max_age_s=0.5, clock=clock)
+    first = snaps.observations("x")
+    now[0], value[0] = 0.2, 2.0  # shutdown 0.2 s after the last export
+    assert snaps.observations("x") == first  # another reader in the same round shares it
+    snaps.final_sample()
+    final = snaps.observations("x")
+    assert [o.value for o in final] == [2.0]
+    assert final[0].value.time_ns == clock.to_unix_ns(round(0.2e9))  # type: ignore[attr-defined]
+    assert snaps.observations("x") == final  # the other readers' final collections share it
+    assert snaps.samples_taken == 2
 
 
 def test_host_metrics_off_leaves_only_process_series(

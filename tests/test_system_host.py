@@ -79,8 +79,62 @@ def ps() -> ScriptedPsutil:
     return fake
 
 
-def sampler(ps: ScriptedPsutil) -> HostSampler:
-    return HostSampler(ps, is_physical_disk=lambda name: not name.startswith("loop"))
+class ScriptedClock:
+    """Monotonic nanoseconds the test sets; `step_s` advances it after every reading."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.step_s = 0.0
+
+    def __call__(self) -> int:
+        now = round(self.t * 1e9)
+        self.t += self.step_s
+        return now
+
+
+class ScriptedHost:
+    """A HostSampler whose reads are all stamped at the time the test names."""
+
+    def __init__(self, ps: ScriptedPsutil) -> None:
+        self.clock = ScriptedClock()
+        self.host = HostSampler(
+            ps, is_physical_disk=lambda name: not name.startswith("loop"), clock=self.clock
+        )
+
+    def prime(self, t: float) -> None:
+        self.clock.t = t
+        self.host.prime()
+
+    def sample(self, t: float) -> list[Reading]:
+        self.clock.t = t
+        return self.host.sample()
+
+
+def sampler(ps: ScriptedPsutil) -> ScriptedHost:
+    return ScriptedHost(ps)
+
+
+def test_each_rate_divides_by_the_time_between_its_own_two_reads(ps: ScriptedPsutil) -> None:
+    """Reads stamped 1 s apart within one sample: no source borrows another's time."""
+    scripted = sampler(ps)
+    ps.nics = {"eth0": Net(0, 0, 0, 0)}
+    ps.disks = {"vda": Disk(0, 0, 0, 0)}
+    scripted.clock.step_s = 1.0  # network read at t, CPU at t+1, disk at t+2, memory t+3
+    scripted.prime(0.0)
+    ps.nics = {"eth0": Net(30_000, 0, 0, 0)}
+    ps.disks = {"vda": Disk(0, 0, 0, 60_000)}
+    ps.cpu = busy_idle(10, 10)
+    readings = scripted.sample(10.0)
+    got = values(readings)
+    # every source's window is 10 s long (10→20 … 3→13), whatever the others' read times
+    assert got[NET_TX] == pytest.approx(3_000)
+    assert got[DISK_W] == pytest.approx(6_000)
+    windows = {(r.name, r.start_ns, r.time_ns) for r in readings if r.start_ns is not None}
+    assert (NET_TX[0], 0, 10 * 10**9) in windows
+    assert (CPU[0], 1 * 10**9, 11 * 10**9) in windows
+    assert (DISK_W[0], 2 * 10**9, 12 * 10**9) in windows
+    memory = next(r for r in readings if r.name == MEM[0])
+    assert memory.start_ns is None and memory.time_ns == 13 * 10**9
 
 
 def test_ten_second_interval_reports_exact_averages_of_every_host_rate(

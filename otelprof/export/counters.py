@@ -26,6 +26,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
+from otelprof.system._stamps import apply_read_times
+
 _log = logging.getLogger("otelprof.export")
 
 
@@ -159,6 +161,8 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
             self._counters.add(f"{self.name}.metric_exports_failed")
             return MetricExportResult.FAILURE
         try:
+            # system metrics: each point's time = its read, start = its window (see _stamps)
+            metrics_data = apply_read_times(metrics_data)
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
         except Exception as error:
             self._counters.warn_once(

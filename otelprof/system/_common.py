@@ -14,11 +14,18 @@ logger = logging.getLogger("otelprof.system")
 
 @dataclass(frozen=True)
 class Reading:
-    """One observation of one instrument: sampled once, handed to every reader."""
+    """One observation of one instrument: sampled once, handed to every reader.
+
+    `time_ns` is the monotonic instant (`_stamps.Clock`) taken right before the read that
+    produced the value; `start_ns` the start of the window a rate averages over (None for
+    levels). Both are None only for sources that do not stamp their reads.
+    """
 
     name: str
     value: float
     attributes: Attributes = field(default_factory=dict)
+    time_ns: int | None = None
+    start_ns: int | None = None
 
 
 class LogOnce:

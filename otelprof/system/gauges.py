@@ -3,16 +3,19 @@
 Every instrument's callback reads the same snapshot. A snapshot is taken when a callback
 finds the last one older than half the collection interval, so one collection (of any
 number of instruments) costs one sample, and a second reader (a Prometheus scrape beside
-the periodic exporter) shares it instead of sampling again. Rates in a snapshot cover the
-time since the previous snapshot: with the periodic reader alone that is exactly one
-collection interval.
+the periodic exporter) shares it instead of sampling again.
+
+Inside a snapshot every source is read with its own timestamp and every rate covers the
+interval between that source's own two reads (`_stamps`); the values are handed to the
+SDK as `StampedValue`s so the exported points say exactly which window they average.
+At shutdown, `SystemMetricsHandle.final_sample()` makes the final collection read the
+counters again instead of re-serving the previous snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import names
 from ._common import LogOnce, Reading, logger
+from ._stamps import Clock, StampedValue, attr_key, recent_counters
 from .gpu import GpuSampler
 from .host import HostSampler
 from .process import ProcessSampler
@@ -29,7 +33,7 @@ from .torch_memory import TorchMemorySampler
 MIN_INTERVAL_S = 0.1
 GPU_SELECTIONS = ("visible", "all", "none")
 
-Source = Callable[[float], list[Reading]]
+Source = Callable[[], list[Reading]]
 
 
 @dataclass(frozen=True)
@@ -58,15 +62,18 @@ class Snapshots:
         self,
         sources: list[tuple[str, Source]],
         max_age_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
         log: LogOnce | None = None,
+        counters: frozenset[str] = frozenset(),
     ) -> None:
         self._sources = sources
-        self._max_age_s = max_age_s
-        self._clock = clock
+        self._max_age_ns = int(max_age_s * 1e9)
+        self._clock = clock or Clock()
         self._log = log or LogOnce()
+        self._counters = counters
         self._lock = threading.Lock()
-        self._time: float | None = None
+        self._time: int | None = None
+        self._fresh_needed = False
         self._observations: dict[str, list[Observation]] = {}
         self.samples_taken = 0
         self.closed = False
@@ -76,17 +83,31 @@ class Snapshots:
             if self.closed:
                 return []
             now = self._clock()
-            if self._time is None or now - self._time >= self._max_age_s:
-                self._observations = self._take(now)
+            if self._time is None or self._fresh_needed or now - self._time >= self._max_age_ns:
+                self._observations = self._take()
                 self._time = now
+                self._fresh_needed = False
                 self.samples_taken += 1
             return self._observations.get(name, [])
 
-    def _take(self, now: float) -> dict[str, list[Observation]]:
+    def final_sample(self) -> None:
+        """Make the next collection read every source again, however recent the last one.
+
+        Called before the final collections at shutdown: they then export what happened
+        since the last export (rates over windows of at least `MIN_WINDOW_S`, the
+        levels read now) instead of the previous snapshot again; readers collecting right
+        after that share this last sample.
+        """
+        with self._lock:
+            self._fresh_needed = True
+
+    def _take(self) -> dict[str, list[Observation]]:
         by_name: dict[str, list[Observation]] = {}
+        self._clock.resync()
+        to_unix = self._clock.to_unix_ns
         for label, source in self._sources:
             try:
-                readings = source(now)
+                readings = source()
             except Exception as exc:  # a sampler bug must not cost the other sources
                 self._log(
                     f"source:{label}:{type(exc).__name__}",
@@ -98,8 +119,14 @@ class Snapshots:
                 )
                 continue
             for reading in readings:
+                read = None if reading.time_ns is None else to_unix(reading.time_ns)
+                start = None if reading.start_ns is None else to_unix(reading.start_ns)
+                if read is not None and reading.name in self._counters:
+                    recent_counters.remember(
+                        reading.name, attr_key(reading.attributes), reading.value, read
+                    )
                 by_name.setdefault(reading.name, []).append(
-                    Observation(reading.value, reading.attributes)
+                    Observation(StampedValue(reading.value, read, start), reading.attributes)
                 )
         return by_name
 
@@ -112,10 +139,12 @@ class SystemMetricsHandle:
         snapshots: Snapshots,
         instruments: tuple[str, ...],
         gpu: GpuSampler | None,
+        closers: tuple[Callable[[], None], ...] = (),
     ) -> None:
         self._snapshots = snapshots
         self.instruments = instruments
         self._gpu = gpu
+        self._closers = closers
 
     @property
     def gpus(self) -> list[tuple[int, str]]:
@@ -126,11 +155,17 @@ class SystemMetricsHandle:
     def samples_taken(self) -> int:
         return self._snapshots.samples_taken
 
+    def final_sample(self) -> None:
+        """Before the final collection (shutdown): read the counters again, see Snapshots."""
+        self._snapshots.final_sample()
+
     def close(self) -> None:
         with self._snapshots._lock:
             self._snapshots.closed = True
         if self._gpu is not None:
             self._gpu.close()
+        for closer in self._closers:
+            closer()
 
 
 def register_system_metrics(
@@ -140,42 +175,49 @@ def register_system_metrics(
     psutil_module: Any = None,
     nvml: Any = None,
     env: Mapping[str, str] | None = None,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Clock | Callable[[], float] | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
     `psutil_module`, `nvml` and `env` replace the real psutil, pynvml and os.environ (tests
-    use fakes for hardware this machine lacks).
+    use fakes for hardware this machine lacks). `clock` is a `_stamps.Clock`, or a function
+    returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()
+    clock = _as_clock(clock)
     sources: list[tuple[str, Source]] = []
     instruments: list[names.Instrument] = []
-    now = clock()
+    closers: list[Callable[[], None]] = []
     if settings.host_metrics:
-        host = HostSampler(psutil_module, log=log)
-        host.prime(now)
+        host = HostSampler(psutil_module, log=log, clock=clock)
+        host.prime()
         sources.append(("host", host.sample))
+        closers.append(host.close)
         instruments.extend(names.HOST)
     gpu: GpuSampler | None = None
     if settings.gpus != "none":
         gpu = GpuSampler(settings.gpus, nvml=nvml, env=env, log=log)
         if gpu.start():
-            sources.append(("gpu", _ignore_time(gpu.sample)))
+            sources.append(("gpu", gpu.sample))
             instruments.extend(names.GPU)
         else:
             gpu = None
     if settings.process_metrics:
         process = ProcessSampler(
-            None if psutil_module is None else psutil_module.Process(), log=log
+            None if psutil_module is None else psutil_module.Process(), log=log, clock=clock
         )
-        process.prime(now)
+        process.prime()
         sources.append(("process", process.sample))
+        closers.append(process.close)
         instruments.extend(names.PROCESS)
     if settings.torch_cuda_memory:
-        sources.append(("torch", _ignore_time(TorchMemorySampler(log=log).sample)))
+        sources.append(("torch", TorchMemorySampler(log=log, clock=clock).sample))
         instruments.extend(names.TORCH)
 
-    snapshots = Snapshots(sources, max_age_s=settings.interval_s / 2, clock=clock, log=log)
+    counters = frozenset(i.name for i in instruments if i.kind == "counter")
+    snapshots = Snapshots(
+        sources, max_age_s=settings.interval_s / 2, clock=clock, log=log, counters=counters
+    )
     for instrument in instruments:
         create = (
             meter.create_observable_counter
@@ -189,11 +231,7 @@ def register_system_metrics(
             description=instrument.description,
         )
     logger.debug("system metrics registered: %s", ", ".join(i.name for i in instruments))
-    return SystemMetricsHandle(snapshots, tuple(i.name for i in instruments), gpu)
-
-
-def _ignore_time(sample: Callable[[], list[Reading]]) -> Source:
-    return lambda _now: sample()
+    return SystemMetricsHandle(snapshots, tuple(i.name for i in instruments), gpu, tuple(closers))
 
 
 def _callback(
@@ -214,3 +252,10 @@ def _callback(
             return []
 
     return observe
+
+
+def _as_clock(clock: Clock | Callable[[], float] | None) -> Clock:
+    if clock is None or isinstance(clock, Clock):
+        return clock or Clock()
+    seconds = clock
+    return Clock(monotonic_ns=lambda: round(seconds() * 1e9))

@@ -22,42 +22,16 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-from . import names
+from . import _procfs, names
 from ._common import AttrValue, LogOnce, Reading
+from ._stamps import MIN_WINDOW_S, Baseline, Clock, Stamped, timed
 from .rates import busy_fraction, summed_rate
 
-MIN_WINDOW_S = 0.05
-"""Shortest interval a rate is computed over: CPU times tick every 10 ms, so a shorter
-window measures the tick, not the load. A shorter gap keeps the old baseline."""
+__all__ = ["MIN_WINDOW_S", "Baseline", "HostSampler", "physical_disk_filter"]
 
 T = TypeVar("T")
-
-
-class Baseline(Generic[T]):
-    """The previous reading of one source and when it was taken."""
-
-    def __init__(self) -> None:
-        self.time: float | None = None
-        self.value: T | None = None
-
-    def advance(self, now: float, value: T) -> tuple[T, float] | None:
-        """Move the baseline to `value`; return (previous value, Δt), or None if unusable.
-
-        The first reading only sets the baseline. A reading less than MIN_WINDOW_S after
-        the baseline (including Δt == 0 or a clock that stepped back) is dropped and the
-        baseline kept, so the next rate covers the whole span.
-        """
-        if self.time is None or self.value is None:
-            self.time, self.value = now, value
-            return None
-        dt = now - self.time
-        if dt < MIN_WINDOW_S:
-            return None
-        previous = self.value
-        self.time, self.value = now, value
-        return previous, dt
 
 
 _VIRTUAL_NAME = re.compile(r"^(loop|ram|zram|dm-|md|sr|fd|nbd)\d*")
@@ -95,102 +69,163 @@ class DiskCounters:
 
 
 class HostSampler:
-    """Samples host counters and turns consecutive samples into readings."""
+    """Samples host counters and turns consecutive samples into readings.
+
+    Each source (network, CPU, disk, memory) is stamped right before its own read and
+    each rate divides by that source's own Δt (see `_stamps`). With `ps=None` on Linux
+    the counters come from /proc files kept open (`_procfs`), one system call each;
+    elsewhere, or with a psutil stand-in, from psutil.
+    """
 
     def __init__(
         self,
         ps: Any = None,
         is_physical_disk: Callable[[str], bool] | None = None,
         log: LogOnce | None = None,
+        clock: Callable[[], int] | None = None,
     ) -> None:
+        self._proc: dict[str, _procfs.ProcFile] = {}
         if ps is None:
             import psutil as ps
+
+            self._proc = _open_proc_files()
         self._ps = ps
+        self._clock = clock or Clock()
         self._is_physical_disk = is_physical_disk or physical_disk_filter()
         self._log = log or LogOnce()
         self._cpu: Baseline[Any] = Baseline()
         self._net: Baseline[NetCounters] = Baseline()
         self._disk: Baseline[DiskCounters] = Baseline()
 
-    def prime(self, now: float) -> None:
-        """Take baselines now, so the first collection reports a real interval (not 0)."""
-        self.sample(now)
+    @property
+    def reads_procfs(self) -> bool:
+        """True when counters come from kept-open /proc files rather than psutil."""
+        return bool(self._proc)
 
-    def sample(self, now: float) -> list[Reading]:
+    def prime(self) -> None:
+        """Take baselines now, so the first collection reports a real interval (not 0)."""
+        self.sample()
+
+    def sample(self) -> list[Reading]:
         out: list[Reading] = []
-        cpu_times = self._read("cpu", self._ps.cpu_times)
-        if cpu_times is not None:
-            step = self._cpu.advance(now, cpu_times)
-            if step is not None:
-                self._add(out, names.CPU_UTILIZATION, busy_fraction(step[0], cpu_times))
-        memory = self._read("memory", self._ps.virtual_memory)
-        if memory is not None:
-            self._add(out, names.MEMORY_AVAILABLE, float(memory.available))
+        # the rates first, each stamped beside its own read; the level (memory) last
         net = self._read("network", self._read_net)
-        if net is not None:
-            self._net_rates(out, net, now)
+        if net is not None and net.value is not None:
+            self._net_rates(out, net.value, net.time_ns)
+        cpu = self._read("cpu", self._read_cpu)
+        if cpu is not None and cpu.value is not None:
+            step = self._cpu.advance(cpu.time_ns, cpu.value)
+            if step is not None:
+                value = busy_fraction(step[0], cpu.value)
+                self._add(out, names.CPU_UTILIZATION, value, None, cpu.time_ns, step[2])
         disk = self._read("disk", self._read_disk)
-        if disk is not None:
-            self._disk_rates(out, disk, now)
+        if disk is not None and disk.value is not None:
+            self._disk_rates(out, disk.value, disk.time_ns)
+        memory = self._read("memory", self._read_memory)
+        if memory is not None and memory.value is not None:
+            self._add(out, names.MEMORY_AVAILABLE, memory.value, None, memory.time_ns, None)
         return out
 
-    def _net_rates(self, out: list[Reading], net: NetCounters, now: float) -> None:
+    def close(self) -> None:
+        for proc in self._proc.values():
+            proc.close()
+        self._proc = {}
+
+    def _net_rates(self, out: list[Reading], net: NetCounters, now: int) -> None:
         step = self._net.advance(now, net)
         if step is None:
             return
-        before, dt = step
+        before, dt, start = step
         direction = names.NETWORK_DIRECTION
         sent = summed_rate(before.sent, net.sent, dt)
         recv = summed_rate(before.recv, net.recv, dt)
-        self._add(out, names.NETWORK_THROUGHPUT, sent, {direction: names.TRANSMIT})
-        self._add(out, names.NETWORK_THROUGHPUT, recv, {direction: names.RECEIVE})
+        self._add(out, names.NETWORK_THROUGHPUT, sent, {direction: names.TRANSMIT}, now, start)
+        self._add(out, names.NETWORK_THROUGHPUT, recv, {direction: names.RECEIVE}, now, start)
 
-    def _disk_rates(self, out: list[Reading], disk: DiskCounters, now: float) -> None:
+    def _disk_rates(self, out: list[Reading], disk: DiskCounters, now: int) -> None:
         step = self._disk.advance(now, disk)
         if step is None:
             return
-        before, dt = step
+        before, dt, start = step
         read = {names.DISK_DIRECTION: names.READ}
         write = {names.DISK_DIRECTION: names.WRITE}
-        self._add(out, names.DISK_IOPS, summed_rate(before.read_count, disk.read_count, dt), read)
-        self._add(
-            out, names.DISK_IOPS, summed_rate(before.write_count, disk.write_count, dt), write
-        )
-        self._add(
-            out, names.DISK_THROUGHPUT, summed_rate(before.read_bytes, disk.read_bytes, dt), read
-        )
-        self._add(
-            out,
-            names.DISK_THROUGHPUT,
-            summed_rate(before.write_bytes, disk.write_bytes, dt),
-            write,
-        )
+        for instrument, attrs, previous, current in (
+            (names.DISK_IOPS, read, before.read_count, disk.read_count),
+            (names.DISK_IOPS, write, before.write_count, disk.write_count),
+            (names.DISK_THROUGHPUT, read, before.read_bytes, disk.read_bytes),
+            (names.DISK_THROUGHPUT, write, before.write_bytes, disk.write_bytes),
+        ):
+            self._add(out, instrument, summed_rate(previous, current, dt), attrs, now, start)
 
-    def _read_net(self) -> NetCounters | None:
-        per_nic = self._ps.net_io_counters(pernic=True, nowrap=False)
+    def _read_net(self) -> Stamped[NetCounters | None]:
+        proc = self._proc.get("net")
+        if proc is not None:
+            raw = proc.read(self._clock)
+            sent, recv = _procfs.parse_net_dev(raw.value)
+            return Stamped(NetCounters(sent, recv) if sent else None, raw.time_ns)
+        stamped = timed(lambda: self._ps.net_io_counters(pernic=True, nowrap=False), self._clock)
+        per_nic = stamped.value
         if not per_nic:
-            return None
-        return NetCounters(
-            sent={nic: c.bytes_sent for nic, c in per_nic.items()},
-            recv={nic: c.bytes_recv for nic, c in per_nic.items()},
+            return Stamped(None, stamped.time_ns)
+        return Stamped(
+            NetCounters(
+                sent={nic: c.bytes_sent for nic, c in per_nic.items()},
+                recv={nic: c.bytes_recv for nic, c in per_nic.items()},
+            ),
+            stamped.time_ns,
         )
 
-    def _read_disk(self) -> DiskCounters | None:
-        per_disk = self._ps.disk_io_counters(perdisk=True, nowrap=False)
-        if not per_disk:
-            return None
-        disks = {name: c for name, c in per_disk.items() if self._is_physical_disk(name)}
+    def _read_cpu(self) -> Stamped[Any]:
+        proc = self._proc.get("cpu")
+        if proc is not None:
+            raw = proc.read(self._clock)
+            return Stamped(_procfs.parse_cpu_times(raw.value), raw.time_ns)
+        return timed(self._ps.cpu_times, self._clock)
+
+    def _read_memory(self) -> Stamped[float | None]:
+        proc = self._proc.get("memory")
+        if proc is not None:
+            raw = proc.read(self._clock)
+            available = _procfs.parse_meminfo_available(raw.value)
+            if available is not None:
+                return Stamped(available, raw.time_ns)
+        stamped = timed(self._ps.virtual_memory, self._clock)
+        return Stamped(float(stamped.value.available), stamped.time_ns)
+
+    def _read_disk(self) -> Stamped[DiskCounters | None]:
+        proc = self._proc.get("disk")
+        if proc is not None:
+            raw = proc.read(self._clock)
+            per_disk = _procfs.parse_diskstats(raw.value)
+            t = raw.time_ns
+            counts = {name: c for name, c in per_disk.items() if self._is_physical_disk(name)}
+            disks = {name: _DiskTuple(c[0], c[1], c[2], c[3]) for name, c in counts.items()}
+        else:
+            stamped = timed(
+                lambda: self._ps.disk_io_counters(perdisk=True, nowrap=False), self._clock
+            )
+            t = stamped.time_ns
+            if not stamped.value:
+                return Stamped(None, t)
+            disks = {
+                name: _DiskTuple(c.read_count, c.write_count, c.read_bytes, c.write_bytes)
+                for name, c in stamped.value.items()
+                if self._is_physical_disk(name)
+            }
         if not disks:
             self._log("disk:none", logging.INFO, "no physical disk found; disk metrics omitted")
-            return None
-        return DiskCounters(
-            read_count={d: c.read_count for d, c in disks.items()},
-            write_count={d: c.write_count for d, c in disks.items()},
-            read_bytes={d: c.read_bytes for d, c in disks.items()},
-            write_bytes={d: c.write_bytes for d, c in disks.items()},
+            return Stamped(None, t)
+        return Stamped(
+            DiskCounters(
+                read_count={d: c.read_count for d, c in disks.items()},
+                write_count={d: c.write_count for d, c in disks.items()},
+                read_bytes={d: c.read_bytes for d, c in disks.items()},
+                write_bytes={d: c.write_bytes for d, c in disks.items()},
+            ),
+            t,
         )
 
-    def _read(self, what: str, read: Callable[[], T | None]) -> T | None:
+    def _read(self, what: str, read: Callable[[], Stamped[T]]) -> Stamped[T] | None:
         try:
             return read()
         except Exception as exc:
@@ -209,7 +244,36 @@ class HostSampler:
         out: list[Reading],
         instrument: names.Instrument,
         value: float | None,
-        attributes: Mapping[str, AttrValue] | None = None,
+        attributes: Mapping[str, AttrValue] | None,
+        time_ns: int,
+        start_ns: int | None,
     ) -> None:
         if value is not None:
-            out.append(Reading(instrument.name, value, dict(attributes or {})))
+            out.append(Reading(instrument.name, value, dict(attributes or {}), time_ns, start_ns))
+
+
+@dataclass(frozen=True)
+class _DiskTuple:
+    read_count: int
+    write_count: int
+    read_bytes: int
+    write_bytes: int
+
+
+_PROC_FILES = {
+    "net": "/proc/net/dev",
+    "cpu": "/proc/stat",
+    "disk": "/proc/diskstats",
+    "memory": "/proc/meminfo",
+}
+
+
+def _open_proc_files() -> dict[str, _procfs.ProcFile]:
+    """Every host /proc file that opens; a missing one is read through psutil instead."""
+    opened: dict[str, _procfs.ProcFile] = {}
+    for key, path in _PROC_FILES.items():
+        try:
+            opened[key] = _procfs.ProcFile(path)
+        except OSError:
+            continue
+    return opened

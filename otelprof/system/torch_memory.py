@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 from . import names
@@ -18,8 +20,14 @@ from ._common import Attributes, LogOnce, Reading
 
 
 class TorchMemorySampler:
-    def __init__(self, log: LogOnce | None = None, modules: Any = None) -> None:
+    def __init__(
+        self,
+        log: LogOnce | None = None,
+        modules: Any = None,
+        clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
         self._log = log or LogOnce()
+        self._clock = clock
         self._modules = sys.modules if modules is None else modules
         self._attributes: dict[int, Attributes] = {}
 
@@ -36,10 +44,14 @@ class TorchMemorySampler:
             out = []
             for ordinal in range(cuda.device_count()):
                 attrs = self._device_attributes(cuda, ordinal)
+                t = self._clock()  # both come from the allocator's counters, read together
                 allocated = cuda.memory_allocated(ordinal)
                 reserved = cuda.memory_reserved(ordinal)
-                out.append(Reading(names.TORCH_CUDA_ALLOCATED.name, float(allocated), attrs))
-                out.append(Reading(names.TORCH_CUDA_RESERVED.name, float(reserved), attrs))
+                for instrument, value in (
+                    (names.TORCH_CUDA_ALLOCATED, allocated),
+                    (names.TORCH_CUDA_RESERVED, reserved),
+                ):
+                    out.append(Reading(instrument.name, float(value), attrs, t))
             return out
         except Exception as exc:
             self._log(

@@ -1,0 +1,231 @@
+"""Read times: every counter read carries the instant it was taken, and each rate its own Δt.
+
+Why: a sampler running on a Python thread in a training process competes for the GIL with
+the training threads. Each system call a read makes (open, read, an NVML call through
+ctypes) releases the GIL, and getting it back can take milliseconds per call when busy
+threads hold it. One clock reading shared by all sources was measured to be up to 374 ms
+off the moment the last source was actually read, which put single rate windows 12–25 %
+off. So:
+
+- `Clock` reads `time.monotonic_ns` (rates must survive wall-clock steps) and converts to
+  Unix nanoseconds for export with an offset refreshed at every snapshot.
+- `timed(read, clock)` stamps the clock immediately *before* calling `read`. A read that
+  is one system call on an already open file (`_procfs.ProcFile`) or one NVML call starts
+  within microseconds of the stamp: the GIL is released on entry, not waited for; the
+  wait to get it back comes after the value is fixed, so it does not matter.
+- `Baseline` keeps each source's previous (time, value); a rate divides by the Δt between
+  that source's own two stamps, and knows the window it covers.
+- A `Reading` carries `time_ns` (the read) and `start_ns` (the start of the window a rate
+  averages over). `Snapshots` hands them on as `StampedValue`, a float that remembers both
+  times, and `apply_read_times` (called by otelprof's exporter wrapper) writes them into
+  the exported point: `time_unix_nano` = read time, `start_time_unix_nano` = window start
+  for gauges (the OTLP data model allows a start time on a gauge point). Cumulative sums
+  (`hw.energy`) keep the SDK's start time and get the read time; their values lose the
+  float subclass in the SDK's sum, so they are found by (name, attributes, value) in a
+  small table of recent readings.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+MIN_WINDOW_S = 0.05
+"""Shortest interval a rate is computed over: CPU times tick every 10 ms, so a shorter
+window measures the tick, not the load. A shorter gap keeps the old baseline."""
+
+
+RESYNC_NS = 1_000_000
+
+
+class Clock:
+    """Monotonic nanoseconds for Δt, plus the offset that turns them into Unix time."""
+
+    def __init__(
+        self,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        wall_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self._monotonic_ns = monotonic_ns
+        self._wall_ns = wall_ns
+        self._offset = wall_ns() - monotonic_ns()
+
+    def __call__(self) -> int:
+        return self._monotonic_ns()
+
+    def resync(self) -> None:
+        """Follow a wall clock that was stepped (by more than RESYNC_NS) since the last time.
+
+        Smaller differences are the jitter of reading two clocks and are ignored, so that
+        a window's start (converted at the previous snapshot) is exactly the previous
+        window's end.
+        """
+        mono = self._monotonic_ns()
+        offset = self._wall_ns() - mono
+        if abs(offset - self._offset) > RESYNC_NS:
+            self._offset = offset
+
+    def to_unix_ns(self, monotonic_ns: int) -> int:
+        return monotonic_ns + self._offset
+
+
+@dataclass(frozen=True)
+class Stamped(Generic[T]):
+    """A value and the monotonic instant (ns) taken right before it was read."""
+
+    value: T
+    time_ns: int
+
+
+def timed(read: Callable[[], T], clock: Callable[[], int]) -> Stamped[T]:
+    """Call `read` with the clock stamped immediately before it (see module docstring)."""
+    t = clock()
+    return Stamped(read(), t)
+
+
+class Baseline(Generic[T]):
+    """The previous reading of one source and when it was taken (monotonic ns)."""
+
+    def __init__(self) -> None:
+        self.time: int | None = None
+        self.value: T | None = None
+
+    def advance(self, now: int, value: T) -> tuple[T, float, int] | None:
+        """Move the baseline to `value` read at `now`; return (previous, Δt s, window start).
+
+        The first reading only sets the baseline. A reading less than MIN_WINDOW_S after
+        the baseline (including Δt == 0 or a clock that stepped back) is dropped and the
+        baseline kept, so the next rate covers the whole span.
+        """
+        if self.time is None or self.value is None:
+            self.time, self.value = now, value
+            return None
+        start = self.time
+        dt = (now - start) / 1e9
+        if dt < MIN_WINDOW_S:
+            return None
+        previous = self.value
+        self.time, self.value = now, value
+        return previous, dt, start
+
+
+class StampedValue(float):
+    """A float that remembers when it was read and which window it averages (Unix ns)."""
+
+    __slots__ = ("start_ns", "time_ns")
+    start_ns: int | None
+    time_ns: int | None
+
+    def __new__(cls, value: float, time_ns: int | None, start_ns: int | None) -> StampedValue:
+        self = super().__new__(cls, value)
+        self.time_ns = time_ns
+        self.start_ns = start_ns
+        return self
+
+
+AttrKey = tuple[tuple[str, Any], ...]
+
+
+def attr_key(attributes: Mapping[str, Any] | None) -> AttrKey:
+    return tuple(sorted((attributes or {}).items()))
+
+
+class _RecentCounters:
+    """(name, attributes, value) -> read time of recent counter readings, bounded."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._items: OrderedDict[tuple[str, AttrKey, float], int] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def remember(self, name: str, attributes: AttrKey, value: float, time_ns: int) -> None:
+        with self._lock:
+            key = (name, attributes, float(value))
+            self._items[key] = time_ns
+            self._items.move_to_end(key)
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+    def find(self, name: str, attributes: AttrKey, value: float) -> int | None:
+        with self._lock:
+            return self._items.get((name, attributes, float(value)))
+
+
+recent_counters = _RecentCounters()
+
+
+def apply_read_times(metrics_data: Any) -> Any:
+    """Metrics data whose system-metric points carry their read time and window.
+
+    Gauge points whose value is a `StampedValue` get `time_unix_nano` = read time and
+    `start_time_unix_nano` = window start (rates; levels have none), and a plain float value.
+    Sum points of counters read by otelprof get `time_unix_nano` = read time. Every other
+    point is returned untouched (the same object when nothing changed); if anything goes
+    wrong the data is exported as the SDK made it.
+    """
+    try:
+        return _apply_read_times(metrics_data)
+    except Exception:
+        return metrics_data
+
+
+def _apply_read_times(metrics_data: Any) -> Any:
+    from opentelemetry.sdk.metrics.export import Gauge, NumberDataPoint, Sum
+
+    changed_any = False
+    resource_metrics = []
+    for rm in metrics_data.resource_metrics:
+        scope_metrics = []
+        rm_changed = False
+        for sm in rm.scope_metrics:
+            metrics = []
+            sm_changed = False
+            for metric in sm.metrics:
+                data = metric.data
+                if isinstance(data, (Gauge, Sum)):
+                    points = []
+                    for point in data.data_points:
+                        points.append(
+                            _stamp_point(metric.name, point, isinstance(data, Sum))
+                            if isinstance(point, NumberDataPoint)
+                            else point
+                        )
+                    if any(a is not b for a, b in zip(points, data.data_points, strict=True)):
+                        metric = replace(metric, data=replace(data, data_points=points))
+                        sm_changed = True
+                metrics.append(metric)
+            if sm_changed:
+                sm = replace(sm, metrics=metrics)
+                rm_changed = True
+            scope_metrics.append(sm)
+        if rm_changed:
+            rm = replace(rm, scope_metrics=scope_metrics)
+            changed_any = True
+        resource_metrics.append(rm)
+    if not changed_any:
+        return metrics_data
+    return replace(metrics_data, resource_metrics=resource_metrics)
+
+
+def _stamp_point(name: str, point: Any, is_sum: bool) -> Any:
+    value = point.value
+    if isinstance(value, StampedValue):
+        if value.time_ns is None:
+            return replace(point, value=float(value))
+        return replace(
+            point,
+            value=float(value),
+            time_unix_nano=value.time_ns,
+            start_time_unix_nano=point.start_time_unix_nano if is_sum else value.start_ns,
+        )
+    if is_sum and isinstance(value, (int, float)):
+        read = recent_counters.find(name, attr_key(point.attributes), value)
+        if read is not None:
+            return replace(point, time_unix_nano=read)
+    return point

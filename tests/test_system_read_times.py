@@ -1,0 +1,110 @@
+"""Exported system-metric points say when they were read and which window they average."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
+
+from otelprof.system import SystemMetricsSettings, register_system_metrics
+from otelprof.system._stamps import Clock, StampedValue, apply_read_times, timed
+
+
+def points(data: Any) -> dict[str, list[NumberDataPoint]]:
+    out: dict[str, list[NumberDataPoint]] = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                out.setdefault(metric.name, []).extend(metric.data.data_points)
+    return out
+
+
+def test_rate_points_carry_their_window_and_level_points_their_read_time() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    settings = SystemMetricsSettings(interval_s=0.2, gpus="none", torch_cuda_memory=False)
+    before = time.time_ns()
+    handle = register_system_metrics(provider.get_meter("t"), settings)
+    try:
+        time.sleep(0.3)
+        raw = reader.get_metrics_data()
+        after = time.time_ns()
+        first = points(apply_read_times(raw))
+        time.sleep(0.3)
+        second = points(apply_read_times(reader.get_metrics_data()))
+    finally:
+        handle.close()
+        provider.shutdown()
+    for name in (
+        "system.cpu.utilization",
+        "system.network.throughput",
+        "system.disk.iops",
+        "process.cpu.utilization",
+    ):
+        for point in first[name]:
+            assert type(point.value) is float, name  # exporters get plain floats
+            assert point.start_time_unix_nano is not None, name
+            assert before <= point.start_time_unix_nano < point.time_unix_nano <= after, name
+            assert point.time_unix_nano - point.start_time_unix_nano >= 0.25e9, name
+        # the next window starts exactly where this one ended: no gap, no overlap
+        assert {p.start_time_unix_nano for p in second[name]} == {
+            p.time_unix_nano for p in first[name]
+        }, name
+    for name in ("system.memory.linux.available", "process.memory.usage"):
+        (point,) = first[name]
+        assert point.start_time_unix_nano is None
+        assert before <= point.time_unix_nano <= after
+
+
+def test_the_sdk_hands_the_stamped_value_through_to_the_point() -> None:
+    """apply_read_times relies on this; an SDK that copied values would break it here."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    handle = register_system_metrics(
+        provider.get_meter("t"), SystemMetricsSettings(gpus="none", torch_cuda_memory=False)
+    )
+    try:
+        time.sleep(0.06)
+        got = points(reader.get_metrics_data())
+    finally:
+        handle.close()
+        provider.shutdown()
+    assert all(isinstance(p.value, StampedValue) for p in got["process.cpu.utilization"])
+
+
+def test_data_without_stamps_is_exported_unchanged() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    provider.get_meter("t").create_gauge("g").set(3.0)
+    data = reader.get_metrics_data()
+    provider.shutdown()
+    assert apply_read_times(data) is data
+
+
+def test_the_stamp_is_taken_before_the_read() -> None:
+    events: list[str] = []
+
+    def clock() -> int:
+        events.append("clock")
+        return 7
+
+    def read() -> str:
+        events.append("read")
+        return "value"
+
+    stamped = timed(read, clock)
+    assert (stamped.value, stamped.time_ns, events) == ("value", 7, ["clock", "read"])
+
+
+def test_clock_follows_a_stepped_wall_clock_but_not_the_jitter_of_reading_it() -> None:
+    wall = [1_000_000_000]
+    clock = Clock(monotonic_ns=lambda: 50, wall_ns=lambda: wall[0])
+    assert clock.to_unix_ns(60) == 1_000_000_010
+    wall[0] += 300  # two clock reads a few hundred ns apart: windows stay contiguous
+    clock.resync()
+    assert clock.to_unix_ns(60) == 1_000_000_010
+    wall[0] = 5_000_000_000  # the wall clock was stepped
+    clock.resync()
+    assert clock.to_unix_ns(60) == 5_000_000_010
