@@ -1,15 +1,28 @@
-"""A Determined master that speaks only the contract otelprof relies on, strictly.
+"""A Determined master that behaves like the real 0.38.1 one on the calls otelprof makes.
 
-Written from shared/reference/determined-api.md (Determined 0.38.1), not from otelprof's
-code: route, auth headers, required fields and their JSON types, group-name rules, the
-run-id check, `stepsCompleted` required for non-profiling groups, merging of a repeated
-(trial, group, stepsCompleted) with overlapping keys refused. What it stored is read back
-through the shapes the Web UI uses: the profiler's `available_series` and `metrics`
-endpoints and `trial_metrics` for generic groups (newline-delimited `{"result": ...}`).
+Written from shared/reference/determined-api.md, §0 first (what a running 0.38.1 master
+did), not from otelprof's code:
 
-Stricter than the real master where that catches client bugs: unknown JSON fields are
-refused, and a body `trialId` different from the path is refused. A real HTTP server on a
-free loopback port; `down()` closes it (connections included) to simulate an outage.
+- permanent refusals of a report (stale run id, key conflict, batch-metrics overwrite,
+  missing stepsCompleted, reserved group, non-numeric epoch, missing metrics) are HTTP 500
+  with the master's own messages, as is a database outage (`database_down()`); only
+  malformed requests (400), bad credentials (401) and an unknown trial (404) differ;
+- error bodies `{"error": {"code", "reason", "error"}}`, streaming ones
+  `{"error": {"grpcCode", "httpCode", "message"}}`;
+- reporting any non-profiling group at stepsCompleted N under run id R archives the rows
+  of older run ids with total_batches > N (training, validation, generic) and recomputes
+  the trial's batch count, summary metrics and latest validation; every generic report
+  raises the batch count to GREATEST(batches, N);
+- profiling groups have no idempotency (a resend is a second row); a repeated
+  (group, stepsCompleted) is merged when the keys do not clash;
+- unknown JSON fields are ignored, the path's trial id overrides the body's, the run id
+  may be a string; profiling values read back as float32 with microsecond timestamps;
+  a string value makes the read a 500 and a null one crashes the master.
+
+What it stored is read back through the shapes the Web UI uses: the profiler's
+`available_series` and `metrics` endpoints, `trial_metrics` for generic groups
+(newline-delimited `{"result": ...}`) and `GET /api/v1/trials/{id}`. A real HTTP server on
+a free loopback port; `down()` closes it (connections included) to simulate an outage.
 """
 
 from __future__ import annotations
@@ -55,12 +68,24 @@ class ApiError(Exception):
         self.message = message
 
 
+# The real master's texts for what it refuses while reporting (reference §0); all HTTP 500.
+def _tx(group: str, error: str) -> str:
+    return f"failed to exec transaction (add trial metrics {group}): {error}"
+
+
+DB_DOWN_MESSAGE = "FATAL: terminating connection due to administrator command (SQLSTATE 57P01)"
+NIL_PANIC_MESSAGE = "runtime error: invalid memory address or nil pointer dereference"
+
+
 @dataclass
 class Trial:
     trial_id: int
     run_id: int
     experiment_id: int
-    editors: set[str]
+    editors: set[str]  # not checked: open-source Determined lets any user report (§0)
+    total_batches: int = 0
+    summary_metrics: dict[str, Any] = field(default_factory=dict)
+    latest_validation: dict[str, Any] | None = None
 
 
 @dataclass
@@ -75,6 +100,8 @@ class ProfilingRow:
 
 @dataclass
 class GenericRow:
+    """A row of the training, validation or a generic group (`total_batches` = steps)."""
+
     id: int
     trial_id: int
     run_id: int
@@ -83,6 +110,7 @@ class GenericRow:
     avg_metrics: dict[str, Any]
     batch_metrics: list[dict[str, Any]] | None
     end_time: dt.datetime
+    archived: bool = False
 
 
 @dataclass
@@ -103,21 +131,25 @@ class Store:
     allocation_tokens: dict[str, str] = field(default_factory=dict)  # token -> user
     trials: dict[int, Trial] = field(default_factory=dict)
     profiling: list[ProfilingRow] = field(default_factory=list)
-    generic: dict[tuple[int, str, int], GenericRow] = field(default_factory=dict)
+    generic: list[GenericRow] = field(default_factory=list)
     posts: list[Post] = field(default_factory=list)
     refusals: list[tuple[int, str]] = field(default_factory=list)
     logins: int = 0
     next_id: int = 1
     fail_remaining: int = 0
     fail_status: int = 503
+    lose_remaining: int = 0  # store the report, then drop the connection unanswered
+    db_down: bool = False
+    crashed: bool = False
+    broken_trials: dict[int, str] = field(default_factory=dict)  # trial -> a 500's message
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def _rfc3339(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def _rfc3339(t: dt.datetime, timespec: str = "milliseconds") -> str:
+    return t.astimezone(dt.timezone.utc).isoformat(timespec=timespec).replace("+00:00", "Z")
 
 
 def _parse_timestamp(value: Any) -> dt.datetime:
@@ -154,13 +186,15 @@ def _int32(obj: dict[str, Any], camel: str, snake: str, where: str, required: bo
     return raw
 
 
-def _only_fields(obj: Any, allowed: set[str], where: str) -> dict[str, Any]:
+def _object(obj: Any, where: str) -> dict[str, Any]:
+    """A JSON object (protojson ignores unknown fields: only the type is checked)."""
     if not isinstance(obj, dict):
         raise ApiError(3, f"{where}: expected a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise ApiError(3, f"{where}: unknown field {unknown[0]!r}")
     return obj
+
+
+_REASON = {3: "Invalid Argument", 5: "Not Found", 7: "Permission Denied", 13: "Internal",
+           14: "Unavailable", 16: "Unauthenticated"}  # fmt: skip
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -183,11 +217,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, exc: ApiError) -> None:
+    def _error(self, exc: ApiError, streaming: bool = False) -> None:
         status = _HTTP.get(exc.code, 500)
         with self.server.store.lock:
             self.server.store.refusals.append((status, exc.message))
-        self._send(status, {"code": exc.code, "message": exc.message, "details": []})
+        if streaming:
+            body = {"grpcCode": exc.code, "httpCode": status, "message": exc.message}
+        else:
+            body = {"code": exc.code, "reason": _REASON.get(exc.code, "Unknown"),
+                    "error": exc.message}  # fmt: skip
+        self._send(status, {"error": body})
 
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
@@ -223,16 +262,21 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         store = self.server.store
         with store.lock:
+            if store.crashed:  # a crashed master answers nothing
+                self.close_connection = True
+                return
             failing = store.fail_remaining > 0
             if failing:
                 store.fail_remaining -= 1
         if failing:
             if method == "POST":
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._send(store.fail_status, {"code": 14, "message": "injected failure"})
+            self._send(store.fail_status, {"error": {"code": 14, "reason": "Unavailable",
+                                                     "error": "injected failure"}})  # fmt: skip
             return
         url = urlsplit(self.path)
         query = parse_qs(url.query)
+        streaming = method == "GET"
         try:
             if method == "POST" and url.path == "/api/v1/auth/login":
                 return self._send(200, self._login(self._body()))
@@ -241,6 +285,15 @@ class _Handler(BaseHTTPRequestHandler):
                 body = self._body()
                 user = self._user()
                 self._report(m.group(1), body, user, self._auth_header())
+                with store.lock:
+                    lose = store.lose_remaining > 0
+                    if lose:
+                        store.lose_remaining -= 1
+                if lose:  # stored, but the answer never reaches the client
+                    self.close_connection = True
+                    with contextlib.suppress(OSError):
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 return self._send(200, {})
             m = re.fullmatch(r"/api/v1/trials/(\d+)/profiler/available_series", url.path)
             if method == "GET" and m:
@@ -251,14 +304,22 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "GET" and m:
                 self._user()
                 batches = self.server.profiler_metrics(int(m.group(1)), query)
+                if store.crashed:
+                    self.close_connection = True
+                    return
                 return self._send(200, None, ndjson=[{"result": {"batch": b}} for b in batches])
             if method == "GET" and url.path == "/api/v1/trials/metrics/trial_metrics":
                 self._user()
                 reports = self.server.trial_metrics(query)
                 return self._send(200, None, ndjson=[{"result": {"metrics": reports}}])
+            m = re.fullmatch(r"/api/v1/trials/(\d+)", url.path)
+            if method == "GET" and m:
+                streaming = False
+                self._user()
+                return self._send(200, {"trial": self.server.trial_view(int(m.group(1)))})
             raise ApiError(5, "Not Found")
         except ApiError as exc:
-            self._error(exc)
+            self._error(exc, streaming)
         except _ClientGone:
             return
 
@@ -277,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- /api/v1/auth/login ---------------------------------------------------------------------
     def _login(self, body: Any) -> dict[str, Any]:
-        body = _only_fields(body, {"username", "password", "isHashed", "is_hashed"}, "login")
+        body = _object(body, "login")
         store = self.server.store
         username, password = body.get("username"), body.get("password", "")
         if not isinstance(username, str) or not isinstance(password, str):
@@ -298,38 +359,29 @@ class _Handler(BaseHTTPRequestHandler):
     def _report(self, path_id: str, body: Any, user: str, header: str) -> None:
         if not re.fullmatch(r"-?\d+", path_id):
             raise ApiError(3, f"type mismatch, parameter: metrics.trial_id, error: {path_id!r}")
-        trial_id = int(path_id)
-        body = _only_fields(body, {"metrics", "group"}, "ReportTrialMetricsRequest")
+        trial_id = int(path_id)  # the path's trial id overrides the body's
+        body = _object(body, "ReportTrialMetricsRequest")
         group = body.get("group")
         if not isinstance(group, str) or not group:
             raise ApiError(3, "group is required (a non-empty string)")
         if "." in group:
             raise ApiError(3, "metric group cannot contain '.'")
-        metrics = _only_fields(
-            body.get("metrics"),
-            {"trialId", "trial_id", "trialRunId", "trial_run_id", "stepsCompleted",
-             "steps_completed", "reportTime", "report_time", "metrics"},
-            "metrics",
-        )  # fmt: skip
         if body.get("metrics") is None:
-            raise ApiError(3, "metrics is required")
-        body_trial = _int32(metrics, "trialId", "trial_id", "metrics", True)
-        if body_trial != trial_id:
-            raise ApiError(3, f"metrics.trialId {body_trial} does not match the path ({trial_id})")
-        run_id = _int32(metrics, "trialRunId", "trial_run_id", "metrics", True)
+            raise ApiError(13, NIL_PANIC_MESSAGE)  # a caught nil-pointer panic
+        metrics = _object(body["metrics"], "metrics")
+        _int32(metrics, "trialId", "trial_id", "metrics", False)
+        run_id = _int32(metrics, "trialRunId", "trial_run_id", "metrics", False) or 0
         steps = _int32(metrics, "stepsCompleted", "steps_completed", "metrics", False)
         raw_time = metrics.get("reportTime", metrics.get("report_time"))
         report_time = None if raw_time is None else _parse_timestamp(raw_time)
         if metrics.get("metrics") is None:
-            raise ApiError(3, "metrics.metrics is required")
-        inner = _only_fields(
-            metrics["metrics"],
-            {"avgMetrics", "avg_metrics", "batchMetrics", "batch_metrics"},
-            "metrics.metrics",
-        )
+            raise ApiError(13, NIL_PANIC_MESSAGE)
+        inner = _object(metrics["metrics"], "metrics.metrics")
         avg = inner.get("avgMetrics", inner.get("avg_metrics"))
+        if avg is None:
+            raise ApiError(13, NIL_PANIC_MESSAGE)
         if not isinstance(avg, dict):
-            raise ApiError(3, "metrics.metrics.avgMetrics is required (a JSON object)")
+            raise ApiError(3, "metrics.metrics.avgMetrics: expected a JSON object")
         batch = inner.get("batchMetrics", inner.get("batch_metrics"))
         if batch is not None and (
             not isinstance(batch, list) or not all(isinstance(b, dict) for b in batch)
@@ -337,41 +389,43 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(3, "metrics.metrics.batchMetrics must be a list of JSON objects")
         for key in ("epoch", "epochs"):
             if key in avg and (isinstance(avg[key], bool) or not isinstance(avg[key], int | float)):
-                raise ApiError(3, f"{key} must be numeric, got {avg[key]!r}")
+                raise ApiError(
+                    13, f"cannot add metric with non numeric '{key}' value got {avg[key]}"
+                )
         store = self.server.store
         with store.lock:
             trial = store.trials.get(trial_id)
             if trial is None:
                 raise ApiError(5, f"trial {trial_id} not found")
-            if user not in trial.editors:
-                raise ApiError(
-                    7,
-                    f"user {user} does not have permission to edit experiment "
-                    f"{trial.experiment_id}",
-                )
+            if store.db_down:
+                raise ApiError(13, _tx(group, DB_DOWN_MESSAGE))
+            if trial_id in store.broken_trials:
+                raise ApiError(13, _tx(group, store.broken_trials[trial_id]))
             if run_id != trial.run_id:
                 raise ApiError(
-                    3, f"invalid run id, {run_id} (reported) != {trial.run_id} (expected)"
-                )
+                    13,
+                    _tx(group, f"invalid run id, {run_id} (reported) != {trial.run_id} "
+                        "(expected): invalid arguments"),
+                )  # fmt: skip
             if group in ("avg_metrics", "validation_metrics"):
-                # The database's custom_type_check constraint: an internal error on a master.
                 raise ApiError(
                     13,
-                    'new row for relation "metrics" violates check constraint "custom_type_check"',
-                )
+                    _tx(group, 'ERROR: new row for relation "metrics" violates check '
+                        'constraint "custom_type_check" (SQLSTATE 23514)'),
+                )  # fmt: skip
             end_time = report_time or _now()
-            if group in PROFILING_GROUPS:
+            if group in PROFILING_GROUPS:  # stepsCompleted ignored, no idempotency
                 store.profiling.append(
                     ProfilingRow(store.next_id, trial_id, run_id, group, avg, end_time)
                 )
             else:
                 if steps is None:
                     raise ApiError(
-                        3,
-                        f"stepsCompleted is required for group {group!r} "
-                        "(generic_metrics.total_batches is NOT NULL)",
-                    )
-                self.server.merge_generic(trial_id, run_id, group, steps, avg, batch, end_time)
+                        13,
+                        _tx(group, 'ERROR: null value in column "total_batches" of relation '
+                            '"generic_metrics" violates not-null constraint (SQLSTATE 23502)'),
+                    )  # fmt: skip
+                self.server.merge_generic(trial, group, steps, avg, batch, end_time)
             store.next_id += 1
             store.posts.append(Post(trial_id, group, body, header))
 
@@ -405,36 +459,84 @@ class _HTTPServer(ThreadingHTTPServer):
     # -- storage rules (called with store.lock held) ------------------------------------------
     def merge_generic(
         self,
-        trial_id: int,
-        run_id: int,
+        trial: Trial,
         group: str,
         steps: int,
         avg: dict[str, Any],
         batch: list[dict[str, Any]] | None,
         end_time: dt.datetime,
     ) -> None:
-        key = (trial_id, group, steps)
-        row = self.store.generic.get(key)
+        """Insert or merge a row, then roll back older runs and update the trial's summary."""
+        store = self.store
+        row = next(
+            (r for r in store.generic if r.trial_id == trial.trial_id and r.group == group
+             and r.total_batches == steps and not r.archived),
+            None,
+        )  # fmt: skip
         if row is None:
-            self.store.generic[key] = GenericRow(
-                self.store.next_id, trial_id, run_id, group, steps, dict(avg), batch, end_time
-            )
-            return
-        clash = [k for k in avg if k in row.avg_metrics and row.avg_metrics[k] != avg[k]]
-        if clash:
-            raise ApiError(
-                3,
-                f"overwriting existing metric keys is not supported, conflicting keys: {clash}",
-            )
-        if batch and row.batch_metrics:
-            raise ApiError(3, "overwriting existing batch metrics is not supported")
-        row.avg_metrics.update(avg)
-        row.batch_metrics = row.batch_metrics or batch
-        row.end_time = end_time
+            store.generic.append(
+                GenericRow(store.next_id, trial.trial_id, trial.run_id, group, steps, dict(avg),
+                           batch, end_time)
+            )  # fmt: skip
+        else:
+            clash = [k for k in avg if k in row.avg_metrics and row.avg_metrics[k] != avg[k]]
+            if clash:
+                raise ApiError(
+                    13,
+                    _tx(group, "overwriting existing metric keys is not supported, "
+                        f"conflicting key: {clash[0]}"),
+                )  # fmt: skip
+            if batch and row.batch_metrics:
+                raise ApiError(13, _tx(group, "overwriting batch metrics is not supported"))
+            row.avg_metrics.update(avg)
+            row.batch_metrics = row.batch_metrics or batch
+            row.end_time = end_time
+        # Rollback: rows of older run ids past this step are archived, of every kind.
+        archived = False
+        for r in store.generic:
+            if (r.trial_id == trial.trial_id and not r.archived and r.run_id < trial.run_id
+                    and r.total_batches > steps):  # fmt: skip
+                r.archived = True
+                archived = True
+        live = [r for r in store.generic if r.trial_id == trial.trial_id and not r.archived]
+        if archived:
+            trial.total_batches = max((r.total_batches for r in live), default=0)
+            trial.summary_metrics = {}
+            trial.latest_validation = None
+            for r in sorted(live, key=lambda r: (r.total_batches, r.id)):
+                self._summarize(trial, r)
+        trial.total_batches = max(trial.total_batches, steps)  # GREATEST(total_batches, N)
+        for r in live:
+            if r.group == group and r.total_batches == steps:
+                self._summarize(trial, r)
+
+    @staticmethod
+    def _summarize(trial: Trial, row: GenericRow) -> None:
+        trial.summary_metrics.setdefault(row.group, {}).update(row.avg_metrics)
+        if row.group == "validation":
+            latest = trial.latest_validation
+            if latest is None or row.total_batches >= latest["totalBatches"]:
+                trial.latest_validation = {"totalBatches": row.total_batches,
+                                           "metrics": dict(row.avg_metrics)}  # fmt: skip
 
     # -- reads ----------------------------------------------------------------------------------
+    def trial_view(self, trial_id: int) -> dict[str, Any]:
+        """GetTrial: the fields a restart can hurt (batch count, summary, latest validation)."""
+        with self.store.lock:
+            trial = self.store.trials.get(trial_id)
+            if trial is None:
+                raise ApiError(5, f"trial {trial_id} not found")
+            return {
+                "id": trial.trial_id,
+                "experimentId": trial.experiment_id,
+                "runId": trial.run_id,
+                "totalBatchesProcessed": trial.total_batches,
+                "summaryMetrics": json.loads(json.dumps(trial.summary_metrics)),
+                "latestValidation": json.loads(json.dumps(trial.latest_validation)),
+            }
+
     def available_series(self, trial_id: int) -> list[dict[str, Any]]:
-        """GetTrialProfilerAvailableSeries: latest row per (group, agent), every key of it."""
+        """GetTrialProfilerAvailableSeries: latest row (by end_time) per (group, agent)."""
         with self.store.lock:
             rows = [r for r in self.store.profiling if r.trial_id == trial_id]
         latest: dict[tuple[str, str], ProfilingRow] = {}
@@ -483,9 +585,8 @@ class _HTTPServer(ThreadingHTTPServer):
             return [b for u in uuids for b in self._series(trial_id, rows, name, agent, u)]
         return self._series(trial_id, rows, name, agent, uuid)
 
-    @staticmethod
     def _series(
-        trial_id: int, rows: list[ProfilingRow], name: str, agent: str, uuid: str
+        self, trial_id: int, rows: list[ProfilingRow], name: str, agent: str, uuid: str
     ) -> list[dict[str, Any]]:
         out = []
         labels = {"trialId": trial_id, "name": name, "agentId": agent,
@@ -499,22 +600,30 @@ class _HTTPServer(ThreadingHTTPServer):
                     node = node.get(part) if isinstance(node, dict) else None
             if not isinstance(node, dict) or name not in node:
                 continue
-            value = struct.unpack("f", struct.pack("f", float(node[name])))[0]  # float32 column
-            out.append(
-                {"values": [value], "timestamps": [_rfc3339(row.end_time)], "labels": labels}
-            )
+            raw = node[name]
+            if raw is None:  # what the real master did with a stored null: it crashed
+                with self.store.lock:
+                    self.store.crashed = True
+                self.drop_connections()
+                return []
+            if isinstance(raw, bool) or not isinstance(raw, int | float):
+                raise ApiError(13, f"cannot parse metric {name}: {raw!r} is not a number")
+            value = struct.unpack("f", struct.pack("f", float(raw)))[0]  # float32 column
+            out.append({"values": [value], "batches": [],
+                        "timestamps": [_rfc3339(row.end_time, "microseconds")],
+                        "labels": labels})  # fmt: skip
         return out
 
     def trial_metrics(self, query: dict[str, list[str]]) -> list[dict[str, Any]]:
-        """GetMetrics: generic rows only (profiling rows have NULL total_batches)."""
+        """GetMetrics: generic rows that are not archived (profiling rows have NULL batches)."""
         trial_ids = {int(t) for t in query.get("trialIds", [])}
         group = query.get("group", [""])[0]
         if not trial_ids or not group:
             raise ApiError(3, "trialIds and group are required")
         with self.store.lock:
             rows = sorted(
-                (r for r in self.store.generic.values()
-                 if r.trial_id in trial_ids and r.group == group),
+                (r for r in self.store.generic
+                 if r.trial_id in trial_ids and r.group == group and not r.archived),
                 key=lambda r: (r.trial_id, r.total_batches),
             )  # fmt: skip
         return [
@@ -523,7 +632,7 @@ class _HTTPServer(ThreadingHTTPServer):
                 "endTime": _rfc3339(r.end_time),
                 "metrics": {"avg_metrics": r.avg_metrics, "batch_metrics": r.batch_metrics},
                 "totalBatches": r.total_batches,
-                "archived": False,
+                "archived": r.archived,
                 "id": r.id,
                 "trialRunId": r.run_id,
                 "group": r.group,
@@ -613,6 +722,57 @@ class DeterminedContractServer:
         with self.store.lock:
             self.store.fail_remaining = count
             self.store.fail_status = status
+
+    def lose_next_responses(self, count: int) -> None:
+        """Store the next `count` reports but drop their connections before answering
+        (a proxy failing after the master took the report)."""
+        with self.store.lock:
+            self.store.lose_remaining = count
+
+    @contextlib.contextmanager
+    def database_down(self) -> Iterator[None]:
+        """PostgreSQL gone inside the block: every report is a 500 with the driver's text."""
+        with self.store.lock:
+            self.store.db_down = True
+        try:
+            yield
+        finally:
+            with self.store.lock:
+                self.store.db_down = False
+
+    def break_trial(self, trial_id: int, message: str | None) -> None:
+        """Every report to this trial fails with a 500 carrying `message` (None: heal it)."""
+        with self.store.lock:
+            if message is None:
+                self.store.broken_trials.pop(trial_id, None)
+            else:
+                self.store.broken_trials[trial_id] = message
+
+    def restart_trial(self, trial_id: int) -> int:
+        """The trial restarts (a new run id, as after a failure or a pause); returns it."""
+        with self.store.lock:
+            trial = self.store.trials[trial_id]
+            trial.run_id += 1
+            return trial.run_id
+
+    def trial(self, trial_id: int) -> dict[str, Any]:
+        """What GET /api/v1/trials/{id} answers (batch count, summary, latest validation)."""
+        assert self._httpd is not None
+        return self._httpd.trial_view(trial_id)
+
+    def rows(self, trial_id: int, group: str, archived: bool = False) -> list[GenericRow]:
+        """Generic/training/validation rows of a trial (the archived ones when asked)."""
+        with self.store.lock:
+            rows = self.store.generic
+            return [
+                r
+                for r in rows
+                if r.trial_id == trial_id and r.group == group and r.archived == archived
+            ]
+
+    def profiling_rows(self, trial_id: int, group: str) -> list[ProfilingRow]:
+        with self.store.lock:
+            return [r for r in self.store.profiling if r.trial_id == trial_id and r.group == group]
 
     # -- what was stored -----------------------------------------------------------------------
     def posts(self) -> list[Post]:

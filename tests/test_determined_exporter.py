@@ -169,3 +169,24 @@ def test_instrument_with_determined_posts_real_hardware_and_timings_from_the_pro
     timings = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
     assert sum(t["metrics"]["avg_metrics"].get("train_batch_count", 0) for t in timings) == 3
     assert prof.stats()["dropped_total"] == 0
+
+
+def test_reports_the_master_refuses_show_as_lost_in_stats_not_as_exported(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master.restart_trial(42)  # the master is at run 2; this process still says run 1
+    for name, value in {
+        "DET_MASTER": master.url,
+        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": "1",
+        "DET_AGENT_ID": "agent-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
+        time.sleep(0.5)
+    stats = prof.stats()
+    assert master.posts() == []
+    assert stats["determined.reports_delivered"] == 0
+    assert stats["determined.reports_failed_refused_by_master"] >= 4  # cpu, memory, disk, net
+    assert stats["dropped_total"] >= stats["determined.reports_failed_refused_by_master"]

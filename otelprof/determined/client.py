@@ -8,7 +8,6 @@ in log lines or error messages (`redact()` scrubs any text that could carry one)
 from __future__ import annotations
 
 import datetime
-import enum
 import hashlib
 import json
 import logging
@@ -24,7 +23,16 @@ import httpx
 
 from otelprof.config import ConfigError as _BaseConfigError
 from otelprof.determined.aggregate import Report
+from otelprof.determined.classify import (
+    Outcome,
+    PostResult,
+    classify_answer,
+    classify_transport_error,
+)
 from otelprof.determined.mapping import PROFILING_GROUPS
+
+__all__ = ["ConfigError", "Credentials", "DeterminedClient", "LoginError", "Outcome",
+           "PostResult", "master_message", "normalize_master"]  # fmt: skip
 
 log = logging.getLogger("otelprof.determined")
 
@@ -93,19 +101,6 @@ class Credentials:
             (self.user_token, self.user_token_file, self.allocation_token,
              self.allocation_token_file, self.username)
         )  # fmt: skip
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    RETRY = "retry"  # connection error, timeout, 5xx, 408, 429: the report stays queued
-    REJECTED = "rejected"  # any other 4xx: the master will never take this report
-
-
-@dataclass(frozen=True)
-class PostResult:
-    outcome: Outcome
-    status: int | None
-    message: str
 
 
 class DeterminedClient:
@@ -209,9 +204,9 @@ class DeterminedClient:
         except LoginError as exc:
             retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
             outcome = Outcome.RETRY if retry else Outcome.REJECTED
-            return PostResult(outcome, exc.status, self.redact(str(exc)))
+            return PostResult(outcome, exc.status, self.redact(str(exc)), master_wide=True)
         except httpx.TransportError as exc:
-            return PostResult(Outcome.RETRY, None, self.redact(f"{type(exc).__name__}: {exc}"))
+            return classify_transport_error(exc, self.redact(f"{type(exc).__name__}: {exc}"))
 
     def _can_refresh(self) -> bool:
         c = self._creds
@@ -227,10 +222,7 @@ class DeterminedClient:
         status = response.status_code
         if 200 <= status < 300:
             return PostResult(Outcome.OK, status, "")
-        message = self.redact(master_message(response))
-        if status >= 500 or status in (408, 429):
-            return PostResult(Outcome.RETRY, status, message)
-        return PostResult(Outcome.REJECTED, status, message)
+        return classify_answer(status, self.redact(master_message(response)))
 
     def already_stored(self, report: Report) -> bool | None:
         """Does the master already hold this report? None when it cannot tell.

@@ -1,36 +1,67 @@
-"""The one thread that talks to the master: oldest report first, retry what can succeed.
+"""Delivery to the master: one queue per trial, so a failing trial never delays another.
 
-Connection errors, timeouts and 5xx are retried with exponential backoff and jitter, the
-report staying at the head of the spool so order is kept. Any other 4xx (invalid run id,
-permission, bad group) will never succeed: it is logged once with the master's message
-and the report is dropped and counted.
+Reports are answered in order within a trial (a later timings report must not overtake an
+earlier one: stepsCompleted only grows) but trials are independent: a few worker threads
+take the head report of any trial that is ready, and a trial whose report failed waits out
+its own backoff while the others go on. What the master says decides the rest
+(`classify.py`):
+
+- accepted: acknowledged in the spool;
+- refused for good (stale run id, key conflict, ...): moved aside into the spool's refused
+  store with the master's message, counted, logged once per message, never resent;
+- transient and master-wide (unreachable, 502/503/504, database down): every trial pauses
+  with one shared exponential backoff (with jitter), so an outage costs one probe, not one
+  request per trial;
+- transient for this report (a timeout after sending): that trial backs off alone;
+- an unrecognised 500: that trial retries it `max_unknown_attempts` times, then moves it
+  aside as refused.
+
+Exactly once: when a POST may have reached the master without its answer reaching us (a
+timeout or dropped connection after sending, a proxy's 502/504, or a crash between POST and
+answer), the master is asked whether it stored the report before it is sent again.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import threading
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
-from otelprof.determined.client import DeterminedClient, Outcome
-from otelprof.determined.spool import DiskSpool, MemorySpool
+from otelprof.determined.client import DeterminedClient, Outcome, PostResult
+from otelprof.determined.spool import DiskSpool, Item, MemorySpool
 
 log = logging.getLogger("otelprof.determined")
 
-_MAX_LOGGED = 1000  # distinct rejection messages remembered for "log once"
+_MAX_LOGGED = 1000  # distinct refusal messages remembered for "log once"
 
 
 @dataclass
 class DeliveryStats:
     delivered: int = 0
-    rejected: int = 0
+    rejected: int = 0  # refused by the master for good (moved aside, kept)
+    gave_up: int = 0  # unrecognised 500s moved aside after their bounded retries
     retries: int = 0
     found_stored: int = 0  # in flight at a crash, found on the master after the restart
+    found_stored_after_lost_response: int = 0  # a lost answer, yet the master had it
+
+
+@dataclass
+class _TrialState:
+    queue: deque[Item] = field(default_factory=deque)
+    delay: float = 0.0  # current backoff of this trial (0: none)
+    ready_at: float = 0.0
+    unknown_attempts: int = 0
+    maybe_sent: set[tuple[int, int]] = field(default_factory=set)
+    busy: bool = False
+    scheduled: bool = False  # in the ready deque or the backoff heap
 
 
 class Deliverer:
-    """Drains a spool into a client on a daemon thread."""
+    """Drains a spool into a client with `workers` threads, one trial at a time each."""
 
     def __init__(
         self,
@@ -38,118 +69,273 @@ class Deliverer:
         client: DeterminedClient,
         initial_delay_s: float = 0.5,
         max_delay_s: float = 30.0,
+        workers: int = 4,
+        max_unknown_attempts: int = 5,
     ) -> None:
         self.spool = spool
         self.client = client
         self.initial_delay_s = initial_delay_s
         self.max_delay_s = max_delay_s
+        self.workers = max(1, workers)
+        self.max_unknown_attempts = max_unknown_attempts
         self.stats = DeliveryStats()
-        self._wake = threading.Event()
+        self._cond = threading.Condition()
         self._stop = threading.Event()
         self._idle = threading.Event()
-        self._logged: set[tuple[int | None, str, str]] = set()
-        self._thread: threading.Thread | None = None
+        self._trials: dict[int, _TrialState] = {}
+        self._ready: deque[int] = deque()
+        self._backoff: list[tuple[float, int]] = []  # (ready_at, trial) heap
+        self._generation = -1
+        self._refill = True
+        self._busy = 0
+        self._queued = 0
+        # Master-wide pause (outage): nobody posts before this time.
+        self._master_delay = 0.0
+        self._master_ready_at = 0.0
+        self._outage_since_retries: int | None = None
+        self._logged: set[tuple[int | None, str]] = set()
+        self._log_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._run, name="otelprof-determined-delivery", daemon=True
-        )
-        self._thread.start()
+        for i in range(self.workers):
+            thread = threading.Thread(
+                target=self._run, name=f"otelprof-determined-delivery-{i}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
 
     def wake(self) -> None:
         """New reports are in the spool."""
-        self._idle.clear()
-        self._wake.set()
+        with self._cond:
+            self._idle.clear()
+            self._refill = True
+            self._cond.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until the spool is empty (True) or the timeout passes (False)."""
+        """Block until every spooled report is answered (True) or the timeout passes."""
         self.wake()
         return self._idle.wait(timeout_s)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        with self._cond:
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _sleep(self, seconds: float) -> None:
-        self._stop.wait(seconds)
+    # -- scheduling (all under self._cond) ------------------------------------------------------
+    def _load_new(self) -> None:
+        generation = self.spool.dropped_generation
+        if generation != self._generation and self._generation >= 0:
+            # The spool dropped its oldest batches (cap): forget what they held.
+            for state in self._trials.values():
+                kept = deque(i for i in state.queue if self.spool.is_live(i[0]))
+                self._queued -= len(state.queue) - len(kept)
+                state.queue = kept
+        self._generation = generation
+        for item in self.spool.take_new():
+            trial = item[2].trial_id
+            if trial not in self._trials:
+                self._trials[trial] = _TrialState()
+            state = self._trials[trial]
+            state.queue.append(item)
+            self._queued += 1
+            self._schedule(trial, state)
+        self._refill = False
 
-    def _run(self) -> None:
-        delay = self.initial_delay_s
-        failing_since_retry: int | None = None
-        while not self._stop.is_set():
-            item = self.spool.peek()
-            if item is None:
+    def _schedule(self, trial: int, state: _TrialState) -> None:
+        if state.busy or state.scheduled or not state.queue:
+            return
+        state.scheduled = True
+        if state.ready_at > time.monotonic():
+            heapq.heappush(self._backoff, (state.ready_at, trial))
+        else:
+            self._ready.append(trial)
+
+    def _take(self) -> tuple[int, _TrialState, Item] | None:
+        """The head report of the next ready trial, or None after waiting a little."""
+        with self._cond:
+            if self._refill:
+                self._load_new()
+            now = time.monotonic()
+            while self._backoff and self._backoff[0][0] <= now:
+                self._ready.append(heapq.heappop(self._backoff)[1])
+            if self._master_ready_at > now:
+                self._cond.wait(min(self._master_ready_at - now, 1.0))
+                return None
+            if self._outage_since_retries is not None and self._busy:
+                self._cond.wait(1.0)  # during an outage one report probes the master
+                return None
+            while self._ready:
+                trial = self._ready.popleft()
+                state = self._trials[trial]
+                state.scheduled = False
+                while state.queue and not self.spool.is_live(state.queue[0][0]):
+                    state.queue.popleft()  # dropped by the spool's cap
+                    self._queued -= 1
+                if not state.queue:
+                    continue
+                state.busy = True
+                self._busy += 1
+                return trial, state, state.queue[0]
+            if self._busy == 0 and self._queued == 0 and not self._refill:
                 self._idle.set()
-                self._wake.wait(1.0)
-                self._wake.clear()
+            wait = 1.0
+            if self._backoff:
+                wait = min(wait, max(0.0, self._backoff[0][0] - now))
+            self._cond.wait(wait)
+            return None
+
+    def _release(self, trial: int, state: _TrialState, answered: bool) -> None:
+        with self._cond:
+            if answered:
+                state.queue.popleft()
+                self._queued -= 1
+            state.busy = False
+            self._busy -= 1
+            if not state.queue and state.delay == 0 and not state.maybe_sent:
+                del self._trials[trial]  # no state kept for trials with nothing pending
+            else:
+                self._schedule(trial, state)
+            self._cond.notify_all()
+
+    # -- one report ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            taken = self._take()
+            if taken is None:
                 continue
-            window, index, report = item
-            if self.spool.maybe_delivered(window, index) and self.client.already_stored(report):
-                # Posted just before a crash and taken by the master: do not store it twice.
-                log.info("a %s report posted before the restart was already stored", report.group)
-                self.spool.ack(window, index)
-                self.stats.found_stored += 1
-                continue
-            self.spool.mark_inflight(window, index)
+            trial, state, item = taken
+            answered = False
             try:
-                result = self.client.report(report)
+                answered = self._deliver(state, item)
             except Exception as exc:  # a bad token file, a bug: keep the report, keep going
                 log.error("Determined delivery failed: %s", self.client.redact(str(exc)))
-                self.stats.retries += 1
-                self._sleep(self._jitter(delay))
-                delay = min(delay * 2, self.max_delay_s)
-                continue
-            if result.outcome is Outcome.OK:
+                self._back_off_trial(state)
+            finally:
+                self._release(trial, state, answered)
+
+    def _deliver(self, state: _TrialState, item: Item) -> bool:
+        """Post one report; True when it is answered for good (delivered or moved aside)."""
+        window, index, report = item
+        key = (window, index)
+        crashed = self.spool.maybe_delivered(window, index)
+        if crashed or key in state.maybe_sent:
+            stored = self.client.already_stored(report)
+            if stored:
+                # Posted before a crash or a lost answer and taken by the master: do not
+                # store it twice.
+                log.info("a %s report whose answer was lost was already stored", report.group)
                 self.spool.ack(window, index)
-                self.stats.delivered += 1
-                if failing_since_retry is not None:
-                    log.warning(
-                        "Determined master reachable again after %d retries; delivering %d "
-                        "spooled reports",
-                        self.stats.retries - failing_since_retry,
-                        self.spool.pending(),
-                    )
-                    failing_since_retry = None
-                delay = self.initial_delay_s
-            elif result.outcome is Outcome.REJECTED:
-                self.spool.ack(window, index)
-                self.stats.rejected += 1
-                self._log_rejection(result.status, report.group, report.trial_id, result.message)
-            else:
-                if failing_since_retry is None:
-                    failing_since_retry = self.stats.retries
-                    log.warning(
-                        "Determined master %s unavailable (%s); keeping reports in the spool "
-                        "and retrying with backoff up to %g s",
-                        self.client.master,
-                        f"HTTP {result.status}: {result.message}"
-                        if result.status
-                        else result.message,
-                        self.max_delay_s,
-                    )
-                self.stats.retries += 1
-                self._sleep(self._jitter(delay))
-                delay = min(delay * 2, self.max_delay_s)
+                if crashed:
+                    self.stats.found_stored += 1
+                else:
+                    self.stats.found_stored_after_lost_response += 1
+                state.maybe_sent.discard(key)
+                self._recovered(state)
+                return True
+            if stored is None and key in state.maybe_sent:
+                self._back_off_trial(state)  # cannot tell yet: ask again later
+                return False
+            state.maybe_sent.discard(key)
+        self.spool.mark_inflight(window, index)
+        result = self.client.report(report)
+        if result.outcome is Outcome.OK:
+            self.spool.ack(window, index)
+            self.stats.delivered += 1
+            self._recovered(state)
+            return True
+        if result.outcome is Outcome.REJECTED:
+            self._move_aside(item, result, "")
+            self._recovered(state)
+            return True
+        if result.outcome is Outcome.UNKNOWN:
+            state.unknown_attempts += 1
+            if state.unknown_attempts >= self.max_unknown_attempts:
+                self.stats.gave_up += 1
+                self._move_aside(
+                    item, result, f" (unrecognised error, gave up after {state.unknown_attempts}"
+                    " attempts)",
+                )  # fmt: skip
+                self._recovered(state)
+                return True
+            self.stats.retries += 1
+            self._back_off_trial(state)
+            return False
+        # Outcome.RETRY
+        self.stats.retries += 1
+        if result.maybe_stored:
+            state.maybe_sent.add(key)
+        if result.master_wide:
+            self._back_off_master(result)
+        else:
+            self._back_off_trial(state)
+        return False
+
+    def _recovered(self, state: _TrialState) -> None:
+        state.delay = 0.0
+        state.ready_at = 0.0
+        state.unknown_attempts = 0
+        with self._cond:
+            self._master_delay = 0.0
+            if self._outage_since_retries is not None:
+                log.warning(
+                    "Determined master reachable again after %d retries; delivering %d "
+                    "spooled reports",
+                    self.stats.retries - self._outage_since_retries,
+                    self._queued,
+                )
+                self._outage_since_retries = None
+
+    def _back_off_trial(self, state: _TrialState) -> None:
+        state.delay = min(max(state.delay * 2, self.initial_delay_s), self.max_delay_s)
+        state.ready_at = time.monotonic() + self._jitter(state.delay)
+
+    def _back_off_master(self, result: PostResult) -> None:
+        with self._cond:
+            if self._master_ready_at > time.monotonic():
+                return  # another worker already paused delivery for this outage
+            self._master_delay = min(
+                max(self._master_delay * 2, self.initial_delay_s), self.max_delay_s
+            )
+            self._master_ready_at = time.monotonic() + self._jitter(self._master_delay)
+            if self._outage_since_retries is None:
+                self._outage_since_retries = self.stats.retries - 1
+                log.warning(
+                    "Determined master %s unavailable (%s); keeping reports in the spool "
+                    "and retrying with backoff up to %g s",
+                    self.client.master,
+                    f"HTTP {result.status}: {result.message}" if result.status else result.message,
+                    self.max_delay_s,
+                )
 
     @staticmethod
     def _jitter(delay: float) -> float:
         """Equal jitter: half the delay fixed, half random, so restarts do not stampede."""
         return delay / 2 + random.uniform(0, delay / 2)
 
-    def _log_rejection(self, status: int | None, group: str, trial_id: int, message: str) -> None:
-        key = (status, group, message)
-        if key in self._logged:
-            log.debug("Determined refused another %s report for trial %d", group, trial_id)
+    def _move_aside(self, item: Item, result: PostResult, why: str) -> None:
+        window, index, report = item
+        self.spool.refuse(window, index, report, result.status, result.message + why)
+        self.stats.rejected += 1
+        key = (result.status, result.message)
+        with self._log_lock:
+            seen = key in self._logged
+            if not seen and len(self._logged) < _MAX_LOGGED:
+                self._logged.add(key)
+        if seen:
+            log.debug("Determined refused another %s report for trial %d", report.group,
+                      report.trial_id)  # fmt: skip
             return
-        if len(self._logged) < _MAX_LOGGED:
-            self._logged.add(key)
         log.error(
-            "Determined master refused a %s report for trial %d (HTTP %s): %s — dropping it; "
-            "further reports refused with this message are dropped without logging",
-            group,
-            trial_id,
-            status,
-            message,
+            "Determined master refused a %s report for trial %d (HTTP %s): %s%s — kept in the "
+            "spool as refused, not retried; further reports refused with this message are "
+            "moved aside without logging",
+            report.group,
+            report.trial_id,
+            result.status,
+            result.message,
+            why,
         )

@@ -40,6 +40,8 @@ class Pipeline:
         max_trials: int = 100_000,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
+        delivery_workers: int = 4,
+        max_unknown_attempts: int = 5,
     ) -> None:
         if window_s <= 0:
             raise ValueError(f"report window must be > 0 s, got {window_s}")
@@ -48,7 +50,9 @@ class Pipeline:
         self.window_s = window_s
         self.route = route or Route()
         self.aggregator = WindowAggregator(timings_group=timings_group, max_trials=max_trials)
-        self.deliverer = Deliverer(spool, client, retry_initial_s, retry_max_s)
+        self.deliverer = Deliverer(
+            spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
+        )
         self.rejected_points = 0
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
@@ -56,6 +60,7 @@ class Pipeline:
         self._timer: threading.Thread | None = None
         self._logged: set[str] = set()
         self._started = False
+        self.undelivered_at_shutdown = 0
 
     def start(self) -> None:
         """Recover the spool (replaying journaled samples), then start the threads."""
@@ -144,9 +149,13 @@ class Pipeline:
             self._timer.join(self.window_s + 1)
         self.flush()
         if not self.wait_delivered(drain_timeout_s):
+            self.undelivered_at_shutdown = self.spool.pending()
             log.warning(
-                "Determined: %d reports not delivered at shutdown (kept in the spool if on disk)",
-                self.spool.pending(),
+                "Determined: %d reports not delivered at shutdown (%s)",
+                self.undelivered_at_shutdown,
+                "kept in the spool for the next start"
+                if isinstance(self.spool, DiskSpool)
+                else "lost: the spool is in memory",
             )
         self.deliverer.stop()
         self.spool.close()
@@ -169,6 +178,33 @@ class Pipeline:
             "pending": self.spool.pending(),
             "delivered": d.delivered,
             "refused_by_master": d.rejected,
+            "refused_kept": s.reports_refused - s.refused_not_kept,
+            "refused_not_kept": s.refused_not_kept,
+            "gave_up_unknown_error": d.gave_up,
             "retries": d.retries,
             "found_stored_after_restart": d.found_stored,
+            "found_stored_after_lost_response": d.found_stored_after_lost_response,
         }
+
+    def delivery_counts(self) -> dict[str, int]:
+        """What reached the master and what did not, for `Profiler.stats()`.
+
+        Keys with "dropped"/"failed" count as lost telemetry there: reports the master
+        refused (they never show in the Web UI), dropped because the spool was full, or
+        still undelivered when a memory spool shut down.
+        """
+        s, d = self.spool.stats, self.deliverer.stats
+        lost_at_shutdown = 0 if isinstance(self.spool, DiskSpool) else self.undelivered_at_shutdown
+        return {
+            "determined.reports_delivered": d.delivered + d.found_stored
+            + d.found_stored_after_lost_response,
+            "determined.reports_failed_refused_by_master": d.rejected,
+            "determined.reports_dropped_spool_full": s.reports_dropped,
+            "determined.reports_dropped_at_shutdown": lost_at_shutdown,
+            "determined.reports_pending": self.spool.pending(),
+            "determined.report_retries": d.retries,
+        }  # fmt: skip
+
+    def refused_reports(self) -> list[dict[str, Any]]:
+        """Reports the master refused for good, with its status and message, oldest first."""
+        return self.spool.refused_reports()

@@ -9,10 +9,14 @@ Layout of a spool directory:
   file, fsync'd and renamed into place (all or nothing);
 - ``batch-<window>.ack``: indices of that batch's reports already answered by the master
   (appended after each answer), so a restart resumes mid-batch without resending;
-- ``state.json``: the last closed window and the step counts reported per trial.
+- ``state.json``: the last closed window and the step counts reported per trial;
+- ``refused.jsonl``: reports the master refused for good, each with its status and
+  message: moved aside (never resent) but kept, so nothing accepted is silently lost.
 
-Delivery is in window order and, inside a batch, in report order. When the pending batches
-exceed ``max_bytes`` the oldest are dropped, counted and logged.
+Any report can be answered in any order (delivery runs one queue per trial, so one trial's
+failing reports never hold up another's); a batch's files go once all of its reports are
+answered. When the pending batches exceed ``max_bytes`` the oldest are dropped, counted and
+logged.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import json
 import logging
 import os
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +57,11 @@ class SpoolStats:
     reports_acked: int = 0
     reports_dropped: int = 0  # oldest batches dropped because the spool was full
     journal_overflow: int = 0  # ingests not journaled because the journal hit its cap
+    reports_refused: int = 0  # refused by the master for good, moved aside
+    refused_not_kept: int = 0  # refused ones beyond the refused file's cap (counted only)
+
+
+Item = tuple[int, int, Report]  # (window, index in the window's batch, report)
 
 
 @dataclass
@@ -62,6 +72,7 @@ class _Batch:
     acked: set[int] = field(default_factory=set)
     # Posted but unanswered when the process died: the master may already hold them.
     maybe_sent: set[int] = field(default_factory=set)
+    handed: bool = False  # given to the deliverer by take_new()
 
     def next_index(self) -> int | None:
         assert self.reports is not None
@@ -70,16 +81,165 @@ class _Batch:
                 return i
         return None
 
+    def unanswered(self) -> list[Item]:
+        assert self.reports is not None
+        return [(self.window, i, r) for i, r in enumerate(self.reports) if i not in self.acked]
 
-class MemorySpool:
+    def done(self) -> bool:
+        return self.reports is not None and len(self.acked) >= len(self.reports)
+
+
+def _refusal_entry(report: Report, status: int | None, message: str) -> dict[str, Any]:
+    return {"time": time.time(), "status": status, "message": message,
+            "report": report.to_json()}  # fmt: skip
+
+
+class _SpoolBase:
+    """The delivery side shared by both spools: batches by window, answered in any order."""
+
+    max_bytes: int
+    stats: SpoolStats
+    _lock: threading.Lock
+    _batches: dict[int, _Batch]
+    _bytes: int
+    dropped_generation: int  # bumped whenever the cap drops batches
+
+    # hooks for the disk spool
+    def _load(self, batch: _Batch) -> bool:
+        return batch.reports is not None
+
+    def _write_ack(self, window: int, line: str) -> None:
+        """Memory does not outlive the process: nothing to remember."""
+
+    def _remove_files(self, window: int) -> None:
+        """Nothing on disk."""
+
+    def _keep_refused(self, entry: dict[str, Any]) -> bool:
+        return False
+
+    # -- delivery side ----------------------------------------------------------------------
+    def take_new(self) -> list[Item]:
+        """Unanswered reports of the batches not handed out yet, in window and report order."""
+        out: list[Item] = []
+        with self._lock:
+            for w in list(self._batches):
+                batch = self._batches[w]
+                if batch.handed:
+                    continue
+                if not self._load(batch):
+                    self._pop(w)
+                    continue
+                batch.handed = True
+                out.extend(batch.unanswered())
+        return out
+
+    def peek(self) -> Item | None:
+        """The oldest unanswered report of all, or None."""
+        with self._lock:
+            for w in list(self._batches):
+                batch = self._batches[w]
+                if not self._load(batch):
+                    self._pop(w)
+                    continue
+                index = batch.next_index()
+                if index is not None:
+                    assert batch.reports is not None
+                    return w, index, batch.reports[index]
+                self._pop(w)
+            return None
+
+    def is_live(self, window: int) -> bool:
+        """False once the batch is gone (answered, or dropped because the spool was full)."""
+        with self._lock:
+            return window in self._batches
+
+    def mark_inflight(self, window: int, index: int) -> None:
+        """About to POST this report: after a crash, ask the master before resending it."""
+        with self._lock:
+            if window in self._batches:
+                self._write_ack(window, f"i{index}\n")
+
+    def maybe_delivered(self, window: int, index: int) -> bool:
+        """Was this report posted by a process that died before hearing the answer?"""
+        with self._lock:
+            batch = self._batches.get(window)
+            return batch is not None and index in batch.maybe_sent
+
+    def ack(self, window: int, index: int) -> None:
+        """The master answered this report (accepted, or refused for good): never resend it."""
+        with self._lock:
+            batch = self._batches.get(window)
+            if batch is None or index in batch.acked:
+                return
+            self._write_ack(window, f"{index}\n")
+            batch.acked.add(index)
+            batch.maybe_sent.discard(index)
+            self.stats.reports_acked += 1
+            if batch.done():
+                self._pop(window)
+
+    def refuse(self, window: int, index: int, report: Report, status: int | None,
+               message: str) -> None:  # fmt: skip
+        """Move a report the master will never take aside: kept with the master's answer
+        (the disk spool's refused.jsonl, or memory), counted, and never sent again."""
+        entry = _refusal_entry(report, status, message)
+        with self._lock:
+            self.stats.reports_refused += 1
+            if not self._keep_refused(entry):
+                self.stats.refused_not_kept += 1
+        self.ack(window, index)
+
+    def _pop(self, window: int) -> None:
+        batch = self._batches.pop(window)
+        self._bytes -= batch.size
+        self._remove_files(window)
+
+    def _drop_oldest(self) -> int:
+        window = next(iter(self._batches))
+        batch = self._batches[window]
+        total = len(batch.reports) if batch.reports is not None else self._count(window)
+        self._pop(window)
+        return total - len(batch.acked)
+
+    def _count(self, window: int) -> int:
+        return 0
+
+    def _enforce_cap(self) -> None:
+        """Drop the oldest batches (never the newest) until the spool fits max_bytes."""
+        dropped = 0
+        while len(self._batches) > 1 and self._bytes > self.max_bytes:
+            dropped += self._drop_oldest()
+        if dropped:
+            self.dropped_generation += 1
+            self.stats.reports_dropped += dropped
+            log.warning(
+                "Determined spool full (%d bytes max): dropped the %d oldest reports "
+                "(%d dropped so far)",
+                self.max_bytes,
+                dropped,
+                self.stats.reports_dropped,
+            )
+
+    def pending(self) -> int:
+        with self._lock:
+            total = 0
+            for w, b in self._batches.items():
+                n = len(b.reports) if b.reports is not None else self._count(w)
+                total += n - len(b.acked)
+            return total
+
+
+class MemorySpool(_SpoolBase):
     """Bounded in-memory queue with the spool interface (in-process exporter default)."""
 
-    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_refused: int = 1000) -> None:
         self.max_bytes = max_bytes
         self.stats = SpoolStats()
         self._lock = threading.Lock()
-        self._batches: deque[_Batch] = deque()
+        self._batches = {}
         self._bytes = 0
+        self.dropped_generation = 0
+        self._refused: deque[dict[str, Any]] = deque(maxlen=max_refused)
 
     def recover(self) -> Recovered:
         return Recovered()
@@ -94,73 +254,23 @@ class MemorySpool:
             return
         size = sum(len(json.dumps(r.body)) for r in reports)
         with self._lock:
-            self._batches.append(_Batch(window, size, list(reports)))
+            self._batches[window] = _Batch(window, size, list(reports))
             self._bytes += size
             self.stats.reports_spooled += len(reports)
-            _enforce_cap(self, self._batches)
+            self._enforce_cap()
 
-    def peek(self) -> tuple[int, int, Report] | None:
+    def _keep_refused(self, entry: dict[str, Any]) -> bool:
+        full = len(self._refused) == self._refused.maxlen
+        self._refused.append(entry)  # the oldest refused one goes when full
+        return not full
+
+    def refused_reports(self) -> list[dict[str, Any]]:
+        """The refused reports kept, oldest first: {time, status, message, report}."""
         with self._lock:
-            while self._batches:
-                batch = self._batches[0]
-                index = batch.next_index()
-                if index is not None:
-                    assert batch.reports is not None
-                    return batch.window, index, batch.reports[index]
-                self._pop_head()
-            return None
-
-    def ack(self, window: int, index: int) -> None:
-        with self._lock:
-            if not self._batches or self._batches[0].window != window:
-                return
-            batch = self._batches[0]
-            batch.acked.add(index)
-            self.stats.reports_acked += 1
-            if batch.next_index() is None:
-                self._pop_head()
-
-    def mark_inflight(self, window: int, index: int) -> None:
-        """Memory does not outlive the process: nothing to remember."""
-
-    def maybe_delivered(self, window: int, index: int) -> bool:
-        return False
-
-    def _pop_head(self) -> None:
-        batch = self._batches.popleft()
-        self._bytes -= batch.size
-
-    def _drop_head(self) -> int:
-        batch = self._batches[0]
-        count = (len(batch.reports) if batch.reports is not None else 0) - len(batch.acked)
-        self._pop_head()
-        return count
-
-    def pending(self) -> int:
-        with self._lock:
-            return sum(
-                (len(b.reports) if b.reports is not None else 0) - len(b.acked)
-                for b in self._batches
-            )
+            return list(self._refused)
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def _enforce_cap(spool: Any, batches: deque[_Batch]) -> None:
-    """Drop the oldest batches (never the newest) until the spool fits max_bytes."""
-    dropped = 0
-    while len(batches) > 1 and spool._bytes > spool.max_bytes:
-        dropped += spool._drop_head()
-    if dropped:
-        spool.stats.reports_dropped += dropped
-        log.warning(
-            "Determined spool full (%d bytes max): dropped the %d oldest reports "
-            "(%d dropped so far)",
-            spool.max_bytes,
-            dropped,
-            spool.stats.reports_dropped,
-        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -181,7 +291,7 @@ def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
     os.replace(tmp, path)
 
 
-class DiskSpool:
+class DiskSpool(_SpoolBase):
     """The crash-safe spool described in the module docstring. Thread-safe."""
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int = 256 * 1024 * 1024,
@@ -192,12 +302,15 @@ class DiskSpool:
         self.fsync = fsync
         self.stats = SpoolStats()
         self._lock = threading.Lock()
-        self._batches: deque[_Batch] = deque()
+        self._batches = {}
         self._bytes = 0
+        self.dropped_generation = 0
         self._journal_window = -1
         self._journal_fh: IO[bytes] | None = None
         self._journal_bytes = 0
-        self._ack_fh: tuple[int, IO[bytes]] | None = None
+        # Append handles of the .ack files of batches being answered (a few, LRU).
+        self._ack_fhs: OrderedDict[int, IO[bytes]] = OrderedDict()
+        self._refused_path = self.directory / "refused.jsonl"
 
     # -- paths ---------------------------------------------------------------------------
     def _path(self, kind: str, window: int, suffix: str) -> Path:
@@ -239,9 +352,11 @@ class DiskSpool:
                     key = (report.trial_id, report.run_id)
                     out.last_steps[key] = max(out.last_steps.get(key, 0), int(steps))
             if len(acked) >= len(reports):
-                self._remove_batch(window)
+                self._remove_files(window)
                 continue
-            self._batches.append(_Batch(window, path.stat().st_size, None, acked, inflight - acked))
+            self._batches[window] = _Batch(
+                window, path.stat().st_size, None, acked, inflight - acked
+            )
             self._bytes += path.stat().st_size
             out.pending_reports += len(reports) - len(acked)
         for ack in self.directory.glob("batch-*.ack"):
@@ -325,10 +440,10 @@ class DiskSpool:
                 _fsync_dir(self.directory)
         with self._lock:
             if reports:
-                self._batches.append(_Batch(window, len(data), list(reports)))
+                self._batches[window] = _Batch(window, len(data), list(reports))
                 self._bytes += len(data)
                 self.stats.reports_spooled += len(reports)
-                _enforce_cap(self, self._batches)
+                self._enforce_cap()
             if self._journal_window <= window and self._journal_fh is not None:
                 self._journal_fh.close()
                 self._journal_fh = None
@@ -336,80 +451,64 @@ class DiskSpool:
         for path in journals:
             path.unlink(missing_ok=True)
 
-    # -- delivery side -------------------------------------------------------------------------
-    def peek(self) -> tuple[int, int, Report] | None:
-        """The oldest report not yet answered by the master: (window, index, report)."""
-        with self._lock:
-            while self._batches:
-                batch = self._batches[0]
-                if batch.reports is None:
-                    path = self._path("batch", batch.window, ".json")
-                    try:
-                        batch.reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
-                    except (OSError, ValueError, KeyError, TypeError) as exc:
-                        log.error("Determined spool: dropping unreadable %s (%s)", path.name, exc)
-                        self._pop_head()
-                        continue
-                index = batch.next_index()
-                if index is not None:
-                    return batch.window, index, batch.reports[index]
-                self._pop_head()
-            return None
+    # -- delivery side hooks -------------------------------------------------------------------
+    def _load(self, batch: _Batch) -> bool:
+        if batch.reports is not None:
+            return True
+        path = self._path("batch", batch.window, ".json")
+        try:
+            batch.reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("Determined spool: dropping unreadable %s (%s)", path.name, exc)
+            return False
+        return True
 
-    def _ack_line(self, window: int, line: str) -> None:
-        if self._ack_fh is None or self._ack_fh[0] != window:
-            if self._ack_fh is not None:
-                self._ack_fh[1].close()
+    def _write_ack(self, window: int, line: str) -> None:
+        fh = self._ack_fhs.get(window)
+        if fh is None:
             fh = open(self._path("batch", window, ".ack"), "ab")  # noqa: SIM115
-            self._ack_fh = (window, fh)
-        self._ack_fh[1].write(line.encode())
-        self._ack_fh[1].flush()  # survives kill -9 once written
+            self._ack_fhs[window] = fh
+            while len(self._ack_fhs) > 16:
+                self._ack_fhs.popitem(last=False)[1].close()
+        self._ack_fhs.move_to_end(window)
+        fh.write(line.encode())
+        fh.flush()  # survives kill -9 once written
 
-    def mark_inflight(self, window: int, index: int) -> None:
-        """About to POST this report: after a crash, ask the master before resending it."""
+    def _keep_refused(self, entry: dict[str, Any]) -> bool:
+        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+        try:
+            size = self._refused_path.stat().st_size if self._refused_path.exists() else 0
+            if size + len(line) > max(self.max_bytes // 8, 1 << 20):
+                return False
+            with open(self._refused_path, "ab") as fh:
+                fh.write(line)
+                if self.fsync:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+        except OSError as exc:
+            log.error("Determined spool: cannot keep a refused report in %s: %s",
+                      self._refused_path, exc)  # fmt: skip
+            return False
+        return True
+
+    def refused_reports(self) -> list[dict[str, Any]]:
+        """The refused reports kept in refused.jsonl, oldest first."""
         with self._lock:
-            if self._batches and self._batches[0].window == window:
-                self._ack_line(window, f"i{index}\n")
+            if not self._refused_path.exists():
+                return []
+            raw = self._refused_path.read_bytes().splitlines()
+        out = []
+        for line in raw:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
 
-    def maybe_delivered(self, window: int, index: int) -> bool:
-        """Was this report posted by a process that died before hearing the answer?"""
-        with self._lock:
-            return bool(
-                self._batches
-                and self._batches[0].window == window
-                and index in self._batches[0].maybe_sent
-            )
-
-    def ack(self, window: int, index: int) -> None:
-        """The master answered this report (accepted, or refused for good): never resend it."""
-        with self._lock:
-            if not self._batches or self._batches[0].window != window:
-                return
-            batch = self._batches[0]
-            self._ack_line(window, f"{index}\n")
-            batch.acked.add(index)
-            batch.maybe_sent.discard(index)
-            self.stats.reports_acked += 1
-            if batch.next_index() is None:
-                self._pop_head()
-
-    def _remove_batch(self, window: int) -> None:
-        if self._ack_fh is not None and self._ack_fh[0] == window:
-            self._ack_fh[1].close()
-            self._ack_fh = None
+    def _remove_files(self, window: int) -> None:
+        fh = self._ack_fhs.pop(window, None)
+        if fh is not None:
+            fh.close()
         self._path("batch", window, ".json").unlink(missing_ok=True)
         self._path("batch", window, ".ack").unlink(missing_ok=True)
-
-    def _pop_head(self) -> None:
-        batch = self._batches.popleft()
-        self._bytes -= batch.size
-        self._remove_batch(batch.window)
-
-    def _drop_head(self) -> int:
-        batch = self._batches[0]
-        total = len(batch.reports) if batch.reports is not None else self._count(batch.window)
-        self._pop_head()
-        return total - len(batch.acked)
 
     def _count(self, window: int) -> int:
         try:
@@ -417,19 +516,11 @@ class DiskSpool:
         except (OSError, ValueError):
             return 0
 
-    def pending(self) -> int:
-        with self._lock:
-            total = 0
-            for b in self._batches:
-                n = len(b.reports) if b.reports is not None else self._count(b.window)
-                total += n - len(b.acked)
-            return total
-
     def close(self) -> None:
         with self._lock:
             if self._journal_fh is not None:
                 self._journal_fh.close()
                 self._journal_fh = None
-            if self._ack_fh is not None:
-                self._ack_fh[1].close()
-                self._ack_fh = None
+            for fh in self._ack_fhs.values():
+                fh.close()
+            self._ack_fhs.clear()

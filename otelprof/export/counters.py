@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import (
@@ -38,14 +38,27 @@ class ExportCounters:
         self._lock = threading.Lock()
         self._counts: dict[str, int] = defaultdict(int)
         self._warned: set[str] = set()
+        self._sources: list[Callable[[], dict[str, int]]] = []
 
     def add(self, key: str, amount: int = 1) -> None:
         with self._lock:
             self._counts[key] += amount
 
+    def add_source(self, source: Callable[[], dict[str, int]]) -> None:
+        """Counts an exporter keeps itself (e.g. Determined deliveries), read at snapshot."""
+        with self._lock:
+            self._sources.append(source)
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._counts)
+            counts = dict(self._counts)
+            sources = list(self._sources)
+        for source in sources:
+            try:
+                counts.update(source())
+            except Exception as error:  # a stats bug must not break stats()
+                _log.debug("otelprof: a stats source raised %r", error)
+        return counts
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Log a failure the first time it happens for `key`; later ones are only counted."""

@@ -169,6 +169,7 @@ def _add_determined(
     from otelprof.export.determined import DeterminedMetricExporter
 
     exporter = DeterminedMetricExporter.from_environment()
+    counters.add_source(exporter.pipeline.delivery_counts)
     pipelines.metric_readers.append(
         _metric_reader(pipelines, "determined", exporter, settings, counters)
     )
