@@ -35,6 +35,7 @@ class Point:
     time_ns: int
     attributes: dict[str, Any]
     resource: dict[str, Any]
+    start_ns: int | None = None  # startTimeUnixNano (gauges: the window a rate averages)
 
 
 @dataclass
@@ -88,6 +89,11 @@ def read_points(path: Path) -> list[Point]:
                                 time_ns=int(dp["timeUnixNano"]),
                                 attributes=_attrs(dp.get("attributes")),
                                 resource=resource,
+                                start_ns=(
+                                    int(dp["startTimeUnixNano"])
+                                    if "startTimeUnixNano" in dp
+                                    else None
+                                ),
                             )
                         )
     return points

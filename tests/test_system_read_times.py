@@ -108,3 +108,30 @@ def test_clock_follows_a_stepped_wall_clock_but_not_the_jitter_of_reading_it() -
     wall[0] = 5_000_000_000  # the wall clock was stepped
     clock.resync()
     assert clock.to_unix_ns(60) == 5_000_000_010
+
+
+def test_gauge_start_times_reach_both_otlp_encodings_and_the_encoders_are_restored() -> None:
+    from opentelemetry.exporter.otlp.json.common._internal import metrics_encoder as json_enc
+    from opentelemetry.exporter.otlp.proto.common._internal import metrics_encoder as pb_enc
+    from opentelemetry.sdk.metrics.export import Gauge, Metric
+
+    from otelprof.system import _gauge_start
+
+    originals = (json_enc._encode_gauge_data_point, pb_enc._encode_metric)
+    point = NumberDataPoint({}, start_time_unix_nano=5, time_unix_nano=9, value=1.5)
+    sdk_point = NumberDataPoint({}, start_time_unix_nano=None, time_unix_nano=9, value=2.0)
+    metric = Metric("m", "", "", Gauge(data_points=[point, sdk_point]))
+    _gauge_start.install()
+    try:
+        encoded = json_enc._encode_gauge_data_point(point)
+        assert (encoded.start_time_unix_nano, encoded.time_unix_nano) == (5, 9)
+        assert not json_enc._encode_gauge_data_point(sdk_point).start_time_unix_nano
+        from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+        pb2_metric = metrics_pb2.Metric(name="m")
+        pb_enc._encode_metric(metric, pb2_metric)
+        starts = [p.start_time_unix_nano for p in pb2_metric.gauge.data_points]
+        assert starts == [5, 0]  # the SDK's own gauge points encode as before
+    finally:
+        _gauge_start.uninstall()
+    assert (json_enc._encode_gauge_data_point, pb_enc._encode_metric) == originals

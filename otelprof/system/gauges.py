@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from . import names
+from . import _gauge_start, names
 from ._common import LogOnce, Reading, logger
 from ._stamps import Clock, StampedValue, attr_key, recent_counters
 from .gpu import GpuSampler
@@ -187,7 +187,8 @@ def register_system_metrics(
     clock = _as_clock(clock)
     sources: list[tuple[str, Source]] = []
     instruments: list[names.Instrument] = []
-    closers: list[Callable[[], None]] = []
+    _gauge_start.install()  # rate windows' start times survive OTLP encoding
+    closers: list[Callable[[], None]] = [_gauge_start.uninstall]
     if settings.host_metrics:
         host = HostSampler(psutil_module, log=log, clock=clock)
         host.prime()

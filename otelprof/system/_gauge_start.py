@@ -1,0 +1,83 @@
+"""Serialize a gauge point's start time, which the SDK's OTLP encoders leave out.
+
+The OTLP data model lets a gauge point carry `start_time_unix_nano` ("optional for
+gauges"); otelprof sets it to the start of the window a rate averages over (`_stamps`).
+The OpenTelemetry Python encoders (1.45: protobuf in exporter-otlp-proto-common, JSON in
+exporter-otlp-json-common) copy it for sums and histograms but not for gauges, so the
+window would be lost on the wire. `install()` wraps the gauge encoding of whichever of
+those modules are loaded to copy the start time when a point has one. Points without a
+start time, which is every gauge point the SDK makes itself, encode exactly as before,
+so other instruments and other exporters in the process are unaffected; `uninstall()`
+(last user) restores the original functions.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_PROTO = "opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder"
+_JSON = "opentelemetry.exporter.otlp.json.common._internal.metrics_encoder"
+
+_lock = threading.Lock()
+_users = 0
+_originals: dict[str, tuple[Any, str, Callable[..., Any]]] = {}
+
+
+def _proto_encode_metric(original: Callable[..., Any]) -> Callable[..., Any]:
+    def encode_metric(metric: Any, pb2_metric: Any) -> Any:
+        result = original(metric, pb2_metric)
+        if type(metric.data).__name__ == "Gauge":
+            encoded = pb2_metric.gauge.data_points
+            for point, pb2_point in zip(metric.data.data_points, encoded, strict=False):
+                if point.start_time_unix_nano:
+                    pb2_point.start_time_unix_nano = point.start_time_unix_nano
+        return result
+
+    return encode_metric
+
+
+def _json_encode_gauge_point(original: Callable[..., Any]) -> Callable[..., Any]:
+    def encode_gauge_data_point(data_point: Any) -> Any:
+        encoded = original(data_point)
+        if data_point.start_time_unix_nano:
+            encoded.start_time_unix_nano = data_point.start_time_unix_nano
+        return encoded
+
+    return encode_gauge_data_point
+
+
+_TARGETS = (
+    (_PROTO, "_encode_metric", _proto_encode_metric),
+    (_JSON, "_encode_gauge_data_point", _json_encode_gauge_point),
+)
+
+
+def install() -> None:
+    """Wrap the gauge encoders of the loaded OTLP encoder modules (reference counted)."""
+    global _users
+    with _lock:
+        _users += 1
+        for module_name, attribute, wrap in _TARGETS:
+            if module_name in _originals:
+                continue
+            module = sys.modules.get(module_name)
+            original = getattr(module, attribute, None)
+            if module is None or original is None:
+                continue  # exporter not in use, or an SDK that no longer has the function
+            _originals[module_name] = (module, attribute, original)
+            setattr(module, attribute, wrap(original))
+
+
+def uninstall() -> None:
+    """The last user gone: put the original encoder functions back."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users:
+            return
+        for module, attribute, original in _originals.values():
+            setattr(module, attribute, original)
+        _originals.clear()
