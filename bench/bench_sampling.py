@@ -32,7 +32,9 @@ from opentelemetry.sdk.metrics.export import (
 )
 
 from otelprof.system import SystemMetricsSettings, register_system_metrics
-from otelprof.system.gauges import Snapshots
+from otelprof.system.host import HostSampler
+from otelprof.system.process import ProcessSampler
+from otelprof.system.torch_memory import TorchMemorySampler
 
 
 class CountingExporter(MetricExporter):
@@ -78,22 +80,33 @@ def cpu_per_wall_second(interval_s: float, seconds: float, gauges: bool) -> tupl
 
 
 def per_sample_cost(samples: int) -> dict[str, float]:
-    """Mean thread CPU seconds of one sample, per source, called back to back."""
-    provider = MeterProvider(metric_readers=[])
-    handle = register_system_metrics(
-        provider.get_meter("bench"), SystemMetricsSettings(interval_s=0.1)
-    )
-    snapshots: Snapshots = handle._snapshots
+    """Mean thread CPU seconds of one sample, per source, called back to back.
+
+    The samplers get a clock that advances 0.1 s per reading, so every call computes its
+    rates (back-to-back real reads would be closer than MIN_WINDOW_S and skip them).
+    """
+    ticks = [time.monotonic_ns()]
+
+    def clock() -> int:
+        ticks[0] += 100_000_000
+        return ticks[0]
+
+    host = HostSampler(clock=clock)
+    process = ProcessSampler(clock=clock)
+    sources = {
+        "host": host.sample,
+        "process": process.sample,
+        "torch": TorchMemorySampler(clock=clock).sample,
+    }
     costs: dict[str, float] = {}
-    for label, source in snapshots._sources:
-        now = time.monotonic()
-        source(now)
+    for label, source in sources.items():
+        source()
         t0 = time.thread_time()
-        for i in range(samples):
-            source(now + 0.1 * (i + 1))  # 0.1 s apart on the sampler's clock: rates computed
+        for _ in range(samples):
+            source()
         costs[label] = (time.thread_time() - t0) / samples
-    handle.close()
-    provider.shutdown()
+    host.close()
+    process.close()
     return costs
 
 

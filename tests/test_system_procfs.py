@@ -1,0 +1,101 @@
+"""The /proc fast path reads what psutil reads, with one system call per file."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from otelprof.system import _procfs
+from otelprof.system.host import HostSampler
+from otelprof.system.process import ProcessSampler
+
+
+def test_a_file_bigger_than_the_buffer_is_read_whole_in_one_larger_read() -> None:
+    proc = _procfs.ProcFile("/proc/self/status", size=16)
+    try:
+        content = proc.read(time.monotonic_ns).value
+    finally:
+        proc.close()
+    assert content.startswith(b"Name:") and content.endswith(b"\n")
+    assert b"VmRSS:" in content
+
+
+@pytest.mark.parametrize("hold_gil", [True, False])
+def test_both_read_paths_stamp_before_reading_and_give_the_same_content(hold_gil: bool) -> None:
+    proc = _procfs.ProcFile("/proc/stat", hold_gil=hold_gil)
+    try:
+        before = time.monotonic_ns()
+        stamped = proc.read(time.monotonic_ns)
+        after = time.monotonic_ns()
+    finally:
+        proc.close()
+    assert before <= stamped.time_ns <= after
+    assert stamped.value.startswith(b"cpu ")
+
+
+def test_a_closed_file_refuses_to_read() -> None:
+    proc = _procfs.ProcFile("/proc/stat")
+    proc.close()
+    with pytest.raises(ValueError, match="closed"):
+        proc.read(time.monotonic_ns)
+
+
+def test_host_counters_match_psutils_accounting() -> None:
+    files = {k: _procfs.ProcFile(p) for k, p in (("net", "/proc/net/dev"), ("stat", "/proc/stat"))}
+    files["disk"] = _procfs.ProcFile("/proc/diskstats")
+    try:
+        sent, recv = _procfs.parse_net_dev(files["net"].read(time.monotonic_ns).value)
+        cpu = _procfs.parse_cpu_times(files["stat"].read(time.monotonic_ns).value)
+        disks = _procfs.parse_diskstats(files["disk"].read(time.monotonic_ns).value)
+        nics = psutil.net_io_counters(pernic=True, nowrap=False)
+        ps_cpu = psutil.cpu_times()
+        ps_disks = psutil.disk_io_counters(perdisk=True, nowrap=False)
+    finally:
+        for proc in files.values():
+            proc.close()
+    assert set(sent) == set(nics)
+    for nic, counters in nics.items():  # psutil read later: counters only grew
+        assert 0 <= counters.bytes_sent - sent[nic] < 10**7, nic
+        assert 0 <= counters.bytes_recv - recv[nic] < 10**7, nic
+    assert cpu._fields == ps_cpu._fields
+    for ours, theirs in zip(cpu, ps_cpu, strict=True):
+        assert 0 <= theirs - ours < 1.0
+    for name, (reads, writes, read_bytes, write_bytes) in disks.items():
+        if name in ps_disks:
+            theirs = ps_disks[name]
+            assert 0 <= theirs.read_count - reads < 1000, name
+            assert 0 <= theirs.write_bytes - write_bytes < 10**8, name
+            assert theirs.read_bytes >= read_bytes and theirs.write_count >= writes, name
+
+
+def test_memory_and_process_values_match_psutil() -> None:
+    meminfo = _procfs.ProcFile("/proc/meminfo")
+    stat = _procfs.ProcFile(f"/proc/{os.getpid()}/stat")
+    statm = _procfs.ProcFile(f"/proc/{os.getpid()}/statm")
+    try:
+        available = _procfs.parse_meminfo_available(meminfo.read(time.monotonic_ns).value)
+        cpu_s = _procfs.parse_process_cpu_seconds(stat.read(time.monotonic_ns).value)
+        rss = _procfs.parse_statm_rss(statm.read(time.monotonic_ns).value)
+        me = psutil.Process()
+        times, ps_rss = me.cpu_times(), me.memory_info().rss
+        ps_available = psutil.virtual_memory().available
+    finally:
+        for proc in (meminfo, stat, statm):
+            proc.close()
+    assert available == pytest.approx(ps_available, rel=0.05)
+    assert 0 <= times.user + times.system - cpu_s < 0.1
+    assert rss == pytest.approx(ps_rss, rel=0.05)
+
+
+def test_samplers_use_the_proc_path_by_default_and_psutil_when_given_one() -> None:
+    host, process = HostSampler(), ProcessSampler()
+    try:
+        assert host.reads_procfs and process.reads_procfs
+    finally:
+        host.close()
+        process.close()
+    assert not HostSampler(psutil).reads_procfs
+    assert not ProcessSampler(psutil.Process()).reads_procfs
