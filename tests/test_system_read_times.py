@@ -135,3 +135,28 @@ def test_gauge_start_times_reach_both_otlp_encodings_and_the_encoders_are_restor
     finally:
         _gauge_start.uninstall()
     assert (json_enc._encode_gauge_data_point, pb_enc._encode_metric) == originals
+
+
+def test_shutdown_reads_again_instead_of_re_exporting_the_last_snapshot(tmp_path: Any) -> None:
+    """Shut down 0.15 s after a periodic export: the final points are a new, real sample."""
+    import otelprof
+    from tests.otlp_files import read_points
+
+    prof = otelprof.instrument(output_dir=tmp_path, interval=1.0, timings=False, gpus="none")
+    try:
+        time.sleep(2.15)
+    finally:
+        before_shutdown = time.time_ns()
+        prof.shutdown()
+    by_series: dict[tuple[str, tuple[Any, ...]], list[Any]] = {}
+    for point in read_points(prof.files["metrics"]):
+        if point.name.startswith(("system.", "process.")):
+            key = (point.name, tuple(sorted(point.attributes.items())))
+            by_series.setdefault(key, []).append(point)
+    assert by_series
+    for key, series in by_series.items():
+        times = [p.time_ns for p in series]
+        assert len(set(times)) == len(times), f"{key} exported one reading twice: {times}"
+        assert times[-1] >= before_shutdown, f"{key}: the final point is not a new read"
+        if series[-1].start_ns is not None:  # rates: the last window joins the previous one
+            assert series[-1].start_ns == series[-2].time_ns, key
