@@ -22,6 +22,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
+from otelprof._run_end import EndRecord, RunEndWatcher
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
 from otelprof.resource import build_resource
@@ -70,9 +71,17 @@ class Profiler:
         self._system = _degrade("system metrics", self._start_system_metrics)
         self._timings = _degrade("timings", self._start_timings)
         self._register_self_telemetry()
+        self._end: EndRecord | None = None
         if settings.detached:
             self._write_run_info()
-            _log.info("otelprof: detached mode, writing run files to %s", settings.run_dir)
+            # At warning level so it shows with logging unconfigured: where to find the run.
+            _log.warning(
+                "otelprof: writing run files to %s (summarize: otelprof report %s)",
+                settings.run_dir,
+                settings.run_dir,
+            )
+        self._run_end = RunEndWatcher(self._shutdown, self._mark_end, settings.export_timeout_s)
+        _degrade("run-end recording", self._run_end.install)
 
     # -- public -------------------------------------------------------------------------
 
@@ -123,6 +132,9 @@ class Profiler:
 
     def shutdown(self) -> None:
         """Flush every exporter and stop every thread; idempotent, never raises."""
+        self._shutdown(self._run_end.end_record("shutdown"))
+
+    def _shutdown(self, end: EndRecord) -> None:
         global _active
         with _lock:
             if self._shutdown_done:
@@ -130,6 +142,9 @@ class Profiler:
             self._shutdown_done = True
             if _active is self:
                 _active = None
+        self._end = end
+        with contextlib.suppress(Exception):
+            self._run_end.uninstall()
         # Flushing gets one export timeout in all; exports still retrying after that (a
         # collector that is down) are abandoned and what they held is counted as dropped.
         watchdog = threading.Timer(self.settings.export_timeout_s, self._pipelines.abandon_exports)
@@ -168,7 +183,7 @@ class Profiler:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.shutdown()
+        self._shutdown(self._run_end.end_record("context exit", exc))
 
     # -- wiring -------------------------------------------------------------------------
 
@@ -215,6 +230,12 @@ class Profiler:
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
         )
 
+    def _mark_end(self, end: EndRecord) -> None:
+        """Write how the run is ending before flushing, so a kill mid-flush keeps it."""
+        self._end = end
+        if self.settings.detached:
+            self._write_run_info()
+
     def _write_run_info(self, stats: dict[str, int] | None = None) -> None:
         s = self.settings
         info: dict[str, Any] = {
@@ -225,6 +246,8 @@ class Profiler:
             "endpoint": s.endpoint,
             "files": {k: p.name for k, p in self._pipelines.files.items()},
         }
+        if self._end is not None:
+            info["end"] = self._end
         if stats is not None:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
@@ -238,6 +261,40 @@ class Profiler:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
         tmp.replace(path)
+
+
+class _BorrowedProfiler(Profiler):
+    """The running profiler as seen by a nested or repeated `instrument()` call.
+
+    Everything is the running profiler's, except that leaving a `with` block or calling
+    `shutdown()` does not tear down a profiler this caller did not create (a callback, a
+    library that calls `instrument()` itself). `otelprof.uninstrument()` still stops it.
+    """
+
+    def __init__(self, owner: Profiler) -> None:
+        # Profiler.__init__ is skipped on purpose: every attribute is the owner's.
+        object.__setattr__(self, "_owner", owner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_owner"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_owner"), name, value)
+
+    def shutdown(self) -> None:
+        """No-op: the profiler belongs to the `instrument()` call that created it."""
+        _log.debug("otelprof: shutdown() of a nested instrument() ignored; the outer one owns it")
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<otelprof profiler {self.settings.run_id} (nested instrument())>"
 
 
 def _degrade(what: str, start: Any) -> Any:
@@ -261,7 +318,8 @@ def instrument(**options: Any) -> Profiler:
     """Start profiling this process and return the running `Profiler`.
 
     Options are validated before anything starts (`otelprof.ConfigError`). A second call
-    while a profiler is running returns that profiler instead of doubling every gauge.
+    while a profiler is running returns a handle on that profiler instead of doubling every
+    gauge; leaving that handle's `with` block (or its `shutdown()`) leaves the profiler running.
     """
     global _active
     with _lock:
@@ -271,7 +329,7 @@ def instrument(**options: Any) -> Profiler:
                     "otelprof: instrument() called again while running; options %s ignored",
                     sorted(options),
                 )
-            return _active
+            return _BorrowedProfiler(_active)
         settings = Settings.from_options(**options)
         _active = Profiler(settings)
         return _active

@@ -39,7 +39,7 @@ def small_loop(steps: int = 5, sleep_s: float = 0.01) -> None:
 
 def test_second_instrument_call_returns_the_running_profiler(tmp_path: Path) -> None:
     first = otelprof.instrument(output_dir=tmp_path)
-    assert otelprof.instrument() is first
+    assert otelprof.instrument().run_dir == first.run_dir  # a handle on the same profiler
     assert otelprof.active_profiler() is first
     first.shutdown()
     assert otelprof.active_profiler() is None

@@ -1,0 +1,199 @@
+"""How a profiled process ended, recorded in run.json however it ends.
+
+A run that is never finalized looks like a run that is still going. So the profiler that
+`instrument()` creates watches the three ways a process ends without `shutdown()`:
+
+- interpreter exit (`atexit`): the run is finalized with status `exited`, or `exception`
+  when an uncaught exception killed the main thread (seen through a chained `sys.excepthook`);
+- SIGTERM: the end is written to run.json at once, the profiler is flushed (bounded by
+  the export timeout, on a helper thread so a lock held by the interrupted code cannot hang
+  it), then the program's own handler runs; with none, the default action kills the process
+  as it would have without otelprof. A handler the program installed (Lightning,
+  Determined) is called instead and decides whether training goes on;
+- SIGKILL cannot be caught: run.json keeps no `finished_unix_nano` and the report says the
+  run was not finalized.
+
+The `end` object in run.json: `status` (`clean`, `exception`, `signal`, `exit`, `exited`),
+`exit_code` (when known), `signal` (name, when one was received), `exception`
+(`{"type", "message"}`), `recorded_by` (what recorded it). Everything restored on uninstall.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+_log = logging.getLogger("otelprof")
+
+EndRecord = dict[str, Any]
+
+
+def exception_info(error: BaseException) -> dict[str, str]:
+    """`{"type", "message"}` of an exception, the message bounded so run.json stays small."""
+    kind = type(error)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    try:
+        message = str(error)
+    except Exception:
+        message = "<unprintable>"
+    return {"type": name, "message": message[:2000]}
+
+
+class RunEndWatcher:
+    """Chains atexit, SIGTERM and sys.excepthook to finalize one profiler's run.json.
+
+    `finish(end)` finalizes the run (the profiler's shutdown) and `mark(end)` writes the end
+    to run.json before the flush (so a kill during the flush still leaves it recorded).
+    """
+
+    def __init__(
+        self,
+        finish: Callable[[EndRecord], None],
+        mark: Callable[[EndRecord], None],
+        flush_timeout_s: float,
+    ) -> None:
+        self._finish = finish
+        self._mark = mark
+        self._flush_timeout_s = flush_timeout_s
+        self._exception: dict[str, str] | None = None
+        self._signal: str | None = None
+        self._installed = False
+        self._previous_sigterm: Any = None
+        self._sigterm_installed = False
+        self._previous_excepthook: Any = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Register the atexit hook, chain sys.excepthook and (main thread only) SIGTERM."""
+        self._installed = True
+        atexit.register(self._at_exit)
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        try:
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous is signal.SIG_IGN or previous is None:
+                # Ignored by the program (so by otelprof too), or a handler installed
+                # outside Python that could be neither chained nor restored.
+                return
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous_sigterm = previous
+            self._sigterm_installed = True
+        except Exception as error:  # e.g. embedded interpreters without signals
+            _log.debug("otelprof: cannot watch SIGTERM: %r", error)
+
+    def uninstall(self) -> None:
+        """Undo install(): each hook is restored only if nobody replaced it since."""
+        if not self._installed:
+            return
+        self._installed = False
+        atexit.unregister(self._at_exit)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
+        if self._sigterm_installed:
+            self._sigterm_installed = False
+            try:
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self._previous_sigterm)
+            except Exception as error:
+                _log.debug("otelprof: cannot restore the SIGTERM handler: %r", error)
+
+    # -- the end record -----------------------------------------------------------------
+
+    def end_record(
+        self, recorded_by: str, error: BaseException | None = None, *, at_exit: bool = False
+    ) -> EndRecord:
+        """The end as known now; `error` is an exception that is ending the `with` block."""
+        exit_code: int | None = None
+        if isinstance(error, SystemExit):
+            code = error.code
+            exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        elif error is not None and self._exception is None:
+            self._exception = exception_info(error)
+        if self._exception is not None:
+            status = "exception"
+            exit_code = 1 if at_exit else exit_code
+        elif self._signal is not None:
+            status = "signal"
+        elif exit_code:
+            status = "exit"
+        elif at_exit:
+            status = "exited"
+        else:
+            status = "clean"
+        return {
+            "status": status,
+            "exit_code": exit_code,
+            "signal": self._signal,
+            "exception": self._exception,
+            "recorded_by": recorded_by,
+        }
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _excepthook(
+        self, kind: type[BaseException], error: BaseException, tb: TracebackType | None
+    ) -> None:
+        try:
+            if not issubclass(kind, SystemExit) and self._exception is None:
+                self._exception = exception_info(error)
+        except Exception:
+            pass
+        previous = self._previous_excepthook or sys.__excepthook__
+        previous(kind, error, tb)
+
+    def _at_exit(self) -> None:
+        try:
+            self._finish(self.end_record("atexit", at_exit=True))
+        except Exception as error:
+            _log.debug("otelprof: finalizing at exit failed: %r", error)
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        previous = self._previous_sigterm
+        try:
+            self._signal = signal.Signals(signum).name
+        except Exception:
+            self._signal = str(signum)
+        if callable(previous):
+            # The program handles SIGTERM itself (checkpoint, graceful stop); training may
+            # go on, so the run is not finalized here, only the signal remembered.
+            try:
+                self._mark(self.end_record("signal (program handler runs)"))
+            except Exception as error:
+                _log.debug("otelprof: recording SIGTERM failed: %r", error)
+            previous(signum, frame)
+            return
+        # Default action: the process dies. Record, flush within bounds, then die the same way.
+        end = self.end_record("signal")
+        end["exit_code"] = 128 + signum
+        try:
+            self._mark(end)
+        except Exception as error:
+            _log.debug("otelprof: recording SIGTERM failed: %r", error)
+        flusher = threading.Thread(
+            target=self._finish_quietly, args=(end,), name="otelprof-sigterm", daemon=True
+        )
+        flusher.start()
+        flusher.join(self._flush_timeout_s + 2.0)
+        self.uninstall()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def _finish_quietly(self, end: EndRecord) -> None:
+        try:
+            self._finish(end)
+        except Exception as error:
+            _log.debug("otelprof: flushing after SIGTERM failed: %r", error)

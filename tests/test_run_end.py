@@ -1,0 +1,214 @@
+"""A run's end is always recorded in run.json, and nested instrument() never tears down the outer.
+
+Real child processes are signalled for real (SIGTERM, SIGKILL); each child runs a short
+training-like loop under a real profiler in detached mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otelprof
+
+REPO = Path(__file__).resolve().parents[1]
+
+LOOP = """
+import os, sys, time
+import otelprof
+ready = sys.argv[1]
+def loop(n=10**9):
+    for i in range(n):
+        with otelprof.timing("train_batch"):
+            time.sleep(0.005)
+        otelprof.step()
+        if i == 3 and not os.path.exists(ready):
+            open(ready, "w").close()
+"""
+
+
+def _child(tmp_path: Path, body: str) -> subprocess.Popen[str]:
+    script = tmp_path / "child.py"
+    script.write_text(LOOP + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OTELPROF_OUTPUT_DIR=str(tmp_path / "runs"))
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ready")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_ready(tmp_path: Path, child: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        if child.poll() is not None:
+            pytest.fail(f"child exited early ({child.returncode}): {child.stderr.read()}")  # type: ignore[union-attr]
+        if time.monotonic() > deadline:
+            child.kill()
+            pytest.fail("child never reached its training loop")
+        time.sleep(0.05)
+
+
+def _finish(child: subprocess.Popen[str]) -> tuple[int, str]:
+    _, stderr = child.communicate(timeout=60)
+    return child.returncode, stderr
+
+
+def _run_json(tmp_path: Path) -> dict[str, Any]:
+    (run,) = list((tmp_path / "runs").iterdir())
+    info: dict[str, Any] = json.loads((run / "run.json").read_text())
+    return info
+
+
+def test_sigterm_with_default_handler_finalizes_run_json_then_dies_of_sigterm(
+    tmp_path: Path,
+) -> None:
+    child = _child(tmp_path, "otelprof.instrument(interval=0.2)\nloop()\n")
+    _wait_ready(tmp_path, child)
+    child.send_signal(signal.SIGTERM)
+    code, stderr = _finish(child)
+    assert code == -signal.SIGTERM, stderr  # dies as it would have without otelprof
+    info = _run_json(tmp_path)
+    assert "finished_unix_nano" in info, info
+    assert info["end"]["status"] == "signal"
+    assert info["end"]["signal"] == "SIGTERM"
+    assert info["end"]["exit_code"] == 128 + signal.SIGTERM
+    assert info["stats"]["timings.steps"] >= 4  # the flush ran: spans were counted
+
+
+def test_sigterm_chains_the_handler_the_program_installed(tmp_path: Path) -> None:
+    body = """
+    import signal
+    def graceful(signum, frame):
+        open(ready + ".handled", "w").close()
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, graceful)
+    with otelprof.instrument(interval=0.2):
+        loop()
+    """
+    child = _child(tmp_path, body)
+    _wait_ready(tmp_path, child)
+    child.send_signal(signal.SIGTERM)
+    code, stderr = _finish(child)
+    assert (tmp_path / "ready.handled").exists(), stderr
+    assert code == 3, stderr
+    info = _run_json(tmp_path)
+    assert "finished_unix_nano" in info
+    assert info["end"]["status"] == "signal"
+    assert info["end"]["signal"] == "SIGTERM"
+    assert info["end"]["exit_code"] == 3
+
+
+def test_uncaught_exception_outside_any_span_is_recorded_with_type_and_message(
+    tmp_path: Path,
+) -> None:
+    body = """
+    otelprof.instrument(interval=0.2)
+    loop(5)
+    open(ready, "w").close()
+    raise ValueError("loss is NaN at step 5")
+    """
+    code, stderr = _finish(_child(tmp_path, body))
+    assert code == 1
+    assert "ValueError: loss is NaN at step 5" in stderr  # the program's excepthook still ran
+    info = _run_json(tmp_path)
+    assert info["end"]["status"] == "exception"
+    assert info["end"]["exception"] == {"type": "ValueError", "message": "loss is NaN at step 5"}
+    assert info["end"]["recorded_by"] == "atexit"
+    assert "finished_unix_nano" in info
+
+
+def test_missing_shutdown_is_finalized_at_interpreter_exit(tmp_path: Path) -> None:
+    code, stderr = _finish(_child(tmp_path, "otelprof.instrument(interval=0.2)\nloop(5)\n"))
+    assert code == 0, stderr
+    info = _run_json(tmp_path)
+    assert info["end"]["status"] == "exited"
+    assert info["stats"]["timings.steps"] == 5
+
+
+def test_sigkill_leaves_the_run_unfinalized(tmp_path: Path) -> None:
+    child = _child(tmp_path, "otelprof.instrument(interval=0.2)\nloop()\n")
+    _wait_ready(tmp_path, child)
+    child.send_signal(signal.SIGKILL)
+    code, _ = _finish(child)
+    assert code == -signal.SIGKILL
+    info = _run_json(tmp_path)
+    assert "finished_unix_nano" not in info and "end" not in info
+
+
+def test_exception_leaving_the_with_block_is_recorded_and_propagates(tmp_path: Path) -> None:
+    with pytest.raises(KeyError), otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
+        raise KeyError("labels")
+    info = json.loads((prof.settings.run_dir / "run.json").read_text())
+    assert info["end"]["status"] == "exception"
+    assert info["end"]["exception"] == {"type": "KeyError", "message": "'labels'"}
+    assert info["end"]["recorded_by"] == "context exit"
+
+
+def test_clean_shutdown_is_recorded_as_clean(tmp_path: Path) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
+        otelprof.step()
+    info = json.loads((prof.settings.run_dir / "run.json").read_text())
+    assert info["end"]["status"] == "clean"
+    assert info["end"]["exception"] is None
+
+
+def test_shutdown_restores_the_sigterm_handler_and_excepthook(tmp_path: Path) -> None:
+    def mine(signum: int, frame: Any) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    hook = sys.excepthook
+    try:
+        prof = otelprof.instrument(output_dir=tmp_path, interval=0.2)
+        assert signal.getsignal(signal.SIGTERM) is not mine
+        assert sys.excepthook is not hook
+        prof.shutdown()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert sys.excepthook is hook
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_nested_instrument_exit_does_not_shut_down_the_outer_profiler(tmp_path: Path) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as outer:
+        with otelprof.instrument() as inner:  # a callback or library doing its own
+            assert inner.run_dir == outer.run_dir
+            inner.step()
+        assert otelprof.active_profiler() is outer
+        inner.shutdown()
+        assert otelprof.active_profiler() is outer
+        with otelprof.timing("train_batch"):
+            time.sleep(0.001)
+        outer.step()
+        assert outer.stats()["timings.steps"] == 2
+    assert otelprof.active_profiler() is None
+    info = json.loads((outer.settings.run_dir / "run.json").read_text())
+    assert info["end"]["recorded_by"] == "context exit"
+
+
+def test_repeated_instrument_after_shutdown_starts_a_fresh_profiler(tmp_path: Path) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as first:
+        pass
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as second:
+        assert otelprof.active_profiler() is second
+    assert first.settings.run_id != second.settings.run_id
+    assert otelprof.active_profiler() is None
+
+
+@pytest.fixture(autouse=True)
+def _no_profiler_left_running() -> Any:
+    yield
+    otelprof.uninstrument()
