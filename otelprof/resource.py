@@ -26,6 +26,9 @@ _DETERMINED_ENV = {
     "DET_TRIAL_ID": ("determined.trial.id", True),
     "DET_TRIAL_RUN_ID": ("determined.trial.run_id", True),
     "DET_AGENT_ID": ("determined.agent.id", False),
+    # A resumed trial's batch count: otelprof's Determined timings count on from it.
+    "DET_STEPS_COMPLETED": ("determined.trial.steps_completed", True),
+    "OTELPROF_DETERMINED_STEPS_PER_BATCH": ("otelprof.determined.steps_per_batch", True),
 }
 
 
@@ -68,6 +71,9 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
         **dict(settings.resource_attributes),
         "service.name": settings.service_name,
     }
+    if settings.determined:
+        # This process posts to Determined itself: a bridge must not post its data again.
+        attributes["otelprof.determined.direct"] = "true"
     # Resource.create also adds telemetry.sdk.* and reads OTEL_RESOURCE_ATTRIBUTES; the
     # attributes passed here take precedence over what it detects.
     return Resource.create(attributes)

@@ -115,8 +115,9 @@ def test_in_process_exporter_posts_the_same_reports_as_the_bridge(
     assert disk["metrics"]["metrics"]["avgMetrics"]["agent-1"]["disk_iops"] == 7.0
     timings = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
     assert len(timings) == 1 and timings[0]["totalBatches"] == 4
-    assert timings[0]["metrics"]["avg_metrics"]["train_batch_count"] == 4
-    assert timings[0]["metrics"]["avg_metrics"]["step_count"] == 4
+    assert timings[0]["metrics"]["batch_metrics"][0]["batch_train_count"] == 4
+    assert timings[0]["metrics"]["batch_metrics"][0]["step_count"] == 4
+    assert set(timings[0]["metrics"]["avg_metrics"]) == {"batch_train_s", "step_s"}
 
 
 def test_only_local_rank_0_reports_hardware_and_only_rank_0_timings(
@@ -167,7 +168,8 @@ def test_instrument_with_determined_posts_real_hardware_and_timings_from_the_pro
     names = {x["name"] for x in available_series(master.url, master.token, 42)}  # type: ignore[attr-defined]
     assert {"cpu_util_simple", "memory_free", "disk_iops", "net_throughput_sent"} <= names
     timings = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
-    assert sum(t["metrics"]["avg_metrics"].get("train_batch_count", 0) for t in timings) == 3
+    counts = [t["metrics"]["batch_metrics"][0] for t in timings]
+    assert sum(c.get("batch_train_count", 0) for c in counts) == 3
     assert prof.stats()["dropped_total"] == 0
 
 

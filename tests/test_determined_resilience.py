@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 
+from otelprof.determined.mapping import timing_name
 from tests.determined_contract import DeterminedContractServer, Post, trial_metrics
 from tests.determined_feed import (
     TIMING_NAMES,
@@ -184,7 +185,7 @@ def test_master_outage_and_bridge_kill9_lose_nothing_and_keep_order(
     counted = 0
     while time.monotonic() < deadline:
         timing_posts = [p for p in master.posts() if p.group == "timings"]
-        counted = sum(p.body["metrics"]["metrics"]["avgMetrics"]["train_batch_count"]
+        counted = sum(p.body["metrics"]["metrics"]["batchMetrics"][0]["batch_train_count"]
                       for p in _dedupe_resend(timing_posts)[0])  # fmt: skip
         if counted >= steps_sent:
             break
@@ -205,7 +206,8 @@ def test_master_outage_and_bridge_kill9_lose_nothing_and_keep_order(
     assert steps == sorted(set(steps)), steps
     assert steps[-1] == steps_sent
     for name in (*TIMING_NAMES, "train_step"):
-        assert sum(m["metrics"]["avgMetrics"][f"{name}_count"] for m in timings) == steps_sent
+        key = f"{timing_name(name)}_count"
+        assert sum(m["metrics"]["batchMetrics"][0][key] for m in timings) == steps_sent
     stored = trial_metrics(master.url, next(iter(master.store.user_tokens)), 42, "timings")
     assert [r["totalBatches"] for r in stored] == steps
 

@@ -9,6 +9,7 @@ key that missed this window with its last value from a recent window.
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ def build_body(
     avg_metrics: dict[str, Any],
     report_time_ns: int,
     steps_completed: int | None = None,
+    batch_metrics: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The ReportTrialMetricsRequest JSON (lowerCamel names, reference §1)."""
     metrics: dict[str, Any] = {"trialId": trial_id, "trialRunId": run_id}
@@ -63,6 +65,8 @@ def build_body(
         metrics["stepsCompleted"] = steps_completed
     metrics["reportTime"] = rfc3339(report_time_ns)
     metrics["metrics"] = {"avgMetrics": avg_metrics}
+    if batch_metrics:
+        metrics["metrics"]["batchMetrics"] = batch_metrics
     return {"group": group, "metrics": metrics}
 
 
@@ -74,6 +78,8 @@ class _Trial:
     last: dict[tuple[str, str, str, str], tuple[float, int]] = field(default_factory=dict)
     timings: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum_s, count]
     max_step: int = -1
+    offset: int = -1  # DET_STEPS_COMPLETED (-1: not known)
+    per_batch: int = 1
     timing_time_ns: int = 0
     last_seen: int = 0
 
@@ -88,6 +94,8 @@ class AggregatorStats:
     timings_held: int = 0  # timing windows waiting for a higher step count
     dropped_trials: int = 0  # samples refused because max_trials was reached
     dropped_names: int = 0  # timing names beyond max_timing_names per trial
+    timings_unsafe: int = 0  # windows of a restarted trial not reported: no step offset
+    invalid_values: int = 0  # NaN/inf left out of a report (the master cannot read them)
 
 
 class WindowAggregator:
@@ -98,7 +106,7 @@ class WindowAggregator:
         timings_group: str = "timings",
         carry_windows: int = 3,
         max_trials: int = 100_000,
-        max_timing_names: int = 256,
+        max_timing_names: int = 64,
         idle_windows: int = 360,
     ) -> None:
         self.timings_group = timings_group
@@ -113,6 +121,7 @@ class WindowAggregator:
         # master and refused on overlapping keys, so steps must strictly increase.
         self.last_steps: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.incomplete: list[str] = []  # descriptions from the last drain, for logging
+        self.unsafe: list[str] = []  # restarted trials whose timings cannot be placed
 
     def _trial(self, trial_id: int, run_id: int) -> _Trial | None:
         key = (trial_id, run_id)
@@ -152,11 +161,14 @@ class WindowAggregator:
             acc[0] += s.total_s
             acc[1] += s.n
             state.max_step = max(state.max_step, s.max_step)
+            state.offset = max(state.offset, s.offset)
+            state.per_batch = max(1, s.per_batch)
             state.timing_time_ns = max(state.timing_time_ns, s.time_ns)
 
     def drain(self) -> list[Report]:
         """Close the current window and return its reports (profiling groups, then timings)."""
         self.incomplete = []
+        self.unsafe = []
         reports: list[Report] = []
         for (trial_id, run_id), state in list(self._trials.items()):
             reports.extend(self._gauge_reports(trial_id, run_id, state))
@@ -233,6 +245,9 @@ class WindowAggregator:
                 value = self._fresh(state, (agent, group, sub, key))
             if value is None:
                 return None
+            if not math.isfinite(value):  # the master would store it and fail to read it
+                self.stats.invalid_values += 1
+                return None
             values[key] = value
         return values
 
@@ -242,21 +257,63 @@ class WindowAggregator:
         if state.max_step < 0:
             self.stats.timings_held += 1
             return None
-        steps = min(state.max_step + 1 - STEP_INDEX_BASE, INT32_MAX)
+        steps = self.safe_steps(run_id, state)
+        if steps is None:
+            # A restarted trial without DET_STEPS_COMPLETED: any step count could archive
+            # the user's rows of earlier runs. Not reported (counted, logged once).
+            self.stats.timings_unsafe += 1
+            self.unsafe.append(
+                f"trial {trial_id} run {run_id} was restarted but its DET_STEPS_COMPLETED "
+                "is unknown; a stepsCompleted counted from 0 would make Determined archive "
+                "the trial's earlier metrics"
+            )
+            state.timings.clear()
+            return None
         if steps <= self.last_steps.get((trial_id, run_id), 0):
-            # No new step finished since the last report: keep accumulating.
+            # No new batch finished since the last report: keep accumulating.
             self.stats.timings_held += 1
             return None
-        avg: dict[str, float | int] = {}
+        # Mean seconds per call are charted (one chart per key); the call counts go in
+        # batchMetrics: stored and readable through the API, but not one chart each.
+        avg: dict[str, float] = {}
+        counts: dict[str, int] = {}
         for name, (total, count) in sorted(state.timings.items()):
-            avg[f"{name}_s"] = total / count
-            avg[f"{name}_count"] = int(count)
+            mean = total / count if count else math.nan
+            if math.isfinite(mean):
+                avg[f"{name}_s"] = mean
+                counts[f"{name}_count"] = int(count)
+            else:
+                self.stats.invalid_values += 1
+        if not avg:
+            state.timings.clear()
+            return None
         body = build_body(
-            trial_id, run_id, self.timings_group, avg, state.timing_time_ns, steps_completed=steps
+            trial_id, run_id, self.timings_group, avg, state.timing_time_ns, steps, [counts]
         )
         self.remember_steps(trial_id, run_id, steps)
         state.timings.clear()
         return Report(trial_id, run_id, self.timings_group, body)
+
+    @staticmethod
+    def safe_steps(run_id: int, state: _Trial) -> int | None:
+        """The stepsCompleted for a timings report, or None when none is safe.
+
+        Determined counts batches; otelprof counts `step()` calls (`per_batch` of them per
+        batch when step() runs per micro-batch). A resumed trial starts at
+        DET_STEPS_COMPLETED, so this run's k-th batch is offset + k: never below the
+        checkpoint (which would archive the user's rows of earlier runs) and never past
+        the batches really trained (the master raises the trial's batch count to it).
+        """
+        done = (state.max_step + 1 - STEP_INDEX_BASE) // state.per_batch
+        if done < 1:
+            return 0  # no whole batch yet: held until one is done
+        if state.offset >= 0:
+            base = state.offset
+        elif run_id <= 1:
+            base = 0  # a first run: there are no earlier runs' rows to archive
+        else:
+            return None
+        return min(base + done, INT32_MAX)
 
     def remember_steps(self, trial_id: int, run_id: int, steps: int) -> None:
         """Record a reported step count (also used to restore state after a restart)."""

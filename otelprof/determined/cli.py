@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             route=settings.route,
             timings_group=settings.timings_group,
             retry_max_s=settings.retry_max_s,
+            skip_direct=True,  # processes posting to Determined themselves own their data
         )
         server = BridgeServer(pipeline, settings.listen, workers=settings.workers)
     except (ConfigError, OSError, ValueError) as exc:

@@ -8,6 +8,7 @@ output is a list of small, JSON-able samples; windowing and report building live
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,13 @@ ATTR_RUN_ID = "determined.trial.run_id"
 ATTR_AGENT_ID = "determined.agent.id"
 ATTR_HOST_NAME = "host.name"
 ATTR_STEP = "otelprof.step"
+# DET_STEPS_COMPLETED of a resumed trial: otelprof's steps count on from there.
+ATTR_STEPS_OFFSET = "determined.trial.steps_completed"
+# otelprof.step() calls per Determined batch (micro-batches per optimizer step).
+ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
+# Set by a process that posts to Determined itself (instrument(determined=True)): the
+# bridge leaves its data alone, so one trial's group has exactly one producer.
+ATTR_DIRECT = "otelprof.determined.direct"
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
@@ -44,8 +52,19 @@ DISK_IOPS_WRITE = "_disk_iops_write"
 # `otelprof.step` numbers steps from 0, so spans of step k mean k + 1 steps completed.
 STEP_INDEX_BASE = 0
 
-_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_\-]+")
-MAX_TIMING_NAME = 100
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9]+")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+MAX_TIMING_KEY = 40  # the Metrics tab titles each chart with the key: keep it readable
+# Prefixes the Web UI strips from chart titles (train_batch_s would show as "batch_s"):
+# moved to the end of the key instead.
+_UI_PREFIXES = ("train_", "training_", "validation_", "val_")
+# torch.profiler / record_function range names → short keys people recognise.
+_KNOWN_RANGES = (
+    (re.compile(r"^enumerate\(DataLoader\)#"), "dataloader_next"),
+    (re.compile(r"^Optimizer\.step#"), "optimizer_step"),
+    (re.compile(r"^Optimizer\.zero_grad#"), "optimizer_zero_grad"),
+    (re.compile(r"^## ?(forward|backward) ?##$"), r"\1"),
+)
 
 
 class GaugeSample(NamedTuple):
@@ -71,6 +90,8 @@ class TimingSample(NamedTuple):
     n: int
     max_step: int  # -1 when no span carried otelprof.step
     time_ns: int
+    offset: int = -1  # DET_STEPS_COMPLETED of the process (-1: not known)
+    per_batch: int = 1  # otelprof steps per Determined batch
 
 
 @dataclass(frozen=True)
@@ -80,6 +101,8 @@ class Route:
     trial_id: int | None = None
     run_id: int | None = None
     agent: str | None = None
+    steps_offset: int | None = None  # DET_STEPS_COMPLETED when no resource carries it
+    steps_per_batch: int | None = None
 
 
 @dataclass
@@ -91,6 +114,7 @@ class Extracted:
     rejected: int = 0
     errors: list[str] = field(default_factory=list)
     ignored: int = 0  # points of metrics Determined has no key for
+    skipped_direct: int = 0  # from processes that post to Determined themselves
 
     def reject(self, count: int, message: str) -> None:
         self.rejected += count
@@ -220,21 +244,60 @@ def resolve_route(attrs: Mapping[str, Any], default: Route) -> tuple[int, int, s
 
 
 def timing_name(name: str) -> str:
-    """A span name as a Determined metric key: no '.', spaces or slashes, bounded length."""
-    cleaned = _NAME_UNSAFE.sub("_", name).strip("_") or "unnamed"
-    return cleaned[:MAX_TIMING_NAME]
+    """A span name as a short Determined metric key the Web UI shows as is.
+
+    Known torch ranges get their short name (`enumerate(DataLoader)#...__next__` →
+    `dataloader_next`); others become snake_case words, a prefix the UI strips moves to the
+    end (`train_batch` → `batch_train`), and a key longer than 40 characters keeps its first
+    33 plus a 6-hex hash of the full name, so two long names never merge.
+    """
+    for pattern, short in _KNOWN_RANGES:
+        match = pattern.search(name)
+        if match:
+            return match.expand(short)
+    words = _NAME_UNSAFE.sub("_", _CAMEL.sub("_", name)).strip("_").lower() or "unnamed"
+    for prefix in _UI_PREFIXES:
+        if words.startswith(prefix) and len(words) > len(prefix):
+            words = f"{words[len(prefix) :]}_{prefix[:-1]}"
+            break
+    if len(words) > MAX_TIMING_KEY:
+        digest = hashlib.blake2s(name.encode(), digest_size=3).hexdigest()
+        words = f"{words[: MAX_TIMING_KEY - 7].rstrip('_')}_{digest}"
+    return words
 
 
 def _combine(values: list[float], how: str) -> float:
     return sum(values) if how == "sum" else sum(values) / len(values)
 
 
-def extract_metrics(request: ExportMetricsServiceRequest, default: Route) -> Extracted:
-    """Gauge samples for every data point Determined has a key for."""
+def _direct(attrs: Mapping[str, Any]) -> bool:
+    return attrs.get(ATTR_DIRECT) in (True, "true", "1", 1)
+
+
+def _positive_int(attrs: Mapping[str, Any], key: str, fallback: int | None) -> int | None:
+    try:
+        value = _as_int(attrs, key)
+    except RouteError:
+        value = None
+    value = fallback if value is None else value
+    return value if value is not None and value >= 0 else None
+
+
+def extract_metrics(
+    request: ExportMetricsServiceRequest, default: Route, skip_direct: bool = False
+) -> Extracted:
+    """Gauge samples for every data point Determined has a key for.
+
+    `skip_direct` (the bridge): resources of processes that post to Determined themselves
+    are left out, counted in `skipped_direct`, so no trial's data is reported twice.
+    """
     out = Extracted()
     for resource_metrics in request.resource_metrics:
         attrs = attributes_dict(resource_metrics.resource.attributes)
         points = sum(_point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
+        if skip_direct and _direct(attrs):
+            out.skipped_direct += points
+            continue
         try:
             trial, run, agent = resolve_route(attrs, default)
         except RouteError as exc:
@@ -309,7 +372,9 @@ def _map_metric(
         bucket[1].append(value)
 
 
-def extract_spans(request: ExportTraceServiceRequest, default: Route) -> Extracted:
+def extract_spans(
+    request: ExportTraceServiceRequest, default: Route, skip_direct: bool = False
+) -> Extracted:
     """Timing samples (sum of seconds, count, highest step) per trial and span name."""
     out = Extracted()
     for resource_spans in request.resource_spans:
@@ -317,6 +382,11 @@ def extract_spans(request: ExportTraceServiceRequest, default: Route) -> Extract
         spans = [s for ss in resource_spans.scope_spans for s in ss.spans]
         if not spans:
             continue
+        if skip_direct and _direct(attrs):
+            out.skipped_direct += len(spans)
+            continue
+        offset = _positive_int(attrs, ATTR_STEPS_OFFSET, default.steps_offset)
+        per_batch = _positive_int(attrs, ATTR_STEPS_PER_BATCH, default.steps_per_batch) or 1
         try:
             trial, run, _agent = resolve_route(attrs, default)
         except RouteError as exc:
@@ -342,6 +412,16 @@ def extract_spans(request: ExportTraceServiceRequest, default: Route) -> Extract
             acc[3] = max(acc[3], end)
         for name, (total, count, max_step, t_end) in sums.items():
             out.timings.append(
-                TimingSample(trial, run, name, total, int(count), int(max_step), int(t_end))
+                TimingSample(
+                    trial,
+                    run,
+                    name,
+                    total,
+                    int(count),
+                    int(max_step),
+                    int(t_end),
+                    -1 if offset is None else offset,
+                    per_batch,
+                )
             )
     return out

@@ -42,7 +42,10 @@ class Pipeline:
         retry_max_s: float = 30.0,
         delivery_workers: int = 4,
         max_unknown_attempts: int = 5,
+        skip_direct: bool = False,
     ) -> None:
+        """`skip_direct`: the bridge's setting; leave out data of processes that post to
+        Determined themselves (resource attribute otelprof.determined.direct)."""
         if window_s <= 0:
             raise ValueError(f"report window must be > 0 s, got {window_s}")
         self.client = client
@@ -54,6 +57,8 @@ class Pipeline:
             spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
         )
         self.rejected_points = 0
+        self.skip_direct = skip_direct
+        self.skipped_direct = 0
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
@@ -93,10 +98,10 @@ class Pipeline:
 
     # -- ingest --------------------------------------------------------------------------------
     def ingest_metrics(self, request: ExportMetricsServiceRequest) -> Extracted:
-        return self._ingest(extract_metrics(request, self.route))
+        return self._ingest(extract_metrics(request, self.route, self.skip_direct))
 
     def ingest_traces(self, request: ExportTraceServiceRequest) -> Extracted:
-        return self._ingest(extract_spans(request, self.route))
+        return self._ingest(extract_spans(request, self.route, self.skip_direct))
 
     def _ingest(self, extracted: Extracted) -> Extracted:
         with self._lock:
@@ -104,16 +109,17 @@ class Pipeline:
             self.aggregator.add_gauges(extracted.gauges)
             self.aggregator.add_timings(extracted.timings)
             self.rejected_points += extracted.rejected
+            self.skipped_direct += extracted.skipped_direct
         for message in extracted.errors:
             self._log_once(message)
         return extracted
 
-    def _log_once(self, message: str) -> None:
+    def _log_once(self, message: str, what: str = "refused OTLP data: ") -> None:
         if message in self._logged:
             return
         if len(self._logged) < _MAX_LOGGED:
             self._logged.add(message)
-        log.error("refused OTLP data: %s", message)
+        log.error("%s%s", what, message)
 
     # -- windows -------------------------------------------------------------------------------
     def flush(self) -> int:
@@ -124,7 +130,10 @@ class Pipeline:
                 reports = self.aggregator.drain()
                 last_steps = dict(self.aggregator.last_steps)
                 incomplete = list(self.aggregator.incomplete)
+                unsafe = list(self.aggregator.unsafe)
             self.spool.commit_window(window, reports, last_steps)
+        for what in unsafe:
+            self._log_once(what, "not reporting timings: ")
         for what in incomplete[:5]:
             log.debug("not reported this window (a key has no recent value): %s", what)
         if reports:
@@ -172,6 +181,9 @@ class Pipeline:
             "dropped_trials": a.dropped_trials,
             "dropped_timing_names": a.dropped_names,
             "rejected_points": self.rejected_points,
+            "skipped_direct": self.skipped_direct,
+            "timings_unsafe_steps": a.timings_unsafe,
+            "invalid_values": a.invalid_values,
             "spooled": s.reports_spooled,
             "spool_dropped": s.reports_dropped,
             "journal_overflow": s.journal_overflow,

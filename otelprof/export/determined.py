@@ -91,6 +91,8 @@ def build_pipeline(
         trial_id=trial_id if trial_id is not None else _int_env(env, "DET_TRIAL_ID"),
         run_id=run_id if run_id is not None else _int_env(env, "DET_TRIAL_RUN_ID"),
         agent=agent_id or env.get("DET_AGENT_ID"),
+        steps_offset=_int_env(env, "DET_STEPS_COMPLETED"),
+        steps_per_batch=_int_env(env, "OTELPROF_DETERMINED_STEPS_PER_BATCH"),
     )
     client = DeterminedClient(
         master,
