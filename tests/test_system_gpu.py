@@ -25,6 +25,7 @@ from tests.fake_nvml import (
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_LIBRARY_NOT_FOUND,
     NVML_ERROR_NOT_SUPPORTED,
+    NVML_GPU_UTILIZATION_SAMPLES,
     NVML_VALUE_TYPE_DOUBLE,
     FakeGpu,
     FakeNvml,
@@ -169,9 +170,12 @@ def test_mig_slice_is_mapped_to_its_parent_index_and_refused_series_are_omitted(
             assert points[names.GPU_MEMORY_FREE.name] == [
                 (9 * 2**30, {"hw.id": mig.uuid, "gpu.index": 1})
             ]
-    refusals = [r for r in caplog.records if "refuses" in r.getMessage()]
-    assert len(refusals) == 4  # utilization, power, temperature, energy: once each
-    assert all(mig.uuid in r.getMessage() for r in refusals)
+    refusals = [r.getMessage() for r in caplog.records if "refuses" in r.getMessage()]
+    refused = {m.split("refuses ")[1].split(" (")[0] for m in refusals}
+    assert {"utilization", "power", "temperature", "energy", "memory-samples"} <= refused
+    assert len(refusals) == len(set(refusals)), "each refusal is logged once"
+    assert any("PCIE_COUNT_TX_BYTES" in m for m in refusals)  # PCIe/NVLink counters: one line
+    assert all(mig.uuid in m for m in refusals)
     assert nvml.calls["nvmlDeviceGetPowerUsage"] == 1  # not asked again once refused
 
 
@@ -235,7 +239,8 @@ def test_unsupported_samples_switch_to_utilization_rates_for_good_with_one_log_l
         for _ in range(3):
             assert by_index(rig.collect(), names.GPU_UTILIZATION.name) == {0: 0.64}
     assert sum("utilization samples unavailable" in r.getMessage() for r in caplog.records) == 1
-    assert nvml.calls["nvmlDeviceGetSamples"] == 2  # priming + first collection only
+    # utilization samples: priming + first collection only (memory samples: the same)
+    assert nvml.sample_calls[NVML_GPU_UTILIZATION_SAMPLES] == 2
 
 
 # -- the other GPU series ------------------------------------------------------------------

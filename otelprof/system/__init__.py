@@ -22,15 +22,26 @@ start time the window's start, see `_stamps.py`):
 | `hw.power` | `W` | `hw.id`, `gpu.index`, `hw.type`=gpu | nvmlDeviceGetPowerUsage |
 | `hw.temperature` | `Cel` | `hw.id`, `gpu.index`, `hw.type`=gpu | nvmlDeviceGetTemperature |
 | `hw.energy` (counter) | `J` | `hw.id`, `gpu.index`, `hw.type`=gpu | NVML total energy |
+| `otelprof.gpu.process.memory.usage` | `By` | `hw.id`, `gpu.index` | NVML process lists |
+| `hw.gpu.sm.activity` | `1` | `hw.id`, `gpu.index`, src | GPM SM_UTIL |
+| `hw.gpu.sm.occupancy` | `1` | `hw.id`, `gpu.index`, src | GPM SM_OCCUPANCY |
+| `hw.gpu.tensor.activity` | `1` | `hw.id`, `gpu.index`, src | GPM ANY_TENSOR_UTIL |
+| `hw.gpu.memory.bandwidth.utilization` | `1` | `hw.id`, `gpu.index`, src | GPM / NVML |
+| `hw.gpu.pcie.throughput` | `By/s` | same + direction | GPM / NVML byte counters |
+| `hw.gpu.nvlink.throughput` | `By/s` | same + direction | GPM / NVML byte counters |
 | `process.cpu.utilization` | `1` | – | this process, ÷ usable CPUs |
 | `process.memory.usage` | `By` | – | this process's RSS |
 | `otelprof.torch.cuda.memory.allocated` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
 | `otelprof.torch.cuda.memory.reserved` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
 
+src = `otelprof.gpu.source` (`gpm` or `nvml`: where the value came from, `_gpu_perf.py`);
+direction = `network.io.direction`. `otelprof.gpu.process.memory.usage` is the memory this
+process and its children hold on that GPU, beside the device-wide `hw.gpu.memory.usage`.
 Host rows come with `host_metrics` (local rank 0 by default, decided in config), GPU rows
 with `gpus="visible"|"all"` when NVML finds a GPU, process rows with `process_metrics`,
 torch rows once this process has initialized CUDA. A value that cannot be read is absent
-from that collection, never 0. Details: `host.py`, `gpu.py`, `rates.py`, `gauges.py`.
+from that collection, never 0. Details: `host.py`, `gpu.py`, `_gpu_perf.py`, `rates.py`,
+`gauges.py`.
 """
 
 from . import names

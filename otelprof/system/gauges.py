@@ -197,7 +197,7 @@ def register_system_metrics(
         instruments.extend(names.HOST)
     gpu: GpuSampler | None = None
     if settings.gpus != "none":
-        gpu = GpuSampler(settings.gpus, nvml=nvml, env=env, log=log)
+        gpu = GpuSampler(settings.gpus, nvml=nvml, env=env, log=log, clock=clock)
         if gpu.start():
             sources.append(("gpu", gpu.sample))
             instruments.extend(names.GPU)

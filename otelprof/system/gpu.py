@@ -13,6 +13,15 @@ collection (`nvmlDeviceGetSamples`), i.e. the average over the interval, not one
 When no new sample exists yet (intervals shorter than the driver's sampling period) or
 the call is unsupported, `nvmlDeviceGetUtilizationRates` (NVML's last period) is used.
 
+What the units do (SM activity, occupancy, tensor pipes, DRAM bandwidth, PCIe, NVLink):
+`_gpu_perf.py` (NVML GPM where supported, classic NVML counters otherwise, with a source
+attribute). GPU memory held by this process (and its children) on each GPU comes from
+NVML's running-process lists, beside the device-wide numbers.
+
+Every read is stamped with the clock right before its NVML call (`_stamps`, issue #16's
+principle): `time_unix_nano` of each exported point is when that counter was read, and
+interval averages carry the window they cover.
+
 Degradation: no pynvml, no driver or no GPU turns GPU metrics off with one log line. A
 metric NVML refuses for a device (NotSupported, NoPermission: MIG slices, consumer boards)
 is omitted for that device from then on and logged once; other errors omit that one sample
@@ -23,12 +32,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import names
 from ._common import Attributes, LogOnce, Reading, logger
+from ._gpu_perf import GpuPerf, PerfState
+from ._stamps import Clock
 
 T = TypeVar("T")
 
@@ -61,9 +73,13 @@ class GpuDevice:
     handle: Any
     uuid: str
     index: int
+    parent: Any = None  # the physical GPU's handle, for a MIG slice
     refused: set[str] = field(default_factory=set)
     use_samples: bool = True
     last_sample_us: int = 0
+    last_samples_us: dict[int, int] = field(default_factory=dict)  # other sample kinds
+    last_utilization_ns: int | None = None
+    perf: PerfState = field(default_factory=PerfState)
 
     @property
     def attributes(self) -> Attributes:
@@ -83,6 +99,8 @@ class GpuSampler:
         nvml: Any = None,
         env: Mapping[str, str] | None = None,
         log: LogOnce | None = None,
+        clock: Callable[[], int] | None = None,
+        pid: int | None = None,
     ) -> None:
         if selection not in ("visible", "all"):
             raise ValueError(f"gpus must be 'visible' or 'all', got {selection!r}")
@@ -91,6 +109,9 @@ class GpuSampler:
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
         self._initialized = False
+        self._clock: Callable[[], int] = clock or Clock()
+        self._pids = _ProcessTree(os.getpid() if pid is None else pid)
+        self._perf: GpuPerf | None = None
         self.devices: list[GpuDevice] = []
 
     def start(self) -> bool:
@@ -117,8 +138,10 @@ class GpuSampler:
         if not self.devices:
             self.close()
             return False
+        self._perf = GpuPerf(nvml, self._clock, self._log, self._query, _describe)
         for device in self.devices:
             self._prime_samples(device)
+            self._perf.start(device)
         logger.info(
             "GPU metrics for %d GPU(s): %s",
             len(self.devices),
@@ -129,6 +152,9 @@ class GpuSampler:
     def close(self) -> None:
         if self._initialized:
             self._initialized = False
+            if self._perf is not None:
+                for device in self.devices:
+                    self._perf.free(device)
             try:
                 self._nvml.nvmlShutdown()
             except Exception as exc:
@@ -180,7 +206,7 @@ class GpuSampler:
             handle = nvml.nvmlDeviceGetHandleByUUID(entry)
             parent = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(handle)
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            return GpuDevice(handle, uuid, nvml.nvmlDeviceGetIndex(parent))
+            return GpuDevice(handle, uuid, nvml.nvmlDeviceGetIndex(parent), parent=parent)
         except Exception as exc:
             logger.info("MIG device %s not found through NVML (%s); omitted", entry, _describe(exc))
             return None
@@ -189,38 +215,85 @@ class GpuSampler:
 
     def sample(self) -> list[Reading]:
         out: list[Reading] = []
+        pids = self._pids.current()
         for device in self.devices:
             self._sample_device(device, out)
+            self._process_memory(device, pids, out)
+            if self._perf is not None:
+                self._perf.sample(device, out)
         return out
 
     def _sample_device(self, device: GpuDevice, out: list[Reading]) -> None:
         nvml = self._nvml
         handle = device.handle
         attrs = device.attributes
+        clock = self._clock
+        now = clock()
         utilization = self._utilization(device)
         if utilization is not None:
-            out.append(Reading(names.GPU_UTILIZATION.name, utilization, attrs))
+            start, device.last_utilization_ns = device.last_utilization_ns, now
+            out.append(Reading(names.GPU_UTILIZATION.name, utilization, attrs, now, start))
+        now = clock()
         memory = self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
         if memory is not None:
-            out.append(Reading(names.GPU_MEMORY_FREE.name, float(memory.free), attrs))
-            out.append(Reading(names.GPU_MEMORY_USAGE.name, float(memory.used), attrs))
-            out.append(Reading(names.GPU_MEMORY_LIMIT.name, float(memory.total), attrs))
+            out.append(Reading(names.GPU_MEMORY_FREE.name, float(memory.free), attrs, now))
+            out.append(Reading(names.GPU_MEMORY_USAGE.name, float(memory.used), attrs, now))
+            out.append(Reading(names.GPU_MEMORY_LIMIT.name, float(memory.total), attrs, now))
         hw_attrs = device.hw_attributes
+        now = clock()
         milliwatts = self._query(device, "power", lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         if milliwatts is not None:
-            out.append(Reading(names.GPU_POWER.name, milliwatts / 1000.0, hw_attrs))
+            out.append(Reading(names.GPU_POWER.name, milliwatts / 1000.0, hw_attrs, now))
+        now = clock()
         celsius = self._query(
             device,
             "temperature",
             lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU),
         )
         if celsius is not None:
-            out.append(Reading(names.GPU_TEMPERATURE.name, float(celsius), hw_attrs))
+            out.append(Reading(names.GPU_TEMPERATURE.name, float(celsius), hw_attrs, now))
+        now = clock()
         millijoules = self._query(
             device, "energy", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle)
         )
         if millijoules is not None:
-            out.append(Reading(names.GPU_ENERGY.name, millijoules / 1000.0, hw_attrs))
+            out.append(Reading(names.GPU_ENERGY.name, millijoules / 1000.0, hw_attrs, now))
+
+    def _process_memory(self, device: GpuDevice, pids: frozenset[int], out: list[Reading]) -> None:
+        """GPU memory held on this device by this process and its children (NVML's lists).
+
+        Compute and graphics lists both count (a process can be in both; counted once).
+        A process NVML lists without a figure (`usedGpuMemory` None: no permission, or
+        Windows WDDM) makes the value unknown, so it is omitted rather than undercounted;
+        so is a device where none of our PIDs is listed (nothing held there, or a container
+        whose PIDs are not the ones the driver sees) -- absent, never a misleading 0.
+        """
+        nvml = self._nvml
+        now = self._clock()
+        compute = self._query(
+            device,
+            "processes",
+            lambda: nvml.nvmlDeviceGetComputeRunningProcesses(device.handle),
+        )
+        if compute is None:
+            return
+        graphics = self._query(
+            device,
+            "graphics-processes",
+            lambda: nvml.nvmlDeviceGetGraphicsRunningProcesses(device.handle),
+        )
+        used: dict[int, int] = {}
+        for proc in list(compute) + list(graphics or []):
+            pid = int(proc.pid)
+            if pid not in pids:
+                continue
+            if proc.usedGpuMemory is None:
+                return  # unknown for one of ours: omit rather than undercount
+            used[pid] = max(used.get(pid, 0), int(proc.usedGpuMemory))
+        if not used:
+            return  # none of ours listed (nothing held, or PIDs of another namespace)
+        total = float(sum(used.values()))
+        out.append(Reading(names.GPU_PROCESS_MEMORY.name, total, device.attributes, now))
 
     def _prime_samples(self, device: GpuDevice) -> None:
         """Skip NVML's sample history so the first average covers only our interval."""
@@ -321,3 +394,31 @@ def _describe(exc: BaseException) -> str:
     except Exception:
         text = ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _ProcessTree:
+    """This process and its descendants' PIDs, refreshed at most every `refresh_s`.
+
+    Why descendants: a job's GPU work can run in child processes (launchers, workers).
+    NVML lists PIDs as the driver sees them; in a container with its own PID namespace
+    they are the host's and match nothing here, so the series is then absent (no 0).
+    """
+
+    def __init__(self, pid: int, refresh_s: float = 10.0) -> None:
+        self._pid = pid
+        self._refresh_s = refresh_s
+        self._pids: frozenset[int] = frozenset({pid})
+        self._at = float("-inf")
+
+    def current(self) -> frozenset[int]:
+        now = time.monotonic()
+        if now - self._at >= self._refresh_s:
+            self._at = now
+            try:
+                import psutil
+
+                children = psutil.Process(self._pid).children(recursive=True)
+                self._pids = frozenset({self._pid, *(c.pid for c in children)})
+            except Exception:
+                self._pids = frozenset({self._pid})
+        return self._pids

@@ -49,6 +49,33 @@ GPU_TEMPERATURE = Instrument("hw.temperature", "Cel", "GPU core temperature")
 GPU_ENERGY = Instrument(
     "hw.energy", "J", "Energy used by the GPU since the driver loaded", kind="counter"
 )
+GPU_PROCESS_MEMORY = Instrument(
+    "otelprof.gpu.process.memory.usage",
+    "By",
+    "GPU memory held by this process and its children (NVML running-process list)",
+)
+
+# what the GPU's units do (NVML GPM, or classic NVML where noted; `otelprof.gpu.source`)
+GPU_SM_ACTIVITY = Instrument(
+    "hw.gpu.sm.activity", "1", "Share of SMs busy, averaged over the interval, 0-1 (GPM)"
+)
+GPU_SM_OCCUPANCY = Instrument(
+    "hw.gpu.sm.occupancy", "1", "Active warps / theoretical maximum over the interval, 0-1 (GPM)"
+)
+GPU_TENSOR_ACTIVITY = Instrument(
+    "hw.gpu.tensor.activity", "1", "Share of time tensor pipes were busy over the interval (GPM)"
+)
+GPU_DRAM_BANDWIDTH = Instrument(
+    "hw.gpu.memory.bandwidth.utilization",
+    "1",
+    "DRAM bandwidth used / peak over the interval (GPM); memory-controller busy share (nvml)",
+)
+GPU_PCIE_IO = Instrument(
+    "hw.gpu.pcie.throughput", "By/s", "PCIe bytes per second over the interval"
+)
+GPU_NVLINK_IO = Instrument(
+    "hw.gpu.nvlink.throughput", "By/s", "NVLink bytes per second over the interval, all links"
+)
 
 # this process (every rank)
 PROCESS_CPU_UTILIZATION = Instrument(
@@ -73,6 +100,13 @@ GPU = (
     GPU_POWER,
     GPU_TEMPERATURE,
     GPU_ENERGY,
+    GPU_PROCESS_MEMORY,
+    GPU_SM_ACTIVITY,
+    GPU_SM_OCCUPANCY,
+    GPU_TENSOR_ACTIVITY,
+    GPU_DRAM_BANDWIDTH,
+    GPU_PCIE_IO,
+    GPU_NVLINK_IO,
 )
 PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
 TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
@@ -82,6 +116,7 @@ ALL = HOST + GPU + PROCESS + TORCH
 HW_ID = "hw.id"
 HW_TYPE = "hw.type"
 GPU_INDEX = "gpu.index"
+GPU_SOURCE = "otelprof.gpu.source"  # "gpm" or "nvml": where a performance value came from
 NETWORK_DIRECTION = "network.io.direction"
 DISK_DIRECTION = "disk.io.direction"
 CUDA_DEVICE = "otelprof.cuda.device"
