@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from otelprof.analysis.reader import RunDirError, WarningLog, open_run
+from otelprof.analysis.reader import RunDirError, WarningLog, latest_run, open_run
 
 
 def register(subparsers: Any) -> None:
@@ -17,7 +17,25 @@ def register(subparsers: Any) -> None:
         help="summarize a detached run: timings, hardware metrics, bottleneck verdict",
         description="Summarize detached run directories (several merge, e.g. one per node).",
     )
-    report.add_argument("run_dir", nargs="+", type=Path, metavar="RUN_DIR")
+    report.add_argument(
+        "run_dir",
+        nargs="*",
+        type=Path,
+        metavar="RUN_DIR",
+        help="run directories (default: the latest run under ./otelprof-runs, or "
+        "$OTELPROF_OUTPUT_DIR)",
+    )
+    report.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as one JSON document (same figures) instead of tables",
+    )
+    report.add_argument(
+        "--steps",
+        type=_step_range,
+        metavar="A:B",
+        help="only steps A <= n < B (either side may be omitted: '1:' skips step 0)",
+    )
     report.add_argument(
         "--html",
         type=Path,
@@ -81,6 +99,22 @@ def register(subparsers: Any) -> None:
     replay.set_defaults(func=_replay)
 
 
+def _step_range(text: str) -> tuple[int | None, int | None]:
+    low, sep, high = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        a = int(low) if low.strip() else None
+        b = int(high) if high.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a step range; use A:B, A: or :B with integers"
+        ) from None
+    if (a is not None and a < 0) or (a is not None and b is not None and b <= a):
+        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= A < B")
+    return a, b
+
+
 def _open(args: argparse.Namespace, warn: WarningLog) -> Any:
     try:
         return open_run(args.run_dir, warn)
@@ -102,21 +136,44 @@ def _report(args: argparse.Namespace) -> int:
     from otelprof.analysis.verdict import judge
 
     warn = WarningLog()
+    if not args.run_dir:
+        try:
+            latest = latest_run()
+        except RunDirError as exc:
+            print(f"otelprof report: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"otelprof report: latest run {latest}", file=sys.stderr)
+        args.run_dir = [latest]
     files = _open(args, warn)
     if files is None:
         return 2
-    summary = summarize(files, warn)
+    summary = summarize(files, warn, steps=args.steps)
     verdict = judge(summary)
+    from otelprof.analysis.sections import build_sections
+
+    sections = build_sections(summary, warn)
+    if args.json:
+        import json
+
+        from otelprof.analysis.report_json import build_json
+
+        print(json.dumps(build_json(summary, verdict, sections), indent=2, allow_nan=False))
+        if args.html:
+            from otelprof.analysis.report_html import write_html
+
+            write_html(summary, verdict, args.html, sections)
+        _finish(warn)
+        return 0
     from otelprof.analysis.report_text import render
 
     console = Console(width=args.width)
     if args.width is None and not console.is_terminal:
         console = Console(width=max(console.width, 132))  # piped: do not squeeze the tables
-    render(summary, verdict, console)
+    render(summary, verdict, console, sections)
     if args.html:
         from otelprof.analysis.report_html import write_html
 
-        write_html(summary, verdict, args.html)
+        write_html(summary, verdict, args.html, sections)
         print(f"HTML report written to {args.html}")
     _finish(warn)
     return 0

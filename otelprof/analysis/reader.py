@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,28 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
             elif warn:
                 warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
+
+
+def latest_run(output_dir: str | Path | None = None) -> Path:
+    """The most recently started run directory under `output_dir` (default: where
+    `instrument()` writes, ./otelprof-runs or $OTELPROF_OUTPUT_DIR)."""
+    if output_dir is None:
+        output_dir = os.environ.get("OTELPROF_OUTPUT_DIR") or "otelprof-runs"
+    root = Path(output_dir)
+    if not root.is_dir():
+        raise RunDirError(f"no run directory given and {root} does not exist; pass RUN_DIR")
+    runs = [p for p in root.iterdir() if p.is_dir() and _looks_like_run(p)]
+    if not runs:
+        raise RunDirError(f"no run directory given and {root} holds no runs; pass RUN_DIR")
+
+    def started(path: Path) -> tuple[int, float]:
+        best = 0
+        for info_path in path.glob("run*.json"):
+            with contextlib.suppress(Exception):
+                best = max(best, int(json.loads(info_path.read_text())["started_unix_nano"]))
+        return best, path.stat().st_mtime
+
+    return max(runs, key=started)
 
 
 class WarningLog:

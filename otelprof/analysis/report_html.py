@@ -6,6 +6,8 @@ from html import escape
 from pathlib import Path
 
 from otelprof.analysis import format as fmt
+from otelprof.analysis.problems import notes, problems
+from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary, SeriesAgg
 from otelprof.analysis.svg import bar_chart, line_chart
 from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
@@ -19,6 +21,8 @@ th,td{padding:3px 9px;border-bottom:1px solid #ddd;text-align:right}
 th:first-child,td:first-child,td.l,th.l{text-align:left}
 tr.dim td{color:#888}
 .verdict{border:2px solid #c0392b;border-radius:6px;padding:10px 14px;background:#fdf2f0}
+.problems{border:2px solid #c0392b;border-radius:6px;padding:6px 14px;background:#fff0f0}
+.note{color:#8a6d00}
 .verdict b{font-size:15px} .meta{color:#555;font-size:13px}
 """
 
@@ -81,7 +85,7 @@ def _metric_charts(
     return charts
 
 
-def build_html(summary: RunSummary, verdict: Verdict) -> str:
+def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | None = None) -> str:
     """The report as one HTML string."""
     files = summary.files
     ids = [str(i.get("run_id")) for i in files.run_info if i.get("run_id")]
@@ -105,6 +109,11 @@ def build_html(summary: RunSummary, verdict: Verdict) -> str:
         )
         + "</p>"
     )
+    found = problems(summary)
+    if found:
+        items = "".join(f"<li><b>{escape(p.kind)}</b>: {escape(p.message)}</li>" for p in found)
+        parts.append(f"<div class='problems'><b>problems</b><ul>{items}</ul></div>")
+    parts.extend(f"<p class='note'>note: {escape(n)}</p>" for n in notes(summary))
     evidence = "".join(f"<li>{escape(e)}</li>" for e in verdict.evidence)
     parts.append(f"<div class='verdict'><b>{escape(verdict.headline)}</b><ul>{evidence}</ul></div>")
 
@@ -189,11 +198,26 @@ def build_html(summary: RunSummary, verdict: Verdict) -> str:
                 left=3,
             )
         )
+    for extra in sections or ():
+        columns = list(extra.rows[0]) if extra.rows else []
+        parts.append(f"<h2>{escape(extra.title)}</h2>")
+        parts.append(_table(columns, [[_cell(row.get(c)) for c in columns] for row in extra.rows]))
+        parts.extend(f"<p class='note'>{escape(n)}</p>" for n in extra.notes)
     if not rows and not summary.series:
         parts.append("<p>This run holds no spans and no gauges.</p>")
     parts.append("</body></html>\n")
     return "".join(parts)
 
 
-def write_html(summary: RunSummary, verdict: Verdict, path: Path) -> None:
-    path.write_text(build_html(summary, verdict), encoding="utf-8")
+def _cell(value: object) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    return str(value)
+
+
+def write_html(
+    summary: RunSummary, verdict: Verdict, path: Path, sections: list[Section] | None = None
+) -> None:
+    path.write_text(build_html(summary, verdict, sections), encoding="utf-8")

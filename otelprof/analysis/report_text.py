@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 
 from rich.console import Console
+from rich.markup import escape as rich_escape
 from rich.panel import Panel
 from rich.table import Table
 
 from otelprof.analysis import format as fmt
+from otelprof.analysis.problems import notes, problems
+from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
 from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
 from otelprof.analysis.verdict import Verdict
@@ -93,9 +96,41 @@ def hardware_table(summary: RunSummary) -> Table:
     return table
 
 
-def render(summary: RunSummary, verdict: Verdict, console: Console) -> None:
-    """Print the whole report."""
+def section_table(section: Section) -> Table:
+    """A registered section (see sections.py) as a table with its notes as caption."""
+    table = Table(title=section.title, title_justify="left", caption_justify="left")
+    columns = list(section.rows[0]) if section.rows else []
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in section.rows:
+        table.add_row(*(_cell(row.get(col)) for col in columns))
+    if section.notes:
+        table.caption = "\n".join(section.notes)
+    return table
+
+
+def _cell(value: object) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3f}"
+    return str(value)
+
+
+def render(
+    summary: RunSummary,
+    verdict: Verdict,
+    console: Console,
+    sections: list[Section] | None = None,
+) -> None:
+    """Print the whole report: problems first, then figures, then the verdict."""
     console.print(_run_header(summary))
+    found = problems(summary)
+    if found:
+        body = "\n".join(f"• [bold]{p.kind}[/bold]: {rich_escape(p.message)}" for p in found)
+        console.print(Panel(body, title="problems", title_align="left", border_style="red"))
+    for note in notes(summary):
+        console.print(f"[yellow]note:[/yellow] {rich_escape(note)}")
     if summary.timings or summary.step.count:
         console.print(timings_table(summary))
         if any(not math.isnan(r.mean_s) for r in rank_rows(summary)) and len(summary.ranks) > 1:
@@ -106,6 +141,8 @@ def render(summary: RunSummary, verdict: Verdict, console: Console) -> None:
         console.print(hardware_table(summary))
     else:
         console.print("[dim]no hardware gauges in this run[/dim]")
+    for extra in sections or ():
+        console.print(section_table(extra))
     others = {k: v for k, v in summary.counters.items()}
     if others:
         console.print(

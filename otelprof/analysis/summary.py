@@ -155,6 +155,9 @@ class RunSummary:
     first_ns: int | None
     last_ns: int | None
     unresolved_children: int = 0
+    failed_spans: dict[str, int] = field(default_factory=dict)  # name -> spans with ERROR status
+    step0_s: list[float] = field(default_factory=list)  # durations of step 0 (one per process)
+    steps_range: tuple[int | None, int | None] | None = None  # --steps A:B, when given
 
     @property
     def step_total_s(self) -> float:
@@ -290,14 +293,30 @@ def _scope_of(point: PointRec) -> str:
     return point.resource.label
 
 
+def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
+    """Whether a span belongs to a step in [A, B) (spans without a step number stay)."""
+    number = rec.attr("otelprof.step")
+    if not isinstance(number, int):
+        return True
+    low, high = steps
+    return (low is None or number >= low) and (high is None or number < high)
+
+
 def summarize(
-    files: RunFiles, warn: Warn, window: int = 50_000, exact_cap: int = 200_000
+    files: RunFiles,
+    warn: Warn,
+    window: int = 50_000,
+    exact_cap: int = 200_000,
+    steps: tuple[int | None, int | None] | None = None,
 ) -> RunSummary:
     """Read the whole run once and aggregate it.
 
     `window` bounds the span ids remembered to link children to steps; `exact_cap` the
-    durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch).
+    durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
+    `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`).
     """
+    failed: dict[str, int] = {}
+    step0: list[float] = []
     read = ReadStats()
     timings: dict[str, TimingAgg] = {}
     step = DurationStats(exact_cap)
@@ -311,6 +330,10 @@ def summarize(
     records: Iterable[SpanRec | PointRec] = iter_records(files.jsonl, warn, read)
     for rec in records:
         if isinstance(rec, SpanRec):
+            if steps is not None and not _in_range(rec, steps):
+                continue
+            if rec.status_code == 2:  # STATUS_CODE_ERROR
+                failed[rec.name] = failed.get(rec.name, 0) + 1
             start, end = rec.start_ns, rec.end_ns
             if end < start:
                 warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
@@ -332,6 +355,8 @@ def summarize(
                 rank.steps.add(dur_s)
                 rank.step_series.add(start / 1e9, dur_s)
                 phases.step(rec.attr("otelprof.epoch"), start, end)
+                if rec.attr("otelprof.step") == 0:
+                    step0.append(dur_s)
             else:
                 if rec.name not in timings:
                     timings[rec.name] = TimingAgg(rec.name, DurationStats(exact_cap))
@@ -380,4 +405,7 @@ def summarize(
         first_ns=first_ns,
         last_ns=last_ns,
         unresolved_children=resolver.unresolved,
+        failed_spans=failed,
+        step0_s=step0,
+        steps_range=steps,
     )

@@ -1,0 +1,141 @@
+"""What a reader must see first: crashed, killed or unfinalized processes, failed spans, drops;
+then notes that change how the figures should be read (step 0 outlier, step() never called).
+
+Both are plain data, rendered by the text, HTML and JSON reports alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from otelprof.analysis.summary import RunSummary
+
+STEP0_OUTLIER_FACTOR = 3.0
+"""Step 0 is called an outlier when it takes this many times the median of later steps."""
+
+
+@dataclass
+class Finding:
+    kind: str  # "crashed", "signal", "exit", "unfinalized", "failed spans", "dropped", ...
+    message: str
+
+
+def _process_label(info: dict[str, Any]) -> str:
+    resource = info.get("resource") if isinstance(info.get("resource"), dict) else {}
+    assert isinstance(resource, dict)
+    parts = []
+    if "otelprof.rank" in resource and int(resource.get("otelprof.world_size", 1) or 1) > 1:
+        parts.append(f"rank {resource['otelprof.rank']}")
+    if resource.get("host.name"):
+        parts.append(str(resource["host.name"]))
+    if resource.get("process.pid"):
+        parts.append(f"pid {resource['process.pid']}")
+    label = " ".join(parts) or str(info.get("run_id", "process"))
+    attempt = info.get("attempt")
+    return f"{label} (attempt {attempt})" if attempt is not None else label
+
+
+def _end_finding(info: dict[str, Any]) -> Finding | None:
+    who = _process_label(info)
+    end = info.get("end") if isinstance(info.get("end"), dict) else None
+    if "finished_unix_nano" not in info:
+        if end and end.get("signal"):
+            return Finding(
+                "unfinalized",
+                f"{who}: received {end['signal']} and was killed before its telemetry was "
+                "flushed; the end of the run is missing",
+            )
+        return Finding(
+            "unfinalized",
+            f"{who}: run not finalized: the process was killed (SIGKILL, out of memory) or is "
+            "still running; the end of the run may be missing",
+        )
+    if end is None:
+        return None
+    status = end.get("status")
+    exception = end.get("exception") if isinstance(end.get("exception"), dict) else None
+    if status == "exception" and exception:
+        return Finding(
+            "crashed",
+            f"{who}: training died of {exception.get('type')}: {exception.get('message')}",
+        )
+    if status == "signal":
+        code = end.get("exit_code")
+        tail = f" (exit code {code})" if code is not None else ""
+        return Finding("signal", f"{who}: stopped by {end.get('signal')}{tail}")
+    if status == "exit":
+        return Finding("exit", f"{who}: exited with code {end.get('exit_code')}")
+    return None
+
+
+def problems(summary: RunSummary) -> list[Finding]:
+    """Crashes, signals, unfinalized processes, failed spans and dropped telemetry."""
+    found = [f for info in summary.files.run_info if (f := _end_finding(info)) is not None]
+    if summary.failed_spans:
+        total = sum(summary.failed_spans.values())
+        names = ", ".join(
+            f"{name} ({count:,})"
+            for name, count in sorted(summary.failed_spans.items(), key=lambda kv: -kv[1])[:8]
+        )
+        found.append(Finding("failed spans", f"{total:,} span(s) ended with an error: {names}"))
+    for info in summary.files.run_info:
+        stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
+        assert isinstance(stats, dict)
+        dropped = stats.get("dropped_total")
+        if isinstance(dropped, int) and dropped > 0:
+            lost = ", ".join(
+                f"{k} {v:,}"
+                for k, v in sorted(stats.items())
+                if k != "dropped_total" and isinstance(v, int) and v and "dropped" in k
+            )
+            found.append(
+                Finding(
+                    "dropped",
+                    f"{_process_label(info)}: {dropped:,} telemetry item(s) dropped ({lost})",
+                )
+            )
+    return found
+
+
+def notes(summary: RunSummary) -> list[str]:
+    """Hints on reading the figures: the step range, a slow step 0, step() never called."""
+    out: list[str] = []
+    if summary.steps_range is not None:
+        low, high = summary.steps_range
+        out.append(
+            f"only steps {'' if low is None else low}:{'' if high is None else high} "
+            "(from --steps; A:B keeps A <= step < B)"
+        )
+    step = summary.step
+    ranks = [r for r in summary.ranks.values() if r.steps.count]
+    if summary.step0_s and step.count - len(summary.step0_s) >= 3:
+        later = _median_excluding_step0(summary)
+        first = max(summary.step0_s)
+        if later and first > STEP0_OUTLIER_FACTOR * later:
+            out.append(
+                f"step 0 took {first * 1e3:,.1f} ms, {first / later:.0f}x the median step "
+                f"({later * 1e3:,.1f} ms): compilation or warm-up; exclude it with "
+                "`otelprof report --steps 1:`"
+            )
+    spans = sum(a.stats.count for a in summary.timings.values())
+    if step.count == 0 and spans:
+        out.append(
+            f"no step spans in this run ({spans:,} timing spans): is the schedule recording?"
+        )
+    elif ranks and all(r.steps.count == 1 for r in ranks) and spans >= 3 * len(ranks):
+        repeated = max(summary.timings.values(), key=lambda a: a.stats.count)
+        if repeated.stats.count > len(ranks):
+            out.append(
+                f"the whole run is one step ({repeated.name} ran {repeated.stats.count:,} "
+                "times in it): call `prof.step()` (or `otelprof.step()`) once per training "
+                "step to get per-step timings"
+            )
+    return out
+
+
+def _median_excluding_step0(summary: RunSummary) -> float | None:
+    """Median step duration; with at least 3 later steps per step 0, step 0 cannot move it
+    past the later steps' own middle values."""
+    median = summary.step.percentile(50)
+    return median if median > 0 else None

@@ -1,0 +1,63 @@
+"""Extra report sections, shown alike by the text, HTML and JSON reports.
+
+An analysis module (stragglers, phases, energy, ...) adds itself with one decorator and
+every report format shows it, from the same rows:
+
+    from otelprof.analysis.sections import Section, section
+
+    @section
+    def stragglers(summary: RunSummary) -> Section | None:
+        rows = [{"process": "rank 3", "mean step ms": 41.2, "x median": 1.6}]
+        return Section("stragglers", "Stragglers", rows, notes=["..."]) if rows else None
+
+Row values must be JSON-serializable (str, int, float, bool, None). The builder module
+must be imported for its section to register (add it to `_BUILTIN` below). A builder that
+raises is reported as a warning and its section left out; the rest of the report stands.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelprof.analysis.reader import Warn
+from otelprof.analysis.summary import RunSummary
+
+
+@dataclass
+class Section:
+    key: str  # the JSON key, snake_case
+    title: str  # the heading in text and HTML
+    rows: list[dict[str, Any]]  # one table; columns are the keys of the first row
+    notes: list[str] = field(default_factory=list)
+
+
+SectionBuilder = Callable[[RunSummary], "Section | None"]
+_BUILDERS: list[SectionBuilder] = []
+_BUILTIN: tuple[str, ...] = ()
+"""Analysis modules whose sections every report shows (imported on first use)."""
+
+
+def section(builder: SectionBuilder) -> SectionBuilder:
+    """Register a section builder (decorator); registering twice is harmless."""
+    if builder not in _BUILDERS:
+        _BUILDERS.append(builder)
+    return builder
+
+
+def build_sections(summary: RunSummary, warn: Warn) -> list[Section]:
+    """Every registered section that has something to show, in registration order."""
+    for module in _BUILTIN:
+        importlib.import_module(module)
+    out: list[Section] = []
+    for builder in list(_BUILDERS):
+        try:
+            result = builder(summary)
+        except Exception as error:
+            warn(f"report section {getattr(builder, '__name__', builder)!r} failed: {error!r}")
+            continue
+        if result is not None:
+            out.append(result)
+    return out
