@@ -1,0 +1,335 @@
+"""Energy per step and GPU idle time by phase, from GPU samples and span intervals.
+
+Why: "is this job data-loader bound?" and "what does a step cost?" are questions about
+*when* the GPU was idle or drew power, relative to what the training loop was doing.
+Neither the GPU samples (every collection interval) nor the spans (every step) answer
+it alone; joined on time they do:
+
+- Each GPU sample covers the interval since the previous sample of its series:
+  `hw.gpu.utilization` u over [t0, t1] means (1 - u)·(t1 - t0) GPU-seconds idle there;
+  `hw.energy` (cumulative J) gives the energy of [t0, t1] (or, where NVML refuses the
+  energy counter, `hw.power` × the interval). Within an interval, idle time and power are
+  taken as uniform, so a phase gets the share that overlaps it. Intervals much shorter
+  than the sample interval (a 0.3 ms step) are therefore attributed statistically, which
+  is exact in the sum over many steps, not for one step.
+- Phases are span intervals per host: training steps by their `otelprof.phase` attribute
+  ("train" when absent), root spans carrying `otelprof.phase` (validation, checkpoint),
+  and, inside them, every timing name (`dataloader_next`, `train_batch`, ...), so the
+  GPU-idle seconds during data loading are a number.
+
+Joules per step = GPU energy (all GPUs of the run) during training steps / the number of
+training steps (one rank's count: the ranks step together). Samples per joule needs the
+samples a step processed, from the step span's `otelprof.samples` attribute.
+
+Memory stays bounded: each label keeps at most `MAX_INTERVALS` merged intervals (beyond
+that the closest ones are joined and overlaps are scaled by the label's true duration,
+which the section notes).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otelprof.analysis.reader import PointRec, ReadStats, SpanRec, Warn, iter_records
+
+STEP_SPAN = "step"
+PHASE_ATTR = "otelprof.phase"
+SAMPLES_ATTR = "otelprof.samples"
+DEFAULT_PHASE = "train"
+UTILIZATION = "hw.gpu.utilization"
+ENERGY = "hw.energy"
+POWER = "hw.power"
+MAX_INTERVALS = 20_000
+MAX_TIMING_NAMES = 40
+
+
+class IntervalSet:
+    """Union of [start, end) intervals (ns), bounded in size, with the true covered time."""
+
+    def __init__(self, cap: int = MAX_INTERVALS) -> None:
+        self._cap = cap
+        self._raw: list[tuple[int, int]] = []
+        self._merged: list[tuple[int, int]] = []
+        self.true_ns = 0  # summed durations as added (exact if the spans do not overlap)
+        self.lossy = False
+
+    def add(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        self._raw.append((start, end))
+        self.true_ns += end - start
+        if len(self._raw) >= 4 * self._cap:
+            self._normalize()
+
+    def _normalize(self) -> None:
+        items = sorted(self._merged + self._raw)
+        self._raw = []
+        merged: list[list[int]] = []
+        for s, e in items:
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        while len(merged) > self._cap:  # join the closest neighbours (rare, bounded)
+            self.lossy = True
+            gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+            drop = set(gaps[: len(merged) - self._cap])
+            out: list[list[int]] = []
+            for i, iv in enumerate(merged):
+                if out and (i - 1) in drop:
+                    out[-1][1] = max(out[-1][1], iv[1])
+                else:
+                    out.append(list(iv))
+            merged = out
+        self._merged = [(s, e) for s, e in merged]
+
+    def intervals(self) -> list[tuple[int, int]]:
+        self._normalize()
+        return self._merged
+
+    def covered_ns(self) -> int:
+        return sum(e - s for s, e in self.intervals())
+
+    def scale(self) -> float:
+        """True time / merged time: 1 unless closest intervals had to be joined."""
+        covered = self.covered_ns()
+        return min(1.0, self.true_ns / covered) if self.lossy and covered else 1.0
+
+
+def overlap_ns(intervals: list[tuple[int, int]], starts: list[int], a: int, b: int) -> int:
+    """Time of [a, b) inside the sorted, disjoint `intervals` (`starts` = their starts)."""
+    i = max(0, bisect.bisect_right(starts, a) - 1)
+    total = 0
+    while i < len(intervals) and intervals[i][0] < b:
+        s, e = intervals[i]
+        lo, hi = max(s, a), min(e, b)
+        if hi > lo:
+            total += hi - lo
+        i += 1
+    return total
+
+
+@dataclass
+class LabelRow:
+    """One phase or timing name: its time, the GPU idle time and energy inside it."""
+
+    kind: str  # "phase" or "timing"
+    label: str
+    seconds: float = 0.0  # wall time of the label (summed over hosts)
+    gpu_seconds: float = 0.0  # label time × GPUs sampled (the denominator of idle share)
+    idle_gpu_seconds: float = 0.0
+    energy_j: float = 0.0
+    energy_seconds: float = 0.0  # label time covered by energy samples (GPU-seconds)
+    energy_span_s: float = 0.0  # label time × GPUs with energy data (GPU-seconds)
+    approximate: bool = False
+
+    @property
+    def idle_share(self) -> float | None:
+        return self.idle_gpu_seconds / self.gpu_seconds if self.gpu_seconds else None
+
+    @property
+    def mean_power_w(self) -> float | None:
+        """Mean power per GPU inside the label (W)."""
+        return self.energy_j / self.energy_seconds if self.energy_seconds else None
+
+    @property
+    def total_energy_j(self) -> float | None:
+        """Energy of the whole label: parts before the first / after the last sample of a
+        GPU are counted at that GPU's mean power inside the label."""
+        if not self.energy_seconds:
+            return None
+        return self.energy_j * max(1.0, self.energy_span_s / self.energy_seconds)
+
+
+@dataclass
+class GpuEnergy:
+    """The analysis result: per label rows, steps and energy per step."""
+
+    rows: list[LabelRow]
+    train_steps: int
+    energy_source: str | None  # "hw.energy", "hw.power" or None (no energy data)
+    gpus: int
+    samples: float | None = None  # summed over training steps, when steps carry it
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, kind: str, label: str) -> LabelRow | None:
+        return next((r for r in self.rows if r.kind == kind and r.label == label), None)
+
+    @property
+    def joules_per_step(self) -> float | None:
+        train = self.row("phase", DEFAULT_PHASE)
+        if train is None or not self.train_steps or train.total_energy_j is None:
+            return None
+        return train.total_energy_j / self.train_steps
+
+    @property
+    def samples_per_joule(self) -> float | None:
+        train = self.row("phase", DEFAULT_PHASE)
+        if self.samples is None or train is None or not train.total_energy_j:
+            return None
+        return self.samples / train.total_energy_j
+
+
+class _Series:
+    """One GPU's samples of one metric: (time ns, value), sorted at the end."""
+
+    __slots__ = ("points",)
+
+    def __init__(self) -> None:
+        self.points: list[tuple[int, float]] = []
+
+
+def analyze(files: Iterable[Path], warn: Warn) -> GpuEnergy | None:
+    """One pass over a run's files; None when the run has no GPU samples or no spans."""
+    phases: dict[tuple[str, str], IntervalSet] = {}
+    timings: dict[tuple[str, str], IntervalSet] = {}
+    timing_names: set[str] = set()
+    steps_by_process: dict[Any, int] = {}
+    samples = 0.0
+    samples_seen = False
+    series: dict[tuple[str, str, str], _Series] = {}
+    for rec in iter_records(files, warn, ReadStats()):
+        if isinstance(rec, SpanRec):
+            host = rec.resource.host
+            phase = rec.attr(PHASE_ATTR)
+            if rec.name == STEP_SPAN:
+                label = str(phase) if phase else DEFAULT_PHASE
+                phases.setdefault((host, label), IntervalSet()).add(rec.start_ns, rec.end_ns)
+                if label == DEFAULT_PHASE:
+                    steps_by_process[rec.resource] = steps_by_process.get(rec.resource, 0) + 1
+                    n = rec.attr(SAMPLES_ATTR)
+                    if isinstance(n, (int, float)) and not isinstance(n, bool):
+                        samples += float(n)
+                        samples_seen = True
+            elif not rec.parent_span_id and phase and phase != DEFAULT_PHASE:
+                phases.setdefault((host, str(phase)), IntervalSet()).add(rec.start_ns, rec.end_ns)
+            else:
+                if rec.name in timing_names or len(timing_names) < MAX_TIMING_NAMES:
+                    timing_names.add(rec.name)
+                    timings.setdefault((host, rec.name), IntervalSet()).add(
+                        rec.start_ns, rec.end_ns
+                    )
+        elif isinstance(rec, PointRec) and rec.name in (UTILIZATION, ENERGY, POWER):
+            attrs = dict(rec.attributes)
+            gpu = str(attrs.get("hw.id", attrs.get("gpu.index", "")))
+            key = (rec.resource.host, gpu, rec.name)
+            series.setdefault(key, _Series()).points.append((rec.time_ns, rec.value))
+    if not series or not (phases or timings):
+        return None
+    # the same GPU may be reported by several processes (gpus="all"): keep one copy per time
+    for s in series.values():
+        s.points = sorted(set(s.points))
+    gpus = {(h, g) for h, g, _ in series}
+    has_energy = {(h, g) for h, g, n in series if n == ENERGY}
+    has_power = {(h, g) for h, g, n in series if n == POWER}
+    source = ENERGY if has_energy else (POWER if has_power else None)
+
+    rows: list[LabelRow] = []
+    labels = [("phase", phases), ("timing", timings)]
+    for kind, table in labels:
+        by_label: dict[str, LabelRow] = {}
+        for (host, label), ivs in sorted(table.items()):
+            row = by_label.setdefault(label, LabelRow(kind, label))
+            intervals = ivs.intervals()
+            starts = [s for s, _ in intervals]
+            scale = ivs.scale()
+            row.approximate = row.approximate or ivs.lossy
+            row.seconds += ivs.covered_ns() * scale / 1e9
+            for (h, gpu, name), s in series.items():
+                if h != host:
+                    continue
+                if name == ENERGY or (name == POWER and (h, gpu) not in has_energy):
+                    row.energy_span_s += ivs.covered_ns() * scale / 1e9
+                _accumulate(row, name, s.points, intervals, starts, scale, (h, gpu) in has_energy)
+        rows.extend(by_label.values())
+    steps = max(steps_by_process.values(), default=0)
+    notes = []
+    if any(r.approximate for r in rows):
+        notes.append(
+            f"over {MAX_INTERVALS:,} separate intervals for a label: closest ones joined, "
+            "overlaps scaled to the label's true time"
+        )
+    if source == POWER:
+        notes.append("energy from hw.power × sample interval (NVML refused the energy counter)")
+    return GpuEnergy(
+        rows=rows,
+        train_steps=steps,
+        energy_source=source,
+        gpus=len(gpus),
+        samples=samples if samples_seen else None,
+        notes=notes,
+    )
+
+
+def _accumulate(
+    row: LabelRow,
+    name: str,
+    points: list[tuple[int, float]],
+    intervals: list[tuple[int, int]],
+    starts: list[int],
+    scale: float,
+    energy_counter: bool,
+) -> None:
+    """Add one GPU series' contribution to a label (see module docstring)."""
+    for (t0, v0), (t1, v1) in itertools.pairwise(points):
+        if t1 <= t0:
+            continue
+        inside = overlap_ns(intervals, starts, t0, t1) * scale
+        if not inside:
+            continue
+        if name == UTILIZATION:
+            row.gpu_seconds += inside / 1e9
+            row.idle_gpu_seconds += (1.0 - min(1.0, max(0.0, v1))) * inside / 1e9
+        elif name == ENERGY:
+            if v1 < v0:
+                continue  # counter reset (driver reload)
+            row.energy_j += (v1 - v0) * inside / (t1 - t0)
+            row.energy_seconds += inside / 1e9
+        elif name == POWER and not energy_counter:
+            row.energy_j += v1 * inside / 1e9
+            row.energy_seconds += inside / 1e9
+
+
+def section_rows(result: GpuEnergy) -> list[dict[str, Any]]:
+    """Table rows for the report (text, HTML, JSON alike): one per phase / timing name."""
+    rows = []
+    for r in sorted(result.rows, key=lambda r: (r.kind != "phase", -r.seconds)):
+        share = r.idle_share
+        rows.append(
+            {
+                "kind": r.kind,
+                "label": r.label,
+                "seconds": round(r.seconds, 6),
+                "gpu_idle_s": round(r.idle_gpu_seconds, 6) if r.gpu_seconds else None,
+                "gpu_idle_share": round(share, 4) if share is not None else None,
+                "energy_j": round(r.total_energy_j, 3) if r.total_energy_j is not None else None,
+                "mean_power_w": (round(r.mean_power_w, 2) if r.mean_power_w is not None else None),
+            }
+        )
+    return rows
+
+
+def summary_notes(result: GpuEnergy) -> list[str]:
+    """Headline figures: joules per step, samples per joule, GPU idle while loading data."""
+    out = []
+    jps = result.joules_per_step
+    if jps is not None:
+        out.append(
+            f"energy per training step: {jps:.4g} J over {result.gpus} GPU(s) "
+            f"({result.train_steps:,} steps, from {result.energy_source})"
+        )
+    spj = result.samples_per_joule
+    if spj is not None:
+        out.append(f"samples per joule: {spj:.4g}")
+    loading = result.row("timing", "dataloader_next")
+    if loading is not None and loading.idle_share is not None:
+        out.append(
+            f"GPU idle while loading data: {loading.idle_gpu_seconds:.3g} GPU-s "
+            f"({loading.idle_share:.0%} of the GPU time inside dataloader_next)"
+        )
+    return out + result.notes
