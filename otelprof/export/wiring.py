@@ -17,6 +17,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof.config import Settings
+from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -105,7 +106,7 @@ def _add_files(
     world_size: int,
     rank: int,
 ) -> None:
-    from opentelemetry.exporter.otlp.json.file import FileMetricExporter, FileSpanExporter
+    from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
     run_dir = settings.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,11 +118,21 @@ def _add_files(
         )
     )
     if settings.timings:
-        pipelines.span_processors.append(
-            _span_processor(
-                pipelines, "files", FileSpanExporter(pipelines.files["traces"]), counters
-            )
+        # Recorded ranges skip the SDK: the span builder encodes them straight into the
+        # writer (`frame_sink`); SDK spans (users', Kineto's) reach it through the batch
+        # processor, so the file keeps one writer.
+        writer = SpanLineWriter(pipelines.files["traces"], counters, name="files")
+        processor = CountingBatchSpanProcessor(
+            "files",
+            SpanLineExporter(writer),
+            counters,
+            max_queue_size=SPAN_QUEUE_SIZE,
+            max_export_batch_size=SPAN_BATCH_SIZE,
+            schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
         )
+        processor.frame_sink = writer  # type: ignore[attr-defined]
+        pipelines.span_processors.append(processor)
+        pipelines.closers.append(writer.close)
 
 
 def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCounters) -> None:

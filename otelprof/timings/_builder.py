@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otelprof.export._spanlines import encode_span
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -115,6 +116,10 @@ class SpanBuilder:
         self.failed = 0
         self.cuda_unresolved = 0
         self.job_spans = 0
+        self._procs_seen: Any = None
+        self._sinks: list[Any] = []
+        self._others: list[Any] = []
+        self._encoded: list[str] = []
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -153,9 +158,12 @@ class SpanBuilder:
     # ---- work ----
     def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
         with self._lock:
-            self._drain_queue()
-            self._run_jobs()
-            self._resolve_pending(final=final, timeout_s=timeout_s)
+            try:
+                self._drain_queue()
+                self._run_jobs()
+                self._resolve_pending(final=final, timeout_s=timeout_s)
+            finally:
+                self._write_encoded()
 
     def _drain_queue(self) -> None:
         queue = rec.queue
@@ -203,15 +211,60 @@ class SpanBuilder:
             except Exception as error:
                 _log.warning("otelprof: span job failed: %r", error)
 
+    def _targets(self) -> tuple[list[Any], list[Any]]:
+        """(frame sinks, SDK processors) among the provider's processors, re-read when a
+        processor is added: a sink (detached files) takes encoded spans without SDK objects,
+        the others (OTLP, Determined, users') get ReadableSpans."""
+        procs = getattr(self._processor, "_span_processors", None)
+        if procs is None:
+            return [], [self._processor]
+        if procs is not self._procs_seen:
+            self._procs_seen = procs
+            self._sinks = [p.frame_sink for p in procs if getattr(p, "frame_sink", None)]
+            self._others = [p for p in procs if not getattr(p, "frame_sink", None)]
+        return self._sinks, self._others
+
     def _emit(self, frame: list[Any]) -> None:
         try:
-            span = self.build(frame)
+            fields = self.fields(frame)
         except Exception as error:
             self.failed += 1
             _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
             return
-        self._hand_over(span)
+        self._output(fields)
+
+    def _output(self, fields: tuple[Any, ...]) -> None:
+        """Hand one span's fields to every target: encoded for sinks, built for the rest."""
+        sinks, others = self._targets()
+        try:
+            if sinks:
+                self._encoded.append(encode_span(*fields))
+                if len(self._encoded) >= 4096:
+                    self._write_encoded()
+            if others:
+                span = self.make_span(*fields)
+                for processor in others:
+                    try:
+                        processor.on_end(span)
+                    except Exception as error:
+                        self.failed += 1
+                        _log.debug("otelprof: span processor raised %r", error)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: could not build span %r: %r", fields[0], error)
+            return
         self.built += 1
+
+    def _write_encoded(self) -> None:
+        if not self._encoded:
+            return
+        encoded, self._encoded = self._encoded, []
+        for sink in self._sinks:
+            try:
+                sink.write(self._resource, self._scope, encoded)
+            except Exception as error:
+                self.failed += len(encoded)
+                _log.debug("otelprof: span sink raised %r", error)
 
     def _hand_over(self, span: ReadableSpan) -> None:
         try:
@@ -220,8 +273,9 @@ class SpanBuilder:
             self.failed += 1
             _log.debug("otelprof: span processor raised %r", error)
 
-    def build(self, frame: list[Any]) -> ReadableSpan:
-        """One frame -> one ReadableSpan (ids, parent, step/epoch, thread, error, CUDA)."""
+    def fields(self, frame: list[Any]) -> tuple[Any, ...]:
+        """One frame -> the span's fields (name, trace id, span id, parent id, start, end,
+        attributes, error): ids, parent, step/epoch, thread, error, CUDA."""
         ctx: rec.StepContext = frame[rec.F_CTX]
         kind = frame[rec.F_KIND]
         # few attributes: encoding each one is a large part of a span's export cost
@@ -250,20 +304,24 @@ class SpanBuilder:
             seconds = self._cuda.elapsed_s(cuda)
             if seconds is not None:
                 attributes[ATTR_CUDA_DURATION] = seconds
-        return self.make_span(
-            name=frame[rec.F_NAME],
-            trace_id=ctx.trace_id,
-            span_id=_span_id(frame),
-            parent_id=_parent_id(frame, ctx, kind),
-            start_ns=self._clock.to_wall(start_ns),
-            end_ns=self._clock.to_wall(end_ns),
-            attributes=attributes,
-            error=frame[rec.F_ERROR],
+        to_wall = self._clock.to_wall
+        return (
+            frame[rec.F_NAME],
+            ctx.trace_id,
+            _span_id(frame),
+            _parent_id(frame, ctx, kind),
+            to_wall(start_ns),
+            to_wall(end_ns),
+            attributes,
+            frame[rec.F_ERROR],
         )
+
+    def build(self, frame: list[Any]) -> ReadableSpan:
+        """One frame -> one ReadableSpan."""
+        return self.make_span(*self.fields(frame))
 
     def make_span(
         self,
-        *,
         name: str,
         trace_id: int,
         span_id: int,

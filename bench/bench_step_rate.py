@@ -1,0 +1,173 @@
+"""Step-rate overhead, background CPU per span and data volume, measured the way users run it.
+
+    .venv/bin/python bench/bench_step_rate.py [--step-ms 0.3 30] [--pairs 6] [--block-seconds 2]
+
+A CPU training step of `--step-ms` (small torch matmuls, 1 intra-op thread) split over
+Determined's six timings (`dataloader_next`, `to_device`, `train_batch`, `step_lr_schedulers`,
+`from_device`, `reduce_metrics`), each an `otelprof.timing` block, then `prof.step()`.
+Instrumented blocks run under a plain `otelprof.instrument()` (default settings: detached
+mode writing OTLP JSON Lines, hardware metrics every 1 s, every background thread free to
+run); baseline blocks run the same loop with no profiler. Blocks alternate A-B-B-A.
+
+Printed per step length:
+- steps/s bare and instrumented (median over blocks) and their ratio (goal: <= 5 % slower at
+  0.3 ms steps, <= 1 % at 30 ms);
+- background CPU per recorded span: CPU of otelprof's and the SDK's threads in instrumented
+  blocks / spans recorded (goal <= 10 µs);
+- bytes written per step and extrapolated per day at this step rate (goal <= 1 GB/rank/day).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from _machine import cpu_model
+
+import otelprof
+
+TIMINGS = (
+    "dataloader_next",
+    "to_device",
+    "train_batch",
+    "step_lr_schedulers",
+    "from_device",
+    "reduce_metrics",
+)
+SHARES = (0.2, 0.05, 0.6, 0.05, 0.05, 0.05)
+OTELPROF_THREADS = ("otelprof-", "Otel")
+
+
+def _background_cpu() -> float:
+    """CPU seconds used so far by otelprof's and the OTel SDK's background threads."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    return sum(
+        t.user_time + t.system_time
+        for t in psutil.Process().threads()
+        if names.get(t.id, "").startswith(OTELPROF_THREADS)
+    )
+
+
+class Work:
+    """`units` small matmuls: calibrated so the six parts add up to the step length."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(32, 32)
+
+    def run(self, units: int) -> None:
+        a = self.a
+        for _ in range(units):
+            torch.mm(a, a)
+
+
+def _calibrate(work: Work, step_s: float) -> list[int]:
+    start = time.perf_counter()
+    work.run(2000)
+    per_unit = (time.perf_counter() - start) / 2000
+    total = max(len(SHARES), round(step_s / per_unit))
+    return [max(1, round(total * share)) for share in SHARES]
+
+
+def _loop(work: Work, units: list[int], seconds: float, prof: Any) -> int:
+    timing = otelprof.timing
+    steps = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for name, n in zip(TIMINGS, units, strict=True):
+            with timing(name):
+                work.run(n)
+        if prof is not None:
+            prof.step()
+        steps += 1
+    return steps
+
+
+def _block(
+    work: Work, units: list[int], seconds: float, instrumented: bool, out: Path, index: int
+) -> dict[str, float]:
+    prof = None
+    if instrumented:
+        prof = otelprof.instrument(output_dir=str(out), run_id=f"b{index}")
+    background = _background_cpu()
+    start = time.perf_counter()
+    steps = _loop(work, units, seconds, prof)
+    wall = time.perf_counter() - start
+    result: dict[str, float] = {"steps_per_s": steps / wall}
+    if prof is not None:
+        background = _background_cpu() - background
+        prof.shutdown()
+        stats = prof.stats()
+        spans = stats.get("timings.spans_recorded", 0)
+        sampled_out = stats.get("timings.spans_sampled_out", 0)
+        run_dir = out / f"b{index}"
+        size = sum(p.stat().st_size for p in run_dir.iterdir() if p.is_file())
+        result.update(
+            background_s=background,
+            spans=spans,
+            sampled_out=sampled_out,
+            ranges=spans + sampled_out,
+            bytes_per_s=size / wall,
+            bytes_per_step=size / max(steps, 1),
+            dropped=stats.get("dropped_total", 0),
+        )
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 30.0])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--block-seconds", type=float, default=2.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    work = Work()
+    work.run(500)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(f"{args.pairs} A-B-B-A pairs of {args.block_seconds} s blocks per step length\n")
+    index = 0  # run ids stay unique across step lengths
+    with tempfile.TemporaryDirectory() as tmp:
+        for step_ms in args.step_ms:
+            units = _calibrate(work, step_ms / 1000)
+            bare: list[dict[str, float]] = []
+            inst: list[dict[str, float]] = []
+            for pair in range(args.pairs):
+                order = (False, True) if pair % 2 == 0 else (True, False)
+                for instrumented in order:
+                    index += 1
+                    r = _block(work, units, args.block_seconds, instrumented, Path(tmp), index)
+                    (inst if instrumented else bare).append(r)
+            _print(step_ms, bare, inst)
+    return 0
+
+
+def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, float]]) -> None:
+    b = statistics.median(r["steps_per_s"] for r in bare)
+    i = statistics.median(r["steps_per_s"] for r in inst)
+    spans = sum(r["spans"] for r in inst)
+    ranges = sum(r["ranges"] for r in inst)
+    bg = sum(r["background_s"] for r in inst)
+    per_day = statistics.median(r["bytes_per_s"] for r in inst) * 86400
+    print(f"step {step_ms} ms:")
+    print(f"  steps/s bare {b:,.0f}  instrumented {i:,.0f}  overhead {(1 - i / b) * 100:+.1f} %")
+    print(
+        f"  ranges {ranges:,.0f}, spans written {spans:,.0f}, "
+        f"background CPU {bg:.2f} s = {bg / max(ranges, 1) * 1e6:.1f} µs per range, "
+        f"{bg / max(spans, 1) * 1e6:.1f} µs per written span"
+    )
+    print(
+        f"  data {statistics.median(r['bytes_per_step'] for r in inst):,.0f} B/step, "
+        f"{per_day / 1e9:.2f} GB/day at this rate; "
+        f"dropped {sum(r['dropped'] for r in inst):.0f}\n"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

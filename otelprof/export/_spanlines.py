@@ -1,0 +1,295 @@
+"""Detached-mode span files without SDK objects: recorded ranges straight to OTLP JSON Lines.
+
+Why: the SDK path (a ReadableSpan per range, a BatchSpanProcessor queue, the JSON file
+exporter building a dict tree per span) cost 60-110 µs of background CPU per span, pure
+Python holding the GIL the training thread needs. Here the span builder hands each span's
+fields to `encode_span`, one f-string per span with cached JSON for names and keys, and
+`SpanLineWriter` writes them in batched lines (`BATCH_SPANS` spans per OTLP request line).
+The lines are the same ExportTraceServiceRequest JSON the SDK exporter writes (hex ids,
+int64 as decimal strings), so the collector's otlpjsonfile receiver, otelprof's reader and
+`replay` read them unchanged. Optionally gzip'd and size-capped, with drops counted.
+
+Spans made by the SDK (user spans on `prof.tracer_provider`, Kineto's converted ops) reach
+the same file through `SpanLineExporter` behind the SDK's batch processor, so the file has
+one writer and whole lines.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+_log = logging.getLogger("otelprof.export")
+
+BATCH_SPANS = 512
+"""Spans per OTLP request line: big enough to amortize the resource header, small enough
+that a reader never holds a huge line."""
+
+_key_cache: dict[str, str] = {}
+_name_cache: dict[str, str] = {}
+_MAX_CACHE = 8192
+
+
+def _json_str(text: str, cache: dict[str, str]) -> str:
+    cached = cache.get(text)
+    if cached is None:
+        cached = json.dumps(text, ensure_ascii=False)
+        if len(cache) < _MAX_CACHE:
+            cache[text] = cached
+    return cached
+
+
+def encode_value(value: Any) -> str:
+    """One OTLP JSON AnyValue (int64 as a decimal string, as protobuf's JSON mapping says)."""
+    if value is True or value is False:
+        return '{"boolValue":true}' if value else '{"boolValue":false}'
+    if isinstance(value, int):
+        return f'{{"intValue":"{value}"}}'
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return f'{{"doubleValue":{value!r}}}'
+        text = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        return f'{{"doubleValue":"{text}"}}'
+    if isinstance(value, str):
+        return f'{{"stringValue":{json.dumps(value, ensure_ascii=False)}}}'
+    if isinstance(value, (list, tuple)):
+        inner = ",".join(encode_value(v) for v in value)
+        return f'{{"arrayValue":{{"values":[{inner}]}}}}'
+    return f'{{"stringValue":{json.dumps(str(value), ensure_ascii=False)}}}'
+
+
+def encode_attributes(attributes: Mapping[str, Any]) -> str:
+    parts = []
+    for key, value in attributes.items():
+        if type(value) is int:  # the common case (step, thread id), inlined
+            parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{{"intValue":"{value}"}}}}')
+        else:
+            parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{encode_value(value)}}}')
+    return ",".join(parts)
+
+
+def encode_span(
+    name: str,
+    trace_id: int,
+    span_id: int,
+    parent_id: int,
+    start_ns: int,
+    end_ns: int,
+    attributes: Mapping[str, Any],
+    error: tuple[str, str, str] | None = None,
+    links: Sequence[tuple[int, int, Mapping[str, Any]]] = (),
+) -> str:
+    """One span (kind INTERNAL) as OTLP JSON, the same fields the SDK's exporter writes.
+
+    `error` = (type, message, stack trace): status ERROR plus an `exception` event.
+    `links` = (trace id, span id, attributes) of spans this one points at.
+    """
+    parent = f'"parentSpanId":"{parent_id:016x}",' if parent_id else ""
+    tail = ',"status":{}'
+    if error is not None:
+        type_name, message, stack = error
+        event_attrs = encode_attributes(
+            {
+                "exception.type": type_name,
+                "exception.message": message,
+                "exception.stacktrace": stack,
+                "exception.escaped": "True",
+            }
+        )
+        status = json.dumps(f"{type_name}: {message}", ensure_ascii=False)
+        tail = (
+            f',"events":[{{"timeUnixNano":"{end_ns}","name":"exception",'
+            f'"attributes":[{event_attrs}]}}],"status":{{"message":{status},"code":2}}'
+        )
+    if links:
+        encoded = ",".join(
+            f'{{"traceId":"{t:032x}","spanId":"{s:016x}","attributes":[{encode_attributes(a)}]}}'
+            for t, s, a in links
+        )
+        tail = f',"links":[{encoded}]' + tail
+    return (
+        f'{{"traceId":"{trace_id:032x}","spanId":"{span_id:016x}",{parent}"flags":256,'
+        f'"name":{_json_str(name, _name_cache)},"kind":1,'
+        f'"startTimeUnixNano":"{start_ns}","endTimeUnixNano":"{end_ns}",'
+        f'"attributes":[{encode_attributes(attributes)}]{tail}}}'
+    )
+
+
+def encode_readable(span: ReadableSpan) -> str:
+    """An SDK span (user code, Kineto ops) in the same encoding."""
+    ctx = span.get_span_context()
+    parent = span.parent.span_id if span.parent is not None else 0
+    error = None
+    status = span.status
+    events = list(span.events)
+    if status is not None and status.status_code.value == 2:
+        exc = next((e for e in events if e.name == "exception"), None)
+        attrs = dict(exc.attributes or {}) if exc is not None else {}
+        error = (
+            str(attrs.get("exception.type", "")),
+            str(attrs.get("exception.message", status.description or "")),
+            str(attrs.get("exception.stacktrace", "")),
+        )
+    links = [
+        (link.context.trace_id, link.context.span_id, dict(link.attributes or {}))
+        for link in span.links
+    ]
+    return encode_span(
+        span.name,
+        ctx.trace_id if ctx else 0,
+        ctx.span_id if ctx else 0,
+        parent,
+        span.start_time or 0,
+        span.end_time or 0,
+        dict(span.attributes or {}),
+        error,
+        links,
+    )
+
+
+def _resource_json(resource: Any) -> str:
+    attrs = dict(getattr(resource, "attributes", {}) or {})
+    return f'{{"attributes":[{encode_attributes(attrs)}]}}'
+
+
+def _scope_json(scope: Any) -> str:
+    name = json.dumps(getattr(scope, "name", "") or "")
+    version = getattr(scope, "version", None)
+    return f'{{"name":{name},"version":{json.dumps(version)}}}' if version else f'{{"name":{name}}}'
+
+
+class SpanLineWriter:
+    """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe.
+
+    `max_bytes` caps the file (bytes written, compressed size for gzip): spans that would
+    pass it are dropped and counted as `<name>.spans_dropped_size_cap`. With `compress`, the
+    file is one gzip stream whose members each hold whole lines (readable by `gzip -d`, by
+    otelprof's reader and by the collector's otlpjsonfile receiver with `compression: gzip`).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        counters: Any,
+        *,
+        name: str = "files",
+        compress: bool = False,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.name = name
+        self._counters = counters
+        self._compress = compress
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._raw: IO[bytes] | None = None
+        self._headers: dict[tuple[int, int], str] = {}
+        self.bytes_written = 0
+        self._closed = False
+
+    def _file(self) -> IO[bytes]:
+        if self._raw is None:
+            self._raw = self.path.open("ab")
+            self.bytes_written = self._raw.tell()
+        return self._raw
+
+    def _header(self, resource: Any, scope: Any) -> str:
+        key = (id(resource), id(scope))
+        header = self._headers.get(key)
+        if header is None:
+            header = (
+                f'{{"resourceSpans":[{{"resource":{_resource_json(resource)},'
+                f'"scopeSpans":[{{"scope":{_scope_json(scope)},"spans":['
+            )
+            if len(self._headers) < 256:
+                self._headers[key] = header
+        return header
+
+    def write(self, resource: Any, scope: Any, spans: Sequence[str]) -> bool:
+        """Write `spans` (encoded) as lines of up to BATCH_SPANS; False if any was lost."""
+        if not spans:
+            return True
+        header = self._header(resource, scope)
+        lines = [
+            header + ",".join(spans[i : i + BATCH_SPANS]) + "]}]}]}\n"
+            for i in range(0, len(spans), BATCH_SPANS)
+        ]
+        data = "".join(lines).encode("utf-8")
+        if self._compress:
+            data = gzip.compress(data, compresslevel=6)
+        with self._lock:
+            if self._closed:
+                self._counters.add(f"{self.name}.spans_failed", len(spans))
+                return False
+            if self._max_bytes is not None and self.bytes_written + len(data) > self._max_bytes:
+                self._counters.add(f"{self.name}.spans_dropped_size_cap", len(spans))
+                self._counters.warn_once(
+                    f"{self.name}.size_cap",
+                    "otelprof: %s reached its size cap (%d bytes); later spans are dropped "
+                    "and counted",
+                    self.path,
+                    self._max_bytes,
+                )
+                return False
+            try:
+                handle = self._file()
+                handle.write(data)
+                handle.flush()
+            except OSError as error:
+                self._counters.add(f"{self.name}.spans_failed", len(spans))
+                self._counters.warn_once(
+                    f"{self.name}.write_error", "otelprof: writing %s failed: %r", self.path, error
+                )
+                return False
+            self.bytes_written += len(data)
+        self._counters.add(f"{self.name}.spans_exported", len(spans))
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._raw is not None:
+                try:
+                    self._raw.close()
+                except OSError as error:
+                    _log.warning("otelprof: closing %s raised %r", self.path, error)
+                self._raw = None
+
+
+class SpanLineExporter(SpanExporter):
+    """SDK spans (user code, Kineto) into a SpanLineWriter, so the file has one writer.
+
+    Counting of exported spans is the writer's; this exporter reports success or failure
+    to the SDK's batch processor only.
+    """
+
+    def __init__(self, writer: SpanLineWriter) -> None:
+        self.writer = writer
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        groups: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
+        for span in spans:
+            key = (id(span.resource), id(span.instrumentation_scope))
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = (span.resource, span.instrumentation_scope, [])
+            group[2].append(encode_readable(span))
+        ok = True
+        for resource, scope, encoded in groups.values():
+            ok = self.writer.write(resource, scope, encoded) and ok
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        """The writer is closed by the pipeline (after the span builder's last write)."""
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
