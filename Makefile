@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv demo test collector prometheus lint bench dashboards-png clean
+.PHONY: venv demo test collector prometheus lint bench gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -47,6 +47,10 @@ lint: venv
 ## bench: run the benchmarks (figures go to BENCHMARKS.md)
 bench: venv
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+## gpu-check: on a machine with an NVIDIA GPU: GPU tests, the demo on CUDA, GPU benchmarks
+gpu-check: venv
+	VENV=$(VENV) scripts/gpu-check
 
 ## dashboards-png: render the dashboards' main panels from a real pipeline run to out/dashboards/
 dashboards-png: venv collector prometheus

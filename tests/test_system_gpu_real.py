@@ -52,3 +52,64 @@ def test_busy_gpu_shows_utilization_memory_power_and_temperature(tmp_path: Path)
         assert max(by_name["otelprof.torch.cuda.memory.allocated"]) >= 4096 * 4096 * 4
     assert all(v > 0 for v in by_name.get("hw.power", [1.0]))
     assert all(0 < v < 120 for v in by_name.get("hw.temperature", [50.0]))
+
+
+def _gpm_supported() -> bool:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return bool(pynvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+    except pynvml.NVMLError:
+        return False
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _busy_run(tmp_path: Path, dtype_name: str = "float16") -> dict[str, list[tuple[float, dict]]]:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here (torch)")
+    torch.cuda.set_device(0)
+    with otelprof.instrument(
+        output_dir=tmp_path, interval=0.5, gpus="visible", host_metrics=False
+    ) as prof:
+        a = torch.randn(8192, 8192, device="cuda", dtype=getattr(torch, dtype_name))
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            a = (a @ a).tanh()
+        torch.cuda.synchronize()
+        time.sleep(0.6)
+    out: dict[str, list[tuple[float, dict]]] = {}
+    for p in read_points(prof.files["metrics"]):
+        out.setdefault(p.name, []).append((p.value, dict(p.attributes)))
+    return out
+
+
+def test_busy_gpu_shows_gpm_sm_and_tensor_activity_where_gpm_exists(tmp_path: Path) -> None:
+    points = _busy_run(tmp_path)
+    if not _gpm_supported():
+        # pre-Hopper: GPM-only series absent (never 0), classic DRAM proxy present
+        assert "hw.gpu.sm.activity" not in points
+        assert all(
+            a["otelprof.gpu.source"] == "nvml"
+            for _, a in points.get("hw.gpu.memory.bandwidth.utilization", [])
+        )
+        return
+    sm = [v for v, a in points["hw.gpu.sm.activity"] if a["otelprof.gpu.source"] == "gpm"]
+    tensor = [v for v, _ in points["hw.gpu.tensor.activity"]]
+    assert max(sm) > 0.3, sm  # fp16 matmuls keep most SMs busy
+    assert max(tensor) > 0.05, tensor  # ... on the tensor pipes
+    assert all(0.0 <= v <= 1.0 for v in sm + tensor)
+    assert max(v for v, _ in points["hw.gpu.memory.bandwidth.utilization"]) > 0.0
+
+
+def test_this_process_gpu_memory_is_reported_beside_the_device_total(tmp_path: Path) -> None:
+    points = _busy_run(tmp_path)
+    mine = [v for v, _ in points.get("otelprof.gpu.process.memory.usage", [])]
+    used = [v for v, _ in points["hw.gpu.memory.usage"]]
+    assert mine, "NVML's process list must show this process (not in a PID-namespaced container)"
+    assert max(mine) >= 8192 * 8192 * 2  # at least the fp16 tensor we held
+    assert max(mine) <= max(used)

@@ -1,0 +1,121 @@
+"""GPU benchmarks (need an NVIDIA GPU; `make gpu-check` runs them): timings and sampler cost.
+
+    .venv/bin/python bench/gpu_bench.py [--repeats 50]
+
+1. CUDA-event durations against synchronized host timings. The same GPU block (a chain of
+   matmuls) is timed two ways in one process: `otelprof.timing()` with CUDA events (the
+   training thread never synchronizes; the event pair is read off-thread), and
+   `torch.cuda.synchronize()` before and after on the host clock. The medians should agree
+   within the launch/sync latency; the ratio is printed.
+2. The GPU sampler's cost: wall time of one `GpuSampler.sample()` over the real NVML on
+   every visible GPU (classic calls, process lists, GPM when supported), i.e. what one
+   collection costs the background thread.
+
+Without a GPU it says so and exits 2 (a benchmark that measured nothing must not pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _machine import cpu_model
+
+
+def _gpu_block(torch: object, size: int) -> None:
+    import torch as t
+
+    a = t.randn(size, size, device="cuda")
+    for _ in range(10):
+        a = a @ a
+        a = a / a.norm()
+
+
+def _cuda_vs_sync(repeats: int, size: int) -> None:
+    import torch
+
+    import otelprof
+    from otelprof.analysis.reader import ReadStats, SpanRec, iter_records
+
+    _gpu_block(torch, size)  # warm-up: cuBLAS handles, allocator
+    torch.cuda.synchronize()
+    synced = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _gpu_block(torch, size)
+        torch.cuda.synchronize()
+        synced.append(time.perf_counter() - t0)
+    with tempfile.TemporaryDirectory(prefix="otelprof-gpu-bench-") as out:
+        with otelprof.instrument(output_dir=out, interval=1.0) as prof:
+            for _ in range(repeats):
+                with otelprof.timing("gpu_block"):
+                    _gpu_block(torch, size)
+            torch.cuda.synchronize()
+        files = [Path(prof.files["traces"])]
+        events = [
+            float(rec.attr("otelprof.cuda.duration_s"))
+            for rec in iter_records(files, print, ReadStats())
+            if isinstance(rec, SpanRec)
+            and rec.name == "gpu_block"
+            and rec.attr("otelprof.cuda.duration_s") is not None
+        ]
+    if not events:
+        print("  no CUDA-event durations recorded: FAILED")
+        raise SystemExit(1)
+    sync_med, event_med = statistics.median(synced), statistics.median(events)
+    print(f"1. CUDA events vs synchronize ({repeats} blocks of 10 {size}x{size} matmuls)")
+    print(f"   synchronized host timing, median   {sync_med * 1000:9.3f} ms")
+    print(f"   CUDA-event duration, median        {event_med * 1000:9.3f} ms ({len(events)} spans)")
+    print(f"   ratio events / synchronized        {event_med / sync_med:9.3f}")
+
+
+def _sampler_cost(samples: int) -> None:
+    from otelprof.system.gpu import GpuSampler
+
+    sampler = GpuSampler("all")
+    if not sampler.start():
+        print("2. GPU sampler: NVML found no GPU: FAILED")
+        raise SystemExit(1)
+    try:
+        sampler.sample()
+        costs = []
+        readings = 0
+        for _ in range(samples):
+            time.sleep(0.1)  # GPM needs a window between samples
+            t0 = time.perf_counter()
+            readings = len(sampler.sample())
+            costs.append(time.perf_counter() - t0)
+        gpm = [d.uuid for d in sampler.devices if d.perf.gpm]
+        print(f"2. GPU sampler over {len(sampler.devices)} GPU(s), GPM on {len(gpm)}")
+        print(f"   one sample(): median {statistics.median(costs) * 1000:.3f} ms, ", end="")
+        print(f"max {max(costs) * 1000:.3f} ms, {readings} readings")
+    finally:
+        sampler.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--size", type=int, default=4096)
+    parser.add_argument("--samples", type=int, default=50)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA GPU here (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    print(
+        f"machine: {cpu_model()}; GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}"
+    )
+    _cuda_vs_sync(args.repeats, args.size)
+    _sampler_cost(args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
