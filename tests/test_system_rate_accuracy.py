@@ -41,12 +41,12 @@ def test_every_window_matches_proc_within_5_percent_with_4_busy_threads(
 ) -> None:
     result = compare(tmp_path, busy_threads=4, interval_s=1.0, duration_s=5.7)
     report = describe(result.windows)
-    assert result.sampler_rows > 1000, "the reference sampler barely ran:\n" + report
+    assert result.sampler_rows > 500, "the reference sampler barely ran:\n" + report
     for metric in ("network.transmit", "network.receive", "process.cpu"):
         windows = result.of(metric)
         assert len(windows) >= 5, f"only {len(windows)} {metric} windows:\n{report}"
     # the flow dominates the loopback traffic, and the busy threads really use the CPU
-    assert all(w.reference > 30e6 for w in result.of("network.transmit")), report
-    assert all(w.reference > 0.1 for w in result.of("process.cpu")), report
+    assert all(w.reference > 10e6 for w in result.of("network.transmit")), report
+    assert all(w.reference > 0.05 for w in result.of("process.cpu")), report
     for window in result.windows:
         assert window.error <= allowed(window, result.cpus), report

@@ -160,3 +160,29 @@ def test_shutdown_reads_again_instead_of_re_exporting_the_last_snapshot(tmp_path
         assert times[-1] >= before_shutdown, f"{key}: the final point is not a new read"
         if series[-1].start_ns is not None:  # rates: the last window joins the previous one
             assert series[-1].start_ns == series[-2].time_ns, key
+
+
+def test_a_cumulative_counter_point_gets_the_read_time_of_its_value() -> None:
+    """Sums lose the StampedValue in the SDK's arithmetic; the read is found by value."""
+    from otelprof.system._common import Reading
+    from otelprof.system.gauges import Snapshots
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    clock = Clock()
+    read_at = clock() - 5_000_000
+
+    def source() -> list[Reading]:
+        return [Reading("t.energy", 1234.5, {"hw.id": "GPU-x"}, read_at)]
+
+    snapshots = Snapshots([("s", source)], 0.5, clock=clock, counters=frozenset({"t.energy"}))
+    provider.get_meter("t").create_observable_counter(
+        "t.energy", callbacks=[lambda _options: snapshots.observations("t.energy")]
+    )
+    data = reader.get_metrics_data()
+    provider.shutdown()
+    (point,) = points(data)["t.energy"]
+    assert not isinstance(point.value, StampedValue)  # the SDK's sum made a new float
+    (stamped,) = points(apply_read_times(data))["t.energy"]
+    assert stamped.time_unix_nano == clock.to_unix_ns(read_at)
+    assert stamped.start_time_unix_nano == point.start_time_unix_nano  # the SDK's, kept
