@@ -53,8 +53,9 @@ def set_epoch(epoch: int | None) -> None:
 
 class timed_dataloader(Generic[T]):
     """Wrap any iterable (a DataLoader, a generator): each `next()` is a `dataloader_next`
-    span. Keeps `len()` and can be iterated again when the wrapped object can (epochs).
-    The final `next()` that finds the iterable exhausted is not a span."""
+    span. Keeps `len()`, passes every other attribute through to the wrapped object, and
+    can be iterated again when the wrapped object can (epochs). The final `next()` that
+    finds the iterable exhausted is not a span (nor is the loader's own range inside it)."""
 
     def __init__(self, iterable: Iterable[T], name: str = DATALOADER_NEXT) -> None:
         self.iterable = iterable
@@ -62,6 +63,13 @@ class timed_dataloader(Generic[T]):
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the wrapped loader's (`.sampler.set_epoch()`, `.dataset`,
+        `.batch_size`), so the wrapper can replace the loader in existing code."""
+        if name == "iterable":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.iterable, name)
 
     def __iter__(self) -> Iterator[T]:
         iterator = iter(self.iterable)

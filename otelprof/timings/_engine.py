@@ -100,6 +100,7 @@ class TimingsEngine:
             _active = self
             self._running = True
         rec.dropped = 0
+        rec.exhausted = 0
         rec.queue.clear()
         rec.capacity = self._settings.max_queued_spans
         rec.cuda_timer = self._cuda
@@ -204,6 +205,7 @@ class TimingsEngine:
             "cuda_pending": builder.pending_cuda(),
             "cuda_unresolved": builder.cuda_unresolved,
             "schedule_errors": self._schedule_errors,
+            "ranges_exhausted": rec.exhausted,
             "bridge_installed": int(self._bridge is not None and self._bridge.installed),
         }
         if self._kineto is not None:

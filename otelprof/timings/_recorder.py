@@ -43,6 +43,14 @@ KIND_RECORD_FUNCTION = KIND_RF = "record_function"
 KIND_TIMING = "timing"
 KIND_STEP = "step"
 
+EXHAUSTED = (StopIteration, StopAsyncIteration)
+"""A range ended by these is an iterator's final, empty `__next__` (the DataLoader's at every
+epoch end): it loaded nothing, so it is neither an error nor a span (counted in `exhausted`).
+Recording it would put an orphan range (its `timed_dataloader` parent is cancelled for the
+same reason) in a phantom trailing step after the last `step()`."""
+NOT_ERRORS = (StopIteration, StopAsyncIteration, GeneratorExit)
+"""Exceptions that end a range normally: exhaustion, and a generator closed by its consumer."""
+
 MAX_DEPTH = 256
 """Open ranges kept per thread; ranges that are never closed cannot grow memory past this."""
 
@@ -110,6 +118,7 @@ current: StepContext | None = None
 queue: deque[list[Any]] = deque()
 capacity: int = 0
 dropped: int = 0
+exhausted: int = 0
 _drop_lock = threading.Lock()
 _local = _Local()
 _getrandbits = random.getrandbits
@@ -148,6 +157,12 @@ def _count_drop() -> None:
     global dropped
     with _drop_lock:
         dropped += 1
+
+
+def _count_exhausted() -> None:
+    global exhausted
+    with _drop_lock:
+        exhausted += 1
 
 
 def describe_error(
@@ -275,7 +290,11 @@ def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
             if frame is not None:
                 frame[7] = end
                 frame[11] = None  # let torch free the range object now, not on the builder
-                if exc_type is not None:
+                if exc_type is not None and issubclass(exc_type, NOT_ERRORS):
+                    if issubclass(exc_type, EXHAUSTED):
+                        _count_exhausted()
+                        return original_exit(self, exc_type, exc, tb)
+                elif exc_type is not None:
                     frame[8] = describe_error(exc_type, exc, tb)
                 if len(frames) < capacity:
                     frames.append(frame)
@@ -343,7 +362,13 @@ class Timing:
         if frame[9] is not None:
             cuda_timer.exit(frame[9])
         frame[7] = perf_counter_ns()
-        if exc_type is not None:
+        if exc_type is not None and issubclass(exc_type, NOT_ERRORS):
+            if issubclass(exc_type, EXHAUSTED):
+                _count_exhausted()
+                if frame[12] is not None:
+                    _torch_range_exit(frame[12])
+                return
+        elif exc_type is not None:
             frame[8] = describe_error(exc_type, exc, tb)
         if len(queue) < capacity:
             queue.append(frame)
