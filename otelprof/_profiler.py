@@ -110,6 +110,16 @@ class Profiler:
         if self._timings is not None:
             self._timings.set_epoch(epoch)
 
+    def set_phase(self, phase: str) -> str:
+        """Enter a phase ("train", "validation", "checkpoint"); returns the previous one
+        (see `otelprof.phase`)."""
+        if self._timings is None:
+            from otelprof.timings._engine import check_phase
+
+            check_phase(phase)
+            return "train"
+        return self._timings.set_phase(phase)
+
     def timing(self, name: str, **attributes: Any) -> Any:
         """A timing span around a block or function (see `otelprof.timing`)."""
         if self._timings is None:

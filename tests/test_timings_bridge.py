@@ -31,7 +31,10 @@ def test_nested_ranges_become_spans_with_parent_child_ids(tmp_path: Path) -> Non
     assert {s.trace_id for s in spans} == {step.trace_id}
     assert len({s.span_id for s in spans}) == 4
     assert middle.attributes["batch"] == 7
-    assert set(inner.attributes) == {"otelprof.step", "thread.id"}, "main thread: no name"
+    assert set(inner.attributes) == {"otelprof.step", "otelprof.phase", "thread.id"}, (
+        "main thread: no name"
+    )
+    assert inner.attributes["otelprof.phase"] == "train"
     for span in (outer, middle, inner):
         assert span.attributes["otelprof.step"] == 0
         assert step.start_ns <= span.start_ns <= span.end_ns <= step.end_ns

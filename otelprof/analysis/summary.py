@@ -27,6 +27,17 @@ from otelprof.analysis.reader import (
 )
 
 STEP_SPAN = "step"
+PHASE_ATTR = "otelprof.phase"
+
+
+def timing_key(name: str, phase: Any) -> str:
+    """Timings are keyed by (name, phase): `forward` in training, `forward (validation)`
+    in another phase, so validation never mixes into the training rows."""
+    if phase is None or phase == "train" or phase == name:
+        return name
+    return f"{name} ({phase})"
+
+
 _MAX_PHASES_PER_LABEL = 500
 _MAX_SERIES = 5_000
 
@@ -252,25 +263,26 @@ class _StepResolver:
         if parent in agg.nested_in or len(agg.nested_in) < 50:
             agg.nested_in[parent] = agg.nested_in.get(parent, 0) + 1
 
-    def span(self, rec: SpanRec, dur_s: float, is_step: bool) -> None:
+    def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
         children = self.pending.pop(rec.span_id, None)
+        key = rec.name if name is None else name
         if is_step:
             self._remember(self.steps, rec.span_id, None, self.window)
             for name, d in children or ():
                 self._direct(name, d)
             return
-        self._remember(self.others, rec.span_id, rec.name, self.window)
-        for name, _ in children or ():
-            self._nested(name, rec.name)
+        self._remember(self.others, rec.span_id, key, self.window)
+        for child, _ in children or ():
+            self._nested(child, key)
         parent = rec.parent_span_id
         if not parent:
-            self.timings[rec.name].root_count += 1
+            self.timings[key].root_count += 1
         elif parent in self.steps:
-            self._direct(rec.name, dur_s)
+            self._direct(key, dur_s)
         elif parent in self.others:
-            self._nested(rec.name, self.others[parent])
+            self._nested(key, self.others[parent])
         else:
-            self.pending.setdefault(parent, []).append((rec.name, dur_s))
+            self.pending.setdefault(parent, []).append((key, dur_s))
             if len(self.pending) > self.window:
                 _, lost = self.pending.popitem(last=False)
                 self._lost(lost)
@@ -350,20 +362,22 @@ def summarize(
             rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
             rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
             is_step = rec.name == STEP_SPAN
-            if is_step:
+            if is_step:  # training steps only: other phases' roots are named after them
                 step.add(dur_s)
                 rank.steps.add(dur_s)
                 rank.step_series.add(start / 1e9, dur_s)
                 phases.step(rec.attr("otelprof.epoch"), start, end)
                 if rec.attr("otelprof.step") == 0:
                     step0.append(dur_s)
-            else:
-                if rec.name not in timings:
-                    timings[rec.name] = TimingAgg(rec.name, DurationStats(exact_cap))
-                timings[rec.name].stats.add(dur_s)
+            name = rec.name
+            if not is_step:
+                name = timing_key(rec.name, rec.attr(PHASE_ATTR))
+                if name not in timings:
+                    timings[name] = TimingAgg(name, DurationStats(exact_cap))
+                timings[name].stats.add(dur_s)
                 if not rec.parent_span_id:
                     phases.root(rec.name, start, end)
-            resolver.span(rec, dur_s, is_step)
+            resolver.span(rec, dur_s, is_step, name)
         else:
             if rec.kind == "sum" and rec.monotonic:
                 counters[rec.name] = counters.get(rec.name, 0) + 1

@@ -51,6 +51,55 @@ def set_epoch(epoch: int | None) -> None:
         engine.set_epoch(epoch)
 
 
+def set_phase(phase: str) -> str:
+    """Enter a phase ("train", "validation", "checkpoint", ...) on the running profiler and
+    return the previous one (callback-style code; `with otelprof.phase(...)` restores it
+    for you). Every span then carries `otelprof.phase`; a non-training phase's ranges are
+    recorded in traces of their own, never inside a training step."""
+    _engine.check_phase(phase)
+    engine = _engine._active
+    if engine is None:
+        return _rec.PHASE_TRAIN
+    return engine.set_phase(phase)
+
+
+def current_phase() -> str:
+    """The running profiler's phase ("train" when none runs)."""
+    engine = _engine._active
+    return engine.phase if engine is not None else _rec.PHASE_TRAIN
+
+
+class phase:  # lower-case: used like a function, `with otelprof.phase("validation"):`
+    """`with otelprof.phase("validation"):` (or as a decorator): the block's ranges carry
+    `otelprof.phase` and stay out of training steps; the previous phase is restored after."""
+
+    __slots__ = ("_previous", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = _engine.check_phase(name)
+        self._previous: list[str] = []
+
+    def __enter__(self) -> phase:
+        self._previous.append(set_phase(self.name))
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        previous = self._previous.pop() if self._previous else _rec.PHASE_TRAIN
+        engine = _engine._active
+        if engine is not None:
+            engine.set_phase(previous)
+
+    def __call__(self, func: Any) -> Any:
+        import functools
+
+        @functools.wraps(func)
+        def in_phase(*args: Any, **kwargs: Any) -> Any:
+            with phase(self.name):
+                return func(*args, **kwargs)
+
+        return in_phase
+
+
 class timed_dataloader(Generic[T]):
     """Wrap any iterable (a DataLoader, a generator): each `next()` is a `dataloader_next`
     span. Keeps `len()`, passes every other attribute through to the wrapped object, and

@@ -32,6 +32,7 @@ _UNSET = Status(StatusCode.UNSET)
 
 ATTR_STEP = "otelprof.step"
 ATTR_EPOCH = "otelprof.epoch"
+ATTR_PHASE = "otelprof.phase"
 ATTR_SOURCE = "otelprof.source"
 ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
 
@@ -225,6 +226,10 @@ class SpanBuilder:
         return self._sinks, self._others
 
     def _emit(self, frame: list[Any]) -> None:
+        if frame[rec.F_KIND] == rec.KIND_STEP:
+            ctx: rec.StepContext = frame[rec.F_CTX]
+            if ctx.drop_if_empty and not ctx.has_children:
+                return  # a step cut short by a phase change before any range: no step
         try:
             fields = self.fields(frame)
         except Exception as error:
@@ -279,7 +284,7 @@ class SpanBuilder:
         ctx: rec.StepContext = frame[rec.F_CTX]
         kind = frame[rec.F_KIND]
         # few attributes: encoding each one is a large part of a span's export cost
-        attributes: dict[str, Any] = {ATTR_STEP: ctx.step}
+        attributes: dict[str, Any] = {ATTR_STEP: ctx.step, ATTR_PHASE: ctx.phase}
         if ctx.epoch is not None:
             attributes[ATTR_EPOCH] = ctx.epoch
         start_ns, end_ns = frame[rec.F_START], frame[rec.F_END]

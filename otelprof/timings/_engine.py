@@ -11,12 +11,19 @@ starts at its first range rather than at `start()` (model building and other set
 `instrument()` and the first batch are not step time); the trailing step (last `step()` to
 `shutdown()`) is exported only if a range was recorded in it, and ends at its last range.
 Ranges still open at shutdown are not exported.
+
+Phases (`set_phase`): every span carries `otelprof.phase` ("train" by default). Entering
+another phase ("validation", "checkpoint") ends the current training step (dropped if no
+range was recorded in it yet) and records the phase's ranges in traces of their own, rooted
+at a span named after the phase; `step()` inside such a phase separates its batches without
+advancing the training step number. Back in "train", the step resumes with the same number.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import threading
 from time import perf_counter_ns
 from typing import Any
@@ -36,6 +43,19 @@ _active: TimingsEngine | None = None
 DEFAULT_KINETO_SCHEDULE = schedule(wait=1, warmup=1, active=3, repeat=1)
 """Kineto's window when no schedule is given: timing spans stay always on, but a full
 torch.profiler session on every step would grow without bound, so it gets one short window."""
+
+
+_PHASE_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,31}")
+
+
+def check_phase(phase: object) -> str:
+    """A phase name: short, lower-case, and not `step` (the training root span's name)."""
+    if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase) or phase == rec.STEP_SPAN:
+        raise ValueError(
+            "phase must be a short lower-case name such as 'train', 'validation' or "
+            f"'checkpoint' (letters, digits, '_', '.', '-'; not 'step'), got {phase!r}"
+        )
+    return phase
 
 
 def active_engine() -> TimingsEngine | None:
@@ -87,6 +107,7 @@ class TimingsEngine:
         self._kineto_action = ScheduleAction.NONE
         self._schedule_errors = 0
         self._step_from_start = True  # the current step began at start(), not at step()
+        self._phase = rec.PHASE_TRAIN
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -156,6 +177,10 @@ class TimingsEngine:
             rec.current = None
             if ctx is not None:
                 rec.emit_step(ctx, end)
+            if self._phase != rec.PHASE_TRAIN:
+                # a batch of validation (etc.): its own trace, the training step stays
+                self._begin_step(perf_counter_ns(), trim_start=False)
+                return
             self._step += 1
             self._batch_in_epoch += 1
             self._step_from_start = False
@@ -187,6 +212,34 @@ class TimingsEngine:
     def step_number(self) -> int:
         return self._step
 
+    @property
+    def phase(self) -> str:
+        """The current phase: "train" unless `set_phase` said otherwise."""
+        return self._phase
+
+    def set_phase(self, phase: str) -> str:
+        """Enter `phase` ("train", "validation", "checkpoint", ...) and return the previous
+        one. Ranges recorded from now on carry `otelprof.phase`; see the module docstring."""
+        check_phase(phase)
+        previous = self._phase
+        if phase == previous:
+            return previous
+        self._phase = phase
+        if not self._running:
+            return previous
+        try:
+            end = perf_counter_ns()
+            ctx = self._ctx
+            rec.current = None
+            if ctx is not None:
+                ctx.trim_end = True
+                ctx.drop_if_empty = True
+                rec.emit_step(ctx, end)
+            self._begin_step(perf_counter_ns(), trim_start=True)
+        except Exception as error:  # telemetry never breaks training
+            _log.warning("otelprof: set_phase() failed: %r", error)
+        return previous
+
     def timing(self, name: str, **attributes: Any) -> rec.Timing:
         """A timing span (context manager or decorator); see `otelprof.timing`."""
         return rec.timing(name, **attributes)
@@ -215,14 +268,20 @@ class TimingsEngine:
         return stats
 
     # ---- internals ----
-    def _begin_step(self, start_ns: int, keep: bool = False) -> None:
+    def _begin_step(
+        self, start_ns: int, keep: bool = False, trim_start: bool | None = None
+    ) -> None:
         action = self._timing_action()
         previous = self._ctx if keep else None
         self._step_start = start_ns
         if action.records:
             if previous is None:
                 previous = rec.StepContext(
-                    self._step, self._epoch, start_ns, trim_start=self._step_from_start
+                    self._step,
+                    self._epoch,
+                    start_ns,
+                    trim_start=self._step_from_start if trim_start is None else trim_start,
+                    phase=self._phase,
                 )
             self._ctx = previous
         else:

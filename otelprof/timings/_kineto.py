@@ -21,7 +21,14 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 
 from otelprof.timings import _recorder as rec
-from otelprof.timings._builder import ATTR_EPOCH, ATTR_SOURCE, ATTR_STEP, Clock, SpanBuilder
+from otelprof.timings._builder import (
+    ATTR_EPOCH,
+    ATTR_PHASE,
+    ATTR_SOURCE,
+    ATTR_STEP,
+    Clock,
+    SpanBuilder,
+)
 from otelprof.timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
@@ -166,6 +173,7 @@ def trace_file_spans(
             stack.append((span_id, end))
         attributes: dict[str, Any] = {
             ATTR_STEP: ctx.step,
+            ATTR_PHASE: ctx.phase,
             ATTR_SOURCE: "kineto",
             "otelprof.kineto.category": str(event.get("cat")),
         }

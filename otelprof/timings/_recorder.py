@@ -51,6 +51,11 @@ same reason) in a phantom trailing step after the last `step()`."""
 NOT_ERRORS = (StopIteration, StopAsyncIteration, GeneratorExit)
 """Exceptions that end a range normally: exhaustion, and a generator closed by its consumer."""
 
+PHASE_TRAIN = "train"
+PHASE_VALIDATION = "validation"
+PHASE_CHECKPOINT = "checkpoint"
+STEP_SPAN = "step"
+
 MAX_DEPTH = 256
 """Open ranges kept per thread; ranges that are never closed cannot grow memory past this."""
 
@@ -59,10 +64,12 @@ class StepContext:
     """One training step while it records: its trace, its root span, its number and epoch."""
 
     __slots__ = (
+        "drop_if_empty",
         "epoch",
         "first_child_ns",
         "has_children",
         "last_child_ns",
+        "phase",
         "span_id",
         "start_ns",
         "step",
@@ -72,10 +79,19 @@ class StepContext:
     )
 
     def __init__(
-        self, step: int, epoch: int | None, start_ns: int, trim_start: bool = False
+        self,
+        step: int,
+        epoch: int | None,
+        start_ns: int,
+        trim_start: bool = False,
+        phase: str = PHASE_TRAIN,
     ) -> None:
         self.step = step
         self.epoch = epoch
+        self.phase = phase
+        # A step cut short by a phase change (training interrupted by validation) is not
+        # exported when no range was recorded in it: it was no real step.
+        self.drop_if_empty = False
         self.trace_id = random.getrandbits(128) or 1
         self.span_id = random.getrandbits(64) or 1
         self.start_ns = start_ns
@@ -225,9 +241,10 @@ def find_owned_frame(owner: object) -> list[Any] | None:
 
 
 def emit_step(ctx: StepContext, end_ns: int) -> None:
-    """Queue the step span (the root of the step's trace)."""
+    """Queue the step span (the root of the step's trace): `step` in training, else the
+    phase's name (`validation`, ...), so step statistics never include other phases."""
     frame = [
-        "step",
+        STEP_SPAN if ctx.phase == PHASE_TRAIN else ctx.phase,
         ctx.span_id,
         0,
         ctx,
