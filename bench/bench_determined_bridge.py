@@ -3,7 +3,10 @@
 Side by side in one run:
   baseline  a bare httpx loop POSTing the same report bodies straight to the master
   bridge    `otelprof determined-bridge` (its own process, on-disk spool, fsync on) draining
-            a window of 1,000 trials x 6 reports into the same master
+            a window of 1,000 trials x 6 reports into the same master, all trials healthy
+  refused   the same with one more trial whose every report the master refuses for good
+            (a stale run id: HTTP 500 "invalid run id", as a real 0.38.1 master answers):
+            the healthy trials' delivery rate must not drop (no head-of-line blocking)
 and the bridge's resident memory idle vs. while 1,000 trials send at once (metrics + timing
 spans every second, batched like a collector does). The master (tests/determined_contract.py)
 runs in a separate process so neither side shares its interpreter.
@@ -46,7 +49,9 @@ from tests.determined_feed import (  # noqa: E402
 def _master(conn: Connection, trials: int) -> None:
     server = DeterminedContractServer().start()
     token = server.add_user("bench")
-    for trial in range(1, trials + 1):
+    # Trials 1..N for the baseline, N+1..2N and 2N+1..3N for the two bridge runs (no run
+    # re-reports another's steps), 3N+1 for the refused one.
+    for trial in range(1, 3 * trials + 2):
         server.add_trial(trial, run_id=1, editors=("bench",))
     conn.send((server.url, token))
     while True:
@@ -55,6 +60,8 @@ def _master(conn: Connection, trials: int) -> None:
             conn.send(len(server.store.posts))
         elif command == "refusals":
             conn.send(len(server.store.refusals))
+        elif command == "restart":  # the refused trial: its reports now carry a stale run id
+            conn.send(server.restart_trial(3 * trials + 1))
         else:
             break
     server.stop()
@@ -70,13 +77,16 @@ def _machine() -> str:
     return f"{os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}"
 
 
-def _batched(trials: int, per_request: int, step: int, t: int) -> list[tuple[object, object]]:
-    """(metrics, traces) requests, each holding `per_request` trials like a collector batch."""
+def _batched(
+    trials: int, per_request: int, step: int, t: int, base: int = 0
+) -> list[tuple[object, object]]:
+    """(metrics, traces) requests, each holding `per_request` trials like a collector batch
+    (trial ids base+1 .. base+trials)."""
     out = []
-    for first in range(1, trials + 1, per_request):
+    for first in range(base + 1, base + trials + 1, per_request):
         metrics = seed_metrics_request(trial_resource(first, agent=f"agent-{first}"), t=t)
         traces = timing_spans_request(trial_resource(first), [step], start_ns=t)
-        for trial in range(first + 1, min(first + per_request, trials + 1)):
+        for trial in range(first + 1, min(first + per_request, base + trials + 1)):
             metrics.resource_metrics.extend(
                 seed_metrics_request(
                     trial_resource(trial, agent=f"agent-{trial}"), t=t
@@ -89,41 +99,20 @@ def _batched(trials: int, per_request: int, step: int, t: int) -> list[tuple[obj
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=1000)
-    parser.add_argument("--seconds", type=float, default=12.0, help="fan-in duration")
-    parser.add_argument("--window", type=float, default=4.0, help="bridge report window (s)")
-    args = parser.parse_args()
-
-    parent, child = mp.Pipe()
-    master_proc = mp.Process(target=_master, args=(child, args.trials), daemon=True)
-    master_proc.start()
-    url, token = parent.recv()
+def _run_bridge(
+    args: argparse.Namespace, url: str, token: str, parent: Connection, refused_trial: bool
+) -> dict[str, float]:
+    """One bridge process fed by `args.trials` healthy trials (plus a refused one)."""
 
     def count() -> int:
         parent.send("count")
         return int(parent.recv())
 
-    # -- baseline: bare POST loop, same bodies the bridge sends -------------------------------
-    from otelprof.determined.aggregate import WindowAggregator
-    from otelprof.determined.mapping import Route, extract_metrics, extract_spans
+    def refusals() -> int:
+        parent.send("refusals")
+        return int(parent.recv())
 
-    agg = WindowAggregator()
-    for metrics, traces in _batched(args.trials, 50, 0, time.time_ns()):
-        agg.add_gauges(extract_metrics(metrics, Route()).gauges)  # type: ignore[arg-type]
-        agg.add_timings(extract_spans(traces, Route()).timings)  # type: ignore[arg-type]
-    reports = agg.drain()
-    headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=url, headers=headers) as client:
-        start = time.perf_counter()
-        for report in reports:
-            client.post(f"/api/v1/trials/{report.trial_id}/metrics", json=report.body)
-        raw_s = time.perf_counter() - start
-    raw_rps = len(reports) / raw_s
-    baseline_posts = count()
-
-    # -- the bridge, as a process -----------------------------------------------------------------
+    start_posts, start_refusals = count(), refusals()
     work = Path(tempfile.mkdtemp(prefix="otelprof-bench-det-"))
     (work / "token").write_text(token)
     port = _free_port()
@@ -154,7 +143,14 @@ def main() -> int:
     fan_start = time.monotonic()
     while time.monotonic() - fan_start < args.seconds:
         tick = time.monotonic()
-        for metrics, traces in _batched(args.trials, 50, step, time.time_ns()):
+        now_ns = time.time_ns()
+        if refused_trial:  # first in every window: a single queue would stall behind it
+            bad = 3 * args.trials + 1
+            otlp.send_metrics(seed_metrics_request(trial_resource(bad, agent="bad"), t=now_ns))
+            otlp.send_traces(timing_spans_request(trial_resource(bad), [step], start_ns=now_ns))
+            sends += 2
+        base = 2 * args.trials if refused_trial else args.trials
+        for metrics, traces in _batched(args.trials, 50, step, now_ns, base):
             otlp.send_metrics(metrics, timeout=30)
             otlp.send_traces(traces, timeout=30)
             sends += 2
@@ -181,26 +177,70 @@ def main() -> int:
     settle_s = quiet_since - fan_start - fan_s
     stop.set()
     sampler.join()
-    delivered = last - baseline_posts
-    parent.send("refusals")
-    refusals = int(parent.recv())
+    refused = refusals() - start_refusals
     bridge.send_signal(signal.SIGTERM)
     bridge.wait(30)
+    return {
+        "sends": sends, "fan_s": fan_s, "settle_s": settle_s, "refused": refused,
+        "delivered": last - start_posts,
+        "drain_rate": (last - drained_from) / busy_s if busy_s else 0.0,
+        "idle_rss": idle_rss, "peak_rss": peak[0],
+    }  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=12.0, help="fan-in duration")
+    parser.add_argument("--window", type=float, default=4.0, help="bridge report window (s)")
+    args = parser.parse_args()
+
+    parent, child = mp.Pipe()
+    master_proc = mp.Process(target=_master, args=(child, args.trials), daemon=True)
+    master_proc.start()
+    url, token = parent.recv()
+
+    # -- baseline: bare POST loop, same bodies the bridge sends -------------------------------
+    from otelprof.determined.aggregate import WindowAggregator
+    from otelprof.determined.mapping import Route, extract_metrics, extract_spans
+
+    agg = WindowAggregator()
+    for metrics, traces in _batched(args.trials, 50, 0, time.time_ns()):
+        agg.add_gauges(extract_metrics(metrics, Route()).gauges)  # type: ignore[arg-type]
+        agg.add_timings(extract_spans(traces, Route()).timings)  # type: ignore[arg-type]
+    reports = agg.drain()
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.Client(base_url=url, headers=headers) as client:
+        start = time.perf_counter()
+        for report in reports:
+            client.post(f"/api/v1/trials/{report.trial_id}/metrics", json=report.body)
+        raw_s = time.perf_counter() - start
+    raw_rps = len(reports) / raw_s
+
+    healthy = _run_bridge(args, url, token, parent, refused_trial=False)
+    parent.send("restart")
+    parent.recv()
+    with_refused = _run_bridge(args, url, token, parent, refused_trial=True)
     parent.send("stop")
     master_proc.join(10)
 
-    drain_rate = (last - drained_from) / busy_s if busy_s else 0.0
     print(f"machine: {_machine()}")
-    print(f"trials: {args.trials}, fan-in {fan_s:.1f} s, {sends} OTLP requests "
-          f"(50 trials each), window {args.window:g} s")  # fmt: skip
+    print(f"trials: {args.trials}, fan-in {healthy['fan_s']:.1f} s, {healthy['sends']:.0f} OTLP "
+          f"requests (50 trials each), window {args.window:g} s")  # fmt: skip
     print(f"baseline  bare httpx POST loop: {raw_rps:8.0f} reports/s ({len(reports)} reports)")
-    print(f"bridge    drain rate          : {drain_rate:8.0f} reports/s "
-          f"(ratio {drain_rate / raw_rps:.2f} of baseline)")  # fmt: skip
-    print(f"bridge    delivered           : {delivered} reports, {refusals} refused by master, "
-          f"last one {settle_s:.1f} s after the last send")  # fmt: skip
-    print(f"bridge    RSS idle / peak     : {idle_rss / 2**20:.1f} MiB / {peak[0] / 2**20:.1f} MiB "
-          f"(+{(peak[0] - idle_rss) / 2**10 / args.trials:.1f} KiB per trial; "
-          f"ratio {peak[0] / idle_rss:.2f})")  # fmt: skip
+    for name, r in (("bridge", healthy), ("refused", with_refused)):
+        print(f"{name:9} drain rate (healthy): {r['drain_rate']:8.0f} reports/s "
+              f"(ratio {r['drain_rate'] / raw_rps:.2f} of baseline)")  # fmt: skip
+        print(f"{name:9} delivered           : {r['delivered']:.0f} reports, "
+              f"{r['refused']:.0f} refused by master, last one {r['settle_s']:.1f} s after the "
+              "last send")  # fmt: skip
+        print(
+            f"{name:9} RSS idle / peak     : {r['idle_rss'] / 2**20:.1f} MiB / "
+            f"{r['peak_rss'] / 2**20:.1f} MiB (+"
+            f"{(r['peak_rss'] - r['idle_rss']) / 2**10 / args.trials:.1f} KiB per trial)"
+        )
+    print(f"healthy trials' rate with one refused trial / all healthy: "
+          f"{with_refused['drain_rate'] / healthy['drain_rate']:.2f}")  # fmt: skip
     return 0
 
 
