@@ -176,6 +176,7 @@ class Deliverer:
                     state.queue.popleft()  # dropped by the spool's cap
                     self._queued -= 1
                 if not state.queue:
+                    del self._trials[trial]
                     continue
                 state.busy = True
                 self._busy += 1
@@ -195,7 +196,7 @@ class Deliverer:
                 self._queued -= 1
             state.busy = False
             self._busy -= 1
-            if not state.queue and state.delay == 0 and not state.maybe_sent:
+            if not state.queue:
                 del self._trials[trial]  # no state kept for trials with nothing pending
             else:
                 self._schedule(trial, state)
