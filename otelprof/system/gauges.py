@@ -25,6 +25,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from . import _gauge_start, names
 from ._common import LogOnce, Reading, logger
 from ._stamps import Clock, StampedValue, attr_key, recent_counters
+from .amd import AmdGpuSampler
 from .gpu import GpuSampler
 from .host import HostSampler
 from .process import ProcessSampler
@@ -138,7 +139,7 @@ class SystemMetricsHandle:
         self,
         snapshots: Snapshots,
         instruments: tuple[str, ...],
-        gpu: GpuSampler | None,
+        gpu: GpuSampler | AmdGpuSampler | None,
         closers: tuple[Callable[[], None], ...] = (),
     ) -> None:
         self._snapshots = snapshots
@@ -176,10 +177,11 @@ def register_system_metrics(
     nvml: Any = None,
     env: Mapping[str, str] | None = None,
     clock: Clock | Callable[[], float] | None = None,
+    amdsmi: Any = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
-    `psutil_module`, `nvml` and `env` replace the real psutil, pynvml and os.environ (tests
+    `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi, os.environ (tests
     use fakes for hardware this machine lacks). `clock` is a `_stamps.Clock`, or a function
     returning monotonic seconds (a test's scripted time).
     """
@@ -195,14 +197,16 @@ def register_system_metrics(
         sources.append(("host", host.sample))
         closers.append(host.close)
         instruments.extend(names.HOST)
-    gpu: GpuSampler | None = None
+    gpu: GpuSampler | AmdGpuSampler | None = None
     if settings.gpus != "none":
         gpu = GpuSampler(settings.gpus, nvml=nvml, env=env, log=log, clock=clock)
-        if gpu.start():
+        if not gpu.start():  # no NVIDIA GPU: AMD's, through AMD SMI, under the same names
+            gpu = AmdGpuSampler(settings.gpus, amdsmi=amdsmi, env=env, log=log, clock=clock)
+            if not gpu.start():
+                gpu = None
+        if gpu is not None:
             sources.append(("gpu", gpu.sample))
             instruments.extend(names.GPU)
-        else:
-            gpu = None
     if settings.process_metrics:
         process = ProcessSampler(
             None if psutil_module is None else psutil_module.Process(), log=log, clock=clock
