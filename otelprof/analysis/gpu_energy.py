@@ -14,7 +14,8 @@ it alone; joined on time they do:
   is exact in the sum over many steps, not for one step.
 - Phases are span intervals per host: training steps by their `otelprof.phase` attribute
   ("train" when absent), root spans carrying `otelprof.phase` (validation, checkpoint),
-  and, inside them, every timing name (`dataloader_next`, `train_batch`, ...), so the
+  and, inside them, every timing name (`dataloader_next`, `train_batch`, ...; a name
+  outside training is labelled with its phase, e.g. `forward (validation)`), so the
   GPU-idle seconds during data loading are a number.
 
 Joules per step = GPU energy (all GPUs of the run) during training steps / the number of
@@ -209,11 +210,10 @@ def analyze(files: Iterable[Path], warn: Warn) -> GpuEnergy | None:
             elif not rec.parent_span_id and phase and phase != DEFAULT_PHASE:
                 phases.setdefault((host, str(phase)), IntervalSet()).add(rec.start_ns, rec.end_ns)
             else:
-                if rec.name in timing_names or len(timing_names) < MAX_TIMING_NAMES:
-                    timing_names.add(rec.name)
-                    timings.setdefault((host, rec.name), IntervalSet()).add(
-                        rec.start_ns, rec.end_ns
-                    )
+                name = rec.name if not phase or phase == DEFAULT_PHASE else f"{rec.name} ({phase})"
+                if name in timing_names or len(timing_names) < MAX_TIMING_NAMES:
+                    timing_names.add(name)
+                    timings.setdefault((host, name), IntervalSet()).add(rec.start_ns, rec.end_ns)
         elif isinstance(rec, PointRec) and rec.name in (UTILIZATION, ENERGY, POWER):
             attrs = dict(rec.attributes)
             gpu = str(attrs.get("hw.id", attrs.get("gpu.index", "")))
