@@ -160,3 +160,26 @@ def test_interval_sets_stay_bounded_and_scale_to_their_true_time() -> None:
     exact.add(0, 10)
     exact.add(5, 20)  # overlapping: the union counts
     assert exact.intervals() == [(0, 20)] and exact.scale() == 1.0
+
+
+def test_the_report_shows_the_gpu_energy_section_in_text_and_json(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _run(run)
+    (run / "run.json").write_text(json.dumps({"run_id": "run", "started_unix_nano": T0}))
+    cmd = [sys.executable, "-m", "otelprof", "report", str(run)]
+    doc = json.loads(
+        subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True).stdout
+    )
+    section = doc["sections"]["gpu_energy"]
+    train = next(r for r in section["rows"] if r["label"] == "train")
+    assert train["energy_per_step_j"] == pytest.approx(20.0) and train["steps"] == 60
+    assert train["gpu_idle_share"] == pytest.approx(0.5)
+    text = subprocess.run(
+        [*cmd, "--width", "200"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "GPU energy and idle time by phase" in text and "energy per training step: 20 J" in text

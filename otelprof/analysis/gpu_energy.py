@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from otelprof.analysis.reader import PointRec, ReadStats, SpanRec, Warn, iter_records
+from otelprof.analysis.sections import Section, section
+from otelprof.analysis.summary import RunSummary
 
 STEP_SPAN = "step"
 PHASE_ATTR = "otelprof.phase"
@@ -300,10 +302,14 @@ def section_rows(result: GpuEnergy) -> list[dict[str, Any]]:
     rows = []
     for r in sorted(result.rows, key=lambda r: (r.kind != "phase", -r.seconds)):
         share = r.idle_share
+        is_train = r.kind == "phase" and r.label == DEFAULT_PHASE
+        jps = result.joules_per_step if is_train else None
         rows.append(
             {
                 "kind": r.kind,
                 "label": r.label,
+                "steps": result.train_steps if is_train else None,
+                "energy_per_step_j": round(jps, 4) if jps is not None else None,
                 "seconds": round(r.seconds, 6),
                 "gpu_idle_s": round(r.idle_gpu_seconds, 6) if r.gpu_seconds else None,
                 "gpu_idle_share": round(share, 4) if share is not None else None,
@@ -333,3 +339,14 @@ def summary_notes(result: GpuEnergy) -> list[str]:
             f"({loading.idle_share:.0%} of the GPU time inside dataloader_next)"
         )
     return out + result.notes
+
+
+@section
+def gpu_energy_section(summary: RunSummary) -> Section | None:
+    """The report's "GPU energy and idle time by phase" section (text, HTML and --json)."""
+    result = analyze(summary.files.jsonl, lambda _message: None)  # summarize warned already
+    if result is None:
+        return None
+    notes = summary_notes(result)
+    notes.append("whole run (a --steps range does not apply to this section)")
+    return Section("gpu_energy", "GPU energy and idle time by phase", section_rows(result), notes)

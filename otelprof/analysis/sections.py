@@ -36,7 +36,7 @@ class Section:
 
 SectionBuilder = Callable[[RunSummary], "Section | None"]
 _BUILDERS: list[SectionBuilder] = []
-_BUILTIN: tuple[str, ...] = ()
+_BUILTIN: tuple[str, ...] = ("otelprof.analysis.gpu_energy",)
 """Analysis modules whose sections every report shows (imported on first use)."""
 
 
