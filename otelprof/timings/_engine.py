@@ -265,6 +265,7 @@ class TimingsEngine:
             stats["kineto_traces"] = self._kineto.traces
             stats["kineto_spans"] = self._kineto.spans
             stats["kineto_events_dropped"] = self._kineto.events_dropped
+            stats["kineto_steps_skipped"] = self._kineto.steps_skipped
         return stats
 
     # ---- internals ----

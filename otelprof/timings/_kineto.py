@@ -50,7 +50,15 @@ class WindowStep:
 
 
 class KinetoSession:
-    """One torch.profiler.profile driven step by step by the engine's schedule."""
+    """One torch.profiler.profile driven step by step by the engine's schedule.
+
+    Torch allows one profiler per process; two at once crash it (a segfault in
+    `export_chrome_trace`). So a window never starts while another torch profiler is
+    active (the window is skipped, counted in `steps_skipped`, logged once), and a program
+    that starts its own profiler during one of our windows gets the profiler: our window is
+    closed first (its trace kept) and Kineto windows stop for the rest of the run. Any error
+    from torch turns Kineto off for the run rather than risk the process.
+    """
 
     def __init__(self, torch: Any, builder: SpanBuilder, clock: Clock, directory: Path) -> None:
         self._torch = torch
@@ -64,46 +72,144 @@ class KinetoSession:
         self.spans = 0
         self.events_dropped = 0
         self.failed = 0
+        self.steps_skipped = 0
+        self._ours = False  # our torch session holds the profiler (WARMUP/RECORD)
+        self._transitioning = False  # inside our own calls into torch's profiler
+        self._disabled = False
+        self._warned = False
+        self._patched: tuple[Any, Any] | None = None
 
     def _torch_action(self, _step: int) -> Any:
         return self._torch.profiler.ProfilerAction[self._next.name]
 
+    def _another_profiler_active(self) -> bool:
+        if self._ours:
+            return False
+        try:
+            autograd = self._torch.autograd
+            return bool(autograd.profiler._is_profiler_enabled or autograd._profiler_enabled())
+        except Exception:
+            return True  # cannot tell: do not risk a second profiler
+
+    def _admit(self, action: ScheduleAction) -> ScheduleAction:
+        """The action torch gets: NONE when Kineto is off or another profiler is active."""
+        if self._disabled:
+            return ScheduleAction.NONE
+        if action is not ScheduleAction.NONE and self._another_profiler_active():
+            self.steps_skipped += 1
+            if not self._warned:
+                self._warned = True
+                _log.warning(
+                    "otelprof: another torch profiler is active; kineto windows are "
+                    "skipped while it runs (timing spans are unaffected)"
+                )
+            return ScheduleAction.NONE
+        return action
+
     def start(self, action: ScheduleAction) -> None:
         torch = self._torch
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._next = action
-        self._profile = torch.profiler.profile(
-            activities=activities, schedule=self._torch_action, on_trace_ready=self._on_ready
-        )
-        self._profile.start()
+        try:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._next = self._admit(action)
+            self._profile = torch.profiler.profile(
+                activities=activities, schedule=self._torch_action, on_trace_ready=self._on_ready
+            )
+            self._patch_foreign_start()
+            self._call(self._profile.start)
+        except Exception as error:
+            self._fail("starting", error)
 
     def step(self, finished: WindowStep | None, next_action: ScheduleAction) -> None:
         """Close one step (kept for the window if it recorded) and move torch's profiler on."""
-        if finished is not None:
+        if self._disabled or self._profile is None:
+            return
+        if finished is not None and self._ours:
             self._window.append(finished)
-        self._next = next_action
+        self._next = self._admit(next_action)
         try:
-            self._profile.step()
+            self._call(self._profile.step)
         except Exception as error:
-            self.failed += 1
-            _log.warning("otelprof: torch.profiler step failed: %r", error)
+            self._fail("stepping", error)
 
     def stop(self, finished: WindowStep | None) -> None:
-        if finished is not None:
+        if finished is not None and self._ours:
             self._window.append(finished)
-        if self._profile is not None:
+        self._unpatch_foreign_start()
+        profile, self._profile = self._profile, None
+        if profile is not None and not self._disabled:
             try:
-                self._profile.stop()
+                self._call(profile.stop)
             except Exception as error:
                 self.failed += 1
                 _log.warning("otelprof: stopping torch.profiler failed: %r", error)
-            self._profile = None
+        self._ours = False
+
+    def _call(self, action: Any) -> None:
+        """Call into torch's profiler as ourselves; afterwards torch is in `self._next`."""
+        self._transitioning = True
+        try:
+            action()
+        finally:
+            self._transitioning = False
+        self._ours = self._next is not ScheduleAction.NONE
+
+    def _fail(self, what: str, error: Exception) -> None:
+        self.failed += 1
+        self._disabled = True
+        self._window = []
+        _log.warning(
+            "otelprof: %s torch.profiler failed (%r); kineto is off for this run", what, error
+        )
+
+    def _patch_foreign_start(self) -> None:
+        """See a program's own profiler start: it must not run beside one of our windows."""
+        cls = self._torch.autograd.profiler.profile
+        original = cls._prepare_trace
+        session = self
+
+        def _prepare_trace(profile: Any, *args: Any, **kwargs: Any) -> Any:
+            if session._ours and not session._transitioning:
+                session._yield_to_foreign()
+            return original(profile, *args, **kwargs)
+
+        _prepare_trace._otelprof_kineto_guard = True  # type: ignore[attr-defined]
+        cls._prepare_trace = _prepare_trace
+        self._patched = (cls, original)
+
+    def _unpatch_foreign_start(self) -> None:
+        patched, self._patched = self._patched, None
+        if patched is not None:
+            cls, original = patched
+            if getattr(cls._prepare_trace, "_otelprof_kineto_guard", False):
+                cls._prepare_trace = original
+
+    def _yield_to_foreign(self) -> None:
+        """Another profiler starts during our window: close ours (trace kept), then stand down."""
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "otelprof: the program started a torch profiler during a kineto window; the "
+                "window is closed early and kineto windows stop for this run"
+            )
+        profile, self._profile = self._profile, None
+        self.steps_skipped += 1
+        try:
+            if profile is not None:
+                self._call(profile.stop)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: closing the kineto window early failed: %r", error)
+        self._ours = False
+        self._disabled = True
+        self._window = []
 
     def _on_ready(self, profile: Any) -> None:
         """torch's on_trace_ready (training thread): save the trace, convert it elsewhere."""
         window, self._window = self._window, []
+        if self._disabled and not window:
+            return
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             rank = os.environ.get("RANK", "0")
