@@ -319,6 +319,81 @@ def system_dashboard() -> dict[str, Any]:
         ],
         unit="celsius",
     )
+    lay.timeseries(
+        "SM and tensor-pipe activity (GPM)",
+        "What the GPU's units did, averaged over the interval (NVML GPM, Hopper and later): "
+        "share of SMs busy and of time the tensor pipes were busy. Utilization near 100 % "
+        "with low SM activity means small kernels or launch gaps, not a saturated GPU.",
+        [
+            target(
+                f"{gpu} (hw_gpu_sm_activity_ratio{{{GPU_SEL}}})",
+                "SM {{host_name}} GPU {{gpu_index}}",
+            ),
+            target(
+                f"{gpu} (hw_gpu_tensor_activity_ratio{{{GPU_SEL}}})",
+                "tensor {{host_name}} GPU {{gpu_index}}",
+                "B",
+            ),
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    lay.timeseries(
+        "SM occupancy and memory bandwidth",
+        "Active warps over the theoretical maximum (GPM), and DRAM bandwidth used over peak "
+        "(GPM; on older GPUs the memory controller's busy share, otelprof_gpu_source=nvml).",
+        [
+            target(
+                f"{gpu} (hw_gpu_sm_occupancy_ratio{{{GPU_SEL}}})",
+                "occupancy {{host_name}} GPU {{gpu_index}}",
+            ),
+            target(
+                f"max by (host_name, gpu_index, hw_id, otelprof_gpu_source) "
+                f"(hw_gpu_memory_bandwidth_utilization_ratio{{{GPU_SEL}}})",
+                "DRAM bw ({{otelprof_gpu_source}}) {{host_name}} GPU {{gpu_index}}",
+                "B",
+            ),
+        ],
+        unit="percentunit",
+        max_value=1,
+    )
+    lay.timeseries(
+        "PCIe and NVLink traffic",
+        "Bytes per second over the interval per GPU and direction (GPM, or NVML's byte "
+        "counters on older GPUs).",
+        [
+            target(
+                "max by (host_name, gpu_index, hw_id, network_io_direction) "
+                f"(hw_gpu_pcie_throughput_bytes_per_second{{{GPU_SEL}}})",
+                "PCIe {{network_io_direction}} {{host_name}} GPU {{gpu_index}}",
+            ),
+            target(
+                "max by (host_name, gpu_index, hw_id, network_io_direction) "
+                f"(hw_gpu_nvlink_throughput_bytes_per_second{{{GPU_SEL}}})",
+                "NVLink {{network_io_direction}} {{host_name}} GPU {{gpu_index}}",
+                "B",
+            ),
+        ],
+        unit="Bps",
+    )
+    lay.timeseries(
+        "GPU memory: this job vs the whole device",
+        "Memory held on each GPU by the selected ranks' processes (NVML's process list) "
+        "beside the device-wide figure, which includes other tenants of a shared node.",
+        [
+            target(
+                "sum by (host_name, gpu_index) "
+                f"(otelprof_gpu_process_memory_usage_bytes{{{GPU_SEL}}})",
+                "job {{host_name}} GPU {{gpu_index}}",
+            ),
+            target(
+                f"{gpu} (hw_gpu_memory_usage_bytes{{{GPU_SEL}}})",
+                "device {{host_name}} GPU {{gpu_index}}",
+                "B",
+            ),
+        ],
+        unit="bytes",
+    )
     lay.row("Host (reported by local rank 0 of each host)")
     lay.timeseries(
         "CPU utilization",
@@ -541,6 +616,19 @@ def training_dashboard() -> dict[str, Any]:
         ],
         unit="percentunit",
         max_value=1,
+    )
+    lay.timeseries(
+        "GPU energy per step",
+        "Joules drawn by the selected GPUs per training step: GPU energy per second over "
+        "steps per second of one rank (the ranks step together).",
+        [
+            target(
+                f'sum(rate(hw_energy_joules_total{{hw_type="gpu", {RANK_SEL}}}[$__rate_interval]))'
+                f" / max(sum by (otelprof_rank) ({_rate(CALLS, step)}))",
+                "J per step",
+            )
+        ],
+        unit="J",
     )
     lay.row("Ranks")
     lay.timeseries(

@@ -16,6 +16,7 @@ the Prometheus label `otelprof_synthetic`.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import uuid
@@ -24,6 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.fake_nvml import (
+    GPM_DRAM,
+    GPM_NVLINK_RX,
+    GPM_NVLINK_TX,
+    GPM_OCCUPANCY,
+    GPM_PCIE_RX,
+    GPM_PCIE_TX,
+    GPM_SM,
+    GPM_TENSOR,
+)
 from tests.otlp_sink import OtlpSink
 from tests.services import Collector, Prometheus, start_collector, start_prometheus, wait_for
 from tests.spec import DETERMINED_TIMINGS
@@ -195,6 +206,8 @@ class SyntheticGpuFeed:
                 memory_total=80 * 2**30,
                 # no sample buffer: the sampler falls back to nvmlDeviceGetUtilizationRates
                 errors={"nvmlDeviceGetSamples": NVML_ERROR_NOT_SUPPORTED},
+                gpm_supported=True,  # Hopper-like: SM/tensor activity, bandwidth, PCIe, NVLink
+                processes=[(os.getpid(), (2 + i) * 2**30)],  # this job's share of the GPU
             )
             for i in range(SYNTHETIC_GPUS)
         ]
@@ -236,6 +249,20 @@ class SyntheticGpuFeed:
                 gpu.power_mw = 150_000 + gpu.utilization_rate * 2_500
                 gpu.temperature_c = 45 + gpu.utilization_rate // 4
                 gpu.energy_mj += gpu.power_mw // 5
+                u = gpu.utilization_rate
+                gpu.run(
+                    0.2,
+                    **{
+                        f"m{GPM_SM}": u * 0.8,
+                        f"m{GPM_OCCUPANCY}": u * 0.4,
+                        f"m{GPM_TENSOR}": u * 0.5,
+                        f"m{GPM_DRAM}": u * 0.6,
+                        f"m{GPM_PCIE_TX}": 100.0 + u,
+                        f"m{GPM_PCIE_RX}": 400.0 + u,
+                        f"m{GPM_NVLINK_TX}": 2000.0 + 10 * u,
+                        f"m{GPM_NVLINK_RX}": 2000.0 + 10 * u,
+                    },
+                )
 
     @property
     def uuids(self) -> list[str]:

@@ -266,7 +266,8 @@ class GpuPerf:
             result = request.metrics[i]
             code = int(result.nvmlReturn)
             if code != success:
-                if code in self._permanent():
+                # INVALID_ARGUMENT for one metric (e.g. samples too close) is not a refusal
+                if code in self._permanent() - {self._const("NVML_ERROR_INVALID_ARGUMENT", 2)}:
                     state.gpm_keys.discard(metric.key)
                     self._log(
                         f"gpm-refused:{device.uuid}:{metric.key}",
