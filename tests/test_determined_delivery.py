@@ -8,7 +8,6 @@ delivery across lost responses.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,13 +264,56 @@ def test_a_lost_response_for_a_report_the_master_did_not_store_is_sent_again(
     master: DeterminedContractServer,
 ) -> None:
     pipeline = _pipeline(master)
-    stop = threading.Event()
     try:
         master.fail_next(1, status=504)  # a proxy timed out before the master got it
         _commit(pipeline, 0, [_cpu(42, 7)])
         assert pipeline.wait_delivered(10), pipeline.stats()
     finally:
-        stop.set()
         pipeline.shutdown(1)
     assert len(master.profiling_rows(42, "cpu")) == 1
     assert pipeline.stats()["delivered"] == 1
+
+
+def test_a_stale_report_spooled_before_a_restart_is_moved_aside_without_blocking_the_rest(
+    master: DeterminedContractServer, tmp_path: Path
+) -> None:
+    # A bridge died with a stale-run-id report at the head of its spool (the real-master bug
+    # replayed it forever after every restart, blocking all later reports).
+    master.restart_trial(43)
+    spool = DiskSpool(tmp_path, fsync=False)
+    spool.recover()
+    spool.commit_window(0, [_cpu(43, 0), _cpu(42, 0), _timings(44, 2, 0.5)], {})
+    spool.commit_window(1, [_cpu(43, 1), _cpu(42, 1)], {})
+    spool.close()
+    pipeline = _pipeline(master, DiskSpool(tmp_path, fsync=False))
+    try:
+        assert pipeline.wait_delivered(5), pipeline.stats()
+    finally:
+        pipeline.shutdown(1)
+    assert sorted((p.trial_id, p.group) for p in master.posts()) == [
+        (42, "cpu"), (42, "cpu"), (44, "timings"),
+    ]  # fmt: skip
+    assert pipeline.stats()["refused_kept"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["refused.jsonl", "state.json"]
+
+
+def test_the_contract_master_breaks_on_values_otelprof_must_never_send(
+    master: DeterminedContractServer,
+) -> None:
+    # Accepted with 200 on write, as the real master does; the read is where it fails.
+    text = build_body(42, 1, "cpu", {AGENT: {"cpu_util_simple": "high"}}, T0)
+    assert _post(master, text).status_code == 200
+    series = httpx.get(
+        f"{master.url}/api/v1/trials/42/profiler/metrics",
+        params={"labels.name": "cpu_util_simple", "labels.agentId": AGENT},
+        headers={"Authorization": f"Bearer {master.token}"},  # type: ignore[attr-defined]
+    )
+    assert series.status_code == 500 and "grpcCode" in series.json()["error"]
+    null = build_body(42, 1, "memory", {AGENT: {"memory_free": None}}, T0)
+    assert _post(master, null).status_code == 200
+    with pytest.raises(httpx.TransportError):  # the master went down reading it
+        httpx.get(
+            f"{master.url}/api/v1/trials/42/profiler/metrics",
+            params={"labels.name": "memory_free", "labels.agentId": AGENT},
+            headers={"Authorization": f"Bearer {master.token}"},  # type: ignore[attr-defined]
+        )
