@@ -8,6 +8,10 @@ delivery across lost responses.
 from __future__ import annotations
 
 import logging
+import re
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +25,7 @@ from otelprof.determined.client import Credentials, DeterminedClient, Outcome
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.spool import DiskSpool, MemorySpool
 from tests.determined_contract import DeterminedContractServer
+from tests.determined_feed import OtlpClient, seed_metrics_request, trial_resource
 
 T0 = 1_760_000_000_000_000_000
 AGENT = "agent-1"
@@ -317,3 +322,46 @@ def test_the_contract_master_breaks_on_values_otelprof_must_never_send(
             params={"labels.name": "memory_free", "labels.agentId": AGENT},
             headers={"Authorization": f"Bearer {master.token}"},  # type: ignore[attr-defined]
         )
+
+
+def test_the_bridge_process_serves_its_own_metrics_with_refusals_and_deliveries(
+    master: DeterminedContractServer, tmp_path: Path
+) -> None:
+    master.restart_trial(43)
+    (tmp_path / "token").write_text(master.token)  # type: ignore[attr-defined]
+    bridge = subprocess.Popen(
+        [sys.executable, "-m", "otelprof", "determined-bridge", "--listen", "127.0.0.1:0",
+         "--master", master.url, "--token-file", str(tmp_path / "token"),
+         "--spool-dir", str(tmp_path / "spool"), "--report-interval", "0.2",
+         "--metrics-port", "0", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        assert bridge.stdout is not None
+        line = bridge.stdout.readline().decode()
+        found = re.search(r"listening on port (\d+) .* metrics on port (\d+)", line)
+        assert found, line
+        otlp = OtlpClient(int(found.group(1)))
+        otlp.send_metrics(seed_metrics_request(trial_resource(42)))
+        otlp.send_metrics(seed_metrics_request(trial_resource(43)))
+        otlp.close()
+        url = f"http://127.0.0.1:{found.group(2)}/metrics"
+        values: dict[str, float] = {}
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text = httpx.get(url).text
+            values = {
+                m.group(1): float(m.group(2))
+                for m in re.finditer(r"^otelprof_determined_bridge_(\w+) (\S+)$", text, re.M)
+            }
+            if values.get("delivered_total", 0) >= 5 and values.get("refused_by_master_total"):
+                break
+            time.sleep(0.1)
+        assert values["delivered_total"] == 5, values
+        assert values["refused_by_master_total"] == 5
+        assert values["refused_kept_total"] == 5
+        assert values["pending"] == 0
+        assert "# HELP otelprof_determined_bridge_refused_by_master_total" in text
+    finally:
+        bridge.send_signal(signal.SIGTERM)
+        assert bridge.wait(30) == 0

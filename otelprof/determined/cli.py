@@ -105,6 +105,12 @@ def register(subparsers: Any) -> None:
         type=float,
         help=f"HTTP timeout per request in seconds, default 10 {env('request_timeout')}",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve the bridge's own metrics (delivered, refused, retries, pending, ...) in "
+        f"the Prometheus format on 127.0.0.1:PORT; 0 picks a free port {env('metrics_port')}",
+    )
     p.add_argument("--workers", type=int, help="gRPC worker threads, default 8")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
@@ -161,10 +167,23 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _signal)
     signal.signal(signal.SIGINT, _signal)
     server.start()
+    stop_metrics = None
+    metrics_note = ""
+    if settings.metrics_port is not None:
+        from otelprof.determined.selfmetrics import serve_metrics
+
+        try:
+            metrics_port, stop_metrics = serve_metrics(pipeline.stats, settings.metrics_port)
+        except OSError as exc:
+            print(f"otelprof determined-bridge: --metrics-port: {exc}", file=sys.stderr)
+            server.stop()
+            return 2
+        metrics_note = f", metrics on port {metrics_port}"
     # Machine-readable line for scripts and tests that let the bridge pick a port.
     print(
         f"otelprof determined-bridge listening on port {server.port} -> {client.master} "
-        f"(window {settings.window_s:g} s, spool {settings.spool_dir or 'memory'})",
+        f"(window {settings.window_s:g} s, spool {settings.spool_dir or 'memory'}"
+        f"{metrics_note})",
         flush=True,
     )
     last: dict[str, Any] = {}
@@ -174,5 +193,7 @@ def run(args: argparse.Namespace) -> int:
             log.info("stats: %s", stats)
             last = stats
     server.stop()
+    if stop_metrics is not None:
+        stop_metrics()
     log.info("stopped; stats: %s", pipeline.stats())
     return 0

@@ -37,6 +37,7 @@ ENV = {
     "timings_group": "OTELPROF_BRIDGE_TIMINGS_GROUP",
     "retry_max_delay": "OTELPROF_BRIDGE_RETRY_MAX_DELAY",
     "request_timeout": "OTELPROF_BRIDGE_REQUEST_TIMEOUT",
+    "metrics_port": "OTELPROF_BRIDGE_METRICS_PORT",
 }
 
 
@@ -79,6 +80,7 @@ class BridgeSettings:
     retry_max_s: float = 30.0
     request_timeout_s: float = 10.0
     workers: int = 8
+    metrics_port: int | None = None  # the bridge's own Prometheus metrics (0: any free port)
 
     @classmethod
     def from_args(cls, args: Any, env: Mapping[str, str] | None = None) -> BridgeSettings:
@@ -134,6 +136,11 @@ class BridgeSettings:
         if route.trial_id is not None and route.run_id is None:
             raise ConfigError("--trial-id needs --trial-run-id (Determined checks the run id)")
         spool_dir = pick("spool_dir", default_spool_dir(env))
+        metrics_port = pick("metrics_port")
+        if metrics_port is not None:
+            metrics_port = int(number("metrics_port", 0, int, -1))
+            if metrics_port > 65535:
+                raise ConfigError(f"--metrics-port must be a TCP port, got {metrics_port}")
         return cls(
             master=str(master),
             credentials=creds,
@@ -150,4 +157,5 @@ class BridgeSettings:
             retry_max_s=number("retry_max_delay", 30.0),
             request_timeout_s=number("request_timeout", 10.0),
             workers=int(getattr(args, "workers", None) or 8),
+            metrics_port=metrics_port,
         )
