@@ -49,17 +49,35 @@ class Profiler:
     Also a context manager: leaving the `with` block shuts it down.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        env: dict[str, str] | None = None,
+        options: dict[str, Any] | None = None,
+        settled: bool = False,
+    ) -> None:
+        """`env`/`options`: what the settings were resolved from (ranks of a process group
+        included); `settled`: the ranks came from a process group and are final."""
         self.settings = settings
-        self.resource = build_resource(settings)
+        self._env = dict(os.environ) if env is None else env
+        self._options = dict(options or {})
+        self._settled = settled
+        self.resource = build_resource(settings, self._env)
         self._counters = ExportCounters()
         self._shutdown_done = False
         self._started_ns = time.time_ns()
         attrs = self.resource.attributes
         world_size = _int_attribute(attrs.get("otelprof.world_size"), 1)
         rank = _int_attribute(attrs.get("otelprof.rank"), 0)
+        attempt = attrs.get("otelprof.attempt")
         self._pipelines = build_pipelines(
-            settings, self._counters, world_size=world_size, rank=rank
+            settings,
+            self._counters,
+            world_size=world_size,
+            rank=rank,
+            attempt=attempt if isinstance(attempt, int) else None,
+            local_rank=_int_attribute(attrs.get("otelprof.local_rank"), 0),
         )
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self._pipelines.metric_readers
@@ -70,6 +88,7 @@ class Profiler:
         self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
         self._system = _degrade("system metrics", self._start_system_metrics)
         self._timings = _degrade("timings", self._start_timings)
+        self._distributed = _degrade("distributed hooks", self._start_distributed)
         self._register_self_telemetry()
         self._end: EndRecord | None = None
         if settings.detached:
@@ -161,6 +180,7 @@ class Profiler:
         watchdog.daemon = True
         watchdog.start()
         steps: list[tuple[str, Any]] = [
+            ("distributed hooks", self._distributed.remove if self._distributed else None),
             ("timings", self._timings.shutdown if self._timings else None),
             ("traces", self.tracer_provider.shutdown),
             ("system metrics final sample", self._system.final_sample if self._system else None),
@@ -223,6 +243,43 @@ class Profiler:
         engine.start()
         return engine
 
+    def _start_distributed(self) -> Any:
+        from otelprof._distributed.hooks import DistributedHooks
+
+        return DistributedHooks.start(self, self._meter)
+
+    def _reidentify(self) -> None:
+        """A process group appeared after `instrument()`: restart under its ranks (see
+        otelprof/_distributed/identity.py) if they differ from the ones this run started with."""
+        global _active
+        from otelprof._distributed import identity
+
+        if self._settled or self._shutdown_done:
+            return
+        env, options, settled = identity.resolve(self._options, self._env)
+        same_run = options.get("run_id", self.settings.run_id) == self.settings.run_id
+        if not settled or (same_run and not identity.differs(self.resource.attributes, env)):
+            self._settled = settled
+            return
+        _log.info("otelprof: process group found; restarting as rank %s of %s",
+                  env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
+        old_files = dict(self._pipelines.files)
+        self.shutdown()
+        settings = Settings.from_options(env=env, **options)
+        resource = build_resource(settings, env)
+        world = _int_attribute(resource.attributes.get("otelprof.world_size"), 1)
+        rank = _int_attribute(resource.attributes.get("otelprof.rank"), 0)
+        attempt = resource.attributes.get("otelprof.attempt")
+        if settings.detached:
+            from otelprof.export.wiring import file_names
+
+            metrics, traces = file_names(world, rank, attempt if isinstance(attempt, int) else None)
+            new_files = {"metrics": settings.run_dir / metrics, "traces": settings.run_dir / traces}
+            identity.relocate(old_files, new_files, resource.attributes)
+        with _lock:
+            self.__init__(settings, env=env, options=self._options, settled=True)  # type: ignore[misc]
+            _active = self
+
     def _register_self_telemetry(self) -> None:
         """Expose drops as a metric too, so they show up wherever the data goes."""
 
@@ -261,13 +318,16 @@ class Profiler:
         if stats is not None:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
-        rank = info["resource"].get("otelprof.rank", 0)
-        name = (
-            "run.json"
-            if int(info["resource"].get("otelprof.world_size", 1)) <= 1
-            else (f"run.rank{rank}.json")
+        from otelprof.export.wiring import file_suffix
+
+        res = info["resource"]
+        attempt = res.get("otelprof.attempt")
+        suffix = file_suffix(
+            _int_attribute(res.get("otelprof.world_size"), 1),
+            _int_attribute(res.get("otelprof.rank"), 0),
+            attempt if isinstance(attempt, int) else None,
         )
-        path = s.run_dir / name
+        path = s.run_dir / f"run{suffix}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
         tmp.replace(path)
@@ -340,8 +400,11 @@ def instrument(**options: Any) -> Profiler:
                     sorted(options),
                 )
             return _BorrowedProfiler(_active)
-        settings = Settings.from_options(**options)
-        _active = Profiler(settings)
+        from otelprof._distributed.identity import resolve
+
+        env, resolved, settled = resolve(options)
+        settings = Settings.from_options(env=env, **resolved)
+        _active = Profiler(settings, env=env, options=options, settled=settled)
         return _active
 
 

@@ -20,6 +20,8 @@ _RANK_ENV = {
     "RANK": ("otelprof.rank", True),
     "LOCAL_RANK": ("otelprof.local_rank", True),
     "WORLD_SIZE": ("otelprof.world_size", True),
+    # which restart of an elastic job (torchrun --max-restarts): attempts are kept apart
+    "TORCHELASTIC_RESTART_COUNT": ("otelprof.attempt", True),
 }
 _DETERMINED_ENV = {
     "DET_EXPERIMENT_ID": ("determined.experiment.id", True),

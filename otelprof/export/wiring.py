@@ -61,11 +61,17 @@ class ExportPipelines:
                 _log.warning("otelprof: closing exporter resource raised %r", error)
 
 
-def file_names(world_size: int, rank: int) -> tuple[str, str]:
-    """(metrics, traces) file names; ranks of one job share a run directory."""
-    if world_size > 1:
-        return f"metrics.rank{rank}.jsonl", f"traces.rank{rank}.jsonl"
-    return "metrics.jsonl", "traces.jsonl"
+def file_suffix(world_size: int, rank: int, attempt: int | None = None) -> str:
+    """ "", ".rank3" or ".rank3.attempt1": ranks of one job share a run directory, and each
+    restart of an elastic job (attempt > 0) writes its own files, so nothing is overwritten."""
+    suffix = f".rank{rank}" if world_size > 1 else ""
+    return suffix + (f".attempt{attempt}" if attempt else "")
+
+
+def file_names(world_size: int, rank: int, attempt: int | None = None) -> tuple[str, str]:
+    """(metrics, traces) file names of one process of a job."""
+    suffix = file_suffix(world_size, rank, attempt)
+    return f"metrics{suffix}.jsonl", f"traces{suffix}.jsonl"
 
 
 def _span_processor(
@@ -105,12 +111,13 @@ def _add_files(
     counters: ExportCounters,
     world_size: int,
     rank: int,
+    attempt: int | None = None,
 ) -> None:
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
     run_dir = settings.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_name, traces_name = file_names(world_size, rank)
+    metrics_name, traces_name = file_names(world_size, rank, attempt)
     pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
     pipelines.metric_readers.append(
         _metric_reader(
@@ -154,15 +161,34 @@ def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCo
         )
 
 
-def _add_prometheus(pipelines: ExportPipelines, settings: Settings) -> None:
+def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: int = 0) -> None:
+    """Serve /metrics on `prometheus_port` + local rank (so the ranks of a node each get one).
+
+    A port that is taken (another job, a rank of another launcher) is a logged degradation:
+    the endpoint is left out and training goes on, never an exception from `instrument()`.
+    """
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry, start_http_server
 
+    port = settings.prometheus_port or 0
+    if port:
+        port += local_rank
+    if port > 65535:
+        _log.warning("otelprof: Prometheus port %d + local rank is out of range; no endpoint", port)
+        return
     registry = CollectorRegistry()
+    try:
+        server, thread = start_http_server(port, addr=settings.prometheus_host, registry=registry)
+    except OSError as error:
+        _log.warning(
+            "otelprof: cannot serve Prometheus metrics on %s:%d (%s); continuing without the "
+            "endpoint",
+            settings.prometheus_host,
+            port,
+            error.strerror or error,
+        )
+        return
     reader = PrometheusMetricReader(registry=registry)
-    server, thread = start_http_server(
-        settings.prometheus_port or 0, addr=settings.prometheus_host, registry=registry
-    )
     pipelines.prometheus_port = int(server.server_address[1])
     pipelines.metric_readers.append(reader)
 
@@ -191,17 +217,23 @@ def _add_determined(
 
 
 def build_pipelines(
-    settings: Settings, counters: ExportCounters, *, world_size: int = 1, rank: int = 0
+    settings: Settings,
+    counters: ExportCounters,
+    *,
+    world_size: int = 1,
+    rank: int = 0,
+    attempt: int | None = None,
+    local_rank: int = 0,
 ) -> ExportPipelines:
     """Create every exporter the settings enable; raises only on setup errors (bad port...)."""
     pipelines = ExportPipelines()
     try:
         if settings.detached:
-            _add_files(pipelines, settings, counters, world_size, rank)
+            _add_files(pipelines, settings, counters, world_size, rank, attempt)
         if settings.endpoint:
             _add_otlp(pipelines, settings, counters)
         if settings.prometheus_port is not None:
-            _add_prometheus(pipelines, settings)
+            _add_prometheus(pipelines, settings, local_rank)
         if settings.determined:
             _add_determined(pipelines, settings, counters)
     except Exception:

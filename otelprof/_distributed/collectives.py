@@ -1,0 +1,211 @@
+"""Time spent in collectives, per rank: the signal that finds stragglers in synchronous jobs.
+
+In synchronous data-parallel training every rank's step takes as long as the slowest rank's,
+so step times cannot name a straggler. What differs is where the time goes: the fast ranks
+sit in the next collective until the slow one arrives. This module times every collective a
+rank enters:
+
+- `torch.distributed` collectives called from Python (all_reduce, barrier, broadcast, the
+  `*_object` variants, ...) become spans `dist.<name>` (a collective called inside another,
+  such as all_gather inside all_gather_object, is counted once);
+- DDP's gradient all-reduce: a communication hook (DDP's default all-reduce, timed) is
+  registered on each `DistributedDataParallel` model at its first forward, unless the user
+  registered one; its span `ddp.allreduce` runs from the moment this rank's last gradient
+  bucket is ready (its own backward work is done) until the reduced gradients are back, i.e.
+  communication plus waiting for the other ranks.
+
+Every such span carries `otelprof.collective` (the operation), and the seconds add up in a
+process-wide table read by the live counter `otelprof.collective.duration`. Asynchronous
+collectives (`async_op=True`) are timed up to the call's return, not to `wait()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from time import perf_counter_ns
+from typing import Any
+
+from otelprof.timings import _recorder as rec
+
+_log = logging.getLogger("otelprof")
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "barrier",
+    "monitored_barrier",
+)
+ATTR_COLLECTIVE = "otelprof.collective"
+DDP_SPAN = "ddp.allreduce"
+SPAN_PREFIX = "dist."
+
+# op -> [nanoseconds, calls]; written from the training thread and DDP's comm threads
+# (dict/list updates under the GIL), read by the metric callback.
+totals: dict[str, list[int]] = {}
+_enabled = False
+
+
+class _Inside(threading.local):
+    depth = 0
+
+
+_inside = _Inside()
+
+
+def _add(op: str, ns: int) -> None:
+    entry = totals.get(op)
+    if entry is None:
+        entry = totals.setdefault(op, [0, 0])
+    entry[0] += ns
+    entry[1] += 1
+
+
+def snapshot() -> dict[str, tuple[float, int]]:
+    """{operation: (seconds, calls)} since the process started timing collectives."""
+    return {op: (ns / 1e9, calls) for op, (ns, calls) in list(totals.items())}
+
+
+def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    span_name = SPAN_PREFIX + name
+
+    @functools.wraps(fn)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if not _enabled or _inside.depth:
+            return fn(*args, **kwargs)
+        _inside.depth += 1
+        start = perf_counter_ns()
+        try:
+            with rec.Timing(span_name, {ATTR_COLLECTIVE: name}):
+                return fn(*args, **kwargs)
+        finally:
+            _add(name, perf_counter_ns() - start)
+            _inside.depth -= 1
+
+    collective.__otelprof_original__ = fn  # type: ignore[attr-defined]
+    return collective
+
+
+def _emit(name: str, op: str, start: int, end: int, ctx: Any, parent: Any, state: Any) -> None:
+    """Queue a finished range measured across threads (the recorder's frame layout)."""
+    _add(op, end - start)
+    if ctx is None:
+        return
+    frame = [name, 0, parent, ctx, state, {ATTR_COLLECTIVE: op}, start, end, None, None,
+             rec.KIND_TIMING, None, None]  # fmt: skip
+    if len(rec.queue) < rec.capacity:
+        rec.queue.append(frame)
+    else:
+        rec._count_drop()
+
+
+def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
+    """DDP's default all-reduce hook, timed from this rank's last ready bucket to the end."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    _inside.depth += 1  # its all_reduce call is this span, not one of its own
+    try:
+        future = allreduce_hook(process_group, bucket)
+    finally:
+        _inside.depth -= 1
+    if not _enabled or not bucket.is_last():
+        return future
+    start = perf_counter_ns()
+    ctx = rec.current
+    state = rec.thread_state()
+    top = state.stack[-1]
+    parent = top if top[rec.F_CTX] is ctx else None
+
+    def done(fut: Any) -> Any:
+        with contextlib.suppress(Exception):  # telemetry never breaks training
+            _emit(DDP_SPAN, "ddp_allreduce", start, perf_counter_ns(), ctx, parent, state)
+        return fut.value()
+
+    return future.then(done)
+
+
+class CollectiveTiming:
+    """Patches torch.distributed's collectives and DDP; `remove()` restores them exactly."""
+
+    def __init__(self) -> None:
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        global _enabled
+        if "torch" not in sys.modules:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        c10d = dist.distributed_c10d
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapper = _timed(name, original)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    self._patch(module, name, wrapper)
+        self._patch_ddp()
+        _enabled = True
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._patched.append((owner, name, owner.__dict__.get(name, getattr(owner, name))))
+        setattr(owner, name, value)
+
+    def _patch_ddp(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        original = DDP.__dict__["forward"]
+
+        @functools.wraps(original)
+        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(self, "_otelprof_hook_checked", False):
+                _register_hook(self)
+            return original(self, *args, **kwargs)
+
+        self._patch(DDP, "forward", forward)
+
+    def remove(self) -> None:
+        global _enabled
+        _enabled = False
+        while self._patched:
+            owner, name, value = self._patched.pop()
+            setattr(owner, name, value)
+
+
+def _register_hook(model: Any) -> None:
+    """Time DDP's all-reduce unless the user registered a hook of their own."""
+    try:
+        model._otelprof_hook_checked = True
+        if getattr(model, "_comm_hooks", None):
+            _log.info("otelprof: DDP model has its own comm hook; its all-reduce is not timed")
+            return
+        import torch
+        import torch.distributed as dist
+
+        # DDP checks the hook's annotations against the real types (strings here otherwise)
+        timed_allreduce_hook.__annotations__.update(
+            bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+        )
+        model.register_comm_hook(model.process_group, timed_allreduce_hook)
+    except Exception as error:
+        _log.info("otelprof: could not time DDP's all-reduce: %r", error)

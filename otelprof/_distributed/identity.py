@@ -1,0 +1,195 @@
+"""Settle a process's identity before (or again after) its providers exist.
+
+OpenTelemetry resources are immutable once providers are built, so otelprof settles ranks
+in two places:
+
+- at `instrument()`: when a process group already exists (`mp.spawn`, DDP set up first),
+  ranks come from it and the ranks agree on a run id before anything is created;
+- at `init_process_group()` (patched while otelprof runs): when the group appears after
+  `instrument()` (Lightning's launcher, a script that instruments first) and the identity
+  differs from the one the profiler started with, the profiler restarts under the right
+  identity. What it had already written (a few seconds of metrics, usually) is moved into
+  the agreed run directory, relabelled with the right ranks, so nothing is lost or left in a
+  stray directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from otelprof._distributed import ranks
+from otelprof.config import ENVIRONMENT
+
+_log = logging.getLogger("otelprof")
+
+RANK_KEYS = ("otelprof.rank", "otelprof.local_rank", "otelprof.world_size", "otelprof.attempt")
+
+
+def run_id_explicit(options: Mapping[str, Any], env: Mapping[str, str]) -> bool:
+    """Whether the run id comes from the user or the launcher (then every rank has it)."""
+    return bool(options.get("run_id")) or any(env.get(v) for v in ENVIRONMENT["run_id"])
+
+
+def resolve(
+    options: Mapping[str, Any], env: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, Any], bool]:
+    """(environment, options, settled) to build settings and the resource from.
+
+    With a process group, the environment carries its ranks and the options rank 0's run id;
+    `settled` says whether this identity is final (a process group existed, or a single
+    process whose launcher gave no ranks is not waiting for one).
+    """
+    environment = dict(os.environ if env is None else env)
+    opts = dict(options)
+    if not ranks.process_group_initialized():
+        return environment, opts, False
+    ident = ranks.detect(environment)
+    environment.update(ident.env())
+    if ident.world_size > 1 and not run_id_explicit(opts, environment):
+        from otelprof.config import _default_run_id
+
+        opts["run_id"] = ranks.agree_run_id(_default_run_id(), ident.rank)
+    ranks.next_generation()
+    return environment, opts, True
+
+
+def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
+    """Whether the ranks in `env` differ from those a resource was built with."""
+    for key, variable in (
+        ("otelprof.rank", "RANK"),
+        ("otelprof.local_rank", "LOCAL_RANK"),
+        ("otelprof.world_size", "WORLD_SIZE"),
+    ):
+        if str(resource.get(key)) != env.get(variable):
+            return True
+    return False
+
+
+def relocate(old: Mapping[str, Path], new: Mapping[str, Path], resource: Mapping[str, Any]) -> None:
+    """Move what this process wrote before its identity was known into its new files, with
+    the rank attributes of `resource`. Only this process's lines move (ranks that shared a
+    run id wrote the same pre-rank file names); emptied files and directories are removed."""
+    pid = resource.get("process.pid")
+    for signal, source in old.items():
+        target = new.get(signal)
+        if target is None or source == target or not source.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _dir_lock(source.parent):
+            mine: list[str] = []
+            others: list[str] = []
+            with source.open(encoding="utf-8") as lines:
+                for line in lines:
+                    request = _parse(line)
+                    (mine if request is None or _pid(request) == pid else others).append(line)
+            with target.open("a", encoding="utf-8") as out:
+                out.writelines(_relabel(line, resource) for line in mine)
+            if others:
+                tmp = source.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text("".join(others), encoding="utf-8")
+                tmp.replace(source)
+            else:
+                source.unlink()
+    new_dirs = {p.parent for p in new.values()}
+    for directory in {p.parent for p in old.values()}:
+        for info in directory.glob("run*.json"):
+            with contextlib.suppress(Exception):
+                if json.loads(info.read_text()).get("resource", {}).get("process.pid") == pid:
+                    info.unlink()
+        if directory not in new_dirs:
+            with contextlib.suppress(OSError):
+                (directory / ".otelprof-relocate.lock").unlink()
+                directory.rmdir()
+
+
+@contextlib.contextmanager
+def _dir_lock(directory: Path) -> Iterator[None]:
+    import fcntl
+
+    with (directory / ".otelprof-relocate.lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _pid(request: dict[str, Any]) -> Any:
+    for key in ("resourceMetrics", "resourceSpans"):
+        for item in request.get(key, ()):
+            for attr in item.get("resource", {}).get("attributes", ()):
+                if attr.get("key") == "process.pid":
+                    value = attr.get("value", {})
+                    raw = value.get("intValue", value.get("stringValue"))
+                    with contextlib.suppress(TypeError, ValueError):
+                        return int(raw)
+    return None
+
+
+def _relabel(line: str, resource: Mapping[str, Any]) -> str:
+    try:
+        request = json.loads(line)
+    except ValueError:
+        return line if line.endswith("\n") else line + "\n"  # kept as is; the reader warns
+    for key in ("resourceMetrics", "resourceSpans"):
+        for item in request.get(key, ()):
+            attrs = item.setdefault("resource", {}).setdefault("attributes", [])
+            kept = [a for a in attrs if a.get("key") not in RANK_KEYS]
+            for name in RANK_KEYS:
+                if isinstance(resource.get(name), int):
+                    kept.append({"key": name, "value": {"intValue": str(resource[name])}})
+            item["resource"]["attributes"] = kept
+    return json.dumps(request, separators=(",", ":")) + "\n"
+
+
+class InitProcessGroupHook:
+    """Calls `callback()` after every successful `torch.distributed.init_process_group`."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+        self._patched: list[tuple[Any, Any]] = []
+
+    def install(self) -> None:
+        if "torch" not in sys.modules:
+            return
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return
+        original = dist.distributed_c10d.init_process_group
+        callback = self._callback
+
+        @functools.wraps(original)
+        def init_process_group(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                callback()
+            except Exception:  # telemetry never breaks training
+                _log.exception("otelprof: could not take the process group's ranks")
+            return result
+
+        for module in (dist, dist.distributed_c10d):
+            if getattr(module, "init_process_group", None) is original:
+                self._patched.append((module, original))
+                module.init_process_group = init_process_group
+
+    def remove(self) -> None:
+        while self._patched:
+            module, original = self._patched.pop()
+            module.init_process_group = original

@@ -1,0 +1,100 @@
+"""A small synchronous DDP job on CPU (gloo), launched for real by the distributed tests.
+
+Run under torchrun (`python -m torch.distributed.run ... tests/ddp_job.py`) or as
+`python tests/ddp_job.py --spawn N` (torch.multiprocessing.spawn, the PyTorch tutorial
+pattern: no launcher environment, ranks only from the process group). Options:
+`--slow-rank R --slow-ms MS` sleeps on rank R each step outside any timing (a straggler);
+`--raise-rank R --raise-at STEP` raises there; `--kill-rank R --kill-at STEP` SIGKILLs itself;
+`--instrument-first` calls otelprof.instrument() before init_process_group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import otelprof
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spawn", type=int, default=0)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-ms", type=float, default=20.0)
+    p.add_argument("--raise-rank", type=int, default=-1)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--fail-at", type=int, default=10)
+    p.add_argument("--fail-attempt", type=int, default=-1, help="fail only in this attempt")
+    p.add_argument("--instrument-first", action="store_true")
+    p.add_argument("--step-sleep-ms", type=float, default=2.0)
+    return p.parse_args(argv)
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    if args.instrument_first:
+        prof = otelprof.instrument()
+    if args.spawn:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group("gloo")
+    if not args.instrument_first:
+        prof = otelprof.instrument()
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    failing = args.fail_attempt < 0 or args.fail_attempt == attempt
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.randn(16, 32)
+    target = torch.randn(16, 1)
+    try:
+        for step in range(args.steps):
+            if rank == args.slow_rank:
+                time.sleep(args.slow_ms / 1000)  # the straggler's extra work, outside any timing
+            if failing and step == args.fail_at and rank == args.raise_rank:
+                raise RuntimeError(f"rank {rank} failed at step {step}")
+            if failing and step == args.fail_at and rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            with otelprof.timing("dataloader_next"):
+                time.sleep(args.step_sleep_ms / 1000)
+            with otelprof.train_batch():
+                loss = torch.nn.functional.mse_loss(model(data), target)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+            with otelprof.reduce_metrics():
+                value = loss.detach().clone()
+                dist.all_reduce(value)
+            prof.step()
+        dist.barrier()
+    finally:
+        prof.shutdown()
+        dist.destroy_process_group()
+
+
+def _spawned(index: int, world_size: int, args: argparse.Namespace) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    train(index, world_size, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.spawn:
+        mp.spawn(_spawned, args=(args.spawn, args), nprocs=args.spawn, join=True)
+    else:
+        train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
