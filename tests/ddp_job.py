@@ -53,7 +53,9 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     failing = args.fail_attempt < 0 or args.fail_attempt == attempt
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(16, 32)
     target = torch.randn(16, 1)

@@ -30,6 +30,7 @@ from otelprof.config import ENVIRONMENT
 
 _log = logging.getLogger("otelprof")
 
+_INIT = "init_process_group"
 RANK_KEYS = ("otelprof.rank", "otelprof.local_rank", "otelprof.world_size", "otelprof.attempt")
 
 
@@ -185,11 +186,11 @@ class InitProcessGroupHook:
             return result
 
         for module in (dist, dist.distributed_c10d):
-            if getattr(module, "init_process_group", None) is original:
+            if getattr(module, _INIT, None) is original:
                 self._patched.append((module, original))
-                module.init_process_group = init_process_group
+                setattr(module, _INIT, init_process_group)
 
     def remove(self) -> None:
         while self._patched:
             module, original = self._patched.pop()
-            module.init_process_group = original
+            setattr(module, _INIT, original)

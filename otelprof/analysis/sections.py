@@ -36,7 +36,10 @@ class Section:
 
 SectionBuilder = Callable[[RunSummary], "Section | None"]
 _BUILDERS: list[SectionBuilder] = []
-_BUILTIN: tuple[str, ...] = ("otelprof.analysis.gpu_energy",)
+_BUILTIN: tuple[str, ...] = (
+    "otelprof.analysis.gpu_energy",
+    "otelprof.analysis.straggler_section",
+)
 """Analysis modules whose sections every report shows (imported on first use)."""
 
 

@@ -25,6 +25,7 @@ from otelprof.analysis.reader import (
     Warn,
     iter_records,
 )
+from otelprof.analysis.stragglers import StragglerPass, StragglerReport
 
 STEP_SPAN = "step"
 PHASE_ATTR = "otelprof.phase"
@@ -169,6 +170,7 @@ class RunSummary:
     failed_spans: dict[str, int] = field(default_factory=dict)  # name -> spans with ERROR status
     step0_s: list[float] = field(default_factory=list)  # durations of step 0 (one per process)
     steps_range: tuple[int | None, int | None] | None = None  # --steps A:B, when given
+    stragglers: StragglerReport | None = None  # per-rank waiting vs own work (stragglers.py)
 
     @property
     def step_total_s(self) -> float:
@@ -337,6 +339,7 @@ def summarize(
     counters: dict[str, int] = {}
     phases = _Phases()
     resolver = _StepResolver(timings, window)
+    straggler_pass = StragglerPass()
     first_ns: int | None = None
     last_ns: int | None = None
     records: Iterable[SpanRec | PointRec] = iter_records(files.jsonl, warn, read)
@@ -378,6 +381,7 @@ def summarize(
                 if not rec.parent_span_id:
                     phases.root(rec.name, start, end)
             resolver.span(rec, dur_s, is_step, name)
+            straggler_pass.span(rec)
         else:
             if rec.kind == "sum" and rec.monotonic:
                 counters[rec.name] = counters.get(rec.name, 0) + 1
@@ -422,4 +426,5 @@ def summarize(
         failed_spans=failed,
         step0_s=step0,
         steps_range=steps,
+        stragglers=straggler_pass.result(),
     )

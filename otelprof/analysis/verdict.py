@@ -82,6 +82,10 @@ def judge(summary: RunSummary) -> Verdict:
             "(truncated run?); they are left out of the breakdown"
         )
 
+    stragglers = summary.stragglers
+    if stragglers is not None and stragglers.headline:
+        # synchronous training: the slow rank sets every rank's pace, so it comes first
+        return Verdict("straggler", stragglers.headline, evidence)
     if not summary.step.count:
         if not summary.timings:
             return Verdict("no timings", f"no timing spans in this run; {hw}", evidence)

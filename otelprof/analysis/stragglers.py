@@ -1,0 +1,283 @@
+"""Stragglers in synchronous training: who makes the others wait, and where its time goes.
+
+Synchronous data parallelism makes every rank's step as long as the slowest rank's, so step
+times cannot name a straggler. Collectives can: a rank that arrives late at a collective
+waits least in it, and the others wait for it. otelprof times collectives (spans carrying
+`otelprof.collective`: Python-level `torch.distributed` calls and DDP's gradient all-reduce),
+so each rank's step splits into
+
+- **waiting**: time in collectives (communication plus waiting for the other ranks), and in
+  which direct part of the step (`train_batch` for DDP's all-reduce, `reduce_metrics`, ...);
+- **own work**: every direct part of the step minus the collectives inside it, plus the time
+  outside every timing (`(untimed)`).
+
+The straggler is the rank that waits least, when the others wait clearly longer (over 1 ms
+and 5% of the step); its extra time is where its own work exceeds the other ranks' median.
+
+One streaming pass with bounded memory: spans are grouped by (rank, step) in a bounded
+window of recent steps; a step whose spans are still incomplete when it leaves the window is
+folded with what it has.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from otelprof.analysis.reader import Resource, SpanRec
+
+ATTR_COLLECTIVE = "otelprof.collective"
+UNTIMED = "(untimed)"
+STEP_SPAN = "step"
+MIN_WAIT_GAP_S = 1e-3
+MIN_WAIT_GAP_SHARE = 0.05
+_WINDOW_STEPS = 64  # open (rank, step) groups kept per rank
+
+
+@dataclass
+class _StepGroup:
+    step_id: str = ""
+    step_s: float = 0.0
+    children: list[tuple[str, str, str, int, int, bool]] = field(default_factory=list)
+    collectives: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class RankWork:
+    """Sums over one rank's steps (seconds)."""
+
+    resource: Resource
+    steps: int = 0
+    step_s: float = 0.0
+    wait_s: float = 0.0
+    own: dict[str, float] = field(default_factory=dict)  # direct part -> own work
+    wait_in: dict[str, float] = field(default_factory=dict)  # direct part -> waiting
+    wait_op: dict[str, float] = field(default_factory=dict)  # collective -> waiting
+
+    @property
+    def label(self) -> str:
+        return self.resource.label
+
+    def per_step(self, total: float) -> float:
+        return total / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "process": self.label,
+            "rank": self.resource.rank,
+            "attempt": self.resource.get("otelprof.attempt"),
+            "steps": self.steps,
+            "step_ms": 1e3 * self.per_step(self.step_s),
+            "wait_ms": 1e3 * self.per_step(self.wait_s),
+            "own_ms": {k: 1e3 * self.per_step(v) for k, v in sorted(self.own.items())},
+            "wait_in_ms": {k: 1e3 * self.per_step(v) for k, v in sorted(self.wait_in.items())},
+            "wait_by_collective_ms": {
+                k: 1e3 * self.per_step(v) for k, v in sorted(self.wait_op.items())
+            },
+        }
+
+
+@dataclass
+class StragglerReport:
+    """Per-rank split of step time, and the straggler if there is one."""
+
+    ranks: list[RankWork]
+    straggler: RankWork | None = None
+    extra_s: float = 0.0  # the straggler's own work beyond the others' median, per step
+    extra_in: str = ""  # the direct part that holds most of it
+    extra_in_s: float = 0.0
+    others_wait_in: str = ""  # where the others wait for it
+    others_wait_op: str = ""
+    others_wait_s: float = 0.0
+
+    @property
+    def headline(self) -> str | None:
+        s = self.straggler
+        if s is None:
+            return None
+        where = "outside any timing" if self.extra_in == UNTIMED else f"in {self.extra_in}"
+        wait = self.others_wait_in
+        if self.others_wait_op and self.others_wait_op != wait:
+            wait = f"{wait}, in {self.others_wait_op}"
+        return (
+            f"{_short(s)} is the straggler: +{1e3 * self.extra_in_s:.1f} ms per step {where}; "
+            f"the other ranks wait for it {1e3 * self.others_wait_s:.1f} ms per step in {wait}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.straggler
+        return {
+            "ranks": [r.to_dict() for r in self.ranks],
+            "straggler": None
+            if s is None
+            else {
+                "process": s.label,
+                "rank": s.resource.rank,
+                "extra_ms_per_step": 1e3 * self.extra_s,
+                "extra_in": self.extra_in,
+                "extra_in_ms_per_step": 1e3 * self.extra_in_s,
+                "others_wait_in": self.others_wait_in,
+                "others_wait_collective": self.others_wait_op,
+                "others_wait_ms_per_step": 1e3 * self.others_wait_s,
+                "headline": self.headline,
+            },
+        }
+
+
+def _short(rank: RankWork) -> str:
+    r = rank.resource.rank
+    attempt = rank.resource.get("otelprof.attempt")
+    name = f"rank {r}" if r is not None else rank.label
+    return f"{name} (attempt {attempt})" if attempt else name
+
+
+class StragglerPass:
+    """Fed every span of a run (`span()`), then `result()`."""
+
+    def __init__(self, window_steps: int = _WINDOW_STEPS) -> None:
+        self._window = window_steps
+        self._ranks: dict[Resource, RankWork] = {}
+        self._open: dict[Resource, OrderedDict[Any, _StepGroup]] = {}
+
+    def span(self, rec: SpanRec) -> None:
+        groups = self._open.get(rec.resource)
+        if groups is None:
+            groups = self._open[rec.resource] = OrderedDict()
+        key = rec.trace_id
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _StepGroup()
+            if len(groups) > self._window:
+                _, oldest = groups.popitem(last=False)
+                self._fold(rec.resource, oldest)
+        if rec.name == STEP_SPAN and not rec.parent_span_id:
+            group.step_id = rec.span_id
+            group.step_s = (rec.end_ns - rec.start_ns) / 1e9
+            return
+        op = rec.attr(ATTR_COLLECTIVE)
+        item = (rec.span_id, rec.parent_span_id, rec.name, rec.start_ns, rec.end_ns)
+        if op is not None:
+            group.collectives.append((*item[:2], str(op), *item[3:]))
+        group.children.append((*item, op is not None))
+
+    def _fold(self, resource: Resource, group: _StepGroup) -> None:
+        if not group.step_id:
+            return  # a step whose root never arrived (truncated run): left out
+        work = self._ranks.get(resource)
+        if work is None:
+            work = self._ranks[resource] = RankWork(resource)
+        direct = [c for c in group.children if c[1] == group.step_id]
+        work.steps += 1
+        work.step_s += group.step_s
+        timed = 0.0
+        inside: dict[str, float] = {}  # direct child span id -> collective time inside it
+        for span_id, parent, op, start, end in group.collectives:
+            dur = (end - start) / 1e9
+            work.wait_s += dur
+            work.wait_op[op] = work.wait_op.get(op, 0.0) + dur
+            if parent == group.step_id:
+                holder: tuple[str, str, str, int, int, bool] | None = next(
+                    c for c in direct if c[0] == span_id
+                )
+            else:
+                holder = next((c for c in direct if c[3] <= start and end <= c[4]), None)
+            where = holder[2] if holder else UNTIMED
+            work.wait_in[where] = work.wait_in.get(where, 0.0) + dur
+            key = holder[0] if holder is not None else ""  # "": outside every direct part
+            inside[key] = inside.get(key, 0.0) + dur
+        for span_id, _parent, name, start, end, _is_collective in direct:
+            dur = (end - start) / 1e9
+            timed += dur
+            own = max(0.0, dur - inside.get(span_id, 0.0))
+            work.own[name] = work.own.get(name, 0.0) + own
+        untimed = max(0.0, group.step_s - timed - inside.get("", 0.0))
+        work.own[UNTIMED] = work.own.get(UNTIMED, 0.0) + untimed
+
+    def result(self) -> StragglerReport:
+        for resource, groups in self._open.items():
+            while groups:
+                _, group = groups.popitem(last=False)
+                self._fold(resource, group)
+        self._open.clear()
+        ranks = sorted(
+            (w for w in self._ranks.values() if w.steps),
+            key=lambda w: (w.resource.rank if w.resource.rank is not None else -1, w.label),
+        )
+        return _judge(ranks)
+
+
+def _judge(ranks: list[RankWork]) -> StragglerReport:
+    report = StragglerReport(ranks)
+    timed = [r for r in ranks if r.wait_s > 0]
+    if len(timed) < 2:
+        return report
+    waits = {id(r): r.per_step(r.wait_s) for r in timed}
+    straggler = min(timed, key=lambda r: waits[id(r)])
+    others = [r for r in timed if r is not straggler]
+    others_wait = statistics.median(waits[id(r)] for r in others)
+    gap = others_wait - waits[id(straggler)]
+    step = statistics.median(r.per_step(r.step_s) for r in timed)
+    if gap < max(MIN_WAIT_GAP_S, MIN_WAIT_GAP_SHARE * step):
+        return report
+    names = set(straggler.own).union(*(r.own for r in others))
+    extra = {
+        n: straggler.per_step(straggler.own.get(n, 0.0))
+        - statistics.median(r.per_step(r.own.get(n, 0.0)) for r in others)
+        for n in names
+    }
+    where = max(extra, key=lambda n: extra[n])
+    wait_names = set(straggler.wait_in).union(*(r.wait_in for r in others))
+    more_wait = {
+        n: statistics.median(r.per_step(r.wait_in.get(n, 0.0)) for r in others)
+        - straggler.per_step(straggler.wait_in.get(n, 0.0))
+        for n in wait_names
+    }
+    wait_in = max(more_wait, key=lambda n: more_wait[n])
+    ops = set(straggler.wait_op).union(*(r.wait_op for r in others))
+    more_op = {
+        n: statistics.median(r.per_step(r.wait_op.get(n, 0.0)) for r in others)
+        - straggler.per_step(straggler.wait_op.get(n, 0.0))
+        for n in ops
+    }
+    report.straggler = straggler
+    report.extra_s = sum(v for v in extra.values() if v > 0)
+    report.extra_in = where
+    report.extra_in_s = extra[where]
+    report.others_wait_in = wait_in
+    report.others_wait_op = max(more_op, key=lambda n: more_op[n]) if more_op else ""
+    report.others_wait_s = gap
+    return report
+
+
+SPLIT_TITLE = "Waiting vs own work per rank (ms per step; waiting = time in collectives)"
+
+
+def split_rows(report: StragglerReport | None) -> list[dict[str, Any]]:
+    """Rows of the per-rank section (empty: fewer than two ranks, or no collectives timed)."""
+    if report is None or len(report.ranks) < 2 or not any(r.wait_s for r in report.ranks):
+        return []
+    rows = []
+    for r in report.ranks:
+        step = r.per_step(r.step_s)
+        wait = r.per_step(r.wait_s)
+        parts = sorted(r.own.items(), key=lambda kv: -kv[1])
+        rows.append(
+            {
+                "process": r.label,
+                "straggler": r is report.straggler,
+                "steps": r.steps,
+                "step ms": round(1e3 * step, 3),
+                "own work ms": round(1e3 * (step - wait), 3),
+                "waiting ms": round(1e3 * wait, 3),
+                "waits in": ", ".join(
+                    f"{n} {1e3 * r.per_step(v):.2f}"
+                    for n, v in sorted(r.wait_in.items(), key=lambda kv: -kv[1])
+                ),
+                "own work by part": ", ".join(
+                    f"{n} {1e3 * r.per_step(v):.2f}" for n, v in parts[:4] if v > 0
+                ),
+            }
+        )
+    return rows
