@@ -1,0 +1,181 @@
+"""Distributed jobs launched for real (gloo on CPU): ranks from any launcher, one run
+directory per job, stragglers named although synchronous training equalizes step times,
+crashed ranks and elastic attempts recorded, per-node endpoints that never kill a job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otelprof
+from tests.otlp_files import read_points, read_spans
+from tests.services import REPO, free_port
+
+JOB = REPO / "tests" / "ddp_job.py"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTELPROF_", "OTEL_"))}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        env.pop(name, None)
+    env.update(
+        OTELPROF_OUTPUT_DIR=str(tmp_path / "runs"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=str(REPO),
+        **extra,
+    )
+    return env
+
+
+def _spawn(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(JOB), "--spawn", "2", "--steps", "30", *args],
+        env=_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _torchrun(tmp_path: Path, *args: str, extra: tuple[str, ...] = (), **env: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={free_port()}", *extra,
+         str(JOB), "--steps", "30", *args],
+        env=_env(tmp_path, **env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def _only_run_dir(tmp_path: Path) -> Path:
+    dirs = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
+    assert len(dirs) == 1, f"expected one run directory for the job, got {dirs}"
+    return dirs[0]
+
+
+def _report(*args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "otelprof", "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _last_collective_seconds(path: Path) -> float:
+    """The live counter otelprof.collective.duration at its last export, all operations."""
+    latest: dict[str, tuple[int, float]] = {}
+    for p in read_points(path):
+        if p.name == "otelprof.collective.duration":
+            op = str(p.attributes["otelprof.collective"])
+            if op not in latest or p.time_ns >= latest[op][0]:
+                latest[op] = (p.time_ns, p.value)
+    return sum(v for _, v in latest.values())
+
+
+def _check_ranks(run_dir: Path, world: int = 2, relocated: bool = False) -> None:
+    """Right ranks everywhere; host metrics from local rank 0 only (`relocated`: a rank that
+    started before the process group existed also sampled them until it learned its rank;
+    those points are kept, relabelled)."""
+    for rank in range(world):
+        spans = read_spans(run_dir / f"traces.rank{rank}.jsonl")
+        assert {s.resource["otelprof.rank"] for s in spans} == {rank}
+        assert {s.resource["otelprof.local_rank"] for s in spans} == {rank}
+        assert {s.resource["otelprof.world_size"] for s in spans} == {world}
+        points = read_points(run_dir / f"metrics.rank{rank}.jsonl")
+        assert {p.resource["otelprof.rank"] for p in points} == {rank}
+        cpu = [p for p in points if p.name == "system.cpu.utilization"]
+        if relocated and rank:
+            training = min(s.start_ns for s in spans)
+            cpu = [p for p in cpu if p.time_ns > training]
+        assert bool(cpu) == (rank == 0), "host metrics come from local rank 0 only"
+        info = json.loads((run_dir / f"run.rank{rank}.json").read_text())
+        assert info["resource"]["otelprof.rank"] == rank
+
+
+def test_spawn_job_takes_ranks_from_the_process_group_and_names_the_slow_rank(
+    tmp_path: Path,
+) -> None:
+    # mp.spawn, the PyTorch tutorial pattern: no launcher environment, init_process_group
+    # before instrument(); rank 1 does 20 ms of extra work per step outside any timing.
+    result = _spawn(tmp_path, "--slow-rank", "1", "--slow-ms", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = _only_run_dir(tmp_path)
+    _check_ranks(run_dir)
+    # synchronous DDP makes step times equal, so the verdict cannot come from them...
+    report = _report(str(run_dir))
+    assert "rank 1 is the straggler" in report, report
+    assert "outside any timing" in report
+    # ...the fast rank waits in DDP's gradient all-reduce inside train_batch
+    assert "wait for it" in report and "train_batch" in report.split("wait for it")[1]
+    # the live counter tells the same: the straggler spends the least time in collectives
+    waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]
+    assert waits[0] > waits[1] + 0.2, waits  # 30 steps x ~20 ms of waiting on rank 0
+
+
+def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
+    tmp_path: Path,
+) -> None:
+    # Lightning's launcher and scripts that instrument first: ranks appear only later, at
+    # init_process_group; what was written before moves into the job's run directory.
+    result = _spawn(tmp_path, "--instrument-first", "--slow-rank", "0", "--slow-ms", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = _only_run_dir(tmp_path)
+    assert sorted(p.name for p in run_dir.glob("*.jsonl")) == [
+        "metrics.rank0.jsonl",
+        "metrics.rank1.jsonl",
+        "traces.rank0.jsonl",
+        "traces.rank1.jsonl",
+    ]
+    _check_ranks(run_dir, relocated=True)
+    assert "rank 0 is the straggler" in _report(str(run_dir))
+
+
+def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    result = _torchrun(
+        tmp_path, "--slow-rank", "1", "--slow-ms", "20", OTELPROF_PROMETHEUS_PORT=str(port)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # both ranks asked for the same port: each serves its own, offset by its local rank
+    served = sorted(line for line in result.stdout.splitlines() if "prometheus_port" in line)
+    assert served == [f"rank 0 prometheus_port {port}", f"rank 1 prometheus_port {port + 1}"]
+    run_dir = _only_run_dir(tmp_path)
+    _check_ranks(run_dir)
+    assert "rank 1 is the straggler" in _report(str(run_dir))
+
+
+def test_a_taken_prometheus_port_is_a_logged_degradation_not_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level(logging.WARNING, logger="otelprof"):
+            prof = otelprof.instrument(output_dir=str(tmp_path), prometheus_port=port)
+        try:
+            assert prof.prometheus_port is None
+            assert any(f":{port}" in r.getMessage() for r in caplog.records)
+            with otelprof.timing("train_batch"):
+                pass
+            prof.step()
+        finally:
+            prof.shutdown()
+    assert read_spans(prof.files["traces"])  # the rest of the profiler ran
