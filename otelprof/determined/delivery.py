@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import logging
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -37,6 +38,13 @@ from otelprof.determined.spool import DiskSpool, Item, MemorySpool
 log = logging.getLogger("otelprof.determined")
 
 _MAX_LOGGED = 1000  # distinct refusal messages remembered for "log once"
+_GROUP_CLAUSE = re.compile(r"\(add trial metrics [^)]*\)")
+_NUMBER = re.compile(r"\d+")
+
+
+def _kind(message: str) -> str:
+    """A refusal message without its group and numbers (trial, run ids, steps)."""
+    return _NUMBER.sub("N", _GROUP_CLAUSE.sub("", message))
 
 
 @dataclass
@@ -321,10 +329,12 @@ class Deliverer:
         window, index, report = item
         self.spool.refuse(window, index, report, result.status, result.message + why)
         self.stats.rejected += 1
-        key = (result.status, result.message)
+        # One line per kind of refusal: the same message for other groups, trials or run
+        # ids is only counted (each refused report is in the refused store with its own).
+        key = (result.status, _kind(result.message))
         with self._log_lock:
-            seen = key in self._logged
-            if not seen and len(self._logged) < _MAX_LOGGED:
+            seen = key in self._logged or len(self._logged) >= _MAX_LOGGED
+            if not seen:
                 self._logged.add(key)
         if seen:
             log.debug("Determined refused another %s report for trial %d", report.group,
@@ -332,8 +342,8 @@ class Deliverer:
             return
         log.error(
             "Determined master refused a %s report for trial %d (HTTP %s): %s%s — kept in the "
-            "spool as refused, not retried; further reports refused with this message are "
-            "moved aside without logging",
+            "spool as refused, not retried; further reports refused this way (any group, "
+            "trial or run id) are moved aside and counted without logging",
             report.group,
             report.trial_id,
             result.status,
