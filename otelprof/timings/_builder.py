@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, Trace
 
 from otelprof.export._spanlines import encode_span
 from otelprof.timings import _recorder as rec
+from otelprof.timings._names import SpanNames
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -121,6 +122,7 @@ class SpanBuilder:
         self._sinks: list[Any] = []
         self._others: list[Any] = []
         self._encoded: list[str] = []
+        self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -311,7 +313,7 @@ class SpanBuilder:
                 attributes[ATTR_CUDA_DURATION] = seconds
         to_wall = self._clock.to_wall
         return (
-            frame[rec.F_NAME],
+            self.names.name(frame[rec.F_NAME], attributes),
             ctx.trace_id,
             _span_id(frame),
             _parent_id(frame, ctx, kind),

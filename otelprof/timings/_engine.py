@@ -259,6 +259,8 @@ class TimingsEngine:
             "cuda_unresolved": builder.cuda_unresolved,
             "schedule_errors": self._schedule_errors,
             "ranges_exhausted": rec.exhausted,
+            "span_names": len(builder.names.known),
+            "span_names_folded": builder.names.folded,
             "bridge_installed": int(self._bridge is not None and self._bridge.installed),
         }
         if self._kineto is not None:

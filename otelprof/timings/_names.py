@@ -1,0 +1,81 @@
+"""Bounded span-name cardinality: a name per step (`ProfilerStep#17`) must not become a
+time series per step in span metrics, nor a report row per step.
+
+Numbered names (`<name>#<digits>`, what `torch.profiler.profile.step()` records as
+`ProfilerStep#N`) keep their name without the number, which becomes the attribute
+`otelprof.name.number`. Past `MAX_SPAN_NAMES` distinct names, each new name folds into
+`OVERFLOW_NAME`, its original kept in the attribute `otelprof.name.original` (traces stay
+readable; metrics stay bounded), and every folded span is counted. Runs on the builder
+thread only (no locks); Kineto operator spans are not counted (their names are torch's
+operator set, bounded by torch itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+_log = logging.getLogger("otelprof")
+
+MAX_SPAN_NAMES = 1000
+"""Distinct span names per process before new names fold into `OVERFLOW_NAME` (the step
+span and Determined's timing names are always kept and not counted)."""
+RESERVED = frozenset(
+    {"step", "dataloader_next", "to_device", "train_batch", "step_lr_schedulers",
+     "from_device", "reduce_metrics", "optimizer_step"}
+)  # fmt: skip
+OVERFLOW_NAME = "otelprof.other"
+ATTR_NUMBER = "otelprof.name.number"
+ATTR_ORIGINAL = "otelprof.name.original"
+
+_NUMBERED = re.compile(r"^(.*\S)\s*#(\d+)$")
+_MAX_CACHED = 20_000
+_MAX_ORIGINAL_CHARS = 256
+
+
+class SpanNames:
+    """Maps each recorded name to its exported name (plus attributes when it changed)."""
+
+    def __init__(self, limit: int = MAX_SPAN_NAMES) -> None:
+        self.limit = limit
+        self.known: set[str] = set()
+        self.folded = 0  # spans whose name went to OVERFLOW_NAME
+        self._cache: dict[str, tuple[str, dict[str, Any] | None]] = {}
+
+    def name(self, raw: str, attributes: dict[str, Any]) -> str:
+        """The exported name of a span recorded as `raw`; adds attributes in place."""
+        hit = self._cache.get(raw)
+        if hit is None:
+            hit = self._resolve(raw)
+            if len(self._cache) < _MAX_CACHED:
+                self._cache[raw] = hit
+        name, extra = hit
+        if extra is not None:
+            attributes.update(extra)
+            if name == OVERFLOW_NAME:
+                self.folded += 1
+        return name
+
+    def _resolve(self, raw: str) -> tuple[str, dict[str, Any] | None]:
+        extra: dict[str, Any] | None = None
+        name = raw
+        match = _NUMBERED.match(raw)
+        if match is not None:
+            name = match.group(1)
+            extra = {ATTR_NUMBER: int(match.group(2))}
+        if name not in self.known and name not in RESERVED:
+            if len(self.known) >= self.limit:
+                if not self.folded:
+                    _log.warning(
+                        "otelprof: more than %d distinct span names (a name per item or per "
+                        "step?); new names are exported as %r with %s",
+                        self.limit,
+                        OVERFLOW_NAME,
+                        ATTR_ORIGINAL,
+                    )
+                extra = dict(extra or {})
+                extra[ATTR_ORIGINAL] = raw[:_MAX_ORIGINAL_CHARS]
+                return OVERFLOW_NAME, extra
+            self.known.add(name)
+        return name, extra
