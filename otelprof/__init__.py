@@ -13,6 +13,7 @@ Prometheus endpoint. Importing otelprof never imports torch by itself.
 """
 
 from otelprof._profiler import Profiler, active_profiler, instrument, uninstrument
+from otelprof._throughput import set_peak_flops, step_work
 from otelprof.config import ConfigError, Settings
 from otelprof.timings import (
     HookHandle,
@@ -53,8 +54,10 @@ __all__ = [
     "reduce_metrics",
     "schedule",
     "set_epoch",
+    "set_peak_flops",
     "set_phase",
     "step",
+    "step_work",
     "timed_dataloader",
     "timing",
     "to_device",

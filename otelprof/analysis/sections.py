@@ -39,6 +39,7 @@ _BUILDERS: list[SectionBuilder] = []
 _BUILTIN: tuple[str, ...] = (
     "otelprof.analysis.gpu_energy",
     "otelprof.analysis.straggler_section",
+    "otelprof.analysis.throughput",
 )
 """Analysis modules whose sections every report shows (imported on first use)."""
 

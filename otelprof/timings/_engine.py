@@ -21,10 +21,12 @@ advancing the training step number. Back in "train", the step resumes with the s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import re
 import threading
+from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -108,6 +110,10 @@ class TimingsEngine:
         self._schedule_errors = 0
         self._step_from_start = True  # the current step began at start(), not at step()
         self._phase = rec.PHASE_TRAIN
+        # training time of the current step, phases excluded (for throughput listeners)
+        self._train_t0: int | None = None
+        self._train_acc_ns = 0
+        self._step_listeners: list[Callable[[int, int, bool], None]] = []
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -131,7 +137,8 @@ class TimingsEngine:
             self._bridge.install()
         if self._settings.kineto and self._torch is not None:
             self._start_kineto()
-        self._begin_step(perf_counter_ns())
+        self._train_t0 = perf_counter_ns()
+        self._begin_step(self._train_t0)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Restore torch, end the trailing step, and hand every queued span to the provider."""
@@ -181,6 +188,7 @@ class TimingsEngine:
                 # a batch of validation (etc.): its own trace, the training step stays
                 self._begin_step(perf_counter_ns(), trim_start=False)
                 return
+            self._notify_step(end)
             self._step += 1
             self._batch_in_epoch += 1
             self._step_from_start = False
@@ -212,6 +220,32 @@ class TimingsEngine:
     def step_number(self) -> int:
         return self._step
 
+    def add_step_listener(self, listener: Callable[[int, int, bool], None]) -> Callable[[], None]:
+        """Call `listener(step, train_ns, first)` on the training thread at each training
+        `step()`: the step's number, its wall time without other phases, and whether it is
+        the first step (timed from `start()`, so it includes set-up). Returns a remover.
+        A listener that raises is removed (telemetry never breaks training)."""
+        self._step_listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._step_listeners.remove(listener)
+
+        return remove
+
+    def _notify_step(self, end_ns: int) -> None:
+        t0 = self._train_t0
+        train_ns = self._train_acc_ns + (end_ns - t0 if t0 is not None else 0)
+        self._train_acc_ns = 0
+        self._train_t0 = end_ns
+        for listener in tuple(self._step_listeners):
+            try:
+                listener(self._step, train_ns, self._step_from_start)
+            except Exception as error:
+                _log.warning("otelprof: step listener %r failed: %r; removed", listener, error)
+                with contextlib.suppress(ValueError):
+                    self._step_listeners.remove(listener)
+
     @property
     def phase(self) -> str:
         """The current phase: "train" unless `set_phase` said otherwise."""
@@ -229,6 +263,11 @@ class TimingsEngine:
             return previous
         try:
             end = perf_counter_ns()
+            if previous == rec.PHASE_TRAIN and self._train_t0 is not None:
+                self._train_acc_ns += end - self._train_t0
+                self._train_t0 = None
+            elif phase == rec.PHASE_TRAIN:
+                self._train_t0 = end
             ctx = self._ctx
             rec.current = None
             if ctx is not None:

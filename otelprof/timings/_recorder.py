@@ -64,6 +64,7 @@ class StepContext:
     """One training step while it records: its trace, its root span, its number and epoch."""
 
     __slots__ = (
+        "attrs",
         "drop_if_empty",
         "epoch",
         "first_child_ns",
@@ -92,6 +93,8 @@ class StepContext:
         # A step cut short by a phase change (training interrupted by validation) is not
         # exported when no range was recorded in it: it was no real step.
         self.drop_if_empty = False
+        # attributes of the step span itself (e.g. the step's samples/tokens/FLOPs)
+        self.attrs: dict[str, Any] | None = None
         self.trace_id = random.getrandbits(128) or 1
         self.span_id = random.getrandbits(64) or 1
         self.start_ns = start_ns
@@ -249,7 +252,7 @@ def emit_step(ctx: StepContext, end_ns: int) -> None:
         0,
         ctx,
         thread_state(),
-        None,
+        ctx.attrs,
         ctx.start_ns,
         end_ns,
         None,

@@ -1,0 +1,294 @@
+"""Throughput and efficiency of training steps: samples/s, tokens/s and MFU.
+
+Why here and not in the collector: a step's work (samples, tokens, FLOPs) is only known in the
+training process. `step_work()` records it on the running step's span (`otelprof.samples`,
+`otelprof.tokens`, `otelprof.flops`, `otelprof.peak_flops`), so the report and Determined see
+it per step, and feeds metrics over a window of recent training steps:
+
+- `otelprof.train.samples`, `otelprof.train.tokens` (counters): work done so far;
+- `otelprof.train.throughput.samples` (`{sample}/s`), `otelprof.train.throughput.tokens`
+  (`{token}/s`), `otelprof.train.mfu` (`1`, 0-1): Σwork / Σstep time over the last `window`
+  training steps.
+
+Semantics follow Lightning's ThroughputMonitor and Composer's SpeedMonitor: a rolling window
+of whole steps, time measured between step boundaries with validation (any other phase)
+excluded, MFU = achieved FLOP/s / peak FLOP/s of one device. Unlike them, the first step
+(warm-up, compilation, set-up) is never in the window, and the per-step figures stay on the
+step spans, so no step's figure is averaged away.
+
+The training thread does a few additions per step; the gauges are computed by the metric
+reader's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from otelprof.timings import _engine
+from otelprof.timings import _recorder as rec
+
+_log = logging.getLogger("otelprof")
+
+ATTR_SAMPLES = "otelprof.samples"
+ATTR_TOKENS = "otelprof.tokens"
+ATTR_FLOPS = "otelprof.flops"
+ATTR_PEAK_FLOPS = "otelprof.peak_flops"
+PEAK_FLOPS_ENV = "OTELPROF_PEAK_FLOPS"
+DEFAULT_WINDOW = 100
+
+# Dense (no sparsity) peak FLOP/s of one device from the vendors' datasheets:
+# (16-bit tensor math: bf16/fp16, 32-bit: TF32 tensor math where the GPU has it, else FP32).
+PEAK_FLOPS_TABLE: dict[str, tuple[float, float]] = {
+    "b200": (2250e12, 1100e12),
+    "h200": (989.4e12, 494.7e12),
+    "gh200": (989.4e12, 494.7e12),
+    "h100 nvl": (835.5e12, 417.5e12),
+    "h100 pcie": (756e12, 378e12),
+    "h100": (989.4e12, 494.7e12),
+    "h800": (989.4e12, 494.7e12),
+    "a100": (312e12, 156e12),
+    "a800": (312e12, 156e12),
+    "a10": (125e12, 62.5e12),
+    "a30": (165e12, 82e12),
+    "l40s": (362.05e12, 183e12),
+    "l40": (181e12, 90.5e12),
+    "l4": (121e12, 60e12),
+    "v100": (125e12, 15.7e12),
+    "t4": (65e12, 8.1e12),
+    "mi300x": (1307.4e12, 653.7e12),
+    "mi325x": (1307.4e12, 653.7e12),
+    "mi250x": (383e12, 95.7e12),
+    "mi250": (362.1e12, 90.5e12),
+}
+_PRECISIONS = ("16-bit", "32-bit")
+
+
+def peak_flops_for(device_name: str, precision: str = "16-bit") -> float | None:
+    """Peak dense FLOP/s of the device named `device_name` (as torch / NVML name it) for
+    `precision` ("16-bit" or "32-bit"), or None when the table does not know it."""
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    words = f" {' '.join(device_name.lower().replace('-', ' ').replace('_', ' ').split())} "
+    for key in sorted(PEAK_FLOPS_TABLE, key=len, reverse=True):  # "h100 pcie" before "h100"
+        if f" {key} " in words:
+            return PEAK_FLOPS_TABLE[key][_PRECISIONS.index(precision)]
+    return None
+
+
+def _check_amount(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"step_work: {name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"step_work: {name} must be finite and >= 0, got {value!r}")
+    return float(value)
+
+
+def parse_peak(value: Any, source: str) -> float:
+    """A declared peak FLOP/s: a positive finite number (strings like '312e12' accepted)."""
+    try:
+        peak = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: peak FLOP/s must be a number, got {value!r}") from None
+    if not math.isfinite(peak) or peak <= 0:
+        raise ValueError(f"{source}: peak FLOP/s must be > 0, got {value!r}")
+    return peak
+
+
+_lock = threading.Lock()
+_declared_peak: float | None = None
+_precision = "16-bit"
+_tracker: _Tracker | None = None
+
+
+def set_peak_flops(flops_per_s: float | None) -> None:
+    """Declare one device's peak FLOP/s for MFU (e.g. 312e12 for an A100 in bf16); None goes
+    back to `OTELPROF_PEAK_FLOPS`, then to the table of common GPUs."""
+    global _declared_peak
+    _declared_peak = None if flops_per_s is None else parse_peak(flops_per_s, "set_peak_flops")
+    if _tracker is not None:
+        _tracker._peak_logged = False  # resolved again at the next step_work(flops=...)
+
+
+def set_precision(precision: str) -> None:
+    """Which column of the peak table applies ("16-bit" or "32-bit"); set by integrations
+    from the framework's precision setting."""
+    global _precision
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
+    _precision = precision
+    if _tracker is not None:
+        _tracker._peak_logged = False
+
+
+def resolve_peak_flops() -> tuple[float | None, str]:
+    """The peak FLOP/s MFU is computed against, and where it came from."""
+    if _declared_peak is not None:
+        return _declared_peak, "declared"
+    env = os.environ.get(PEAK_FLOPS_ENV)
+    if env:
+        return parse_peak(env, PEAK_FLOPS_ENV), PEAK_FLOPS_ENV
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            name = torch.cuda.get_device_name(torch.cuda.current_device())
+            peak = peak_flops_for(name, _precision)
+            if peak is not None:
+                return peak, f"table: {name}, {_precision}"
+            return None, f"{name} is not in the peak table (declare it)"
+    except Exception as error:  # a broken CUDA setup: no MFU, training goes on
+        return None, f"no device name ({error!r})"
+    return None, "no GPU (declare the peak with set_peak_flops or OTELPROF_PEAK_FLOPS)"
+
+
+class _Tracker:
+    """Work per step on the training thread; window figures for the gauges."""
+
+    def __init__(self, engine: Any, meter_provider: Any, window: int = DEFAULT_WINDOW) -> None:
+        self.engine = engine
+        self.pending = [0.0, 0.0, 0.0]  # samples, tokens, flops of the running training step
+        self.declared = [False, False, False]
+        self.window: deque[tuple[int, float, float, float]] = deque(maxlen=window)
+        self.peak: float | None = None
+        self.peak_source = ""
+        self._peak_logged = False
+        self._remove = engine.add_step_listener(self.on_step)
+        self._counters: tuple[Any, Any] | None = None
+        if meter_provider is not None:
+            self._make_instruments(meter_provider)
+
+    def _make_instruments(self, meter_provider: Any) -> None:
+        from opentelemetry.metrics import CallbackOptions, Observation
+
+        meter = meter_provider.get_meter("otelprof.throughput")
+        attrs = {"otelprof.phase": rec.PHASE_TRAIN}
+        self._attrs = attrs
+        self._counters = (
+            meter.create_counter("otelprof.train.samples", "{sample}", "samples trained on"),
+            meter.create_counter("otelprof.train.tokens", "{token}", "tokens trained on"),
+        )
+
+        def gauge(index: int) -> Any:
+            def observe(_options: CallbackOptions) -> Iterable[Observation]:
+                value = self.rate(index)
+                return [Observation(value, attrs)] if value is not None else []
+
+            return observe
+
+        meter.create_observable_gauge(
+            "otelprof.train.throughput.samples",
+            [gauge(0)],
+            "{sample}/s",
+            "samples per second of training-step time, over the last steps",
+        )
+        meter.create_observable_gauge(
+            "otelprof.train.throughput.tokens",
+            [gauge(1)],
+            "{token}/s",
+            "tokens per second of training-step time, over the last steps",
+        )
+        meter.create_observable_gauge(
+            "otelprof.train.mfu",
+            [gauge(3)],
+            "1",
+            "model FLOP utilization: achieved FLOP/s over one device's peak, last steps",
+        )
+
+    def close(self) -> None:
+        self._remove()
+
+    def add(self, samples: float | None, tokens: float | None, flops: float | None) -> None:
+        for i, value in enumerate((samples, tokens, flops)):
+            if value is not None:
+                self.pending[i] += value
+                self.declared[i] = True
+
+    def on_step(self, _step: int, train_ns: int, first: bool) -> None:
+        samples, tokens, flops = self.pending
+        self.pending = [0.0, 0.0, 0.0]
+        if self._counters is not None:
+            if self.declared[0]:
+                self._counters[0].add(samples, self._attrs)
+            if self.declared[1]:
+                self._counters[1].add(tokens, self._attrs)
+        if not first and train_ns > 0:  # the first step holds set-up and warm-up
+            self.window.append((train_ns, samples, tokens, flops))
+
+    def rate(self, index: int) -> float | None:
+        """Σwork / Σtime over the window; index 3 = MFU (FLOP/s over the peak)."""
+        steps = list(self.window)
+        if not steps:
+            return None
+        seconds = sum(s[0] for s in steps) / 1e9
+        if index == 3:
+            if not self.declared[2] or not self.peak:
+                return None
+            return sum(s[3] for s in steps) / seconds / self.peak
+        if not self.declared[index]:
+            return None
+        return sum(s[index + 1] for s in steps) / seconds
+
+
+def _current_tracker() -> _Tracker | None:
+    """The tracker of the running profiler, made on first use (None when none runs)."""
+    global _tracker
+    engine = _engine._active
+    if engine is None:
+        return None
+    tracker = _tracker
+    if tracker is not None and tracker.engine is engine:
+        return tracker
+    with _lock:
+        if _tracker is not None and _tracker.engine is engine:
+            return _tracker
+        if _tracker is not None:
+            _tracker.close()
+        from otelprof._profiler import active_profiler
+
+        prof = active_profiler()
+        provider = getattr(prof, "meter_provider", None) if prof is not None else None
+        _tracker = _Tracker(engine, provider)
+        return _tracker
+
+
+def step_work(
+    samples: float | None = None, tokens: float | None = None, flops: float | None = None
+) -> None:
+    """Declare work done in the current step (adds up over calls, e.g. micro-batches):
+    `samples` (batch size), `tokens`, and the step's `flops` (forward + backward). Feeds
+    samples/s, tokens/s and MFU; no-op when no profiler runs. Raises ValueError on a
+    negative or non-numeric amount."""
+    s = _check_amount("samples", samples)
+    t = _check_amount("tokens", tokens)
+    f = _check_amount("flops", flops)
+    ctx = rec.current
+    if ctx is not None:
+        attrs = ctx.attrs
+        if attrs is None:
+            attrs = ctx.attrs = {}
+        for key, value in ((ATTR_SAMPLES, s), (ATTR_TOKENS, t), (ATTR_FLOPS, f)):
+            if value is not None:
+                attrs[key] = attrs.get(key, 0.0) + value
+    tracker = _current_tracker()
+    if tracker is None:
+        return
+    if f is not None:
+        if not tracker._peak_logged:
+            tracker.peak, tracker.peak_source = resolve_peak_flops()
+            tracker._peak_logged = True
+            if tracker.peak is None:
+                _log.warning("otelprof: no MFU: %s", tracker.peak_source)
+        if ctx is not None and tracker.peak is not None:
+            ctx.attrs[ATTR_PEAK_FLOPS] = tracker.peak  # type: ignore[index]
+    engine = _engine._active
+    if engine is not None and engine.phase == rec.PHASE_TRAIN:
+        tracker.add(s, t, f)

@@ -1,0 +1,137 @@
+"""Throughput and MFU per phase, from the work recorded on step spans.
+
+`otelprof.step_work()` (or a framework integration) puts `otelprof.samples`,
+`otelprof.tokens`, `otelprof.flops` and `otelprof.peak_flops` on each step's root span:
+`step` in training, the phase's root span (`validation`, ...) elsewhere. Here, per phase and
+process: samples/s = Σsamples / Σ(root span durations), likewise tokens/s and FLOP/s; MFU =
+FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics.
+A job's samples/s and tokens/s are the sum over its processes; its MFU is their mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otelprof.analysis.reader import ReadStats, Resource, SpanRec, Warn, iter_records
+from otelprof.analysis.sections import Section, section
+from otelprof.analysis.summary import RunSummary
+
+STEP_SPAN = "step"
+PHASE_ATTR = "otelprof.phase"
+WORK_ATTRS = ("otelprof.samples", "otelprof.tokens", "otelprof.flops")
+PEAK_ATTR = "otelprof.peak_flops"
+
+
+@dataclass
+class _Acc:
+    steps: int = 0
+    seconds: float = 0.0
+    samples: float | None = None
+    tokens: float | None = None
+    flops: float | None = None
+    peak: float | None = None
+
+
+@dataclass
+class PhaseThroughput:
+    phase: str
+    processes: int
+    steps: int
+    seconds: float
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    flops_per_s: float | None
+    mfu: float | None
+    peak_flops: float | None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def analyze(files: Iterable[Path], warn: Warn) -> list[PhaseThroughput]:
+    """One pass over the spans; a row per phase that recorded any work."""
+    accs: dict[tuple[str, Resource], _Acc] = {}
+    for rec in iter_records(files, warn, ReadStats()):
+        if not isinstance(rec, SpanRec) or rec.parent_span_id:
+            continue
+        phase = rec.attr(PHASE_ATTR)
+        if rec.name == STEP_SPAN:
+            phase = phase or "train"
+            if phase == "train" and rec.attr("otelprof.step") == 0:
+                continue
+        elif not phase or phase != rec.name:
+            continue  # a root span that is no phase's batch
+        work = [_number(rec.attr(key)) for key in WORK_ATTRS]
+        if all(w is None for w in work):
+            continue
+        acc = accs.setdefault((str(phase), rec.resource), _Acc())
+        acc.steps += 1
+        acc.seconds += max(0, rec.end_ns - rec.start_ns) / 1e9
+        for name, amount in zip(("samples", "tokens", "flops"), work, strict=True):
+            if amount is not None:
+                setattr(acc, name, (getattr(acc, name) or 0.0) + amount)
+        peak = _number(rec.attr(PEAK_ATTR))
+        if peak:
+            acc.peak = peak
+    by_phase: dict[str, list[_Acc]] = {}
+    for (phase, _resource), acc in accs.items():
+        by_phase.setdefault(phase, []).append(acc)
+    out = []
+    for phase, group in sorted(by_phase.items(), key=lambda kv: (kv[0] != "train", kv[0])):
+
+        def rate(name: str, group: list[_Acc] = group) -> float | None:
+            values = [getattr(a, name) / a.seconds for a in group if getattr(a, name) is not None]
+            return sum(values) if values and all(a.seconds > 0 for a in group) else None
+
+        mfus = [a.flops / a.seconds / a.peak for a in group if a.flops and a.peak and a.seconds]
+        peaks = [a.peak for a in group if a.peak]
+        out.append(
+            PhaseThroughput(
+                phase=phase,
+                processes=len(group),
+                steps=sum(a.steps for a in group),
+                seconds=sum(a.seconds for a in group),
+                samples_per_s=rate("samples"),
+                tokens_per_s=rate("tokens"),
+                flops_per_s=rate("flops"),
+                mfu=sum(mfus) / len(mfus) if mfus else None,
+                peak_flops=max(peaks) if peaks else None,
+            )
+        )
+    return out
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else float(f"{value:.{digits}g}")
+
+
+@section
+def throughput_section(summary: RunSummary) -> Section | None:
+    """Samples/s, tokens/s and MFU per phase (see the module docstring)."""
+    rows = analyze(summary.files.jsonl, lambda _message: None)
+    if not rows:
+        return None
+    table = [
+        {
+            "phase": r.phase,
+            "steps": r.steps,
+            "samples/s": _round(r.samples_per_s),
+            "tokens/s": _round(r.tokens_per_s),
+            "TFLOP/s": _round(r.flops_per_s / 1e12 if r.flops_per_s is not None else None),
+            "MFU %": _round(100 * r.mfu if r.mfu is not None else None, 3),
+            "peak TFLOP/s": _round(r.peak_flops / 1e12 if r.peak_flops else None),
+            "processes": r.processes,
+        }
+        for r in rows
+    ]
+    notes = [
+        "rates are work / step time of each phase's steps (other phases excluded), summed "
+        "over processes; training step 0 (warm-up) is left out; MFU is per device"
+    ]
+    return Section("throughput", "Throughput and MFU", table, notes)
