@@ -182,6 +182,7 @@ class Profiler:
         steps: list[tuple[str, Any]] = [
             ("distributed hooks", self._distributed.remove if self._distributed else None),
             ("timings", self._timings.shutdown if self._timings else None),
+            ("timing histograms", self._final_aggregates if self._timings else None),
             ("traces", self.tracer_provider.shutdown),
             ("system metrics final sample", self._system.final_sample if self._system else None),
             ("metrics", self.meter_provider.shutdown),
@@ -241,6 +242,11 @@ class Profiler:
 
         engine = TimingsEngine(self.tracer_provider, self.settings)
         engine.start()
+        from otelprof.export._aggregates import AggregateMetrics
+
+        # every range's duration, as histograms in every metrics export (traces are sampled)
+        self._aggregate_metrics = AggregateMetrics(engine.aggregates, self.resource, _version())
+        self._counters.add_metric_extra(self._aggregate_metrics.merge)
         return engine
 
     def _start_distributed(self) -> Any:
@@ -279,6 +285,12 @@ class Profiler:
         with _lock:
             self.__init__(settings, env=env, options=self._options, settled=True)  # type: ignore[misc]
             _active = self
+
+    def _final_aggregates(self) -> None:
+        """The builder has drained: the last metrics export carries the final histograms."""
+        aggregate_metrics = getattr(self, "_aggregate_metrics", None)
+        if aggregate_metrics is not None:
+            aggregate_metrics.final = True
 
     def _register_self_telemetry(self) -> None:
         """Expose drops as a metric too, so they show up wherever the data goes."""

@@ -57,6 +57,8 @@ class Settings:
     resource_attributes: Mapping[str, str] = field(default_factory=dict)
     determined: bool = False
     export_timeout_s: float = 10.0
+    trace_budget: float = 20.0
+    compress: bool = False
 
     @property
     def run_dir(self) -> Path:
@@ -122,6 +124,8 @@ ENVIRONMENT: dict[str, tuple[str, ...]] = {
     "resource_attributes": ("OTEL_RESOURCE_ATTRIBUTES",),
     "determined": ("OTELPROF_DETERMINED",),
     "export_timeout_s": ("OTELPROF_EXPORT_TIMEOUT",),
+    "trace_budget": ("OTELPROF_TRACE_BUDGET",),
+    "compress": ("OTELPROF_COMPRESS",),
 }
 # `interval` is accepted as the friendly keyword for interval_s.
 _ALIASES = {"interval": "interval_s", "export_timeout": "export_timeout_s"}
@@ -312,6 +316,14 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
     if not timeout > 0:
         raise ConfigError(f"{_where('export_timeout', raw['export_timeout_s'])}: must be > 0")
     values["export_timeout_s"] = timeout
+    budget = _as_number("trace_budget", raw["trace_budget"], float, 20.0)
+    if not budget >= 0:  # also refuses NaN
+        raise ConfigError(
+            f"{_where('trace_budget', raw['trace_budget'])}: must be >= 0 spans per second "
+            "(inf keeps every step's trace)"
+        )
+    values["trace_budget"] = budget
+    values["compress"] = _as_bool("compress", raw["compress"], False)
     values["resource_attributes"] = _as_mapping("resource_attributes", raw["resource_attributes"])
 
     run_id = _as_str(raw["run_id"]) or _default_run_id()

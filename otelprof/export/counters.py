@@ -39,6 +39,7 @@ class ExportCounters:
         self._counts: dict[str, int] = defaultdict(int)
         self._warned: set[str] = set()
         self._sources: list[Callable[[], dict[str, int]]] = []
+        self._metric_extras: list[Callable[[str, MetricsData], MetricsData]] = []
 
     def add(self, key: str, amount: int = 1) -> None:
         with self._lock:
@@ -48,6 +49,21 @@ class ExportCounters:
         """Counts an exporter keeps itself (e.g. Determined deliveries), read at snapshot."""
         with self._lock:
             self._sources.append(source)
+
+    def add_metric_extra(self, extra: Callable[[str, MetricsData], MetricsData]) -> None:
+        """Data merged into every metrics export, per exporter name (timing histograms)."""
+        with self._lock:
+            self._metric_extras.append(extra)
+
+    def merge_metric_extras(self, exporter: str, data: MetricsData) -> MetricsData:
+        with self._lock:
+            extras = list(self._metric_extras)
+        for extra in extras:
+            try:
+                data = extra(exporter, data)
+            except Exception as error:  # never lose the SDK's own points over ours
+                _log.debug("otelprof: merging extra metrics raised %r", error)
+        return data
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -168,6 +184,7 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
+        metrics_data = self._counters.merge_metric_extras(self.name, metrics_data)
         points = _count_points(metrics_data)
         if self._abandoned:
             self._counters.add(f"{self.name}.metric_points_failed", points)

@@ -10,6 +10,7 @@ and aligned with the wall clock of the other telemetry.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -19,11 +20,12 @@ from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otelprof.export._spanlines import encode_span
 from otelprof.timings import _recorder as rec
 from otelprof.timings._names import SpanNames
+from otelprof.timings._sampling import DEFAULT_PHASE, Aggregates, TraceSampler
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -94,7 +96,10 @@ class SpanBuilder:
         cuda_timer: Any = None,
         max_pending_cuda: int = 65536,
         version: str = "0",
+        trace_budget: float = math.inf,
     ) -> None:
+        """`trace_budget`: spans per second of step traces kept (see `_sampling`); every
+        range still goes into the duration histograms (`aggregates`)."""
         processor = getattr(tracer_provider, "_active_span_processor", None)
         if processor is None or not hasattr(processor, "on_end"):
             raise TypeError(
@@ -123,6 +128,8 @@ class SpanBuilder:
         self._others: list[Any] = []
         self._encoded: list[str] = []
         self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
+        self.aggregates = Aggregates()
+        self.sampler = TraceSampler(trace_budget, self._output)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -136,6 +143,11 @@ class SpanBuilder:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.drain(final=True, timeout_s=timeout_s)
+        with self._lock:
+            try:
+                self.sampler.finish()
+            finally:
+                self._write_encoded()
 
     def submit(self, job: Callable[[], Iterable[ReadableSpan]]) -> None:
         """Run `job` on the builder thread; the spans it yields are exported like the others."""
@@ -165,6 +177,8 @@ class SpanBuilder:
                 self._drain_queue()
                 self._run_jobs()
                 self._resolve_pending(final=final, timeout_s=timeout_s)
+                if final:
+                    self.sampler.flush()
             finally:
                 self._write_encoded()
 
@@ -238,10 +252,22 @@ class SpanBuilder:
             self.failed += 1
             _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
             return
-        self._output(fields)
+        ctx = frame[rec.F_CTX]
+        phase = fields[6].get(ATTR_PHASE) or getattr(ctx, "phase", None) or DEFAULT_PHASE
+        hist = self.aggregates.add(fields[0], phase, (fields[5] - fields[4]) / 1e9)
+        if self.sampler.keep_all:
+            self._output(fields)
+            hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
+        else:
+            self.sampler.span(ctx, fields, frame[rec.F_KIND] == rec.KIND_STEP)
 
     def _output(self, fields: tuple[Any, ...]) -> None:
         """Hand one span's fields to every target: encoded for sinks, built for the rest."""
+        if not self.sampler.keep_all:  # the exemplar of its histogram: a kept span
+            phase = fields[6].get(ATTR_PHASE) or DEFAULT_PHASE
+            hist = self.aggregates.histograms.get((fields[0], phase))
+            if hist is not None:
+                hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
         sinks, others = self._targets()
         try:
             if sinks:
@@ -337,6 +363,7 @@ class SpanBuilder:
         end_ns: int,
         attributes: dict[str, Any],
         error: tuple[str, str, str] | None = None,
+        links: Any = (),
     ) -> ReadableSpan:
         context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
         parent = (
@@ -373,4 +400,8 @@ class SpanBuilder:
             start_time=start_ns,
             end_time=end_ns,
             instrumentation_scope=self._scope,
+            links=tuple(
+                Link(SpanContext(t, sp, is_remote=False, trace_flags=_SAMPLED), attrs)
+                for t, sp, attrs in links
+            ),
         )

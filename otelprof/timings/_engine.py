@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -95,6 +96,7 @@ class TimingsEngine:
             interval_s=builder_interval_s,
             cuda_timer=self._cuda,
             version=_version(),
+            trace_budget=getattr(settings, "trace_budget", math.inf),
         )
         self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
         self._kineto: Any = None
@@ -283,6 +285,11 @@ class TimingsEngine:
         """A timing span (context manager or decorator); see `otelprof.timing`."""
         return rec.timing(name, **attributes)
 
+    @property
+    def aggregates(self) -> Any:
+        """Per-(timing, phase) duration histograms of every recorded range."""
+        return self._builder.aggregates
+
     def flush(self, timeout_s: float = 10.0) -> None:
         """Hand every span recorded so far to the provider's processors (tests, shutdown)."""
         self._builder.flush(timeout_s)
@@ -301,7 +308,12 @@ class TimingsEngine:
             "span_names": len(builder.names.known),
             "span_names_folded": builder.names.folded,
             "bridge_installed": int(self._bridge is not None and self._bridge.installed),
+            # recorded, aggregated, and not written (the trace budget): not a loss
+            "spans_sampled_out": builder.sampler.sampled_out,
+            "anomalies": builder.sampler.anomalies,
         }
+        for why, count in builder.sampler.kept_steps.items():
+            stats[f"steps_kept.{why}"] = count
         if self._kineto is not None:
             stats["kineto_traces"] = self._kineto.traces
             stats["kineto_spans"] = self._kineto.spans

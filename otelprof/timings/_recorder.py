@@ -69,6 +69,7 @@ class StepContext:
         "epoch",
         "first_child_ns",
         "has_children",
+        "kept",
         "last_child_ns",
         "phase",
         "span_id",
@@ -107,6 +108,7 @@ class StepContext:
         self.has_children = False
         self.first_child_ns = 0
         self.last_child_ns = 0
+        self.kept: bool | None = None  # builder thread: the trace sampler's decision
 
 
 _BASE_FRAME: list[Any] = [None] * 13

@@ -1,0 +1,309 @@
+"""Aggregate every step, keep the traces that matter: duration histograms, trace sampling,
+anomaly-triggered capture. Runs on the span builder thread, never on the training thread.
+
+Why: at fast step rates full traces of every step are gigabytes per hour and most of the
+background CPU, yet the report, dashboards and Determined need exact per-timing figures. So
+every recorded range goes into a per-(timing name, phase) duration histogram (exact count,
+sum, min, max; buckets for percentiles) exported as the OTel histogram metric
+`otelprof.timing.duration`, and only some steps' traces are written:
+
+- **head**: a token bucket of `budget/2` spans per second (burst `HEAD_BURST` spans, so
+  short runs keep everything) decides when a step ends whether its trace fits;
+- **tail** (another `budget/2` spans/s, burst `TAIL_BURST`): a step slower than every one
+  of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
+- **anomaly** (documented rule): a step longer than `ANOMALY_FACTOR` x the median of the
+  previous `SLOW_WINDOW` steps (and at least `ANOMALY_MIN_S` longer) is kept, and the next
+  `CAPTURE_STEPS` steps are kept in full ("deep capture", linked to the slow step), at most
+  once per `CAPTURE_COOLDOWN_S`.
+
+Sampled-out spans are counted (`spans_sampled_out`), not "dropped": their durations are in
+the histograms. A kept step's span carries `otelprof.sampled` = why it was kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+ATTR_PHASE = "otelprof.phase"
+ATTR_SAMPLED = "otelprof.sampled"
+ATTR_ANOMALY_RATIO = "otelprof.anomaly.ratio"
+DEFAULT_PHASE = "train"
+METRIC_NAME = "otelprof.timing.duration"
+ATTR_TIMING = "otelprof.timing"
+
+BOUNDS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 2) for i in range(61))
+"""Histogram bucket bounds in seconds: 1 µs to ~1 ks, a factor √2 apart (percentiles read
+from them are within ±19 %; count, sum, min and max are exact)."""
+
+HEAD_BURST = 5000.0
+TAIL_BURST = 500.0
+SLOW_WINDOW = 100
+ANOMALY_FACTOR = 3.0
+ANOMALY_MIN_S = 0.001
+CAPTURE_STEPS = 5
+CAPTURE_COOLDOWN_S = 60.0
+MAX_BUFFERED = 100_000
+"""Spans held while their step is undecided; past it the oldest steps are decided early."""
+
+
+class DurationHistogram:
+    """count, sum, min, max and bucket counts of one (timing, phase); exact except buckets."""
+
+    __slots__ = ("buckets", "count", "exemplar", "max", "min", "sum")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self.buckets = [0] * (len(BOUNDS) + 1)
+        self.exemplar: tuple[float, int, int, int] | None = None  # value, time, trace, span
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.sum += seconds
+        if seconds < self.min:
+            self.min = seconds
+        if seconds > self.max:
+            self.max = seconds
+        self.buckets[bisect.bisect_left(BOUNDS, seconds)] += 1
+
+
+class Aggregates:
+    """Histograms per (timing name, phase) from every recorded range; thread-safe reads."""
+
+    def __init__(self) -> None:
+        self.start_ns = time.time_ns()
+        self._lock = threading.Lock()
+        self.histograms: dict[tuple[str, str], DurationHistogram] = {}
+
+    def add(self, name: str, phase: str, seconds: float) -> DurationHistogram:
+        key = (name, phase)
+        hist = self.histograms.get(key)
+        if hist is None:
+            with self._lock:
+                hist = self.histograms[key] = DurationHistogram()
+        hist.add(seconds)
+        return hist
+
+    def snapshot(self) -> list[tuple[str, str, DurationHistogram]]:
+        """A consistent copy of every histogram (for export on another thread)."""
+        with self._lock:
+            items = list(self.histograms.items())
+        out = []
+        for (name, phase), hist in items:
+            copy = DurationHistogram()
+            copy.count, copy.sum, copy.min, copy.max = hist.count, hist.sum, hist.min, hist.max
+            copy.buckets = list(hist.buckets)
+            copy.exemplar = hist.exemplar
+            out.append((name, phase, copy))
+        return out
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self._clock = clock
+        self._last = clock()
+
+    def take(self, n: float) -> bool:
+        """Take `n` tokens if the bucket holds them (a step bigger than the burst needs a
+        full bucket, and leaves it in debt)."""
+        now = self._clock()
+        self.tokens = min(self.burst, self.tokens + (now - self._last) * self.rate)
+        self._last = now
+        if self.tokens >= min(n, self.burst):
+            self.tokens -= n
+            return True
+        return False
+
+
+class _Pending:
+    __slots__ = ("error", "fields")
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[Any, ...]] = []
+        self.error = False
+
+
+class TraceSampler:
+    """Buffers each step's spans until the step ends, then keeps or samples them out."""
+
+    def __init__(
+        self,
+        budget: float,
+        output: Callable[[tuple[Any, ...]], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        head_burst: float | None = None,
+        tail_burst: float | None = None,
+    ) -> None:
+        head_burst = HEAD_BURST if head_burst is None else head_burst
+        tail_burst = TAIL_BURST if tail_burst is None else tail_burst
+        self.keep_all = math.isinf(budget)
+        self._head = TokenBucket(budget / 2, head_burst, clock)
+        self._tail = TokenBucket(budget / 2, tail_burst, clock)
+        self._output = output
+        self._clock = clock
+        self._pending: dict[Any, _Pending] = {}
+        self._buffered = 0
+        # per root-span name (`step`, `validation`, ...): phases are not compared
+        self._recent_by_root: dict[str, deque[float]] = {}
+        self._median: dict[str, tuple[float, int]] = {}
+        self._capture_left = 0
+        self._held: tuple[Any, ...] | None = None  # the anomalous step's span, until linked
+        self._held_links: list[tuple[int, int, dict[str, Any]]] = []
+        self._last_capture = -math.inf
+        self.sampled_out = 0
+        self.kept_steps: dict[str, int] = {}
+        self.anomalies = 0
+        self.on_anomaly: Callable[[Any, float], None] | None = None
+
+    # ---- spans ----
+    def span(self, ctx: Any, fields: tuple[Any, ...], is_step: bool) -> None:
+        """A finished span of step `ctx`; the step span itself ends the step."""
+        decided = getattr(ctx, "kept", None)
+        if decided is not None:  # decided early (flush): the rest follows that decision
+            if is_step:
+                self._recent_of(fields[0]).append((fields[5] - fields[4]) / 1e9)
+            self._late(decided, fields)
+            return
+        pending = self._pending.get(ctx)
+        if pending is None:
+            pending = self._pending[ctx] = _Pending()
+        if is_step:
+            del self._pending[ctx]
+            self._buffered -= len(pending.fields)
+            self._decide(ctx, pending, fields)
+            return
+        pending.fields.append(fields)
+        if fields[7] is not None:
+            pending.error = True
+        self._buffered += 1
+        if self._buffered > MAX_BUFFERED:
+            self._decide_oldest()
+
+    def _late(self, kept: bool, fields: tuple[Any, ...]) -> None:
+        if kept:
+            self._output(fields)
+        else:
+            self.sampled_out += 1
+
+    def flush(self) -> None:
+        """An explicit flush: steps still open are written now if the head budget allows
+        (their tail decision is lost), else they stay buffered."""
+        for ctx, pending in list(self._pending.items()):
+            if self.keep_all or self._head.take(len(pending.fields) + 1):
+                self._release(ctx, pending, "head")
+
+    def finish(self) -> None:
+        """Shutdown: steps whose step span never came (still open) go by the head budget."""
+        self._release_held()
+        for ctx, pending in list(self._pending.items()):
+            if self.keep_all or self._head.take(len(pending.fields)):
+                self._release(ctx, pending, "head")
+            else:
+                del self._pending[ctx]
+                self._buffered -= len(pending.fields)
+                ctx.kept = False
+                self.sampled_out += len(pending.fields)
+
+    def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
+        del self._pending[ctx]
+        self._buffered -= len(pending.fields)
+        ctx.kept = True
+        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        for fields in pending.fields:
+            self._output(fields)
+
+    def _decide_oldest(self) -> None:
+        ctx = next(iter(self._pending))
+        pending = self._pending[ctx]
+        if self._head.take(len(pending.fields)):
+            self._release(ctx, pending, "head")
+        else:
+            del self._pending[ctx]
+            self._buffered -= len(pending.fields)
+            ctx.kept = False
+            self.sampled_out += len(pending.fields)
+
+    def _recent_of(self, root: str) -> deque[float]:
+        recent = self._recent_by_root.get(root)
+        if recent is None:
+            recent = self._recent_by_root[root] = deque(maxlen=SLOW_WINDOW)
+        return recent
+
+    # ---- the decision ----
+    def _decide(self, ctx: Any, pending: _Pending, step: tuple[Any, ...]) -> None:
+        seconds = (step[5] - step[4]) / 1e9
+        n = len(pending.fields) + 1
+        recent = self._recent_of(step[0])
+        why: str | None = None
+        ratio = 0.0
+        if self.keep_all:
+            why = "all"
+        if len(recent) >= 10:
+            median, age = self._median.get(step[0], (0.0, 0))
+            if age <= 0:  # recomputed every 16 steps: cheap, and the window moves slowly
+                median, age = statistics.median(recent), 16
+            self._median[step[0]] = (median, age - 1)
+            ratio = seconds / median if median > 0 else math.inf
+            now = self._clock()
+            if (
+                seconds >= ANOMALY_FACTOR * median
+                and seconds - median >= ANOMALY_MIN_S
+                and now - self._last_capture >= CAPTURE_COOLDOWN_S
+            ):
+                self._last_capture = now
+                self.anomalies += 1
+                why = "anomaly"
+                self._capture_left = CAPTURE_STEPS
+                self._tail.take(n)  # counted against the tail budget, never refused
+                if self.on_anomaly is not None:
+                    self.on_anomaly(ctx, ratio)
+        if why is None and self._capture_left > 0:
+            self._capture_left -= 1
+            why = "capture"
+        if why is None and pending.error and self._tail.take(n):
+            why = "tail.error"
+        if why is None and recent and seconds > max(recent) and self._tail.take(n):
+            why = "tail.slowest"
+        if why is None and self._head.take(n):
+            why = "head"
+        recent.append(seconds)
+        if why is None:
+            ctx.kept = False
+            self.sampled_out += n
+            return
+        ctx.kept = True
+        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        for fields in pending.fields:
+            self._output(fields)
+        attributes = dict(step[6])
+        attributes[ATTR_SAMPLED] = why
+        if why == "anomaly":
+            # held until its capture is done, so it can link to the captured steps
+            attributes[ATTR_ANOMALY_RATIO] = round(ratio, 3)
+            self._release_held()
+            self._held = (*step[:6], attributes, step[7])
+            self._held_links = []
+            return
+        self._output((*step[:6], attributes, step[7]))
+        if why == "capture" and self._held is not None:
+            self._held_links.append((step[1], step[2], {ATTR_SAMPLED: "capture"}))
+            if self._capture_left == 0:
+                self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            self._output((*held, tuple(self._held_links)))

@@ -1,0 +1,210 @@
+"""Aggregate every step, keep the traces that matter: histograms, head/tail sampling, anomalies."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otelprof
+from otelprof.timings import _sampling
+from otelprof.timings._sampling import TraceSampler
+from tests.otlp_files import read_spans
+
+
+class _Ctx:
+    """Stands for a recorder StepContext: the sampler only reads and writes `kept`."""
+
+    def __init__(self) -> None:
+        self.kept: bool | None = None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run_steps(
+    sampler: TraceSampler,
+    durations: list[float],
+    clock: _Clock,
+    errors: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Feed one child span + the step span per duration; return step numbers in order."""
+    t = 1_000_000_000
+    for number, seconds in enumerate(durations):
+        ctx = _Ctx()
+        end = t + int(seconds * 1e9)
+        error = ("builtins.ValueError", "x", "") if number in errors else None
+        child = ("train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error)
+        sampler.span(ctx, child, is_step=False)
+        step = ("step", number + 1, 2 * number + 11, 0, t, end, {"otelprof.step": number}, None)
+        sampler.span(ctx, step, is_step=True)
+        t = end
+        clock.now += seconds
+    sampler.finish()
+    return list(range(len(durations)))
+
+
+def _sampler(budget: float = 0.0, **kw: Any) -> tuple[TraceSampler, list[tuple[Any, ...]], _Clock]:
+    out: list[tuple[Any, ...]] = []
+    clock = _Clock()
+    kw.setdefault("head_burst", 0.0)
+    return TraceSampler(budget, out.append, clock=clock, **kw), out, clock
+
+
+def _kept_steps(out: list[tuple[Any, ...]]) -> dict[int, tuple[Any, ...]]:
+    return {f[6]["otelprof.step"]: f for f in out if f[0] == "step"}
+
+
+def _steady(n: int, seed: int = 1) -> list[float]:
+    rng = random.Random(seed)
+    return [0.010 * rng.uniform(0.8, 1.2) for _ in range(n)]
+
+
+def test_tail_kept_steps_are_exactly_the_steps_slower_than_every_recent_one() -> None:
+    durations = _steady(600)
+    for at in (150, 300, 450):
+        durations[at] = 0.020  # slow, but under the anomaly rule's 3x
+    sampler, out, clock = _sampler(tail_burst=1e9)
+    _run_steps(sampler, durations, clock)
+    kept = _kept_steps(out)
+    window = _sampling.SLOW_WINDOW
+    slowest = {
+        i for i in range(1, len(durations)) if durations[i] > max(durations[max(0, i - window) : i])
+    }
+    assert {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "tail.slowest"} == slowest
+    assert {150, 300, 450} <= slowest
+    assert sampler.anomalies == 0
+    # every kept step comes with its child; nothing else was written, the rest is counted
+    assert sum(1 for f in out if f[0] == "train_batch") == len(kept)
+    assert sampler.sampled_out + len(out) == 2 * len(durations)
+
+
+def test_the_anomaly_rule_fires_on_an_injected_slow_step_and_captures_the_next_ones() -> None:
+    durations = _steady(400, seed=2)
+    durations[250] = 0.050  # 5x the recent median
+    sampler, out, clock = _sampler()
+    _run_steps(sampler, durations, clock)
+    assert sampler.anomalies == 1
+    kept = _kept_steps(out)
+    assert kept[250][6]["otelprof.sampled"] == "anomaly"
+    assert kept[250][6]["otelprof.anomaly.ratio"] == pytest.approx(5.0, rel=0.25)
+    captured = range(251, 251 + _sampling.CAPTURE_STEPS)
+    assert all(kept[i][6]["otelprof.sampled"] == "capture" for i in captured)
+    # the slow step's span links to every captured step's span
+    links = kept[250][8]
+    assert [span_id for _, span_id, _ in links] == [kept[i][2] for i in captured]
+    assert all(trace == kept[i][1] for (trace, _, _), i in zip(links, captured, strict=True))
+
+
+def test_the_anomaly_rule_stays_quiet_on_a_steady_run() -> None:
+    for seed in range(5):
+        sampler, out, clock = _sampler(tail_burst=1e9)
+        _run_steps(sampler, _steady(1000, seed=seed), clock)
+        assert sampler.anomalies == 0
+        assert not any(f[6].get("otelprof.sampled") in ("anomaly", "capture") for f in out)
+
+
+def test_steps_with_an_error_are_kept_while_the_head_budget_is_spent() -> None:
+    sampler, out, clock = _sampler(tail_burst=100)
+    _run_steps(sampler, [0.010] * 200, clock, errors=frozenset({17, 123}))
+    kept = _kept_steps(out)
+    assert {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "tail.error"} == {17, 123}
+
+
+def test_the_head_budget_bounds_the_spans_written_per_second() -> None:
+    sampler, out, clock = _sampler(budget=40.0, tail_burst=0.0)
+    durations = [0.001] * 20_000  # 20 s of 1 ms steps, two spans each
+    _run_steps(sampler, durations, clock)
+    head = [f for f in _kept_steps(out).values() if f[6]["otelprof.sampled"] == "head"]
+    # head gets half the budget: 20 spans/s -> 10 two-span steps per second, over 20 s
+    assert 190 <= len(head) <= 201
+    assert sampler.sampled_out + len(out) == 2 * len(durations)
+
+
+def _histograms(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The last cumulative `otelprof.timing.duration` point per (timing, phase)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        for rm in json.loads(line)["resourceMetrics"]:
+            for sm in rm.get("scopeMetrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] != "otelprof.timing.duration":
+                        continue
+                    assert metric["unit"] == "s"
+                    for dp in metric["histogram"]["dataPoints"]:
+                        attrs = {a["key"]: a["value"]["stringValue"] for a in dp["attributes"]}
+                        out[(attrs["otelprof.timing"], attrs["otelprof.phase"])] = dp
+    return out
+
+
+def _train(prof: Any, steps: int) -> None:
+    for i in range(steps):
+        with otelprof.timing("dataloader_next"):
+            pass
+        with otelprof.timing("train_batch"), otelprof.timing("forward"):
+            time.sleep(0.0002 if i % 7 else 0.001)
+        prof.step()
+        if i % 50 == 49:
+            with otelprof.phase("validation"), otelprof.timing("eval_batch"):
+                pass
+
+
+def test_histograms_equal_what_full_traces_give_per_timing_and_phase(tmp_path: Path) -> None:
+    prof = otelprof.instrument(
+        output_dir=str(tmp_path), run_id="full", trace_budget=float("inf"),
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+    try:
+        _train(prof, 200)
+    finally:
+        prof.shutdown()
+    spans = read_spans(prof.files["traces"])
+    hists = _histograms(prof.files["metrics"])
+    expected: dict[tuple[str, str], list[float]] = {}
+    for span in spans:
+        key = (span.name, span.attributes["otelprof.phase"])
+        expected.setdefault(key, []).append(span.duration_s)
+    assert ("eval_batch", "validation") in expected and ("forward", "train") in expected
+    assert set(hists) == set(expected)
+    ids = {(s.trace_id, s.span_id) for s in spans}
+    for key, durations in expected.items():
+        dp = hists[key]
+        assert int(dp["count"]) == len(durations), key
+        assert dp["sum"] == pytest.approx(sum(durations), rel=1e-9, abs=1e-9), key
+        assert dp["min"] == pytest.approx(min(durations), abs=1e-9), key
+        assert dp["max"] == pytest.approx(max(durations), abs=1e-9), key
+        assert sum(int(c) for c in dp["bucketCounts"]) == len(durations)
+        (exemplar,) = dp["exemplars"]  # points at a span that was written
+        assert (exemplar["traceId"], exemplar["spanId"]) in ids
+
+
+def test_sampled_runs_keep_exact_histograms_and_account_for_every_span(tmp_path: Path) -> None:
+    prof = otelprof.instrument(
+        output_dir=str(tmp_path), run_id="sampled", trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+    _sampling_burst = _sampling.HEAD_BURST
+    try:
+        _train(prof, 3000)
+    finally:
+        prof.shutdown()
+    stats = prof.stats()
+    hists = _histograms(prof.files["metrics"])
+    assert int(hists[("forward", "train")]["count"]) == 3000
+    assert int(hists[("step", "train")]["count"]) == 3000
+    assert int(hists[("eval_batch", "validation")]["count"]) == 60
+    recorded = sum(int(dp["count"]) for dp in hists.values())
+    written = len(read_spans(prof.files["traces"]))
+    assert stats["timings.spans_sampled_out"] > 0
+    assert written + stats["timings.spans_sampled_out"] == recorded
+    assert written <= _sampling_burst + _sampling.TAIL_BURST + 1000
+    assert stats["dropped_total"] == 0  # sampling out is not a loss
