@@ -192,3 +192,25 @@ def test_reports_the_master_refuses_show_as_lost_in_stats_not_as_exported(
     assert stats["determined.reports_delivered"] == 0
     assert stats["determined.reports_failed_refused_by_master"] >= 4  # cpu, memory, disk, net
     assert stats["dropped_total"] >= stats["determined.reports_failed_refused_by_master"]
+
+
+def test_reports_still_undelivered_at_shutdown_are_counted_as_dropped(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "DET_MASTER": master.url,
+        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": "1",
+        "DET_AGENT_ID": "agent-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with master.database_down():  # every report a retryable 500 until the process ends
+        with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
+            time.sleep(0.5)
+    stats = prof.stats()
+    assert master.posts() == []
+    assert stats["determined.reports_delivered"] == 0
+    assert stats["determined.reports_dropped_at_shutdown"] >= 4  # cpu, memory, disk, net
+    assert stats["determined.reports_failed_refused_by_master"] == 0
+    assert stats["dropped_total"] >= stats["determined.reports_dropped_at_shutdown"]
