@@ -205,9 +205,12 @@ def test_reports_still_undelivered_at_shutdown_are_counted_as_dropped(
         "DET_AGENT_ID": "agent-1",
     }.items():
         monkeypatch.setenv(name, value)
-    with master.database_down():  # every report a retryable 500 until the process ends
-        with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
-            time.sleep(0.5)
+    # every report a retryable 500 until the process ends
+    with (
+        master.database_down(),
+        otelprof.instrument(determined=True, detached=False, interval=0.2) as prof,
+    ):
+        time.sleep(0.5)
     stats = prof.stats()
     assert master.posts() == []
     assert stats["determined.reports_delivered"] == 0
