@@ -630,6 +630,18 @@ def training_dashboard() -> dict[str, Any]:
         ],
         unit="J",
     )
+    lay.timeseries(
+        "GPU idle time by phase",
+        "GPU-idle seconds per second, (1 - utilization) summed over the selected GPUs, by "
+        "the training phase they fell in (otelprof.phase: train, validation, checkpoint).",
+        [
+            target(
+                f"sum by (otelprof_phase) ({_rate('otelprof_gpu_idle_seconds_total', RANK_SEL)})",
+                "{{otelprof_phase}}",
+            )
+        ],
+        unit="s",
+    )
     lay.row("Ranks")
     lay.timeseries(
         "Mean step time per rank (stragglers)",

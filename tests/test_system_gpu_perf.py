@@ -60,7 +60,9 @@ class StepClock:
 
 
 class Rig:
-    def __init__(self, nvml: FakeNvml, env: dict[str, str] | None = None, pid: int = 0) -> None:
+    def __init__(
+        self, nvml: FakeNvml, env: dict[str, str] | None = None, training: Any = None
+    ) -> None:
         self.nvml = nvml
         self.time = StepClock()
         self.clock = Clock(monotonic_ns=self.time, wall_ns=lambda: 0)
@@ -74,6 +76,7 @@ class Rig:
             nvml=nvml,
             env=env or {},
             clock=self.clock,
+            training=training,
         )
 
     def advance(self, seconds: float, *gpus: FakeGpu, **gpm: float) -> None:
@@ -331,3 +334,38 @@ def test_process_gpu_memory_is_absent_when_unknown_or_when_none_of_ours_is_liste
     elsewhere.processes = [(12345678, 2**30)]
     rig = make(rigs, FakeNvml([unknown, elsewhere]))
     assert not any(name == names.GPU_PROCESS_MEMORY.name for name, _ in rig.values())
+
+
+class Training:
+    """The training loop's step counter and phase, as the sampler reads them."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.phase = "train"
+
+    def __call__(self) -> tuple[int, str]:
+        return self.steps, self.phase
+
+
+def test_energy_per_step_and_gpu_idle_by_phase_are_live_metrics(rigs: list[Rig]) -> None:
+    gpu = FakeGpu(uuid="GPU-e", utilization_rate=75, energy_mj=1_000_000)
+    training = Training()
+    rig = Rig(FakeNvml([gpu]), training=training)
+    rigs.append(rig)
+    rig.values()  # baseline: energy and utilization windows start here
+    rig.advance(2.0)
+    training.steps = 10
+    gpu.energy_mj += 400_000  # 400 J over 10 steps
+    values = rig.values()
+    assert values[(names.GPU_ENERGY_PER_STEP.name, ())] == pytest.approx(40.0)
+    idle_key = (names.GPU_IDLE.name, (("gpu.index", 0), ("otelprof.phase", "train")))
+    assert values[idle_key] == pytest.approx(0.25 * 2.0, rel=1e-3)  # 75 % busy for 2 s
+    # validation: no training steps; idle time goes to the validation phase
+    training.phase = "validation"
+    rig.advance(2.0)
+    gpu.energy_mj += 100_000
+    values = rig.values()
+    assert (names.GPU_ENERGY_PER_STEP.name, ()) not in values
+    val_key = (names.GPU_IDLE.name, (("gpu.index", 0), ("otelprof.phase", "validation")))
+    assert values[val_key] == pytest.approx(0.25 * 2.0, rel=1e-3)
+    assert values[idle_key] == pytest.approx(0.5, rel=1e-3)  # train's total unchanged

@@ -29,6 +29,8 @@ start time the window's start, see `_stamps.py`):
 | `hw.gpu.memory.bandwidth.utilization` | `1` | `hw.id`, `gpu.index`, src | GPM / NVML |
 | `hw.gpu.pcie.throughput` | `By/s` | same + direction | GPM / NVML byte counters |
 | `hw.gpu.nvlink.throughput` | `By/s` | same + direction | GPM / NVML byte counters |
+| `otelprof.gpu.energy.per_step` | `J` | – | Δ`hw.energy` / training steps in the interval |
+| `otelprof.gpu.idle` (counter) | `s` | `hw.id`, `gpu.index`, phase | (1 - util) × interval |
 | `process.cpu.utilization` | `1` | – | this process, ÷ usable CPUs |
 | `process.memory.usage` | `By` | – | this process's RSS |
 | `otelprof.torch.cuda.memory.allocated` | `By` | `otelprof.cuda.device`, `hw.id` | torch |

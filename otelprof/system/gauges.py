@@ -24,6 +24,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from . import _gauge_start, names
 from ._common import LogOnce, Reading, logger
+from ._gpu_steps import GpuStepMetrics, Training
 from ._stamps import Clock, StampedValue, attr_key, recent_counters
 from .amd import AmdGpuSampler
 from .gpu import GpuSampler
@@ -178,11 +179,14 @@ def register_system_metrics(
     env: Mapping[str, str] | None = None,
     clock: Clock | Callable[[], float] | None = None,
     amdsmi: Any = None,
+    training: Training | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
-    `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi, os.environ (tests
-    use fakes for hardware this machine lacks). `clock` is a `_stamps.Clock`, or a function
+    `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi and
+    os.environ (tests use fakes for hardware this machine lacks). `training` returns
+    (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (default: the
+    running profiler's). `clock` is a `_stamps.Clock`, or a function
     returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()
@@ -205,7 +209,7 @@ def register_system_metrics(
             if not gpu.start():
                 gpu = None
         if gpu is not None:
-            sources.append(("gpu", gpu.sample))
+            sources.append(("gpu", GpuStepMetrics(gpu.sample, training).sample))
             instruments.extend(names.GPU)
     if settings.process_metrics:
         process = ProcessSampler(

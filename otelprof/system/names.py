@@ -77,6 +77,19 @@ GPU_NVLINK_IO = Instrument(
     "hw.gpu.nvlink.throughput", "By/s", "NVLink bytes per second over the interval, all links"
 )
 
+# GPU figures tied to training (`_gpu_steps.py`)
+GPU_ENERGY_PER_STEP = Instrument(
+    "otelprof.gpu.energy.per_step",
+    "J",
+    "Energy of the sampled GPUs per training step completed in the interval",
+)
+GPU_IDLE = Instrument(
+    "otelprof.gpu.idle",
+    "s",
+    "GPU-idle seconds, (1 - utilization) x interval, by training phase",
+    kind="counter",
+)
+
 # this process (every rank)
 PROCESS_CPU_UTILIZATION = Instrument(
     "process.cpu.utilization", "1", "This process's CPU time over the interval / usable CPUs, 0-1"
@@ -107,6 +120,8 @@ GPU = (
     GPU_DRAM_BANDWIDTH,
     GPU_PCIE_IO,
     GPU_NVLINK_IO,
+    GPU_ENERGY_PER_STEP,
+    GPU_IDLE,
 )
 PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
 TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
@@ -116,6 +131,7 @@ ALL = HOST + GPU + PROCESS + TORCH
 HW_ID = "hw.id"
 HW_TYPE = "hw.type"
 GPU_INDEX = "gpu.index"
+PHASE = "otelprof.phase"
 GPU_SOURCE = "otelprof.gpu.source"  # "gpm" or "nvml": where a performance value came from
 NETWORK_DIRECTION = "network.io.direction"
 DISK_DIRECTION = "disk.io.direction"

@@ -1,0 +1,117 @@
+"""Live GPU figures tied to training: energy per step and GPU-idle time by phase.
+
+Why: the report joins GPU samples with spans after the run; these two metrics give the same
+answers while the job runs (dashboards, alerts), from what the sampler already reads plus
+the training loop's step counter and phase (read, never written, off the training thread):
+
+- `otelprof.gpu.energy.per_step` (J, gauge): over each collection window, the energy the
+  sampled GPUs drew (Δ`hw.energy`) divided by the training steps completed in it. Emitted
+  only for windows that start and end in the "train" phase and complete at least one step
+  (a window with validation inside would charge its energy to training).
+- `otelprof.gpu.idle` (s, counter per GPU and `otelprof.phase`): GPU-idle seconds,
+  (1 - utilization) × window, added to the phase current when the window ends. A window
+  that crosses a phase change is charged to the later phase; phases lasting many windows
+  make that error small (the report's figures, from spans, are exact at the boundaries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import names
+from ._common import Reading
+
+Training = Callable[[], "tuple[int, str] | None"]
+"""(training steps completed, current phase), or None when no profiler is running."""
+
+TRAIN = "train"
+
+
+def active_training() -> tuple[int, str] | None:
+    """The running otelprof profiler's step count and phase (None when none runs)."""
+    try:
+        from otelprof.timings import _engine
+
+        engine = _engine._active
+        if engine is None:
+            return None
+        return int(engine.step_number), str(engine.phase)
+    except Exception:
+        return None
+
+
+class GpuStepMetrics:
+    """Derives the two metrics from each GPU sample (wraps the GPU sampler's `sample`)."""
+
+    def __init__(self, sample: Callable[[], list[Reading]], training: Training | None) -> None:
+        self._sample = sample
+        self._training = training or active_training
+        self._energy: dict[tuple[Any, ...], float] = {}  # GPU -> last hw.energy (J)
+        self._window: tuple[int, int, str] | None = None  # (time ns, steps, phase)
+        self._idle: dict[tuple[Any, ...], float] = {}  # (GPU attrs, phase) -> idle seconds
+
+    def sample(self) -> list[Reading]:
+        readings = self._sample()
+        try:
+            return readings + self._derive(readings)
+        except Exception:  # derived figures must never cost the GPU readings
+            return readings
+
+    def _derive(self, readings: list[Reading]) -> list[Reading]:
+        state = self._training()
+        out: list[Reading] = []
+        energy_delta = 0.0
+        energy_time: int | None = None
+        complete = True
+        for r in readings:
+            if r.name == names.GPU_ENERGY.name:
+                key = tuple(sorted(r.attributes.items()))
+                previous = self._energy.get(key)
+                self._energy[key] = r.value
+                if previous is None or r.value < previous:
+                    complete = False  # first read, or counter reset: no delta this window
+                else:
+                    energy_delta += r.value - previous
+                energy_time = r.time_ns if energy_time is None else max(energy_time, r.time_ns or 0)
+        if state is not None:
+            steps, phase = state
+            for r in readings:
+                if r.name != names.GPU_UTILIZATION.name or r.start_ns is None or r.time_ns is None:
+                    continue
+                seconds = (r.time_ns - r.start_ns) / 1e9
+                if seconds <= 0:
+                    continue
+                attrs = {
+                    names.HW_ID: r.attributes.get(names.HW_ID, ""),
+                    names.GPU_INDEX: r.attributes.get(names.GPU_INDEX, -1),
+                    names.PHASE: phase,
+                }
+                key = tuple(sorted(attrs.items()))
+                idle = (1.0 - min(1.0, max(0.0, r.value))) * seconds
+                self._idle[key] = self._idle.get(key, 0.0) + idle
+            for key, total in self._idle.items():
+                out.append(Reading(names.GPU_IDLE.name, total, dict(key), energy_time))
+            previous_window = self._window
+            if energy_time is not None:
+                self._window = (energy_time, steps, phase)
+            if (
+                previous_window is not None
+                and energy_time is not None
+                and complete
+                and energy_delta >= 0
+                and previous_window[2] == TRAIN
+                and phase == TRAIN
+                and steps > previous_window[1]
+            ):
+                per_step = energy_delta / (steps - previous_window[1])
+                out.append(
+                    Reading(
+                        names.GPU_ENERGY_PER_STEP.name,
+                        per_step,
+                        {},
+                        energy_time,
+                        previous_window[0],
+                    )
+                )
+        return out
