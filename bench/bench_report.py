@@ -106,6 +106,15 @@ def main() -> int:
             f"{'otelprof summarize (in process)':<34}{t_report:8.1f} s  "
             f"{size / 1e6 / t_report:8.0f} MB/s  ({t_report / t_json:.2f}x json.loads)"
         )
+        from otelprof.analysis.gpu_energy import analyze
+
+        t = time.perf_counter()
+        analyze(list(files), WarningLog())  # the report's GPU energy / idle section
+        t_gpu = time.perf_counter() - t
+        print(
+            f"{'GPU energy/idle pass (in process)':<34}{t_gpu:8.1f} s  "
+            f"{size / 1e6 / t_gpu:8.0f} MB/s  ({t_gpu / t_report:.2f}x summarize)"
+        )
         wall_t, rss_t = _child(["trace", str(run), "-o", str(base / "trace.json")])
         wall_r, rss_r = _child(["report", str(run)])
         print(f"{'otelprof trace (CLI)':<34}{wall_t:8.1f} s  peak RSS {rss_t:6.0f} MiB")

@@ -344,6 +344,8 @@ def summary_notes(result: GpuEnergy) -> list[str]:
 @section
 def gpu_energy_section(summary: RunSummary) -> Section | None:
     """The report's "GPU energy and idle time by phase" section (text, HTML and --json)."""
+    if not any(s.name in (UTILIZATION, POWER) for s in summary.series.values()):
+        return None  # no GPU samples: skip the second pass over the files
     result = analyze(summary.files.jsonl, lambda _message: None)  # summarize warned already
     if result is None:
         return None
