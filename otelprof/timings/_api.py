@@ -138,6 +138,12 @@ class timed_dataloader(Generic[T]):
             yield item
 
 
+def _compiling() -> bool:
+    """Inside a region torch.compile traces (a compiled optimizer step): record nothing."""
+    check = _rec.is_compiling or _rec._find_is_compiling()
+    return check is not None and check()
+
+
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")  # data holding tensors means torch is imported
     return torch is not None and isinstance(value, torch.Tensor)
@@ -215,13 +221,15 @@ def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHand
     started: list[list[Any]] = []  # at most one: a step that raised never reached `post`
 
     def pre(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if _compiling():
+            return
         started.clear()
         frame = _rec.begin_leaf(name)
         if frame is not None:
             started.append(frame)
 
     def post(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if started:
+        if started and not _compiling():
             _rec.end_leaf(started.pop())
 
     pre_handle = optimizer.register_step_pre_hook(pre)

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import random
+import sys
 import threading
 import traceback
 from collections import deque
@@ -152,6 +153,9 @@ attribute read is ~4x cheaper than torch.autograd._profiler_enabled()."""
 torch_range_enter: Callable[[str, str | None], Any] | None = None
 torch_range_exit: Callable[[Any], Any] | None = None
 cuda_timer: Any = None  # _cuda.CudaTimer while CUDA timing is on
+is_compiling: Callable[[], bool] | None = None
+"""torch.compiler.is_compiling once torch is imported: inside a region torch.compile traces,
+`timing()` steps aside (a clock read or a thread-local there is a graph break)."""
 
 
 def _stop_in_forked_child() -> None:
@@ -408,10 +412,13 @@ class Timing:
                 _torch_range_exit(frame[12])
 
     def __call__(self, func: _F) -> _F:
-        """Decorator use: every call of `func` is one span."""
+        """Decorator use: every call of `func` is one span (none inside compiled code)."""
 
         @functools.wraps(func)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            check = is_compiling or _find_is_compiling()
+            if check is not None and check():
+                return func(*args, **kwargs)
             with self:
                 return func(*args, **kwargs)
 
@@ -433,8 +440,12 @@ def timing(name: str, **attributes: Any) -> Timing:
     `record_function` range of the same name, so the name shows up in torch traces.
     Exceptions mark the span as an error and propagate unchanged. Open ranges live on the
     thread's stack, not in the object, so one object may be entered on several threads
-    and nested in itself (attribute-free timings are shared per name).
+    and nested in itself (attribute-free timings are shared per name). Inside a region
+    that torch.compile traces it is a no-op (no graph break, no span).
     """
+    check = is_compiling or _find_is_compiling()
+    if check is not None and check():
+        return _PASSTHROUGH
     if attributes:
         return Timing(name, attributes)
     cached = _timings_by_name.get(name)
@@ -443,6 +454,47 @@ def timing(name: str, **attributes: Any) -> Timing:
         if len(_timings_by_name) < MAX_CACHED_NAMES:
             _timings_by_name[name] = cached
     return cached
+
+
+class _Passthrough(Timing):
+    """What `timing()` returns inside compiled code: nothing to trace, nothing recorded."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> Timing:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    def cancel(self) -> None:
+        return None
+
+
+_PASSTHROUGH = _Passthrough("compiled region")
+
+
+def _find_is_compiling() -> Callable[[], bool] | None:
+    """torch.compiler.is_compiling, once torch is imported (importing otelprof never imports
+    torch); None before."""
+    global is_compiling
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        is_compiling = torch.compiler.is_compiling
+    except Exception:
+        is_compiling = _never
+    return is_compiling
+
+
+def _never() -> bool:
+    return False
 
 
 def _torch_range_enter(name: str) -> Any:
