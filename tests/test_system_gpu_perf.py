@@ -65,7 +65,7 @@ class Rig:
     ) -> None:
         self.nvml = nvml
         self.time = StepClock()
-        self.clock = Clock(monotonic_ns=self.time, wall_ns=lambda: 0)
+        self.clock = Clock(monotonic_ns=self.time, wall_ns=lambda: 1_800_000_000 * 10**9)
         self.reader = InMemoryMetricReader()
         self.provider = MeterProvider(metric_readers=[self.reader])
         self.handle = register_system_metrics(
@@ -369,3 +369,34 @@ def test_energy_per_step_and_gpu_idle_by_phase_are_live_metrics(rigs: list[Rig])
     val_key = (names.GPU_IDLE.name, (("gpu.index", 0), ("otelprof.phase", "validation")))
     assert values[val_key] == pytest.approx(0.25 * 2.0, rel=1e-3)
     assert values[idle_key] == pytest.approx(0.5, rel=1e-3)  # train's total unchanged
+
+
+def test_determined_profiler_gpu_group_keeps_exactly_its_keys_with_the_new_gpu_metrics(
+    rigs: list[Rig],
+) -> None:
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    from otelprof.determined.mapping import PROFILING_KEYS, Route, extract_metrics
+
+    gpu = hopper()
+    gpu.processes = [(os.getpid(), 2**30)]
+    gpu.fields = {FI_PCIE_TX: 0}
+    training = Training()
+    rig = Rig(FakeNvml([gpu]), training=training)
+    rigs.append(rig)
+    rig.reader.get_metrics_data()
+    rig.advance(1.0, gpu, **busy())
+    training.steps = 5
+    gpu.energy_mj += 1_000_000
+    data = rig.reader.get_metrics_data()
+    assert data is not None
+    names_sent = {
+        m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert {names.GPU_SM_ACTIVITY.name, names.GPU_ENERGY_PER_STEP.name} <= names_sent
+    extracted = extract_metrics(
+        encode_metrics(apply_read_times(data)), Route(trial_id=7, run_id=1, agent="a")
+    )
+    assert extracted.rejected == 0, extracted.errors
+    groups = {(g.group, g.key) for g in extracted.gauges}
+    assert groups == {("gpu", key) for key in PROFILING_KEYS["gpu"]}

@@ -24,6 +24,8 @@ the clock right before its call, like NVML's.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -89,8 +91,10 @@ class AmdGpuSampler:
         """Initialize AMD SMI and resolve the GPUs; False (quietly, at debug) if none."""
         if self._amdsmi is None:
             try:
-                import amdsmi
-            except Exception as exc:  # its import raises without libamd_smi.so
+                # amdsmi prints to stdout when libamd_smi.so is missing, then raises
+                with contextlib.redirect_stdout(io.StringIO()):
+                    import amdsmi
+            except Exception as exc:
                 logger.debug("AMD GPU metrics off: amdsmi cannot be imported (%s)", exc)
                 return False
             self._amdsmi = amdsmi
