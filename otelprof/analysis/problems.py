@@ -107,6 +107,15 @@ def notes(summary: RunSummary) -> list[str]:
             f"only steps {'' if low is None else low}:{'' if high is None else high} "
             "(from --steps; A:B keeps A <= step < B)"
         )
+    if (
+        summary.timings_from_histograms
+        and summary.read.spans
+        < sum(a.stats.count for a in summary.timings.values()) + summary.step.count
+    ):
+        out.append(
+            "timings cover every step (otelprof.timing.duration histograms); traces were "
+            f"sampled ({summary.read.spans:,} spans kept), so percentiles are approximate (~)"
+        )
     step = summary.step
     ranks = [r for r in summary.ranks.values() if r.steps.count]
     if summary.step0_s and step.count - len(summary.step0_s) >= 3:

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otelprof.analysis.aggregates import METRIC_NAME as HIST_METRIC
+from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.aggregates import parse_point as parse_hist
+
 Warn = Callable[[str], None]
 
 _KINDS = {"resourceSpans": "traces", "resourceMetrics": "metrics", "resourceLogs": "logs"}
@@ -381,8 +385,8 @@ def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -
 
 
 def _points_of(
-    line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats
-) -> Iterator[PointRec]:
+    line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats, histograms: bool = False
+) -> Iterator[PointRec | HistRec]:
     where = f"{line.path}:{line.number}"
     for resource, scopes in _scopes_by_resource(line, "Metrics", cache, warn, stats):
         for sm in scopes:
@@ -395,8 +399,11 @@ def _points_of(
                     elif "sum" in metric:
                         kind, data = "sum", metric["sum"]
                         mono = bool(data.get("isMonotonic", False))
+                    elif histograms and name == HIST_METRIC and "histogram" in metric:
+                        yield from _histograms_of(metric, resource, where, warn, stats)
+                        continue
                     else:
-                        continue  # histograms/summaries: not hardware gauges
+                        continue  # other histograms/summaries: not hardware gauges
                     dps = data.get("dataPoints") or []
                 except (AttributeError, KeyError, TypeError, ValueError) as exc:
                     stats.skipped_items += 1
@@ -428,6 +435,17 @@ def _points_of(
                     yield rec
 
 
+def _histograms_of(
+    metric: dict[str, Any], resource: Resource, where: str, warn: Warn, stats: ReadStats
+) -> Iterator[HistRec]:
+    for dp in metric["histogram"].get("dataPoints") or ():
+        try:
+            yield parse_hist(dp, attributes(dp.get("attributes")), resource)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed histogram point of {HIST_METRIC} skipped ({exc!r})")
+
+
 def iter_records(
     files: Iterable[Path],
     warn: Warn,
@@ -435,6 +453,18 @@ def iter_records(
     kinds: frozenset[str] = frozenset({"traces", "metrics"}),
 ) -> Iterator[SpanRec | PointRec]:
     """Spans and gauge/sum points of every intact line, file by file, in file order."""
+    # no HistRec comes without histograms=True
+    yield from iter_all_records(files, warn, stats, kinds, histograms=False)  # type: ignore[misc]
+
+
+def iter_all_records(
+    files: Iterable[Path],
+    warn: Warn,
+    stats: ReadStats | None = None,
+    kinds: frozenset[str] = frozenset({"traces", "metrics"}),
+    histograms: bool = True,
+) -> Iterator[SpanRec | PointRec | HistRec]:
+    """Like `iter_records`, plus the points of the timing histograms (`HistRec`)."""
     stats = stats if stats is not None else ReadStats()
     cache = _ResourceCache()
     for line in iter_lines(files, warn, stats):
@@ -444,4 +474,4 @@ def iter_records(
         if line.kind == "traces":
             yield from _spans_of(line, cache, warn, stats)
         else:
-            yield from _points_of(line, cache, warn, stats)
+            yield from _points_of(line, cache, warn, stats, histograms)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     PointRec,
@@ -23,7 +24,7 @@ from otelprof.analysis.reader import (
     RunFiles,
     SpanRec,
     Warn,
-    iter_records,
+    iter_all_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
 
@@ -171,6 +172,7 @@ class RunSummary:
     step0_s: list[float] = field(default_factory=list)  # durations of step 0 (one per process)
     steps_range: tuple[int | None, int | None] | None = None  # --steps A:B, when given
     stragglers: StragglerReport | None = None  # per-rank waiting vs own work (stragglers.py)
+    timings_from_histograms: bool = False  # timing figures from otelprof.timing.duration
 
     @property
     def step_total_s(self) -> float:
@@ -342,8 +344,12 @@ def summarize(
     straggler_pass = StragglerPass()
     first_ns: int | None = None
     last_ns: int | None = None
-    records: Iterable[SpanRec | PointRec] = iter_records(files.jsonl, warn, read)
+    hists: list[HistRec] = []
+    records = iter_all_records(files.jsonl, warn, read, histograms=steps is None)
     for rec in records:
+        if isinstance(rec, HistRec):
+            hists.append(rec)
+            continue
         if isinstance(rec, SpanRec):
             if steps is not None and not _in_range(rec, steps):
                 continue
@@ -411,7 +417,7 @@ def summarize(
             if last_ns is None or rec.time_ns > last_ns:
                 last_ns = rec.time_ns
     resolver.finish()
-    return RunSummary(
+    summary = RunSummary(
         files=files,
         read=read,
         timings=timings,
@@ -428,3 +434,8 @@ def summarize(
         steps_range=steps,
         stragglers=straggler_pass.result(),
     )
+    # in-process histograms cover every step, the kept traces only a sample of them
+    summary.timings_from_histograms = apply_aggregates(
+        summary, hists, timing_key, lambda name, stats: TimingAgg(name, stats)
+    )
+    return summary
