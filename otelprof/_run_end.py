@@ -72,6 +72,7 @@ class RunEndWatcher:
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
         self._previous_excepthook: Any = None
+        self._pid = os.getpid()  # a forked child (DataLoader worker) inherits the hooks
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -148,7 +149,11 @@ class RunEndWatcher:
         self, kind: type[BaseException], error: BaseException, tb: TracebackType | None
     ) -> None:
         try:
-            if not issubclass(kind, SystemExit) and self._exception is None:
+            if (
+                os.getpid() == self._pid
+                and not issubclass(kind, SystemExit)
+                and self._exception is None
+            ):
                 self._exception = exception_info(error)
         except Exception:
             pass
@@ -156,6 +161,8 @@ class RunEndWatcher:
         previous(kind, error, tb)
 
     def _at_exit(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child's exit is not the run's end
         try:
             self._finish(self.end_record("atexit", at_exit=True))
         except Exception as error:
@@ -163,6 +170,15 @@ class RunEndWatcher:
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         previous = self._previous_sigterm
+        if os.getpid() != self._pid:
+            # A forked child (a DataLoader worker being terminated): not this run's end;
+            # behave exactly as the child would have without otelprof.
+            if callable(previous):
+                previous(signum, frame)
+                return
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         try:
             self._signal = signal.Signals(signum).name
         except Exception:

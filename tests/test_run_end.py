@@ -138,6 +138,31 @@ def test_missing_shutdown_is_finalized_at_interpreter_exit(tmp_path: Path) -> No
     assert info["stats"]["timings.steps"] == 5
 
 
+def test_sigterm_in_a_forked_child_is_not_the_runs_end(tmp_path: Path) -> None:
+    body = """
+    import signal
+    with otelprof.instrument(interval=0.2):
+        loop(3)
+        pid = os.fork()
+        if pid == 0:  # like a DataLoader worker terminated at shutdown
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+        import json
+        runs = os.environ["OTELPROF_OUTPUT_DIR"]
+        run = os.path.join(runs, os.listdir(runs)[0])
+        assert "end" not in json.load(open(os.path.join(run, "run.json")))
+        loop(2)
+    """
+    code, stderr = _finish(_child(tmp_path, body))
+    assert code == 0, stderr
+    info = _run_json(tmp_path)
+    assert info["end"]["status"] == "clean" and info["end"]["signal"] is None
+    assert info["stats"]["timings.steps"] == 5
+
+
 def test_sigkill_leaves_the_run_unfinalized(tmp_path: Path) -> None:
     child = _child(tmp_path, "otelprof.instrument(interval=0.2)\nloop()\n")
     _wait_ready(tmp_path, child)
