@@ -399,4 +399,26 @@ def test_determined_profiler_gpu_group_keeps_exactly_its_keys_with_the_new_gpu_m
     )
     assert extracted.rejected == 0, extracted.errors
     groups = {(g.group, g.key) for g in extracted.gauges}
-    assert groups == {("gpu", key) for key in PROFILING_KEYS["gpu"]}
+    profiler = {(g, k) for g, k in groups if g in PROFILING_KEYS}
+    assert profiler == {("gpu", key) for key in PROFILING_KEYS["gpu"]}
+    assert groups - profiler == {("timings", "gpu_energy_per_step_j")}  # the Metrics tab
+
+
+def test_energy_per_step_joins_determined_timings_report_not_a_profiler_group() -> None:
+    from otelprof.determined.aggregate import WindowAggregator
+    from otelprof.determined.mapping import GaugeSample, TimingSample
+
+    agg = WindowAggregator()
+    t = 1_800_000_000 * 10**9
+    agg.add_gauges(
+        [
+            GaugeSample(7, 1, "agent", "timings", "", "gpu_energy_per_step_j", 40.0, t),
+            GaugeSample(7, 1, "agent", "timings", "", "gpu_energy_per_step_j", 60.0, t + 1),
+        ]
+    )
+    agg.add_timings([TimingSample(7, 1, "dataloader_next", 0.5, 10, 9, t)])
+    reports = agg.drain()
+    assert [r.group for r in reports] == ["timings"]
+    avg = reports[0].body["metrics"]["metrics"]["avgMetrics"]
+    assert avg["gpu_energy_per_step_j"] == pytest.approx(50.0)  # the window's mean
+    assert avg["dataloader_next_s"] == pytest.approx(0.05)

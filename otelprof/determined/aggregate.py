@@ -77,6 +77,7 @@ class _Trial:
     # (agent, group, sub, key) -> (value, window it was fresh in)
     last: dict[tuple[str, str, str, str], tuple[float, int]] = field(default_factory=dict)
     timings: dict[str, list[float]] = field(default_factory=dict)  # name -> [sum_s, count]
+    timing_gauges: dict[str, list[float]] = field(default_factory=dict)  # key -> [sum, n]
     max_step: int = -1
     offset: int = -1  # DET_STEPS_COMPLETED (-1: not known)
     per_batch: int = 1
@@ -138,6 +139,11 @@ class WindowAggregator:
         for s in samples:
             state = self._trial(s.trial_id, s.run_id)
             if state is None:
+                continue
+            if s.group == self.timings_group:  # e.g. GPU energy per step: rides with timings
+                tacc = state.timing_gauges.setdefault(s.key, [0.0, 0])
+                tacc[0] += s.value
+                tacc[1] += 1
                 continue
             acc = state.gauges.get((s.agent, s.group, s.sub, s.key))
             if acc is None:
@@ -268,6 +274,7 @@ class WindowAggregator:
                 "the trial's earlier metrics"
             )
             state.timings.clear()
+            state.timing_gauges.clear()
             return None
         if steps <= self.last_steps.get((trial_id, run_id), 0):
             # No new batch finished since the last report: keep accumulating.
@@ -284,6 +291,10 @@ class WindowAggregator:
                 counts[f"{name}_count"] = int(count)
             else:
                 self.stats.invalid_values += 1
+        for key, (total, n) in sorted(state.timing_gauges.items()):
+            if n and math.isfinite(total / n):
+                avg[key] = total / n
+        state.timing_gauges.clear()
         if not avg:
             state.timings.clear()
             return None

@@ -138,7 +138,15 @@ _UTIL_UNITS = {"1": 100.0, "": 100.0, "%": 1.0}
 _BYTES = {"By": 1.0, "": 1.0}
 _BYTES_PER_S = {"By/s": 1.0, "": 1.0}
 
+# Gauges that join the timings report (Metrics tab) instead of a Profiler-tab group: the
+# Profiler groups keep exactly PROFILING_KEYS. Their window mean is charted per key.
+TIMINGS_GROUP = "timings"
+
 GAUGE_RULES: dict[str, _GaugeRule] = {
+    # joules per training step of the process's GPUs (otelprof/system/_gpu_steps.py)
+    "otelprof.gpu.energy.per_step": _GaugeRule(
+        TIMINGS_GROUP, "gpu_energy_per_step_j", units={"J": 1.0, "": 1.0}
+    ),
     "hw.gpu.utilization": _GaugeRule("gpu", "gpu_util", units=_UTIL_UNITS, per_gpu=True),
     "hw.gpu.memory.free": _GaugeRule("gpu", "gpu_free_memory", units=_BYTES, per_gpu=True),
     "system.network.throughput": _GaugeRule(
