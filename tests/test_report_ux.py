@@ -170,9 +170,27 @@ def test_crash_and_failed_spans_are_at_the_top_of_the_report(
     assert problems_at < text.index("Timings")
     assert "training died of RuntimeError: CUDA error: device-side assert triggered" in text
     assert "1 span(s) ended with an error: train_batch (1)" in text
+    html = tmp_path / "report.html"
+    report(capsys, "--html", str(html), str(prof.run_dir))
+    page = html.read_text()
+    assert page.index("class='problems'") < page.index("class='verdict'")
+    assert "training died of RuntimeError: CUDA error: device-side assert triggered" in page
     doc = report_json(capsys, str(prof.run_dir))
     assert [p["kind"] for p in doc["problems"]] == ["crashed", "failed spans"]
     assert doc["failed_spans"] == {"train_batch": 1}
+
+
+def test_ctrl_c_is_reported_as_interrupted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with (
+        pytest.raises(KeyboardInterrupt),
+        otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof,
+    ):
+        otelprof.step()
+        raise KeyboardInterrupt
+    doc = report_json(capsys, str(prof.run_dir))
+    assert [p["kind"] for p in doc["problems"]] == ["interrupted"]
 
 
 def test_killed_process_shows_as_unfinalized(

@@ -55,6 +55,8 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
         return None
     status = end.get("status")
     exception = end.get("exception") if isinstance(end.get("exception"), dict) else None
+    if status == "exception" and exception and exception.get("type") == "KeyboardInterrupt":
+        return Finding("interrupted", f"{who}: interrupted (KeyboardInterrupt, e.g. Ctrl-C)")
     if status == "exception" and exception:
         return Finding(
             "crashed",
