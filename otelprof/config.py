@@ -59,6 +59,7 @@ class Settings:
     export_timeout_s: float = 10.0
     trace_budget: float = 20.0
     compress: bool = False
+    max_trace_bytes: int | None = 1 << 30
 
     @property
     def run_dir(self) -> Path:
@@ -126,6 +127,7 @@ ENVIRONMENT: dict[str, tuple[str, ...]] = {
     "export_timeout_s": ("OTELPROF_EXPORT_TIMEOUT",),
     "trace_budget": ("OTELPROF_TRACE_BUDGET",),
     "compress": ("OTELPROF_COMPRESS",),
+    "max_trace_bytes": ("OTELPROF_MAX_TRACE_BYTES",),
 }
 # `interval` is accepted as the friendly keyword for interval_s.
 _ALIASES = {"interval": "interval_s", "export_timeout": "export_timeout_s"}
@@ -324,6 +326,12 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
         )
     values["trace_budget"] = budget
     values["compress"] = _as_bool("compress", raw["compress"], False)
+    cap = _as_number("max_trace_bytes", raw["max_trace_bytes"], int, 1 << 30)
+    if cap < 0:
+        raise ConfigError(
+            f"{_where('max_trace_bytes', raw['max_trace_bytes'])}: must be >= 0 (0 = no cap)"
+        )
+    values["max_trace_bytes"] = cap or None
     values["resource_attributes"] = _as_mapping("resource_attributes", raw["resource_attributes"])
 
     run_id = _as_str(raw["run_id"]) or _default_run_id()

@@ -6,6 +6,7 @@ object per line, hex trace/span ids) while flattening the data for assertions.
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from dataclasses import dataclass, field
@@ -57,9 +58,10 @@ class Span:
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
-    """Every line must be one complete JSON object."""
+    """Every line must be one complete JSON object (`*.gz`: gzip'd, members of whole lines)."""
     objects = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         obj = json.loads(line)

@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +27,7 @@ from otelprof.analysis.reader import (
     Warn,
     attributes,
     iter_records,
+    open_lines,
 )
 
 SPAN_TID = 1
@@ -42,7 +44,7 @@ class TraceResult:
 def _first_timestamp(path: Path) -> int | None:
     """Smallest timestamp in the first intact line of a file (cheap: one line)."""
     try:
-        with path.open("rb") as handle:
+        with open_lines(path) as handle:
             for raw in handle:
                 try:
                     body = json.loads(raw)
@@ -51,7 +53,7 @@ def _first_timestamp(path: Path) -> int | None:
                 found: list[int] = []
                 _collect_times(body, found)
                 return min(found) if found else None
-    except OSError:
+    except (OSError, EOFError, zlib.error):
         return None
     return None
 

@@ -10,13 +10,15 @@ files) works.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import sys
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from otelprof.analysis.aggregates import METRIC_NAME as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
@@ -55,7 +57,14 @@ class RunFiles:
 
 
 def _looks_like_run(path: Path) -> bool:
-    return any(path.glob("run*.json")) or any(path.glob("*.jsonl"))
+    return any(path.glob("run*.json")) or any(_run_files(path))
+
+
+def _run_files(path: Path) -> list[Path]:
+    """OTLP JSON Lines files of a run directory, plain or gzip'd (`*.jsonl.gz`)."""
+    return sorted(
+        p for pattern in ("*.jsonl", "*.jsonl.gz") for p in path.glob(pattern) if p.is_file()
+    )
 
 
 def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
@@ -82,7 +91,7 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                 f"and no run.json{hint}"
             )
         dirs.append(path)
-        files.extend(sorted(p for p in path.glob("*.jsonl") if p.is_file()))
+        files.extend(_run_files(path))
         for info_path in sorted(path.glob("run*.json")):  # run.json, run.rank<N>.json
             try:
                 info = json.loads(info_path.read_text(encoding="utf-8"))
@@ -165,18 +174,35 @@ class Line:
     raw: bytes
 
 
+def open_lines(path: Path) -> IO[bytes]:
+    """A run file for reading lines: `*.gz` files (detached mode's `compress=True`) are
+    decompressed on the fly."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return path.open("rb")
+
+
+def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
+    """Lines of a file; a gzip stream cut short (the writer crashed mid-member) ends the
+    file with a warning, keeping every whole line before it."""
+    try:
+        yield from handle
+    except (EOFError, OSError, zlib.error) as exc:
+        warn(f"{path}: compressed data ends early ({exc}); lines after it skipped")
+
+
 def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[Line]:
     """Yield every intact OTLP request line; skip and report the others."""
     for path in files:
         stats.files += 1
         try:
-            handle = path.open("rb")
+            handle = open_lines(path)
         except OSError as exc:
             warn(f"{path}: cannot open ({exc}); skipped")
             continue
         with handle:
             number = 0
-            for raw in handle:
+            for raw in _raw_lines(handle, path, warn):
                 number += 1
                 stats.lines += 1
                 stats.bytes += len(raw)

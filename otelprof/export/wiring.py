@@ -17,7 +17,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof.config import Settings
-from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
+from otelprof.export._spanlines import GzipLineStream, SpanLineExporter, SpanLineWriter
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -118,17 +118,30 @@ def _add_files(
     run_dir = settings.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_name, traces_name = file_names(world_size, rank, attempt)
+    compress = getattr(settings, "compress", False)
+    if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member
+        metrics_name, traces_name = f"{metrics_name}.gz", f"{traces_name}.gz"
     pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
+    if compress:
+        stream = GzipLineStream(pipelines.files["metrics"])
+        metric_exporter = FileMetricExporter(stream=stream)  # type: ignore[call-overload]
+        pipelines.closers.append(stream.close)
+    else:
+        metric_exporter = FileMetricExporter(pipelines.files["metrics"])
     pipelines.metric_readers.append(
-        _metric_reader(
-            pipelines, "files", FileMetricExporter(pipelines.files["metrics"]), settings, counters
-        )
+        _metric_reader(pipelines, "files", metric_exporter, settings, counters)
     )
     if settings.timings:
         # Recorded ranges skip the SDK: the span builder encodes them straight into the
         # writer (`frame_sink`); SDK spans (users', Kineto's) reach it through the batch
         # processor, so the file keeps one writer.
-        writer = SpanLineWriter(pipelines.files["traces"], counters, name="files")
+        writer = SpanLineWriter(
+            pipelines.files["traces"],
+            counters,
+            name="files",
+            compress=compress,
+            max_bytes=getattr(settings, "max_trace_bytes", None),
+        )
         processor = CountingBatchSpanProcessor(
             "files",
             SpanLineExporter(writer),
