@@ -12,11 +12,18 @@
    collection costs the background thread.
 
 Without a GPU it says so and exits 2 (a benchmark that measured nothing must not pass).
+
+    .venv/bin/python bench/gpu_bench.py --fake-driver [--gpus 8]
+
+measures, on any machine, otelprof's own CPU per GPU sample (thread CPU time of
+`GpuSampler.sample()` with GPM, process lists and counters) over the fake NVML driver of
+the tests: the Python side of a collection, without the driver's own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -98,12 +105,51 @@ def _sampler_cost(samples: int) -> None:
         sampler.close()
 
 
+def _fake_driver_cost(gpus: int, samples: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' fake driver
+    from otelprof.system._gpu_steps import GpuStepMetrics
+    from otelprof.system.gpu import GpuSampler
+    from tests.fake_nvml import GPM_SM, FakeGpu, FakeNvml
+
+    fakes = [
+        FakeGpu(uuid=f"GPU-{i:04d}", gpm_supported=True, processes=[(os.getpid(), 2**30)])
+        for i in range(gpus)
+    ]
+    sampler = GpuSampler("all", nvml=FakeNvml(fakes))
+    assert sampler.start()
+    derived = GpuStepMetrics(sampler.sample, lambda: (0, "train"))
+    costs = []
+    readings = 0
+    try:
+        for _ in range(samples):
+            for gpu in fakes:
+                gpu.run(0.1, **{f"m{GPM_SM}": 50.0})
+            time.sleep(0.06)  # GPM samples at least MIN_WINDOW_S apart
+            t0 = time.thread_time()
+            readings = len(derived.sample())
+            costs.append(time.thread_time() - t0)
+    finally:
+        sampler.close()
+    med = statistics.median(costs)
+    print(f"fake NVML driver, {gpus} GPU(s) with GPM, {samples} samples: {readings} readings")
+    print(
+        f"   thread CPU per sample: median {med * 1e6:.0f} µs ({med / gpus * 1e6:.0f} µs per GPU)"
+    )
+    print(f"   at a 1 s interval: {med * 100:.3f} % of one core")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--fake-driver", action="store_true", help="own CPU cost, no GPU")
+    parser.add_argument("--gpus", type=int, default=8, help="fake GPUs (--fake-driver)")
     args = parser.parse_args()
+    if args.fake_driver:
+        print(f"machine: {cpu_model()}")
+        _fake_driver_cost(args.gpus, args.samples)
+        return 0
     import torch
 
     if not torch.cuda.is_available():
