@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import otelprof
+from otelprof.analysis.problems import notes
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
 from otelprof.timings._names import (
@@ -74,6 +75,8 @@ def test_new_names_past_the_limit_fold_into_one_overflow_name_counted(tmp_path: 
         f"request {i:05d}" for i in range(MAX_SPAN_NAMES, MAX_SPAN_NAMES + extra)
     }
     assert stats["dropped_total"] == 0  # folded spans are kept, not lost
+    summary = summarize(open_run([prof.run_dir]), WarningLog(sink=lambda _m: None))
+    assert any(f"{extra} span(s) exported as otelprof.other" in n for n in notes(summary))
 
 
 def test_known_names_keep_working_after_the_limit() -> None:

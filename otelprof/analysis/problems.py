@@ -129,6 +129,21 @@ def notes(summary: RunSummary) -> list[str]:
                 f"({later * 1e3:,.1f} ms): compilation or warm-up; exclude it with "
                 "`otelprof report --steps 1:`"
             )
+    for info in summary.files.run_info:
+        stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
+        assert isinstance(stats, dict)
+        folded = stats.get("timings.span_names_folded")
+        if isinstance(folded, int) and folded > 0:
+            out.append(
+                f"{_process_label(info)}: {folded:,} span(s) exported as otelprof.other: more "
+                "distinct span names than the limit (a name per item or per step?)"
+            )
+        skipped = stats.get("timings.kineto_steps_skipped")
+        if isinstance(skipped, int) and skipped > 0:
+            out.append(
+                f"{_process_label(info)}: kineto skipped {skipped:,} step(s) because another "
+                "torch profiler was active"
+            )
     spans = sum(a.stats.count for a in summary.timings.values())
     if step.count == 0 and spans:
         out.append(
