@@ -157,3 +157,33 @@ def test_report_gives_training_steps_without_validation_and_validation_its_own_r
     assert cli_main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert "forward (validation)" in out and "validation bound" not in out
+
+
+def test_a_phase_block_without_ranges_still_records_its_time(tmp_path: Path) -> None:
+    import time
+
+    run = start_run(tmp_path)
+    _train(1)
+    with otelprof.phase("checkpoint"):
+        time.sleep(0.02)  # e.g. torch.save: no range inside
+    with otelprof.phase("validation"):
+        with timing("forward"):
+            pass
+        timings.step()  # the trailing, empty validation batch is no batch
+    spans = run.finish()
+    (checkpoint,) = by_name(spans, "checkpoint")
+    assert checkpoint.end_ns - checkpoint.start_ns >= 20_000_000
+    assert checkpoint.attributes["otelprof.phase"] == "checkpoint"
+    assert len(by_name(spans, "validation")) == 1
+
+
+def test_ids_do_not_repeat_when_training_code_reseeds_random(tmp_path: Path) -> None:
+    import random
+
+    run = start_run(tmp_path)
+    for _ in range(3):
+        random.seed(0)  # as seed_everything() or Lightning's isolate_rng() do
+        _train(1)
+    spans = run.finish()
+    assert len({s.trace_id for s in by_name(spans, "step")}) == 3
+    assert len({s.span_id for s in spans}) == len(spans)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from otelprof.timings._sampling import DEFAULT_PHASE, Aggregates, TraceSampler
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _OK_TYPES = (str, bool, int, float)
-_getrandbits = random.getrandbits
+_getrandbits = rec._getrandbits  # otelprof's own generator, not the seedable global one
 _UNSET = Status(StatusCode.UNSET)
 
 ATTR_STEP = "otelprof.step"

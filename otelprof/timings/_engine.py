@@ -112,6 +112,7 @@ class TimingsEngine:
         self._schedule_errors = 0
         self._step_from_start = True  # the current step began at start(), not at step()
         self._phase = rec.PHASE_TRAIN
+        self._ctx_is_block = False  # the current context began when its phase was entered
         # training time of the current step, phases excluded (for throughput listeners)
         self._train_t0: int | None = None
         self._train_acc_ns = 0
@@ -189,6 +190,7 @@ class TimingsEngine:
             if self._phase != rec.PHASE_TRAIN:
                 # a batch of validation (etc.): its own trace, the training step stays
                 self._begin_step(perf_counter_ns(), trim_start=False)
+                self._ctx_is_block = False
                 return
             self._notify_step(end)
             self._step += 1
@@ -274,9 +276,12 @@ class TimingsEngine:
             rec.current = None
             if ctx is not None:
                 ctx.trim_end = True
-                ctx.drop_if_empty = True
+                # an empty training step or trailing phase batch was no real one; a whole
+                # phase block without ranges (a checkpoint save) is still the phase's time
+                ctx.drop_if_empty = ctx.phase == rec.PHASE_TRAIN or not self._ctx_is_block
                 rec.emit_step(ctx, end)
             self._begin_step(perf_counter_ns(), trim_start=True)
+            self._ctx_is_block = phase != rec.PHASE_TRAIN
         except Exception as error:  # telemetry never breaks training
             _log.warning("otelprof: set_phase() failed: %r", error)
         return previous

@@ -97,8 +97,8 @@ class StepContext:
         self.drop_if_empty = False
         # attributes of the step span itself (e.g. the step's samples/tokens/FLOPs)
         self.attrs: dict[str, Any] | None = None
-        self.trace_id = random.getrandbits(128) or 1
-        self.span_id = random.getrandbits(64) or 1
+        self.trace_id = _getrandbits(128) or 1
+        self.span_id = _getrandbits(64) or 1
         self.start_ns = start_ns
         # A side of the step with no step() call (the start of the first step, opened by
         # start(); the end of the trailing one, closed by shutdown()) is trimmed to the
@@ -143,7 +143,11 @@ dropped: int = 0
 exhausted: int = 0
 _drop_lock = threading.Lock()
 _local = _Local()
-_getrandbits = random.getrandbits
+_rng = random.Random()  # seeded from os.urandom
+_getrandbits = _rng.getrandbits
+"""Trace and span ids come from otelprof's own generator: training code seeds (and
+frameworks save and restore, e.g. Lightning around its sanity check) the global `random`
+state, which would repeat ids across steps, runs and ranks."""
 
 # Optional torch hooks for `timing()`, set by the engine when torch is importable.
 torch_profiler_state: Any = None
@@ -162,6 +166,7 @@ def _stop_in_forked_child() -> None:
     """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing there,
     rather than filling a queue nobody drains."""
     global current, capacity
+    _rng.seed()  # a child must not repeat its parent's ids
     current = None
     capacity = 0
     queue.clear()

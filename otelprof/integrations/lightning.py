@@ -1,0 +1,321 @@
+"""Lightning: `Trainer(callbacks=[OtelprofCallback()])` and nothing else.
+
+What it records, per training batch (one otelprof step each):
+
+- `dataloader_next`, `to_device` (`batch_to_device`), `forward` (`training_step`),
+  `backward`, `optimizer_step` (from the end of the closure to the end of the update,
+  gradient clipping included), `zero_grad`, `step_lr_schedulers`, as direct children of the
+  step. Lightning runs `training_step` and `backward` inside the optimizer's closure, i.e.
+  inside torch's `Optimizer.step#...` range: that enclosing range is not recorded, so the
+  breakdown is not "optimizer bound" by construction.
+- Validation (sanity check included) in phase `validation`, one trace per validation batch
+  with its own `dataloader_next`, `to_device` and `forward`; `trainer.save_checkpoint` in
+  phase `checkpoint`.
+- Epochs (`otelprof.epoch`), samples per batch (first dimension of the batch), tokens
+  (`input_ids`/`attention_mask` batches), FLOPs per step (counted with FlopCounterMode on
+  the first batch, or declared) and so throughput and MFU.
+
+How: the callback wraps `trainer.profiler` (Lightning's own profiler, a pass-through by
+default) for the duration of the run; the wrapped profiler still receives every call, so
+`profiler="simple"`/`"pytorch"` keep working. Lightning's own ranges under its PyTorch
+profiler (`[Strategy]...`, `[LightningModule]...`) are not recorded a second time: the
+named spans above replace them. If no otelprof profiler runs, the callback starts one with
+`instrument_options` at setup and shuts it down at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
+
+import otelprof
+from otelprof import _throughput
+from otelprof.integrations import _common as common
+from otelprof.timings import _recorder as rec
+from otelprof.timings._api import (
+    DATALOADER_NEXT,
+    OPTIMIZER_STEP,
+    STEP_LR_SCHEDULERS,
+    TO_DEVICE,
+)
+
+_log = logging.getLogger("otelprof")
+
+FORWARD = "forward"
+BACKWARD = "backward"
+ZERO_GRAD = "zero_grad"
+
+# Lightning profiler action names (suffix after the class name) -> otelprof timing names
+_STRATEGY_ACTIONS = {
+    "batch_to_device": TO_DEVICE,
+    "training_step": FORWARD,
+    "validation_step": FORWARD,
+    "test_step": FORWARD,
+    "predict_step": FORWARD,
+    "backward": BACKWARD,
+}
+_MODULE_ACTIONS = {
+    "optimizer_zero_grad": ZERO_GRAD,
+    "lr_scheduler_step": STEP_LR_SCHEDULERS,
+}
+
+
+def _timing_name(action: str) -> str | None:
+    if action.endswith("_dataloader_next") or action.endswith(("].val_next", "].test_next")):
+        return DATALOADER_NEXT
+    if action.startswith("[Strategy]"):
+        return _STRATEGY_ACTIONS.get(action.rsplit(".", 1)[-1])
+    if action.startswith("[LightningModule]"):
+        return _MODULE_ACTIONS.get(action.rsplit(".", 1)[-1])
+    return None
+
+
+class _OtelprofProfiler(Profiler):
+    """Lightning's profiler interface around the trainer's own profiler: every action is
+    passed on, and the ones that are Determined-style phases become otelprof spans."""
+
+    def __init__(self, inner: Profiler) -> None:
+        super().__init__()
+        self.inner = inner
+        self._open: dict[str, list[tuple[Any, Any]]] = {}
+        self._opt_depth: int | None = None  # stack depth at `optimizer_step` start
+        self._opt_frame: Any = None  # the optimizer_step leaf span, begun after the closure
+        self._checkpoint: list[str] = []
+
+    # ---- otelprof side ----
+    def _start(self, action: str) -> None:
+        if action.startswith("[LightningModule]") and action.endswith(".optimizer_step"):
+            self._opt_depth = common.stack_depth()
+            self._opt_frame = None
+            return
+        if action == "save_checkpoint":
+            self._checkpoint.append(otelprof.set_phase(rec.PHASE_CHECKPOINT))
+            return
+        name = _timing_name(action)
+        if name is None:
+            return
+        if self._opt_depth is not None and name == FORWARD:
+            # inside the closure: torch's Optimizer.step#... range encloses it; forget it
+            common.forget_ranges_above(self._opt_depth)
+        timing = otelprof.timing(name)
+        timing.__enter__()
+        self._open.setdefault(action, []).append((timing, None))
+
+    def _stop(self, action: str) -> None:
+        if action.startswith("[LightningModule]") and action.endswith(".optimizer_step"):
+            self._opt_depth = None
+            frame, self._opt_frame = self._opt_frame, None
+            if frame is not None:
+                rec.end_leaf(frame)
+            return
+        if action == "save_checkpoint":
+            if self._checkpoint:
+                otelprof.set_phase(self._checkpoint.pop())
+            return
+        stack = self._open.get(action)
+        if stack:
+            timing, _ = stack.pop()
+            timing.__exit__(None, None, None)
+
+    def closure_done(self) -> None:
+        """`on_before_optimizer_step`: the closure (forward, backward) has run; the update
+        begins, so the optimizer_step span does."""
+        if self._opt_depth is not None and self._opt_frame is None:
+            common.forget_ranges_above(self._opt_depth)
+            self._opt_frame = rec.begin_leaf(OPTIMIZER_STEP)
+
+    # ---- Lightning's interface ----
+    def start(self, action_name: str) -> None:
+        try:
+            self._start(action_name)
+        except Exception as error:
+            common.warn_once("lightning-start", "otelprof: Lightning action failed: %r", error)
+        depth = common.stack_depth()
+        self.inner.start(action_name)
+        common.forget_ranges_above(depth)  # the inner profiler's own range, if any
+
+    def stop(self, action_name: str) -> None:
+        depth = common.stack_depth()
+        self.inner.stop(action_name)  # the PyTorch profiler opens `ProfilerStep#N` here
+        common.forget_ranges_above(depth)
+        try:
+            self._stop(action_name)
+        except Exception as error:
+            common.warn_once("lightning-stop", "otelprof: Lightning action failed: %r", error)
+
+    @contextlib.contextmanager
+    def profile(self, action_name: str) -> Generator[Any, None, None]:
+        try:
+            self.start(action_name)
+            yield action_name
+        finally:
+            self.stop(action_name)
+
+    def summary(self) -> str:
+        return self.inner.summary()
+
+    def describe(self) -> None:
+        self.inner.describe()
+
+    def setup(self, stage: str, local_rank: int | None = None, log_dir: str | None = None) -> None:
+        self.inner.setup(stage, local_rank, log_dir)
+
+    def teardown(self, stage: str | None) -> None:
+        self.inner.teardown(stage)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
+class OtelprofCallback(Callback):
+    """Profile a Lightning run with otelprof: `Trainer(callbacks=[OtelprofCallback()])`.
+
+    `samples` / `tokens`: per-batch amounts, a number or a function of the batch (default:
+    the batch's first dimension; tokens from `input_ids`/`attention_mask`). `flops`: FLOPs
+    per training batch, a number, "auto" (counted once with FlopCounterMode, the default) or
+    None (no MFU). `peak_flops`: one device's peak FLOP/s for MFU (default: see
+    `otelprof.set_peak_flops`). `instrument_options`: passed to `otelprof.instrument()` when
+    no profiler runs yet.
+    """
+
+    def __init__(
+        self,
+        *,
+        samples: common.Amount = None,
+        tokens: common.Amount = None,
+        flops: float | str | None = "auto",
+        peak_flops: float | None = None,
+        **instrument_options: Any,
+    ) -> None:
+        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
+            raise ValueError(
+                f"OtelprofCallback: flops must be a number, 'auto' or None, got {flops!r}"
+            )
+        self.samples = samples
+        self.tokens = tokens
+        self.flops = flops
+        self.peak_flops = (
+            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        )
+        self.instrument_options = instrument_options
+        self._handle: Any = None
+        self._profiler: _OtelprofProfiler | None = None
+        self._trainer: Any = None
+        self._counter = common.FlopCounter()
+        self._phases: list[str] = []
+
+    # ---- lifecycle ----
+    @common.safe
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._handle is None:
+            self._handle = otelprof.instrument(**self.instrument_options)
+        if self.peak_flops is not None:
+            otelprof.set_peak_flops(self.peak_flops)
+        _throughput.set_precision(common.precision_of(getattr(trainer, "precision", None)))
+        inner = getattr(trainer, "profiler", None)
+        if not isinstance(inner, Profiler):
+            common.warn_once(
+                "lightning-profiler",
+                "otelprof: this Lightning version has no trainer.profiler (%s); steps, epochs, "
+                "phases and throughput are recorded, dataloader_next/forward/backward are not",
+                pl.__version__,
+            )
+            return
+        if not isinstance(inner, _OtelprofProfiler):
+            self._profiler = _OtelprofProfiler(inner)
+            self._trainer = trainer
+            setattr(trainer, "profiler", self._profiler)  # noqa: B010 - untyped attribute
+
+    @common.safe
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._counter.abandon()
+        wrapper = self._profiler
+        if wrapper is not None:
+            inner = wrapper.inner
+            if getattr(trainer, "profiler", None) is wrapper:
+                setattr(trainer, "profiler", inner)  # noqa: B010
+        self._profiler = None
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.shutdown()
+
+    # ---- training ----
+    @common.safe
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        otelprof.set_epoch(int(trainer.current_epoch))
+
+    @common.safe
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.flops == "auto":
+            self._counter.start()
+
+    @common.safe
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        if self._profiler is not None:
+            self._profiler.closure_done()
+
+    @common.safe
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        try:
+            if self.flops == "auto":
+                flops = self._counter.stop()
+            else:
+                flops = None if self.flops is None else float(self.flops)
+            common.record_work(
+                common.amount_of(self.samples, common.batch_samples, batch),
+                common.amount_of(self.tokens, common.batch_tokens, batch),
+                flops,
+            )
+        finally:
+            otelprof.step()  # the step boundary even when counting the work failed
+
+    # ---- validation ----
+    @common.safe
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phases.append(otelprof.set_phase(rec.PHASE_VALIDATION))
+
+    @common.safe
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        try:
+            common.record_work(
+                common.amount_of(self.samples, common.batch_samples, batch),
+                common.amount_of(self.tokens, common.batch_tokens, batch),
+                None,
+            )
+        finally:
+            otelprof.step()
+
+    @common.safe
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        otelprof.set_phase(self._phases.pop() if self._phases else rec.PHASE_TRAIN)
+
+    @common.safe
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._counter.abandon()

@@ -1,0 +1,149 @@
+"""Lightning: `Trainer(callbacks=[OtelprofCallback()])` gives per-step breakdowns, validation
+and checkpointing apart, throughput and MFU — with and without Lightning's own profiler."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import otelprof
+from otelprof.integrations.lightning import OtelprofCallback
+from tests.framework_runs import (
+    INSTRUMENT,
+    children,
+    expected_train_rate,
+    in_order,
+    report_json,
+    roots,
+    spans_of,
+)
+
+BATCH = 16
+# FLOPs of one training step of the model below, by hand: forward 2·B·(32·64 + 64·4);
+# backward: layer 2 grad input and weight 2·2·B·64·4, layer 1 weight only 2·B·32·64.
+STEP_FLOPS = 2 * BATCH * (32 * 64 + 64 * 4) + 2 * 2 * BATCH * 64 * 4 + 2 * BATCH * 32 * 64
+PEAK = 1e12
+
+
+class TinyModule(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)
+        )
+
+    def training_step(self, batch: Any, _index: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch: Any, _index: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+
+def _fit(tmp_path: Path, run_id: str, profiler: Any = None, **callback: Any) -> Path:
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(6 * BATCH, 32), torch.randint(0, 4, (6 * BATCH,)))
+    trainer = pl.Trainer(
+        max_epochs=2,
+        limit_train_batches=6,
+        limit_val_batches=2,
+        accelerator="cpu",
+        logger=False,
+        default_root_dir=str(tmp_path / "lightning"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        profiler=profiler,
+        callbacks=[
+            OtelprofCallback(
+                peak_flops=PEAK, output_dir=str(tmp_path), run_id=run_id, **INSTRUMENT, **callback
+            )
+        ],
+    )
+    trainer.fit(
+        TinyModule(), DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=BATCH)
+    )
+    assert otelprof.active_profiler() is None  # the callback's profiler ended with the fit
+    return tmp_path / run_id
+
+
+def _check_breakdowns(run: Path) -> list[Any]:
+    spans = spans_of(run)
+    steps = roots(spans, "step")
+    assert [s.attributes["otelprof.step"] for s in steps] == list(range(12))
+    assert [s.attributes["otelprof.epoch"] for s in steps] == [0] * 6 + [1] * 6
+    for step in steps:
+        kids = children(spans, step)
+        assert set(kids) >= {"dataloader_next", "to_device", "forward", "backward",
+                             "optimizer_step", "zero_grad"}, sorted(kids)  # fmt: skip
+        for name in ("dataloader_next", "to_device", "forward", "backward", "optimizer_step"):
+            assert len(kids[name]) == 1, (name, step.attributes)
+        # Lightning runs forward and backward inside optimizer.step(closure): the update is
+        # timed after the closure, not around it
+        assert in_order(kids["forward"][0], kids["backward"][0], kids["optimizer_step"][0])
+        assert step.attributes["otelprof.phase"] == "train"
+        assert step.attributes["otelprof.samples"] == BATCH
+        assert step.attributes["otelprof.flops"] == STEP_FLOPS
+        assert step.attributes["otelprof.peak_flops"] == PEAK
+    assert sum(len(children(spans, s).get("step_lr_schedulers", [])) for s in steps) == 2
+    # torch's and Lightning's enclosing ranges are not recorded a second time
+    names = {s.name for s in spans}
+    enclosing = ("Optimizer.step#", "[Strategy]", "[LightningModule]", "ProfilerStep")
+    assert not [n for n in names if n.startswith(enclosing)]
+    # validation: sanity check (2 batches) + 2 per epoch, each its own trace
+    validation = roots(spans, "validation")
+    assert len(validation) == 6
+    for v in validation:
+        assert v.attributes["otelprof.phase"] == "validation"
+        assert set(children(spans, v)) == {"dataloader_next", "to_device", "forward"}
+        assert v.attributes["otelprof.samples"] == BATCH
+    assert all(not (s.start_ns < v.end_ns and v.start_ns < s.end_ns)
+               for s in steps for v in validation)  # fmt: skip
+    checkpoints = roots(spans, "checkpoint")
+    assert len(checkpoints) == 2  # ModelCheckpoint saves at each epoch end
+    return steps
+
+
+def test_lightning_fit_gives_phase_breakdowns_throughput_and_mfu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _fit(tmp_path, "lightning")
+    steps = _check_breakdowns(run)
+    doc = report_json(run, capsys)
+    assert doc["steps"]["count"] == 12  # training steps only
+    rows = {r["phase"]: r for r in doc["sections"]["throughput"]["rows"]}
+    rate = expected_train_rate(steps, BATCH)
+    assert rows["train"]["samples/s"] == pytest.approx(rate, rel=1e-3)
+    assert rows["train"]["MFU %"] == pytest.approx(100 * rate / BATCH * STEP_FLOPS / PEAK, rel=1e-2)
+    assert rows["validation"]["samples/s"] > 0
+
+
+def test_lightning_pytorch_profiler_ranges_are_not_counted_twice(tmp_path: Path) -> None:
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    profiler = PyTorchProfiler(dirpath=str(tmp_path / "torch"), filename="prof")
+    _check_breakdowns(_fit(tmp_path, "with-profiler", profiler=profiler))
+
+
+def test_a_failing_work_function_is_logged_once_per_hook_and_training_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "otelprof")
+    run = _fit(tmp_path, "broken", samples=lambda _batch: 1 / 0, flops=None)
+    assert len(roots(spans_of(run), "step")) == 12  # steps are still marked
+    failed = [r.getMessage() for r in caplog.records if "ZeroDivisionError" in r.getMessage()]
+    # one line per failing hook, not one per batch
+    assert sorted(m.split(" failed")[0] for m in failed) == [
+        "otelprof: OtelprofCallback.on_train_batch_end",
+        "otelprof: OtelprofCallback.on_validation_batch_end",
+    ]
