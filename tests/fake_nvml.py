@@ -72,6 +72,7 @@ class FakeGpu:
     # classic counters: field id -> cumulative value (PCIe bytes, NVLink KiB)
     fields: dict[int, int] = field(default_factory=dict)
     field_errors: dict[int, int] = field(default_factory=dict)  # field id -> per-field error
+    uint32_fields: set[int] = field(default_factory=set)  # handed back as wrapping 32-bit
     memory_samples: list[tuple[int, float]] = field(default_factory=list)
     processes: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes)
     graphics_processes: list[tuple[int, int | None]] = field(default_factory=list)
@@ -242,8 +243,12 @@ class FakeNvml:
                 values[i].nvmlReturn = NVML_ERROR_NOT_SUPPORTED
             else:
                 values[i].nvmlReturn = NVML_SUCCESS
-                values[i].valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                values[i].value.ullVal = device.fields[field_id]
+                if field_id in device.uint32_fields:
+                    values[i].valueType = NVML_VALUE_TYPE_UNSIGNED_INT
+                    values[i].value.uiVal = device.fields[field_id] % 2**32
+                else:
+                    values[i].valueType = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                    values[i].value.ullVal = device.fields[field_id]
         return values
 
     # -- GPM

@@ -422,3 +422,17 @@ def test_energy_per_step_joins_determined_timings_report_not_a_profiler_group() 
     avg = reports[0].body["metrics"]["metrics"]["avgMetrics"]
     assert avg["gpu_energy_per_step_j"] == pytest.approx(50.0)  # the window's mean
     assert avg["dataloader_next_s"] == pytest.approx(0.05)
+
+
+def test_a_32_bit_pcie_counter_that_wraps_once_still_gives_the_right_rate(rigs: list[Rig]) -> None:
+    gpu = FakeGpu(uuid="GPU-v100")  # no GPM
+    gpu.fields = {FI_PCIE_RX: 2**32 - 1000}
+    gpu.uint32_fields = {FI_PCIE_RX}
+    rig = make(rigs, FakeNvml([gpu]))
+    rig.values()
+    rig.advance(1.0)
+    gpu.fields[FI_PCIE_RX] += 3_000_000_000  # wraps past 2**32 inside the interval
+    values = rig.values()
+    assert values[(names.GPU_PCIE_IO.name, gpm("nvml", direction="receive"))] == pytest.approx(
+        3e9, rel=1e-4  # the test clock ticks 1 µs per read
+    )

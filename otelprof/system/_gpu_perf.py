@@ -14,7 +14,10 @@ classic NVML also knows come from there, averaged over the interval as well:
 - DRAM bandwidth: the mean of NVML's memory-utilization samples in the interval (the share
   of time the memory controller was busy, a coarser proxy than GPM's bandwidth share),
 - PCIe and NVLink: Δbytes/Δt of the driver's cumulative byte counters
-  (`nvmlDeviceGetFieldValues`: PCIe TX/RX bytes, NVLink data TX/RX summed over links).
+  (`nvmlDeviceGetFieldValues`: PCIe TX/RX bytes, NVLink data TX/RX in KiB summed over
+  links). A driver may hand the PCIe counters back as 32-bit values that wrap: one wrap per
+  interval is undone; more than 4 GiB per interval through one such counter cannot be told
+  apart (GPM has no such limit).
 
 Every series carries `otelprof.gpu.source` = `gpm` or `nvml`, so a dashboard never
 mixes the two without knowing. SM activity, SM occupancy and tensor activity exist only
@@ -126,6 +129,7 @@ COUNTER_FIELDS = (
     ),
 )
 
+_UINT32 = 1  # NVML_VALUE_TYPE_UNSIGNED_INT: a counter that wraps at 2**32
 _VALUE_FIELDS = dict(enumerate(("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")))
 
 
@@ -313,20 +317,24 @@ class GpuPerf:
                     state.refused_fields.add(spec.key)
                     refused.append(f"{spec.constant} (error {code})")
                 continue
-            total = float(getattr(value.value, _VALUE_FIELDS.get(int(value.valueType), "ullVal")))
+            value_type = int(value.valueType)
+            total = float(getattr(value.value, _VALUE_FIELDS.get(value_type, "ullVal")))
             baseline = state.counters.setdefault(spec.key, Baseline())
             window = baseline.advance(now, total)
             if window is None:
                 continue
             previous, dt, start = window
-            if total < previous:
-                continue  # counter reset (driver reload): the next window is clean
+            delta = total - previous
+            if delta < 0:
+                if value_type != _UINT32:
+                    continue  # counter reset (driver reload): the next window is clean
+                delta += 2**32  # a 32-bit counter wrapped (once: see the module docstring)
             attrs = {
                 **device.attributes,
                 names.GPU_SOURCE: SOURCE_NVML,
                 names.NETWORK_DIRECTION: spec.direction,
             }
-            rate = (total - previous) * spec.scale / dt
+            rate = delta * spec.scale / dt
             out.append(Reading(spec.instrument.name, rate, attrs, now, start))
         if refused:
             self._log(
