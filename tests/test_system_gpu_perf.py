@@ -434,5 +434,6 @@ def test_a_32_bit_pcie_counter_that_wraps_once_still_gives_the_right_rate(rigs: 
     gpu.fields[FI_PCIE_RX] += 3_000_000_000  # wraps past 2**32 inside the interval
     values = rig.values()
     assert values[(names.GPU_PCIE_IO.name, gpm("nvml", direction="receive"))] == pytest.approx(
-        3e9, rel=1e-4  # the test clock ticks 1 µs per read
+        3e9,
+        rel=1e-4,  # the test clock ticks 1 µs per read
     )
