@@ -50,6 +50,7 @@ class GpuStepMetrics:
         self._energy: dict[tuple[Any, ...], float] = {}  # GPU -> last hw.energy (J)
         self._window: tuple[int, int, str] | None = None  # (time ns, steps, phase)
         self._idle: dict[tuple[Any, ...], float] = {}  # (GPU attrs, phase) -> idle seconds
+        self._util_time: dict[tuple[Any, ...], int] = {}  # GPU -> last utilization read
 
     def sample(self) -> list[Reading]:
         readings = self._sample()
@@ -77,9 +78,14 @@ class GpuStepMetrics:
         if state is not None:
             steps, phase = state
             for r in readings:
-                if r.name != names.GPU_UTILIZATION.name or r.start_ns is None or r.time_ns is None:
+                if r.name != names.GPU_UTILIZATION.name or r.time_ns is None:
                     continue
-                seconds = (r.time_ns - r.start_ns) / 1e9
+                gpu = (r.attributes.get(names.HW_ID), r.attributes.get(names.GPU_INDEX))
+                previous_read = self._util_time.get(gpu)
+                self._util_time[gpu] = r.time_ns
+                if previous_read is None:
+                    continue
+                seconds = (r.time_ns - previous_read) / 1e9
                 if seconds <= 0:
                     continue
                 attrs = {

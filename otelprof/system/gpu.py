@@ -229,10 +229,16 @@ class GpuSampler:
         attrs = device.attributes
         clock = self._clock
         now = clock()
-        utilization = self._utilization(device)
+        utilization, averaged = self._utilization(device)
         if utilization is not None:
+            # NVML's samples average since our last read; its utilization rate covers the
+            # driver's own last period, so only the former has a window start
             start, device.last_utilization_ns = device.last_utilization_ns, now
-            out.append(Reading(names.GPU_UTILIZATION.name, utilization, attrs, now, start))
+            out.append(
+                Reading(
+                    names.GPU_UTILIZATION.name, utilization, attrs, now, start if averaged else None
+                )
+            )
         now = clock()
         memory = self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
         if memory is not None:
@@ -305,7 +311,8 @@ class GpuSampler:
         except Exception:
             pass  # no history yet, or unsupported: the first sample() finds out
 
-    def _utilization(self, device: GpuDevice) -> float | None:
+    def _utilization(self, device: GpuDevice) -> tuple[float | None, bool]:
+        """(utilization 0-1 or None, whether it is the mean of samples since the last read)."""
         nvml = self._nvml
         if device.use_samples:
             try:
@@ -316,7 +323,7 @@ class GpuSampler:
                 if fresh:
                     device.last_sample_us = max(int(s.timeStamp) for s in fresh)
                     values = [_sample_value(value_type, s) for s in fresh]
-                    return sum(values) / len(values) / 100.0
+                    return sum(values) / len(values) / 100.0, True
             except Exception as exc:
                 code = getattr(exc, "value", None)
                 if code == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
@@ -336,7 +343,7 @@ class GpuSampler:
         rates = self._query(
             device, "utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(device.handle)
         )
-        return None if rates is None else float(rates.gpu) / 100.0
+        return (None if rates is None else float(rates.gpu) / 100.0), False
 
     def _query(self, device: GpuDevice, metric: str, call: Callable[[], T]) -> T | None:
         if metric in device.refused:
