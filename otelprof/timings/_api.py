@@ -204,15 +204,34 @@ class HookHandle:
         self.remove()
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a wrapper (Accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer, ...): wrappers subclass torch's Optimizer without its hook state."""
+    for _ in range(8):
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            break
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHandle:
     """Time `optimizer.step()` through torch's step pre/post hooks (`optimizer_step` span).
+
+    A wrapper (Accelerate's AcceleratedOptimizer, ...) is unwrapped to the torch optimizer
+    it holds, so only the steps really taken are timed (not those skipped while gradients
+    accumulate).
 
     If `step()` raises, torch skips the post hook: that occurrence is not a span. The span
     is a leaf (torch's own `Optimizer.step#...` range, bridged too, encloses the hooks).
     """
+    optimizer = unwrap_optimizer(optimizer)
     if not (
         hasattr(optimizer, "register_step_pre_hook")
         and hasattr(optimizer, "register_step_post_hook")
+        and hasattr(optimizer, "_optimizer_step_pre_hooks")
     ):
         raise TypeError(
             f"instrument_optimizer needs a torch.optim.Optimizer (step hook API), "

@@ -1,0 +1,308 @@
+"""Accelerate: `instrument_accelerator(accelerator)` before `accelerator.prepare(...)`.
+
+Accelerate opens no `record_function` ranges, so the objects `prepare()` returns are timed:
+
+- each batch of a prepared DataLoader begins a step: `dataloader_next` (Accelerate's copy to
+  the device happens inside it: `to_device`, nested), then, until the next batch, `forward`
+  (hooks on each prepared model), `backward` (`accelerator.backward`), `optimizer_step`
+  (the wrapped optimizer's real steps: with `accelerator.accumulate()`, batches that only
+  accumulate gradients have none), torch's `Optimizer.zero_grad#…`, and `step_lr_schedulers`
+  (the scheduler's real steps);
+- the phase follows the prepared models: a batch fetched while every prepared model is in
+  eval mode (`model.eval()`) is a validation batch, in its own trace; `otelprof.phase(...)`
+  blocks of your own are left alone;
+- samples and tokens come from each batch, FLOPs from FlopCounterMode over the first step
+  (or declared), so throughput and MFU are recorded.
+
+One step per batch (micro-batch), as Determined counts batches. `remove()` on the returned
+handle undoes everything (the profiler it started, if any, is shut down).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import otelprof
+from otelprof import _throughput
+from otelprof.integrations import _common as common
+from otelprof.timings import _engine
+from otelprof.timings import _recorder as rec
+from otelprof.timings._api import (
+    DATALOADER_NEXT,
+    OPTIMIZER_STEP,
+    STEP_LR_SCHEDULERS,
+    TO_DEVICE,
+    HookHandle,
+    unwrap_optimizer,
+)
+
+FORWARD = "forward"
+BACKWARD = "backward"
+_AUTO_PHASES = (rec.PHASE_TRAIN, rec.PHASE_VALIDATION)
+
+_patch_lock = threading.Lock()
+_patched: dict[type, Any] = {}  # DataLoader class -> its original __iter__
+_loaders: weakref.WeakKeyDictionary[Any, _Instrumentation] = weakref.WeakKeyDictionary()
+_send_original: Any = None
+_send_users = 0
+
+
+def _timed_iter(original: Any) -> Any:
+    def __iter__(self: Any) -> Iterator[Any]:
+        inst = _loaders.get(self)
+        if inst is None or inst.removed:
+            yield from original(self)
+            return
+        iterator = original(self)
+        while True:
+            inst.before_batch()
+            span = otelprof.timing(DATALOADER_NEXT)
+            span.__enter__()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                span.cancel()
+                return
+            except BaseException as error:
+                span.__exit__(type(error), error, error.__traceback__)
+                raise
+            span.__exit__(None, None, None)
+            inst.after_batch(batch)
+            yield batch
+
+    return __iter__
+
+
+def _timed_send(original: Any) -> Any:
+    def send_to_device(*args: Any, **kwargs: Any) -> Any:
+        with otelprof.timing(TO_DEVICE):
+            return original(*args, **kwargs)
+
+    return send_to_device
+
+
+class _Instrumentation:
+    """What instrument_accelerator() did to one Accelerator, and the step bookkeeping."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        samples: common.Amount,
+        tokens: common.Amount,
+        flops: float | str | None,
+        handle: Any,
+    ) -> None:
+        self.accelerator = accelerator
+        self.samples = samples
+        self.tokens = tokens
+        self.flops = flops
+        self.handle = handle
+        self.removed = False
+        self.models: list[Any] = []
+        self.undo: list[Any] = []
+        self.batch_open = False  # a batch was fetched since the last step boundary
+        self.counter = common.FlopCounter()
+        self.counting = False
+
+    # ---- steps and phases ----
+    @common.safe
+    def before_batch(self) -> None:
+        wanted = rec.PHASE_TRAIN
+        if self.models and not any(getattr(m, "training", True) for m in self.models):
+            wanted = rec.PHASE_VALIDATION
+        current = otelprof.current_phase()
+        if self.batch_open:
+            self._end_step()
+        if current != wanted and current in _AUTO_PHASES:
+            otelprof.set_phase(wanted)
+        if (
+            self.flops == "auto"
+            and wanted == rec.PHASE_TRAIN
+            and _engine._active is not None
+            and not self.counting
+        ):
+            self.counting = True
+            self.counter.start()
+
+    def _end_step(self) -> None:
+        self.batch_open = False
+        flops: float | None = None
+        if otelprof.current_phase() == rec.PHASE_TRAIN:
+            if self.flops == "auto":
+                flops = self.counter.stop()
+            elif self.flops is not None:
+                flops = float(self.flops)
+        if flops is not None:
+            common.record_work(None, None, flops)
+        otelprof.step()
+
+    @common.safe
+    def after_batch(self, batch: Any) -> None:
+        self.batch_open = True
+        common.record_work(
+            common.amount_of(self.samples, common.batch_samples, batch),
+            common.amount_of(self.tokens, common.batch_tokens, batch),
+            None,
+        )
+
+    # ---- what prepare() returns ----
+    def instrument(self, obj: Any) -> None:
+        try:
+            self._instrument(obj)
+        except Exception as error:
+            common.warn_once(
+                f"accelerate:{type(obj).__name__}",
+                "otelprof: could not instrument %s (%r); it is not timed",
+                type(obj).__name__,
+                error,
+            )
+
+    def _instrument(self, obj: Any) -> None:
+        import torch
+
+        if isinstance(obj, torch.nn.Module):
+            self._model(obj)
+        elif isinstance(obj, torch.utils.data.DataLoader) or hasattr(obj, "base_dataloader"):
+            self._loader(obj)
+        elif hasattr(obj, "optimizer") and hasattr(obj, "step") and hasattr(obj, "zero_grad"):
+            self._optimizer(obj)
+        elif hasattr(obj, "scheduler") and hasattr(obj, "step"):
+            handle = otelprof.instrument_lr_scheduler(obj.scheduler, STEP_LR_SCHEDULERS)
+            self.undo.append(handle.remove)
+
+    def _model(self, model: Any) -> None:
+        self.models.append(model)
+        timing = otelprof.timing(FORWARD)
+
+        def pre(_module: Any, _args: Any) -> None:
+            timing.__enter__()
+
+        def post(_module: Any, _args: Any, _output: Any) -> None:
+            timing.__exit__(None, None, None)
+
+        handles = [model.register_forward_pre_hook(pre)]
+        try:
+            handles.append(model.register_forward_hook(post, always_call=True))
+        except TypeError:  # torch < 2.0: no always_call
+            handles.append(model.register_forward_hook(post))
+        self.undo.extend(h.remove for h in handles)
+
+    def _loader(self, loader: Any) -> None:
+        global _send_original, _send_users
+        cls = type(loader)  # the real class (DataLoaderAdapter fakes __class__)
+        with _patch_lock:
+            if cls not in _patched and "__iter__" in vars(cls):
+                _patched[cls] = vars(cls)["__iter__"]
+                cls.__iter__ = _timed_iter(_patched[cls])
+            _loaders[loader] = self
+            import accelerate.data_loader as data_loader
+
+            if _send_users == 0:
+                _send_original = data_loader.send_to_device
+                data_loader.send_to_device = _timed_send(_send_original)
+            _send_users += 1
+
+        def undo() -> None:
+            global _send_users
+            with _patch_lock:
+                _loaders.pop(loader, None)
+                _send_users -= 1
+                if _send_users == 0:
+                    data_loader.send_to_device = _send_original
+                if not any(type(other) is cls for other in _loaders):
+                    original = _patched.pop(cls, None)
+                    if original is not None:
+                        cls.__iter__ = original
+
+        self.undo.append(undo)
+
+    def _optimizer(self, wrapped: Any) -> None:
+        torch_optimizer = unwrap_optimizer(wrapped)
+
+        def forget_torch_range(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            # torch's `Optimizer.step#...` range is open around the hooks: the
+            # optimizer_step span replaces it as the step's direct child
+            stack = rec.thread_state().stack
+            if len(stack) > 1 and str(stack[-1][rec.F_NAME]).startswith("Optimizer.step#"):
+                common.forget_ranges_above(len(stack) - 1)
+
+        first = torch_optimizer.register_step_pre_hook(forget_torch_range)
+        handle = otelprof.instrument_optimizer(torch_optimizer, OPTIMIZER_STEP)
+        self.undo.append(first.remove)
+        self.undo.append(handle.remove)
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        self.removed = True
+        self.counter.abandon()
+        for undo in reversed(self.undo):
+            try:
+                undo()
+            except Exception as error:
+                common.warn_once("accelerate-undo", "otelprof: undo failed: %r", error)
+        self.undo.clear()
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.shutdown()
+
+
+def instrument_accelerator(
+    accelerator: Any,
+    *,
+    samples: common.Amount = None,
+    tokens: common.Amount = None,
+    flops: float | str | None = "auto",
+    peak_flops: float | None = None,
+    **instrument_options: Any,
+) -> HookHandle:
+    """Time an Accelerate training loop: call once, before `accelerator.prepare(...)`.
+
+    Wraps `accelerator.prepare` (what it returns is timed) and `accelerator.backward`.
+    `samples`/`tokens`: per-batch amounts, numbers or functions of the batch (default: the
+    batch's first dimension; tokens from `input_ids`/`attention_mask`); `flops`: FLOPs per
+    training batch, "auto" (FlopCounterMode over the first step), a number or None;
+    `peak_flops`: one device's peak FLOP/s. Starts a profiler with `instrument_options`
+    when none runs. Returns a handle whose `remove()` undoes it all.
+    """
+    if not (callable(getattr(accelerator, "prepare", None)) and hasattr(accelerator, "backward")):
+        raise TypeError(
+            "instrument_accelerator needs an accelerate.Accelerator, got "
+            f"{type(accelerator).__name__}"
+        )
+    if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
+        raise ValueError(
+            f"instrument_accelerator: flops must be a number, 'auto' or None, got {flops!r}"
+        )
+    if peak_flops is not None:
+        otelprof.set_peak_flops(peak_flops)
+    _throughput.set_precision(common.precision_of(getattr(accelerator, "mixed_precision", None)))
+    handle = otelprof.instrument(**instrument_options)
+    inst = _Instrumentation(accelerator, samples, tokens, flops, handle)
+    original_prepare = accelerator.prepare
+    original_backward = accelerator.backward
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        result = original_prepare(*args, **kwargs)
+        if not inst.removed:
+            for obj in result if isinstance(result, tuple) else (result,):
+                inst.instrument(obj)
+        return result
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        with otelprof.timing(BACKWARD):
+            return original_backward(*args, **kwargs)
+
+    accelerator.prepare = prepare
+    accelerator.backward = backward
+
+    def restore() -> None:
+        for name, wrapper in (("prepare", prepare), ("backward", backward)):
+            if vars(accelerator).get(name) is wrapper:
+                delattr(accelerator, name)
+
+    inst.undo.insert(0, restore)
+    return HookHandle(inst.remove)
