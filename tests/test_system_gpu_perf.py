@@ -437,3 +437,22 @@ def test_a_32_bit_pcie_counter_that_wraps_once_still_gives_the_right_rate(rigs: 
         3e9,
         rel=1e-4,  # the test clock ticks 1 µs per read
     )
+
+
+def test_a_bug_in_the_performance_part_costs_only_those_series(
+    rigs: list[Rig], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gpu = hopper()
+    rig = make(rigs, FakeNvml([gpu]))
+    perf = rig.handle._gpu._perf  # type: ignore[union-attr]
+
+    def broken(device: Any, out: list[Any]) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(perf, "sample", broken)
+    with caplog.at_level(logging.WARNING, logger="otelprof.system"):
+        for _ in range(2):
+            rig.advance(1.0, gpu, **busy())
+            present = {name for name, _ in rig.values()}
+            assert names.GPU_MEMORY_USAGE.name in present and not present & PERF
+    assert len([r for r in caplog.records if "performance" in r.getMessage()]) == 1

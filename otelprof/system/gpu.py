@@ -218,10 +218,17 @@ class GpuSampler:
         pids = self._pids.current()
         for device in self.devices:
             self._sample_device(device, out)
-            self._process_memory(device, pids, out)
+            self._guarded(device, "process memory", self._process_memory, pids, out)
             if self._perf is not None:
-                self._perf.sample(device, out)
+                self._guarded(device, "performance", self._perf.sample, out)
         return out
+
+    def _guarded(self, device: GpuDevice, part: str, read: Callable[..., None], *args: Any) -> None:
+        """Run one part of a device's sample; a bug in it must not cost the other series."""
+        try:
+            read(device, *args)
+        except Exception as exc:
+            self._transient(device, part, exc)
 
     def _sample_device(self, device: GpuDevice, out: list[Reading]) -> None:
         nvml = self._nvml
