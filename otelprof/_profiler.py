@@ -90,6 +90,12 @@ class Profiler:
         self._timings = _degrade("timings", self._start_timings)
         self._distributed = _degrade("distributed hooks", self._start_distributed)
         self._register_self_telemetry()
+        if self._timings is not None:  # what profiling costs, in the same dashboards
+            from otelprof._overhead import OverheadGauges
+
+            self._overhead = _degrade(
+                "overhead gauges", lambda: OverheadGauges(self._meter, self._timings)
+            )
         self._end: EndRecord | None = None
         if settings.detached:
             self._write_run_info()

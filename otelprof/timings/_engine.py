@@ -110,6 +110,7 @@ class TimingsEngine:
         self._ctx: rec.StepContext | None = None
         self._kineto_action = ScheduleAction.NONE
         self._schedule_errors = 0
+        self.range_cost_s = 0.0  # one timing() range on the opening thread, set by start()
         self._step_from_start = True  # the current step began at start(), not at step()
         self._phase = rec.PHASE_TRAIN
         self._ctx_is_block = False  # the current context began when its phase was entered
@@ -133,6 +134,10 @@ class TimingsEngine:
         rec.exhausted = 0
         rec.queue.clear()
         rec.capacity = self._settings.max_queued_spans
+        from otelprof._overhead import calibrate_range_cost
+
+        # for the overhead gauge: what one range costs this thread (before the builder runs)
+        self.range_cost_s = calibrate_range_cost()
         rec.cuda_timer = self._cuda
         self._set_torch_hooks()
         self._builder.start()
