@@ -27,6 +27,7 @@ def _block(marker: str) -> str:
         "otelprof.step_work(samples=32",
         "OtelprofCallback(peak_flops=1e12)",
         "instrument_accelerator(accelerator, peak_flops=1e12)",
+        "OtelprofTrainerCallback(peak_flops=1e12)",
     ],
 )
 def test_readme_example_runs_and_writes_a_run(marker: str, tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ _AUTO_PHASES = (rec.PHASE_TRAIN, rec.PHASE_VALIDATION)
 
 _patch_lock = threading.Lock()
 _patched: dict[type, Any] = {}  # DataLoader class -> its original __iter__
-_loaders: weakref.WeakKeyDictionary[Any, _Instrumentation] = weakref.WeakKeyDictionary()
+_loaders: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _send_original: Any = None
 _send_users = 0
 
@@ -53,7 +53,7 @@ _send_users = 0
 def _timed_iter(original: Any) -> Any:
     def __iter__(self: Any) -> Iterator[Any]:
         inst = _loaders.get(self)
-        if inst is None or inst.removed:
+        if inst is None or getattr(inst, "removed", False):
             yield from original(self)
             return
         iterator = original(self)
@@ -82,6 +82,56 @@ def _timed_send(original: Any) -> Any:
             return original(*args, **kwargs)
 
     return send_to_device
+
+
+def register_loader(loader: Any, hooks: Any) -> Any:
+    """Time the batches of an Accelerate DataLoader (`dataloader_next`, with `to_device`
+    inside), calling `hooks.before_batch()` / `hooks.after_batch(batch)` around each fetch.
+    The class's `__iter__` is patched (DataLoaderAdapter fakes `__class__`, so the instance
+    cannot be given a subclass) and acts only on registered loaders. Returns the undo."""
+    global _send_original, _send_users
+    import accelerate.data_loader as data_loader
+
+    cls = type(loader)
+    with _patch_lock:
+        if cls not in _patched and "__iter__" in vars(cls):
+            _patched[cls] = vars(cls)["__iter__"]
+            cls.__iter__ = _timed_iter(_patched[cls])
+        _loaders[loader] = hooks
+        if _send_users == 0:
+            _send_original = data_loader.send_to_device
+            data_loader.send_to_device = _timed_send(_send_original)
+        _send_users += 1
+
+    def undo() -> None:
+        global _send_users
+        with _patch_lock:
+            _loaders.pop(loader, None)
+            _send_users -= 1
+            if _send_users == 0:
+                data_loader.send_to_device = _send_original
+            if not any(type(other) is cls for other in _loaders):
+                original = _patched.pop(cls, None)
+                if original is not None:
+                    cls.__iter__ = original
+
+    return undo
+
+
+def instrument_wrapped_optimizer(wrapped: Any) -> list[Any]:
+    """`optimizer_step` spans for the steps the torch optimizer inside `wrapped` really
+    takes, as direct children of the step (torch's enclosing `Optimizer.step#...` range is
+    not recorded). Returns the undos."""
+    torch_optimizer = unwrap_optimizer(wrapped)
+
+    def forget_torch_range(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        stack = rec.thread_state().stack
+        if len(stack) > 1 and str(stack[-1][rec.F_NAME]).startswith("Optimizer.step#"):
+            common.forget_ranges_above(len(stack) - 1)
+
+    first = torch_optimizer.register_step_pre_hook(forget_torch_range)
+    handle = otelprof.instrument_optimizer(torch_optimizer, OPTIMIZER_STEP)
+    return [first.remove, handle.remove]
 
 
 class _Instrumentation:
@@ -191,48 +241,10 @@ class _Instrumentation:
         self.undo.extend(h.remove for h in handles)
 
     def _loader(self, loader: Any) -> None:
-        global _send_original, _send_users
-        cls = type(loader)  # the real class (DataLoaderAdapter fakes __class__)
-        with _patch_lock:
-            if cls not in _patched and "__iter__" in vars(cls):
-                _patched[cls] = vars(cls)["__iter__"]
-                cls.__iter__ = _timed_iter(_patched[cls])
-            _loaders[loader] = self
-            import accelerate.data_loader as data_loader
-
-            if _send_users == 0:
-                _send_original = data_loader.send_to_device
-                data_loader.send_to_device = _timed_send(_send_original)
-            _send_users += 1
-
-        def undo() -> None:
-            global _send_users
-            with _patch_lock:
-                _loaders.pop(loader, None)
-                _send_users -= 1
-                if _send_users == 0:
-                    data_loader.send_to_device = _send_original
-                if not any(type(other) is cls for other in _loaders):
-                    original = _patched.pop(cls, None)
-                    if original is not None:
-                        cls.__iter__ = original
-
-        self.undo.append(undo)
+        self.undo.append(register_loader(loader, self))
 
     def _optimizer(self, wrapped: Any) -> None:
-        torch_optimizer = unwrap_optimizer(wrapped)
-
-        def forget_torch_range(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-            # torch's `Optimizer.step#...` range is open around the hooks: the
-            # optimizer_step span replaces it as the step's direct child
-            stack = rec.thread_state().stack
-            if len(stack) > 1 and str(stack[-1][rec.F_NAME]).startswith("Optimizer.step#"):
-                common.forget_ranges_above(len(stack) - 1)
-
-        first = torch_optimizer.register_step_pre_hook(forget_torch_range)
-        handle = otelprof.instrument_optimizer(torch_optimizer, OPTIMIZER_STEP)
-        self.undo.append(first.remove)
-        self.undo.append(handle.remove)
+        self.undo.extend(instrument_wrapped_optimizer(wrapped))
 
     def remove(self) -> None:
         if self.removed:

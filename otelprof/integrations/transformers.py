@@ -1,0 +1,266 @@
+"""transformers: `Trainer(..., callbacks=[OtelprofTrainerCallback()])` and nothing else.
+
+One otelprof step per Trainer step (one optimizer update: `gradient_accumulation_steps`
+micro-batches), as `state.global_step` counts them. Per step: `dataloader_next` (the Trainer
+prefetches a step's micro-batches at its start; Accelerate's copy to the device, `to_device`,
+is inside), `forward` (`compute_loss`: the model's forward and the loss) and `backward` per
+micro-batch, `optimizer_step` and `step_lr_schedulers` once. `evaluate()` runs in phase
+`validation` (one trace per evaluation batch), checkpoint saving in phase `checkpoint`.
+Samples and tokens (non-padding `attention_mask` tokens, else `input_ids`) come from each
+batch, FLOPs from FlopCounterMode over the first step (or declared): throughput and MFU.
+
+The Trainer opens no `record_function` ranges and its callbacks see neither the forward nor
+the backward pass, so while training runs, `Trainer.compute_loss`, `.evaluate`,
+`._save_checkpoint`, `.get_eval_dataloader` and `Accelerator.backward` are wrapped at class
+level; the wrappers act only for Trainers that hold this callback and are removed at
+`on_train_end`. A Trainer lacking one of them is logged once and that part is not timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+import otelprof
+from otelprof import _throughput
+from otelprof.integrations import _common as common
+from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
+from otelprof.timings import _recorder as rec
+from otelprof.timings._api import STEP_LR_SCHEDULERS
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+_lock = threading.Lock()
+_active: list[OtelprofTrainerCallback] = []  # callbacks whose Trainer is training
+_originals: dict[tuple[type, str], Any] = {}
+
+
+def _ours(trainer: Any) -> OtelprofTrainerCallback | None:
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        if isinstance(callback, OtelprofTrainerCallback) and callback in _active:
+            return callback
+    return None
+
+
+@contextlib.contextmanager
+def _phase(name: str) -> Iterator[None]:
+    previous = otelprof.set_phase(name)
+    try:
+        yield
+    finally:
+        otelprof.set_phase(previous)
+
+
+def _wrap_compute_loss(original: Any) -> Any:
+    def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ours(self) is None:
+            return original(self, *args, **kwargs)
+        with otelprof.timing(FORWARD):
+            return original(self, *args, **kwargs)
+
+    return compute_loss
+
+
+def _wrap_evaluate(original: Any) -> Any:
+    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ours(self) is None:
+            return original(self, *args, **kwargs)
+        with _phase(rec.PHASE_VALIDATION):
+            return original(self, *args, **kwargs)
+
+    return evaluate
+
+
+def _wrap_save(original: Any) -> Any:
+    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _ours(self) is None:
+            return original(self, *args, **kwargs)
+        with _phase(rec.PHASE_CHECKPOINT):
+            return original(self, *args, **kwargs)
+
+    return _save_checkpoint
+
+
+def _wrap_eval_loader(original: Any) -> Any:
+    def get_eval_dataloader(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loader = original(self, *args, **kwargs)
+        callback = _ours(self)
+        if callback is not None:
+            callback._register_loader(loader)
+        return loader
+
+    return get_eval_dataloader
+
+
+def _wrap_backward(original: Any) -> Any:
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _active:
+            return original(self, *args, **kwargs)
+        with otelprof.timing(BACKWARD):
+            return original(self, *args, **kwargs)
+
+    return backward
+
+
+def _patches() -> list[tuple[type, str, Callable[[Any], Any]]]:
+    from accelerate import Accelerator
+
+    return [
+        (Trainer, "compute_loss", _wrap_compute_loss),
+        (Trainer, "evaluate", _wrap_evaluate),
+        (Trainer, "_save_checkpoint", _wrap_save),
+        (Trainer, "get_eval_dataloader", _wrap_eval_loader),
+        (Accelerator, "backward", _wrap_backward),
+    ]
+
+
+def _install() -> None:
+    for cls, name, wrap in _patches():
+        original = getattr(cls, name, None)
+        if original is None:
+            common.warn_once(
+                f"transformers:{name}",
+                "otelprof: this %s has no %s(); that part of the step is not timed",
+                cls.__name__,
+                name,
+            )
+            continue
+        _originals[(cls, name)] = original
+        setattr(cls, name, wrap(original))
+
+
+def _uninstall() -> None:
+    for (cls, name), original in list(_originals.items()):
+        setattr(cls, name, original)
+    _originals.clear()
+
+
+class _LoaderHooks:
+    """Per-batch work of the batches a registered DataLoader yields."""
+
+    def __init__(self, callback: OtelprofTrainerCallback) -> None:
+        self.callback = callback
+        self.removed = False
+
+    def before_batch(self) -> None:
+        pass
+
+    @common.safe
+    def after_batch(self, batch: Any) -> None:
+        cb = self.callback
+        common.record_work(
+            common.amount_of(cb.samples, common.batch_samples, batch),
+            common.amount_of(cb.tokens, common.batch_tokens, batch),
+            None,
+        )
+
+
+class OtelprofTrainerCallback(TrainerCallback):
+    """Profile a transformers Trainer with otelprof: `callbacks=[OtelprofTrainerCallback()]`.
+
+    `samples` / `tokens`: per-batch amounts, a number or a function of the batch (default:
+    `input_ids` rows; non-padding tokens). `flops`: FLOPs per Trainer step, "auto" (counted
+    once with FlopCounterMode, the default), a number, or None. `peak_flops`: one device's
+    peak FLOP/s. `instrument_options`: for `otelprof.instrument()` when no profiler runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        samples: common.Amount = None,
+        tokens: common.Amount = None,
+        flops: float | str | None = "auto",
+        peak_flops: float | None = None,
+        **instrument_options: Any,
+    ) -> None:
+        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
+            raise ValueError(
+                f"OtelprofTrainerCallback: flops must be a number, 'auto' or None, got {flops!r}"
+            )
+        self.samples = samples
+        self.tokens = tokens
+        self.flops = flops
+        self.peak_flops = (
+            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        )
+        self.instrument_options = instrument_options
+        self._handle: Any = None
+        self._undo: list[Any] = []
+        self._hooks = _LoaderHooks(self)
+        self._counter = common.FlopCounter()
+        self._epoch = -1
+
+    def _register_loader(self, loader: Any) -> None:
+        if loader is not None and hasattr(loader, "base_dataloader"):
+            self._undo.append(register_loader(loader, self._hooks))
+
+    @common.safe
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._handle = otelprof.instrument(**self.instrument_options)
+        if self.peak_flops is not None:
+            otelprof.set_peak_flops(self.peak_flops)
+        _throughput.set_precision(
+            "16-bit" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "32-bit"
+        )
+        with _lock:
+            if not _active:
+                _install()
+            _active.append(self)
+        self._hooks.removed = False
+        self._register_loader(kwargs.get("train_dataloader"))
+        optimizer = kwargs.get("optimizer")
+        if optimizer is not None:
+            self._undo.extend(instrument_wrapped_optimizer(optimizer))
+        scheduler = kwargs.get("lr_scheduler")
+        if scheduler is not None:
+            inner = getattr(scheduler, "scheduler", scheduler)
+            self._undo.append(otelprof.instrument_lr_scheduler(inner, STEP_LR_SCHEDULERS).remove)
+
+    @common.safe
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._epoch += 1
+        otelprof.set_epoch(self._epoch)
+
+    @common.safe
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.flops == "auto":
+            self._counter.start()
+
+    @common.safe
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        try:
+            if self.flops == "auto":
+                flops = self._counter.stop()
+            else:
+                flops = None if self.flops is None else float(self.flops)
+            if flops is not None:
+                common.record_work(None, None, flops)
+        finally:
+            otelprof.step()
+
+    @common.safe
+    def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if otelprof.current_phase() == rec.PHASE_VALIDATION:
+            otelprof.step()  # one trace per evaluation batch
+
+    @common.safe
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._counter.abandon()
+        self._hooks.removed = True
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+            if not _active:
+                _uninstall()
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.shutdown()
