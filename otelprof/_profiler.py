@@ -331,6 +331,8 @@ class Profiler:
             "endpoint": s.endpoint,
             "files": {k: p.name for k, p in self._pipelines.files.items()},
         }
+        if isinstance(self.resource.attributes.get("otelprof.attempt"), int):
+            info["attempt"] = self.resource.attributes["otelprof.attempt"]  # elastic restart
         if self._end is not None:
             info["end"] = self._end
         if stats is not None:

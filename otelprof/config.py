@@ -335,6 +335,10 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
     values["resource_attributes"] = _as_mapping("resource_attributes", raw["resource_attributes"])
 
     run_id = _as_str(raw["run_id"]) or _default_run_id()
+    if isinstance(raw["run_id"], _FromEnv) and raw["run_id"].variable == "TORCHELASTIC_RUN_ID":
+        from otelprof._distributed.ranks import torchelastic_run_id
+
+        run_id = torchelastic_run_id(run_id)
     if "/" in run_id or run_id in (".", ".."):
         raise ConfigError(f"{_where('run_id', raw['run_id'])}: not a usable name: {run_id!r}")
     values["run_id"] = run_id

@@ -61,27 +61,27 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     data = torch.randn(16, 32)
     target = torch.randn(16, 1)
     try:
-        for step in range(args.steps):
-            if rank == args.slow_rank:
-                time.sleep(args.slow_ms / 1000)  # the straggler's extra work, outside any timing
-            if failing and step == args.fail_at and rank == args.raise_rank:
-                raise RuntimeError(f"rank {rank} failed at step {step}")
-            if failing and step == args.fail_at and rank == args.kill_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
-            with otelprof.timing("dataloader_next"):
-                time.sleep(args.step_sleep_ms / 1000)
-            with otelprof.train_batch():
-                loss = torch.nn.functional.mse_loss(model(data), target)
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-            with otelprof.reduce_metrics():
-                value = loss.detach().clone()
-                dist.all_reduce(value)
-            prof.step()
-        dist.barrier()
+        with prof:  # an exception leaving the block is recorded as this rank's end
+            for step in range(args.steps):
+                if rank == args.slow_rank:
+                    time.sleep(args.slow_ms / 1000)  # extra work outside any timing
+                if failing and step == args.fail_at and rank == args.raise_rank:
+                    raise RuntimeError(f"rank {rank} failed at step {step}")
+                if failing and step == args.fail_at and rank == args.kill_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with otelprof.timing("dataloader_next"):
+                    time.sleep(args.step_sleep_ms / 1000)
+                with otelprof.train_batch():
+                    loss = torch.nn.functional.mse_loss(model(data), target)
+                    optimizer.zero_grad()
+                    loss.backward()
+                    optimizer.step()
+                with otelprof.reduce_metrics():
+                    value = loss.detach().clone()
+                    dist.all_reduce(value)
+                prof.step()
+            dist.barrier()
     finally:
-        prof.shutdown()
         dist.destroy_process_group()
 
 

@@ -22,17 +22,20 @@ from tests.services import REPO, free_port
 JOB = REPO / "tests" / "ddp_job.py"
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+def _env(tmp_path: Path, launcher_sets_master: bool = False, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTELPROF_", "OTEL_"))}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         env.pop(name, None)
     env.update(
         OTELPROF_OUTPUT_DIR=str(tmp_path / "runs"),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
         PYTHONPATH=str(REPO),
+        GLOO_SOCKET_IFNAME="lo",  # loopback only: no other interface to resolve or time out on
         **extra,
     )
+    if not launcher_sets_master:  # mp.spawn: the program's environment says where rank 0 is
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    else:  # torchrun sets them; a stale MASTER_PORT in its environment hangs restarts
+        env.pop("MASTER_ADDR", None)
     return env
 
 
@@ -49,12 +52,12 @@ def _spawn(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProces
 def _torchrun(tmp_path: Path, *args: str, extra: tuple[str, ...] = (), **env: str) -> Any:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", *extra,
+         *(extra or ("--master_addr=127.0.0.1", f"--master_port={free_port()}")),
          str(JOB), "--steps", "30", *args],
-        env=_env(tmp_path, **env),
+        env=_env(tmp_path, launcher_sets_master=True, **env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=180,
     )  # fmt: skip
 
 
@@ -179,3 +182,62 @@ def test_a_taken_prometheus_port_is_a_logged_degradation_not_an_error(
         finally:
             prof.shutdown()
     assert read_spans(prof.files["traces"])  # the rest of the profiler ran
+
+
+def _run_infos(run_dir: Path) -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(run_dir.glob("run*.json"))}
+
+
+def test_elastic_restart_keeps_each_attempt_apart_and_records_the_rank_that_raised(
+    tmp_path: Path,
+) -> None:
+    # attempt 0: rank 1 raises at step 5, the other rank fails in its next collective;
+    # torchrun restarts both (attempt 1), which finish cleanly.
+    # c10d rendezvous, as elastic jobs run; its TCP store is not shared with the workers, which
+    # otherwise read the previous attempt's addresses (pytorch/pytorch#135712)
+    result = _torchrun(
+        tmp_path,
+        "--raise-rank", "1", "--fail-at", "5", "--fail-attempt", "0",
+        extra=("--max-restarts=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=elastic-job"),
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = _only_run_dir(tmp_path)
+    assert run_dir.name == "elastic-job"  # TORCHELASTIC_RUN_ID: every attempt, one directory
+    infos = _run_infos(run_dir)
+    assert sorted(infos) == [
+        "run.rank0.attempt1.json",
+        "run.rank0.json",
+        "run.rank1.attempt1.json",
+        "run.rank1.json",
+    ]
+    raised = infos["run.rank1.json"]["end"]
+    assert raised["status"] == "exception"
+    assert raised["exception"] == {"type": "RuntimeError", "message": "rank 1 failed at step 5"}
+    assert infos["run.rank0.json"]["end"]["status"] == "exception"  # its peer vanished
+    for name in ("run.rank0.attempt1.json", "run.rank1.attempt1.json"):
+        assert infos[name]["attempt"] == 1 and infos[name]["end"]["status"] == "clean"
+    for rank in (0, 1):  # attempt 0's spans were not overwritten by attempt 1
+        first = read_spans(run_dir / f"traces.rank{rank}.jsonl")
+        second = read_spans(run_dir / f"traces.rank{rank}.attempt1.jsonl")
+        assert {s.resource["otelprof.attempt"] for s in first} == {0}
+        assert {s.resource["otelprof.attempt"] for s in second} == {1}
+        assert [s.name for s in second].count("step") >= 30
+    report = _report(str(run_dir))
+    problems = report.split("problems")[1].split("Timings")[0]
+    assert "rank 1" in problems and "rank 1 failed at step 5" in problems
+    assert report.index("problems") < report.index("Timings")  # problems come first
+
+
+def test_a_sigkilled_rank_shows_as_not_finalized_first_in_the_report(tmp_path: Path) -> None:
+    result = _torchrun(tmp_path, "--kill-rank", "1", "--fail-at", "5")
+    assert result.returncode != 0
+    run_dir = _only_run_dir(tmp_path)
+    assert run_dir.name.startswith("torchrun-")  # not torchrun's default run id "none"
+    infos = _run_infos(run_dir)
+    assert "finished_unix_nano" not in infos["run.rank1.json"]  # SIGKILL cannot be caught
+    assert infos["run.rank0.json"]["end"]["status"] in ("exception", "signal")
+    report = _report(str(run_dir))
+    problems = report.split("problems")[1].split("Timings")[0]
+    assert "rank 1" in problems and "not finalized" in problems

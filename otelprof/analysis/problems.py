@@ -74,6 +74,11 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
 def problems(summary: RunSummary) -> list[Finding]:
     """Crashes, signals, unfinalized processes, failed spans and dropped telemetry."""
     found = [f for info in summary.files.run_info if (f := _end_finding(info)) is not None]
+    from otelprof.analysis.rank_problems import missing_ranks
+
+    found.extend(
+        Finding("missing rank", message) for message in missing_ranks(summary.files.run_info)
+    )
     if summary.failed_spans:
         total = sum(summary.failed_spans.values())
         names = ", ".join(
