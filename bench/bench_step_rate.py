@@ -14,7 +14,10 @@ Printed per step length:
   0.3 ms steps, <= 1 % at 30 ms);
 - background CPU per recorded span: CPU of otelprof's and the SDK's threads in instrumented
   blocks / spans recorded (goal <= 10 µs);
-- bytes written per step and extrapolated per day at this step rate (goal <= 1 GB/rank/day).
+- detached data per day in the steady state (goal <= 1 GB/rank/day): one longer
+  instrumented block per step length (`--volume-seconds`), bytes written over its last
+  10 s (after the head budget's initial burst is spent), times 86,400; with `--compress`
+  also for compress=True.
 """
 
 from __future__ import annotations
@@ -126,6 +129,8 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 30.0])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--block-seconds", type=float, default=2.0)
+    parser.add_argument("--volume-seconds", type=float, default=40.0)
+    parser.add_argument("--compress", action="store_true", help="also measure compress=True")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = Work()
@@ -145,7 +150,30 @@ def main() -> int:
                     r = _block(work, units, args.block_seconds, instrumented, Path(tmp), index)
                     (inst if instrumented else bare).append(r)
             _print(step_ms, bare, inst)
+            for compress in (False, True) if args.compress else (False,):
+                index += 1
+                per_day = _volume(work, units, args.volume_seconds, Path(tmp), index, compress)
+                print(f"  steady-state data (compress={compress}): {per_day / 1e9:.3f} GB/day\n")
     return 0
+
+
+def _run_bytes(run_dir: Path) -> int:
+    return sum(p.stat().st_size for p in run_dir.iterdir() if p.is_file())
+
+
+def _volume(
+    work: Work, units: list[int], seconds: float, out: Path, index: int, compress: bool
+) -> float:
+    """Bytes per day written in the steady state: the last 10 s of a `seconds` block."""
+    prof = otelprof.instrument(output_dir=str(out), run_id=f"v{index}", compress=compress)
+    try:
+        _loop(work, units, seconds - 10.0, prof)
+        before, t0 = _run_bytes(out / f"v{index}"), time.perf_counter()
+        _loop(work, units, 10.0, prof)
+        after, t1 = _run_bytes(out / f"v{index}"), time.perf_counter()
+    finally:
+        prof.shutdown()
+    return (after - before) / (t1 - t0) * 86400
 
 
 def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, float]]) -> None:
@@ -154,7 +182,6 @@ def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, fl
     spans = sum(r["spans"] for r in inst)
     ranges = sum(r["ranges"] for r in inst)
     bg = sum(r["background_s"] for r in inst)
-    per_day = statistics.median(r["bytes_per_s"] for r in inst) * 86400
     print(f"step {step_ms} ms:")
     print(f"  steps/s bare {b:,.0f}  instrumented {i:,.0f}  overhead {(1 - i / b) * 100:+.1f} %")
     print(
@@ -163,9 +190,9 @@ def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, fl
         f"{bg / max(spans, 1) * 1e6:.1f} µs per written span"
     )
     print(
-        f"  data {statistics.median(r['bytes_per_step'] for r in inst):,.0f} B/step, "
-        f"{per_day / 1e9:.2f} GB/day at this rate; "
-        f"dropped {sum(r['dropped'] for r in inst):.0f}\n"
+        f"  data in {len(inst)} short blocks (initial burst included): "
+        f"{statistics.median(r['bytes_per_step'] for r in inst):,.0f} B/step; "
+        f"dropped {sum(r['dropped'] for r in inst):.0f}"
     )
 
 

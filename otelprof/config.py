@@ -57,7 +57,7 @@ class Settings:
     resource_attributes: Mapping[str, str] = field(default_factory=dict)
     determined: bool = False
     export_timeout_s: float = 10.0
-    trace_budget: float = 20.0
+    trace_budget: float = 10.0
     compress: bool = False
     max_trace_bytes: int | None = 1 << 30
 
@@ -318,7 +318,7 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
     if not timeout > 0:
         raise ConfigError(f"{_where('export_timeout', raw['export_timeout_s'])}: must be > 0")
     values["export_timeout_s"] = timeout
-    budget = _as_number("trace_budget", raw["trace_budget"], float, 20.0)
+    budget = _as_number("trace_budget", raw["trace_budget"], float, 10.0)
     if not budget >= 0:  # also refuses NaN
         raise ConfigError(
             f"{_where('trace_budget', raw['trace_budget'])}: must be >= 0 spans per second "

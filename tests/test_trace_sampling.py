@@ -44,9 +44,9 @@ def _run_steps(
         end = t + int(seconds * 1e9)
         error = ("builtins.ValueError", "x", "") if number in errors else None
         child = ("train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error)
-        sampler.span(ctx, child, is_step=False)
+        sampler.span(ctx, child, False, seconds, error is not None)
         step = ("step", number + 1, 2 * number + 11, 0, t, end, {"otelprof.step": number}, None)
-        sampler.span(ctx, step, is_step=True)
+        sampler.span(ctx, step, True, seconds, False, "step")
         t = end
         clock.now += seconds
     sampler.finish()

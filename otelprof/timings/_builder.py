@@ -23,6 +23,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from otelprof.export._spanlines import encode_span
 from otelprof.timings import _recorder as rec
+from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
 from otelprof.timings._sampling import DEFAULT_PHASE, Aggregates, TraceSampler
 
@@ -128,7 +129,7 @@ class SpanBuilder:
         self._encoded: list[str] = []
         self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
         self.aggregates = Aggregates()
-        self.sampler = TraceSampler(trace_budget, self._output)
+        self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -245,20 +246,63 @@ class SpanBuilder:
             ctx: rec.StepContext = frame[rec.F_CTX]
             if ctx.drop_if_empty and not ctx.has_children:
                 return  # a step cut short by a phase change before any range: no step
-        try:
-            fields = self.fields(frame)
-        except Exception as error:
-            self.failed += 1
-            _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
+        if not self.sampler.keep_all:
+            self._sample(frame)
+            return
+        fields = self._fields_or_none(frame)
+        if fields is None:
             return
         ctx = frame[rec.F_CTX]
         phase = fields[6].get(ATTR_PHASE) or getattr(ctx, "phase", None) or DEFAULT_PHASE
         hist = self.aggregates.add(fields[0], phase, (fields[5] - fields[4]) / 1e9)
-        if self.sampler.keep_all:
-            self._output(fields)
-            hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
-        else:
-            self.sampler.span(ctx, fields, frame[rec.F_KIND] == rec.KIND_STEP)
+        self._output(fields)
+        hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
+
+    def _fields_or_none(self, frame: list[Any]) -> tuple[Any, ...] | None:
+        try:
+            return self.fields(frame)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
+            return None
+
+    def _sample(self, frame: list[Any]) -> None:
+        """Sampling mode: aggregate the range from the frame alone and let the sampler
+        buffer the frame; span fields are built only if its step is kept."""
+        try:
+            ctx: rec.StepContext = frame[rec.F_CTX]
+            start, end = frame[rec.F_START], frame[rec.F_END]
+            is_step = frame[rec.F_KIND] == rec.KIND_STEP
+            if is_step:
+                if ctx.has_children and ctx.trim_start:
+                    start = max(start, ctx.first_child_ns)
+                if ctx.has_children and ctx.trim_end:
+                    end = min(end, ctx.last_child_ns)
+                name = frame[rec.F_NAME]
+            else:
+                if not ctx.has_children or start < ctx.first_child_ns:
+                    ctx.first_child_ns = start
+                if end > ctx.last_child_ns:
+                    ctx.last_child_ns = end
+                ctx.has_children = True
+                name = self._exported_name(frame[rec.F_NAME])
+            seconds = (end - start) / 1e9
+            self.aggregates.add(name, ctx.phase or DEFAULT_PHASE, seconds)
+            self.sampler.span(ctx, frame, is_step, seconds, frame[rec.F_ERROR] is not None, name)
+        except Exception as error:
+            self.failed += 1
+            _log.debug("otelprof: could not sample span %r: %r", frame[rec.F_NAME], error)
+
+    def _exported_name(self, raw: str) -> str:
+        """The name a range is exported under (bounded cardinality), without counting it:
+        `fields()` counts the spans actually written."""
+        names = self.names
+        hit = names._cache.get(raw)
+        if hit is None:
+            hit = names._resolve(raw)
+            if len(names._cache) < MAX_CACHED_NAMES:
+                names._cache[raw] = hit
+        return hit[0]
 
     def _output(self, fields: tuple[Any, ...]) -> None:
         """Hand one span's fields to every target: encoded for sinks, built for the rest."""

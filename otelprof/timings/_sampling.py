@@ -146,7 +146,11 @@ class TraceSampler:
         clock: Callable[[], float] = time.monotonic,
         head_burst: float | None = None,
         tail_burst: float | None = None,
+        build: Callable[[Any], tuple[Any, ...] | None] | None = None,
     ) -> None:
+        """`build(item)` turns a buffered item into span fields (None: it could not be
+        built), called only for kept steps, so a sampled-out range costs no span fields."""
+        self._build = build or (lambda item: item)
         head_burst = HEAD_BURST if head_burst is None else head_burst
         tail_burst = TAIL_BURST if tail_burst is None else tail_burst
         self.keep_all = math.isinf(budget)
@@ -169,13 +173,16 @@ class TraceSampler:
         self.on_anomaly: Callable[[Any, float], None] | None = None
 
     # ---- spans ----
-    def span(self, ctx: Any, fields: tuple[Any, ...], is_step: bool) -> None:
-        """A finished span of step `ctx`; the step span itself ends the step."""
+    def span(
+        self, ctx: Any, item: Any, is_step: bool, seconds: float, error: bool, name: str = ""
+    ) -> None:
+        """A finished span of step `ctx` (`item`, built into fields only if kept); the step
+        span itself (`name` = the root's name) ends the step."""
         decided = getattr(ctx, "kept", None)
         if decided is not None:  # decided early (flush): the rest follows that decision
             if is_step:
-                self._recent_of(fields[0]).append((fields[5] - fields[4]) / 1e9)
-            self._late(decided, fields)
+                self._recent_of(name).append(seconds)
+            self._late(decided, item)
             return
         pending = self._pending.get(ctx)
         if pending is None:
@@ -183,18 +190,23 @@ class TraceSampler:
         if is_step:
             del self._pending[ctx]
             self._buffered -= len(pending.fields)
-            self._decide(ctx, pending, fields)
+            self._decide(ctx, pending, item, seconds, name)
             return
-        pending.fields.append(fields)
-        if fields[7] is not None:
+        pending.fields.append(item)
+        if error:
             pending.error = True
         self._buffered += 1
         if self._buffered > MAX_BUFFERED:
             self._decide_oldest()
 
-    def _late(self, kept: bool, fields: tuple[Any, ...]) -> None:
-        if kept:
+    def _emit(self, item: Any) -> None:
+        fields = self._build(item)
+        if fields is not None:
             self._output(fields)
+
+    def _late(self, kept: bool, item: Any) -> None:
+        if kept:
+            self._emit(item)
         else:
             self.sampled_out += 1
 
@@ -222,8 +234,8 @@ class TraceSampler:
         self._buffered -= len(pending.fields)
         ctx.kept = True
         self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
-        for fields in pending.fields:
-            self._output(fields)
+        for item in pending.fields:
+            self._emit(item)
 
     def _decide_oldest(self) -> None:
         ctx = next(iter(self._pending))
@@ -243,19 +255,20 @@ class TraceSampler:
         return recent
 
     # ---- the decision ----
-    def _decide(self, ctx: Any, pending: _Pending, step: tuple[Any, ...]) -> None:
-        seconds = (step[5] - step[4]) / 1e9
+    def _decide(
+        self, ctx: Any, pending: _Pending, step_item: Any, seconds: float, root: str
+    ) -> None:
         n = len(pending.fields) + 1
-        recent = self._recent_of(step[0])
+        recent = self._recent_of(root)
         why: str | None = None
         ratio = 0.0
         if self.keep_all:
             why = "all"
         if len(recent) >= 10:
-            median, age = self._median.get(step[0], (0.0, 0))
+            median, age = self._median.get(root, (0.0, 0))
             if age <= 0:  # recomputed every 16 steps: cheap, and the window moves slowly
                 median, age = statistics.median(recent), 16
-            self._median[step[0]] = (median, age - 1)
+            self._median[root] = (median, age - 1)
             ratio = seconds / median if median > 0 else math.inf
             now = self._clock()
             if (
@@ -286,8 +299,11 @@ class TraceSampler:
             return
         ctx.kept = True
         self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
-        for fields in pending.fields:
-            self._output(fields)
+        for item in pending.fields:
+            self._emit(item)
+        step = self._build(step_item)
+        if step is None:
+            return
         attributes = dict(step[6])
         attributes[ATTR_SAMPLED] = why
         if why == "anomaly":
