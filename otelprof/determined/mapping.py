@@ -26,6 +26,7 @@ ATTR_RUN_ID = "determined.trial.run_id"
 ATTR_AGENT_ID = "determined.agent.id"
 ATTR_HOST_NAME = "host.name"
 ATTR_STEP = "otelprof.step"
+ATTR_PHASE = "otelprof.phase"
 # DET_STEPS_COMPLETED of a resumed trial: otelprof's steps count on from there.
 ATTR_STEPS_OFFSET = "determined.trial.steps_completed"
 # otelprof.step() calls per Determined batch (micro-batches per optimizer step).
@@ -147,6 +148,14 @@ GAUGE_RULES: dict[str, _GaugeRule] = {
     "otelprof.gpu.energy.per_step": _GaugeRule(
         TIMINGS_GROUP, "gpu_energy_per_step_j", units={"J": 1.0, "": 1.0}
     ),
+    # throughput and MFU over the last training steps (otelprof/_throughput.py)
+    "otelprof.train.throughput.samples": _GaugeRule(
+        TIMINGS_GROUP, "samples_per_second", units={"{sample}/s": 1.0, "": 1.0}
+    ),
+    "otelprof.train.throughput.tokens": _GaugeRule(
+        TIMINGS_GROUP, "tokens_per_second", units={"{token}/s": 1.0, "": 1.0}
+    ),
+    "otelprof.train.mfu": _GaugeRule(TIMINGS_GROUP, "mfu", units={"1": 1.0, "": 1.0}),
     "hw.gpu.utilization": _GaugeRule("gpu", "gpu_util", units=_UTIL_UNITS, per_gpu=True),
     "hw.gpu.memory.free": _GaugeRule("gpu", "gpu_free_memory", units=_BYTES, per_gpu=True),
     "system.network.throughput": _GaugeRule(
@@ -272,6 +281,15 @@ def timing_name(name: str) -> str:
         digest = hashlib.blake2s(name.encode(), digest_size=3).hexdigest()
         words = f"{words[: MAX_TIMING_KEY - 7].rstrip('_')}_{digest}"
     return words
+
+
+def phase_timing_name(name: str, phase: Any) -> str:
+    """Timings outside training keep their own keys (`forward` of validation batches is
+    `forward_validation`; a phase's root span is the phase's name), so validation never
+    folds into the training timings."""
+    if not phase or phase == "train" or phase == name:
+        return timing_name(name)
+    return timing_name(f"{timing_name(name)} {phase}")
 
 
 def _combine(values: list[float], how: str) -> float:
@@ -407,13 +425,15 @@ def extract_spans(
                 out.reject(1, f"span {span.name!r} has end time before start time")
                 continue
             step = -1
+            phase = None
             for kv in span.attributes:
                 if kv.key == ATTR_STEP:
                     raw = _any_value(kv.value)
                     if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
                         step = raw
-                    break
-            acc = sums.setdefault(timing_name(span.name), [0.0, 0, -1, 0])
+                elif kv.key == ATTR_PHASE:
+                    phase = _any_value(kv.value)
+            acc = sums.setdefault(phase_timing_name(span.name, phase), [0.0, 0, -1, 0])
             acc[0] += (end - start) / 1e9
             acc[1] += 1
             acc[2] = max(acc[2], step)
