@@ -661,6 +661,22 @@ def training_dashboard() -> dict[str, Any]:
         unit="none",
         min_value=None,
     )
+    wait = _collective_wait_by_rank()
+    lay.timeseries(
+        COLLECTIVE_WAIT_PANEL,
+        "Share of each rank's time spent in collectives (DDP's gradient all-reduce, "
+        "torch.distributed calls): communication plus waiting for the other ranks. In "
+        "synchronous training step times are equal, but the straggler waits least.",
+        [target(wait, "rank {{otelprof_rank}} ({{host_name}})")],
+        unit="percentunit",
+    )
+    lay.timeseries(
+        STRAGGLER_PANEL,
+        "How much less each rank waits in collectives than the rank that waits most, in "
+        "seconds per second: near 0 for every rank when balanced; the straggler stands out.",
+        [target(f"scalar(max({wait})) - {wait}", "rank {{otelprof_rank}} ({{host_name}})")],
+        unit="percentunit",
+    )
     return dashboard(
         "otelprof-training",
         "otelprof — training",
@@ -669,6 +685,17 @@ def training_dashboard() -> dict[str, Any]:
         variables,
         lay,
     )
+
+
+COLLECTIVE_WAIT_PANEL = "Time in collectives per rank (the straggler waits least)"
+STRAGGLER_PANEL = "Straggler: how much later than the others each rank arrives"
+MULTI_RANK_PANELS = (COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL)
+"""Panels that need a multi-process job (collectives); proven by tests/test_distributed.py."""
+
+
+def _collective_wait_by_rank() -> str:
+    metric = "otelprof_collective_duration_seconds_total"
+    return f"sum by (host_name, otelprof_rank) ({_rate(metric, RANK_SEL)})"
 
 
 def _mean_step_by_rank(step: str) -> str:

@@ -241,3 +241,58 @@ def test_a_sigkilled_rank_shows_as_not_finalized_first_in_the_report(tmp_path: P
     report = _report(str(run_dir))
     problems = report.split("problems")[1].split("Timings")[0]
     assert "rank 1" in problems and "not finalized" in problems
+
+
+def _dashboard_expr(title: str, service: str) -> str:
+    """A training-dashboard panel's query with every rank and host selected (Grafana's All)."""
+    import re
+
+    from tests.dashboard_queries import DASHBOARD_DIR, load, queries
+
+    [query] = [
+        q for q in queries(load(DASHBOARD_DIR / "otelprof-training.json")) if q.panel == title
+    ]
+    expr = query.expr.replace("$__rate_interval", "4s").replace('"$service"', f'"{service}"')
+    return re.sub(r'"\$(rank|host|trial)"', '".*"', expr)
+
+
+@pytest.mark.e2e
+def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
+    tmp_path: Path, collector: Any, prometheus: Any
+) -> None:
+    import time
+    import uuid
+
+    from dashboards.build import COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL
+    from tests.dashboard_queries import run_range
+
+    service = f"straggler-{uuid.uuid4().hex[:8]}"
+    started = time.time()
+    result = _spawn(
+        tmp_path,
+        "--steps", "250", "--slow-rank", "1", "--slow-ms", "20",
+        OTELPROF_ENDPOINT=collector.otlp_endpoint,
+        OTELPROF_DETACHED="false",
+        OTELPROF_SERVICE_NAME=service,
+        OTELPROF_INTERVAL="0.5",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    finished = time.time()
+    prometheus.wait_for_series(
+        f'otelprof_collective_duration_seconds_total{{service_name="{service}"}}'
+    )
+    time.sleep(2)  # the last export's scrape
+
+    def by_rank(title: str) -> dict[str, float]:
+        series = run_range(prometheus, _dashboard_expr(title, service), started, finished + 2)
+        out = {}
+        for labels, _times, values in series:
+            rank = dict(kv.split("=", 1) for kv in labels.split(","))["otelprof_rank"]
+            out[rank] = sum(values) / len(values)
+        return out
+
+    waiting = by_rank(COLLECTIVE_WAIT_PANEL)
+    assert set(waiting) == {"0", "1"}, waiting
+    assert waiting["0"] > waiting["1"] + 0.2, waiting  # rank 0 waits for the straggler
+    lateness = by_rank(STRAGGLER_PANEL)
+    assert lateness["1"] > 0.2 and lateness["1"] > lateness["0"] + 0.2, lateness
