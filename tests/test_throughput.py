@@ -176,3 +176,17 @@ def test_without_a_declared_peak_mfu_is_absent_and_said_once(
     assert not [p for p in points if p.name == "otelprof.train.mfu"]
     assert [p for p in points if p.name == "otelprof.train.throughput.samples"]
     assert sum("no MFU" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_report_steps_range_selects_the_steps_throughput_is_computed_over(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _instrumented_run(tmp_path)
+    assert cli_main(["report", str(run), "--json", "--steps", "0:3"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["phase"]: r for r in doc["sections"]["throughput"]["rows"]}
+    steps = sorted((s for s in read_spans(run / "traces.jsonl") if s.name == "step"),
+                   key=lambda s: s.start_ns)[:3]  # fmt: skip
+    seconds = math.fsum((s.end_ns - s.start_ns) / 1e9 for s in steps)
+    assert rows["train"]["steps"] == 3  # step 0 included when asked for
+    assert rows["train"]["samples/s"] == pytest.approx(3 * BATCH / seconds, rel=1e-3)

@@ -54,16 +54,26 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def analyze(files: Iterable[Path], warn: Warn) -> list[PhaseThroughput]:
-    """One pass over the spans; a row per phase that recorded any work."""
+def analyze(
+    files: Iterable[Path],
+    warn: Warn,
+    steps: tuple[int | None, int | None] | None = None,
+) -> list[PhaseThroughput]:
+    """One pass over the spans; a row per phase that recorded any work. `steps` (A, B):
+    only steps A <= n < B (`otelprof report --steps A:B`); else every step but step 0."""
     accs: dict[tuple[str, Resource], _Acc] = {}
     for rec in iter_records(files, warn, ReadStats()):
         if not isinstance(rec, SpanRec) or rec.parent_span_id:
             continue
         phase = rec.attr(PHASE_ATTR)
+        number = rec.attr("otelprof.step")
+        if steps is not None and isinstance(number, int):
+            low, high = steps
+            if (low is not None and number < low) or (high is not None and number >= high):
+                continue
         if rec.name == STEP_SPAN:
             phase = phase or "train"
-            if phase == "train" and rec.attr("otelprof.step") == 0:
+            if phase == "train" and number == 0 and steps is None:
                 continue
         elif not phase or phase != rec.name:
             continue  # a root span that is no phase's batch
@@ -114,7 +124,8 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 @section
 def throughput_section(summary: RunSummary) -> Section | None:
     """Samples/s, tokens/s and MFU per phase (see the module docstring)."""
-    rows = analyze(summary.files.jsonl, lambda _message: None)
+    steps = getattr(summary, "steps_range", None)
+    rows = analyze(summary.files.jsonl, lambda _message: None, steps)
     if not rows:
         return None
     table = [
@@ -132,6 +143,11 @@ def throughput_section(summary: RunSummary) -> Section | None:
     ]
     notes = [
         "rates are work / step time of each phase's steps (other phases excluded), summed "
-        "over processes; training step 0 (warm-up) is left out; MFU is per device"
+        "over processes; MFU is per device; "
+        + (
+            "steps as selected by --steps"
+            if steps is not None
+            else "training step 0 (warm-up) is left out"
+        )
     ]
     return Section("throughput", "Throughput and MFU", table, notes)
