@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: venv demo test collector prometheus lint bench gpu-check dashboards-png clean
+.PHONY: venv demo test collector prometheus traceql-grammar lint bench gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -34,9 +34,14 @@ prometheus:
 	  apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >&2; }
 	@command -v prometheus
 
+## traceql-grammar: Grafana's TraceQL parser from npm (cached), to check the README's queries
+traceql-grammar:
+	@scripts/traceql-grammar.sh
+
 ## test: set everything up and run the whole suite against the real collector and Prometheus
-test: venv collector prometheus
+test: venv collector prometheus traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
+	OTELPROF_TRACEQL_GRAMMAR="$$(scripts/traceql-grammar.sh | tail -n 1)" \
 	  $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: venv

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import tempo_config
 from tests.services import COLLECTOR_CONFIG, PROMETHEUS_CONFIG, REPO, validate_collector_config
 
 COMPOSE = REPO / "compose.yaml"
@@ -224,7 +225,7 @@ def test_collector_sends_traces_to_tempos_otlp_port_and_the_bridge_to_its_listen
 ) -> None:
     services = project_with_bridge["services"]
     env = services["otelcol"]["environment"]
-    tempo = yaml.safe_load(TEMPO_CONFIG.read_text())
+    tempo = tempo_config.load()  # as Tempo expands it, compose's defaults
     tempo_grpc = tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     assert env["OTELCOL_TEMPO_ENDPOINT"] == f"tempo:{_port(tempo_grpc)}"
     bridge_listen = services["determined-bridge"]["environment"]["OTELPROF_BRIDGE_LISTEN"]
@@ -240,7 +241,7 @@ def test_collector_sends_traces_to_tempos_otlp_port_and_the_bridge_to_its_listen
 
 def test_grafana_datasources_point_at_the_compose_services(project: dict[str, Any]) -> None:
     services = project["services"]
-    tempo = yaml.safe_load(TEMPO_CONFIG.read_text())
+    tempo = tempo_config.load()  # as Tempo expands it, compose's defaults
     datasources = {d["type"]: d for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
     assert datasources["prometheus"]["url"] == "http://prometheus:9090"
     assert datasources["tempo"]["url"] == f"http://tempo:{tempo['server']['http_listen_port']}"

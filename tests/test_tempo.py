@@ -1,0 +1,144 @@
+"""Tempo for users with and without Docker: its config takes listen addresses and storage
+paths from the environment with compose's values as defaults, and the README's TraceQL
+queries parse with Grafana's own TraceQL grammar (@grafana/lezer-traceql, from npm).
+
+Tempo itself cannot be installed here (no Debian package); the config is checked as Tempo
+would expand it, against compose.yaml and the collector's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests import tempo_config
+from tests.services import REPO
+
+README = REPO / "README.md"
+COMPOSE = REPO / "compose.yaml"
+PARSER = REPO / "tests" / "traceql_parse.cjs"
+GRAMMAR_SCRIPT = REPO / "scripts" / "traceql-grammar.sh"
+
+
+def traceql_dir() -> Path:
+    """Where scripts/traceql-grammar.sh installed the grammar ($OTELPROF_TRACEQL_GRAMMAR,
+    else the same cache path the script computes)."""
+    given = os.environ.get("OTELPROF_TRACEQL_GRAMMAR")
+    if given:
+        return Path(given)
+    version = re.search(r"^GRAMMAR_VERSION=(\S+)", GRAMMAR_SCRIPT.read_text(), re.M)
+    assert version
+    cache = os.environ.get("OTELPROF_CACHE_DIR") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otelprof"
+    )
+    return Path(cache) / f"traceql-{version[1]}"
+
+
+def parse_traceql(queries: list[str]) -> list[dict[str, object]]:
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node not found: install Node.js and npm, then run `make traceql-grammar`")
+    grammar = traceql_dir()
+    if not (grammar / "node_modules" / "@grafana" / "lezer-traceql").is_dir():
+        pytest.fail(
+            f"Grafana's TraceQL grammar is not installed in {grammar}: run "
+            "`make traceql-grammar` (needs npm)"
+        )
+    result = subprocess.run(
+        [node, str(PARSER), str(grammar)],
+        input=json.dumps(queries),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    parsed = json.loads(result.stdout)
+    assert isinstance(parsed, list)
+    return parsed
+
+
+def readme_traceql_queries() -> list[str]:
+    """Every TraceQL query in the README: unlabelled code blocks and inline code that start
+    with a span selector `{ ... }`, in the Tempo sections."""
+    text = README.read_text()
+    start = text.index("### Finding the slowest steps in Tempo")
+    section = text[start:]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    blocks = re.findall(r"```\n(.*?)```", section, re.S)
+    inline = re.findall(r"`(\{[^`]*\})`", section)
+    queries = [b.strip() for b in blocks if b.lstrip().startswith("{")] + inline
+    assert len(queries) >= 3, queries
+    return queries
+
+
+def test_readme_traceql_queries_parse_with_grafanas_grammar() -> None:
+    queries = readme_traceql_queries()
+    results = parse_traceql([*queries, '{ name = "step" && duration > }'])
+    *readme, broken = results
+    assert broken["errors"], "the grammar must reject a broken query (else this test is void)"
+    bad = [r for r in readme if r["errors"]]
+    assert not bad, f"README TraceQL queries Grafana's parser rejects: {bad}"
+
+
+def test_tempo_config_defaults_are_composes_values() -> None:
+    config = tempo_config.load()
+    server = config["server"]
+    assert (server["http_listen_address"], server["http_listen_port"]) == ("0.0.0.0", 3200)
+    grpc = config["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert grpc == "0.0.0.0:4317"
+    storage = config["storage"]["trace"]
+    compose = yaml.safe_load(COMPOSE.read_text())
+    volumes = compose["services"]["tempo"]["volumes"]
+    data_mount = next(v.split(":")[1] for v in volumes if v.startswith("tempo-data:"))
+    assert storage["wal"]["path"] == f"{data_mount}/wal"
+    assert storage["local"]["path"] == f"{data_mount}/blocks"
+    # compose starts Tempo with env expansion, else the ${...} would reach it verbatim
+    assert "-config.expand-env=true" in compose["services"]["tempo"]["command"]
+
+
+def test_tempo_config_takes_addresses_and_paths_from_the_environment(tmp_path: Path) -> None:
+    names = tempo_config.variables()
+    assert {
+        "TEMPO_OTLP_GRPC_ENDPOINT",
+        "TEMPO_HTTP_LISTEN_ADDRESS",
+        "TEMPO_HTTP_LISTEN_PORT",
+        "TEMPO_GRPC_LISTEN_ADDRESS",
+        "TEMPO_GRPC_LISTEN_PORT",
+        "TEMPO_STORAGE_DIR",
+    } <= set(names)
+    assert all(default for default in names.values()), "every variable has a default"
+    env = {
+        "TEMPO_OTLP_GRPC_ENDPOINT": "127.0.0.1:4417",
+        "TEMPO_HTTP_LISTEN_ADDRESS": "127.0.0.1",
+        "TEMPO_HTTP_LISTEN_PORT": "3300",
+        "TEMPO_GRPC_LISTEN_ADDRESS": "127.0.0.1",
+        "TEMPO_STORAGE_DIR": str(tmp_path),
+    }
+    config = tempo_config.load(env)
+    assert config["server"]["http_listen_port"] == 3300  # still an integer after expansion
+    assert config["server"]["http_listen_address"] == "127.0.0.1"
+    grpc = config["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert grpc == "127.0.0.1:4417"
+    assert config["storage"]["trace"]["wal"]["path"] == f"{tmp_path}/wal"
+
+
+def test_readme_runs_tempo_without_docker_where_the_collector_sends_traces() -> None:
+    text = README.read_text()
+    section = text[text.index("## Attached mode without Docker") :]
+    section = section[: section.index("\n## ", 1)]
+    assert "tempo -config.file=tempo/tempo.yaml -config.expand-env=true" in section
+    endpoint = re.search(r"TEMPO_OTLP_GRPC_ENDPOINT=(\S+)", section)
+    assert endpoint
+    # the collector's otlp_grpc/tempo exporter default, as the README's variable list says
+    collector_default = re.search(r"`OTELCOL_TEMPO_ENDPOINT`\s*\[([^\]]+)\]", section)
+    assert collector_default and endpoint[1] == collector_default[1]
+    for name in tempo_config.variables():
+        assert name in section, f"{name} is not documented in the README"
