@@ -27,6 +27,7 @@ import logging
 import math
 import re
 import threading
+from collections import deque
 from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
@@ -37,6 +38,7 @@ from otelprof.config import Settings
 from otelprof.timings import _recorder as rec
 from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
+from otelprof.timings._sampling import KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
 
 _log = logging.getLogger("otelprof")
@@ -109,6 +111,12 @@ class TimingsEngine:
         self._step_start = 0
         self._ctx: rec.StepContext | None = None
         self._kineto_action = ScheduleAction.NONE
+        # anomaly-triggered Kineto window: actions queued by the builder thread
+        self._capture: deque[ScheduleAction] = deque()
+        self._capturing = False
+        self._from_capture = False
+        self.kineto_captures = 0
+        self._builder.sampler.on_anomaly = self._on_anomaly
         self._schedule_errors = 0
         self.range_cost_s = 0.0  # one timing() range on the opening thread, set by start()
         self._step_from_start = True  # the current step began at start(), not at step()
@@ -206,6 +214,10 @@ class TimingsEngine:
                 self._kineto_action = self._kineto_action_for(self._step)
                 self._kineto.step(finished, self._kineto_action)
             self._begin_step(perf_counter_ns())
+            if self._from_capture and self._kineto_action.records and self._ctx is not None:
+                # a step of an anomaly's Kineto window: kept in full (its ops are children)
+                self._ctx.kineto_capture = True
+                self._ctx.kept = True
         except Exception as error:  # telemetry never breaks training
             _log.warning("otelprof: step() failed: %r", error)
 
@@ -328,6 +340,7 @@ class TimingsEngine:
             stats["kineto_traces"] = self._kineto.traces
             stats["kineto_spans"] = self._kineto.spans
             stats["kineto_events_dropped"] = self._kineto.events_dropped
+            stats["kineto_captures"] = self.kineto_captures
             stats["kineto_steps_skipped"] = self._kineto.steps_skipped
         return stats
 
@@ -368,7 +381,31 @@ class TimingsEngine:
         return self._call_schedule(self._schedule, self._step)
 
     def _kineto_action_for(self, step: int) -> ScheduleAction:
-        return self._call_schedule(self._schedule or DEFAULT_KINETO_SCHEDULE, step)
+        action = self._call_schedule(self._schedule or DEFAULT_KINETO_SCHEDULE, step)
+        # an anomaly's window runs between the schedule's windows, never inside one
+        self._from_capture = False
+        if self._capture and (
+            self._capturing
+            or (action is ScheduleAction.NONE and self._kineto_action is ScheduleAction.NONE)
+        ):
+            self._capturing = True
+            self._from_capture = True
+            action = self._capture.popleft()
+            if not self._capture:
+                self._capturing = False
+        return action
+
+    def _on_anomaly(self, _ctx: Any, _ratio: float) -> bool:
+        """Builder thread: a step far above the norm; with Kineto on, queue a torch.profiler
+        window for the next steps (True: the slow step's span waits to link to it)."""
+        if self._kineto is None or self._capture or self._capturing:
+            return False
+        window = [ScheduleAction.WARMUP]
+        window += [ScheduleAction.RECORD] * (KINETO_WINDOW_STEPS - 1)
+        window.append(ScheduleAction.RECORD_AND_SAVE)
+        self._capture.extend(window)
+        self.kineto_captures += 1
+        return True
 
     def _window_step(self, ctx: rec.StepContext | None, end_ns: int) -> Any:
         from otelprof.timings._kineto import WindowStep

@@ -71,6 +71,7 @@ class StepContext:
         "first_child_ns",
         "has_children",
         "kept",
+        "kineto_capture",
         "last_child_ns",
         "phase",
         "span_id",
@@ -110,6 +111,7 @@ class StepContext:
         self.first_child_ns = 0
         self.last_child_ns = 0
         self.kept: bool | None = None  # builder thread: the trace sampler's decision
+        self.kineto_capture = False  # in a Kineto window an anomaly started (kept in full)
 
 
 _BASE_FRAME: list[Any] = [None] * 13

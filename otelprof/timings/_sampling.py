@@ -49,6 +49,9 @@ ANOMALY_FACTOR = 3.0
 ANOMALY_MIN_S = 0.001
 CAPTURE_STEPS = 5
 CAPTURE_COOLDOWN_S = 60.0
+KINETO_WINDOW_STEPS = 3
+"""With kineto=True an anomaly also runs a torch.profiler window: 1 warm-up step, then this
+many recorded steps, kept in full and linked from the slow step's span."""
 MAX_BUFFERED = 100_000
 """Spans held while their step is undecided; past it the oldest steps are decided early."""
 
@@ -170,7 +173,8 @@ class TraceSampler:
         self.sampled_out = 0
         self.kept_steps: dict[str, int] = {}
         self.anomalies = 0
-        self.on_anomaly: Callable[[Any, float], None] | None = None
+        self.on_anomaly: Callable[[Any, float], bool] | None = None
+        self._awaiting_window = 0  # Kineto window steps the held span still waits for
 
     # ---- spans ----
     def span(
@@ -179,9 +183,20 @@ class TraceSampler:
         """A finished span of step `ctx` (`item`, built into fields only if kept); the step
         span itself (`name` = the root's name) ends the step."""
         decided = getattr(ctx, "kept", None)
-        if decided is not None:  # decided early (flush): the rest follows that decision
+        if decided is not None:  # decided early (flush, a Kineto window): follow it
             if is_step:
                 self._recent_of(name).append(seconds)
+                if decided and getattr(ctx, "kineto_capture", False):
+                    fields = self._build(item)
+                    if fields is not None:
+                        attributes = dict(fields[6])
+                        attributes[ATTR_SAMPLED] = "capture.kineto"
+                        self._output((*fields[:6], attributes, fields[7]))
+                        self.kept_steps["capture.kineto"] = (
+                            self.kept_steps.get("capture.kineto", 0) + 1
+                        )
+                        self.window_step(fields)
+                    return
             self._late(decided, item)
             return
         pending = self._pending.get(ctx)
@@ -281,8 +296,8 @@ class TraceSampler:
                 why = "anomaly"
                 self._capture_left = CAPTURE_STEPS
                 self._tail.take(n)  # counted against the tail budget, never refused
-                if self.on_anomaly is not None:
-                    self.on_anomaly(ctx, ratio)
+                if self.on_anomaly is not None and self.on_anomaly(ctx, ratio):
+                    self._awaiting_window = KINETO_WINDOW_STEPS
         if why is None and self._capture_left > 0:
             self._capture_left -= 1
             why = "capture"
@@ -316,8 +331,18 @@ class TraceSampler:
         self._output((*step[:6], attributes, step[7]))
         if why == "capture" and self._held is not None:
             self._held_links.append((step[1], step[2], {ATTR_SAMPLED: "capture"}))
-            if self._capture_left == 0:
+            if self._capture_left == 0 and self._awaiting_window <= 0:
                 self._release_held()
+
+    def window_step(self, fields: tuple[Any, ...]) -> None:
+        """A step of the Kineto window an anomaly started (kept in full, its ops are child
+        spans): the held slow step links to it too, and is released after the last one."""
+        if self._held is None:
+            return
+        self._held_links.append((fields[1], fields[2], {ATTR_SAMPLED: "capture.kineto"}))
+        self._awaiting_window -= 1
+        if self._awaiting_window <= 0 and self._capture_left == 0:
+            self._release_held()
 
     def _release_held(self) -> None:
         held, self._held = self._held, None

@@ -1,0 +1,64 @@
+"""Anomaly-triggered deep capture with kineto=True: a torch.profiler window, linked."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+import otelprof
+from tests.otlp_files import read_spans
+
+
+def test_an_anomaly_runs_a_kineto_window_whose_steps_the_slow_step_links_to(
+    tmp_path: Path,
+) -> None:
+    prof = otelprof.instrument(
+        output_dir=str(tmp_path), run_id="a", kineto=True, trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+    x = torch.randn(32, 32)
+    try:
+        for i in range(400):
+            with otelprof.timing("train_batch"):
+                (x @ x).relu()
+                time.sleep(0.05 if i == 150 else 0.002)
+            prof.step()
+    finally:
+        prof.shutdown()
+    stats = prof.stats()
+    assert stats["timings.anomalies"] >= 1
+    assert stats["timings.kineto_captures"] == 1
+    assert stats["timings.kineto_traces"] == 2  # the default first window + the capture
+    spans = read_spans(prof.files["traces"])
+    steps = {s.span_id: s for s in spans if s.name == "step"}
+    anomalous = [s for s in steps.values() if s.attributes.get("otelprof.sampled") == "anomaly"]
+    assert len(anomalous) == 1
+    window = [s for s in steps.values() if s.attributes.get("otelprof.sampled") == "capture.kineto"]
+    assert len(window) == 3
+    assert all(w.start_ns > anomalous[0].end_ns for w in window)
+    # the slow step links to the steps captured after it, the Kineto window's among them
+    (links,) = [
+        line_span["links"]
+        for request in _requests(prof.files["traces"])
+        for line_span in request
+        if line_span["spanId"] == anomalous[0].span_id
+    ]
+    linked = {link["spanId"] for link in links}
+    assert {w.span_id for w in window} <= linked
+    # the window's operator events are child spans of those steps
+    kineto = [s for s in spans if s.attributes.get("otelprof.source") == "kineto"]
+    window_traces = {w.trace_id for w in window}
+    assert kineto and window_traces <= {s.trace_id for s in kineto}
+
+
+def _requests(path: Path) -> list[list[dict]]:  # type: ignore[type-arg]
+    from tests.otlp_files import read_lines
+
+    return [
+        ss["spans"]
+        for request in read_lines(path)
+        for rs in request["resourceSpans"]
+        for ss in rs["scopeSpans"]
+    ]
