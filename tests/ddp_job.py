@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -27,6 +28,13 @@ import otelprof
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--spawn", type=int, default=0)
+    p.add_argument(
+        "--lightning-like",
+        type=int,
+        default=0,
+        help="N processes launched as Lightning's DDP launcher does: the script itself is "
+        "local rank 0 and starts N-1 copies with LOCAL_RANK set; instrument() runs first",
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=20.0)
@@ -41,9 +49,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    children: list[subprocess.Popen[bytes]] = []
     if args.instrument_first:
         prof = otelprof.instrument()
-    if args.spawn:
+    if args.lightning_like:
+        prof = otelprof.instrument()  # at import time of the script, before the launcher
+        children = _launch_like_lightning(args.lightning_like)
+        rank = int(os.environ["LOCAL_RANK"])
+    if args.spawn or args.lightning_like:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     else:
         dist.init_process_group("gloo")
@@ -83,6 +96,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        codes = [child.wait(timeout=120) for child in children]
+        if any(codes):
+            raise SystemExit(f"child processes exited with {codes}")
+
+
+def _launch_like_lightning(world_size: int) -> list[subprocess.Popen[bytes]]:
+    """What lightning.fabric's _SubprocessScriptLauncher does: in the first process, set
+    MASTER_*, NODE_RANK, LOCAL_RANK=0 and WORLD_SIZE, then start the others with LOCAL_RANK=i
+    (no RANK anywhere)."""
+    if "LOCAL_RANK" in os.environ:
+        return []  # a child
+    os.environ.update(NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    return [
+        subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, "LOCAL_RANK": str(i)})
+        for i in range(1, world_size)
+    ]
 
 
 def _spawned(index: int, world_size: int, args: argparse.Namespace) -> None:
@@ -94,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.spawn:
         mp.spawn(_spawned, args=(args.spawn, args), nprocs=args.spawn, join=True)
+    elif args.lightning_like:
+        train(-1, args.lightning_like, args)
     else:
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     return 0

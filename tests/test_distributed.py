@@ -296,3 +296,22 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     assert waiting["0"] > waiting["1"] + 0.2, waiting  # rank 0 waits for the straggler
     lateness = by_rank(STRAGGLER_PANEL)
     assert lateness["1"] > 0.2 and lateness["1"] > lateness["0"] + 0.2, lateness
+
+
+def test_lightning_like_launcher_gets_right_ranks_although_only_local_rank_is_set(
+    tmp_path: Path,
+) -> None:
+    # Lightning's DDP launcher: the script (already instrumented) is local rank 0 and starts
+    # its copies with LOCAL_RANK=1 and WORLD_SIZE set, no RANK; ranks come with the group.
+    result = subprocess.run(
+        [sys.executable, str(JOB), "--lightning-like", "2", "--steps", "30",
+         "--slow-rank", "1", "--slow-ms", "20"],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = _only_run_dir(tmp_path)
+    _check_ranks(run_dir, relocated=True)
+    assert "rank 1 is the straggler" in _report(str(run_dir))
