@@ -84,6 +84,8 @@ def peak_flops_for(device_name: str, precision: str = "16-bit") -> float | None:
 def _check_amount(name: str, value: Any) -> float | None:
     if value is None:
         return None
+    if type(value) is int and value >= 0:  # the common case, checked cheaply
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"step_work: {name} must be a number, got {value!r}")
     if not math.isfinite(value) or value < 0:

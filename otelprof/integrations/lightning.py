@@ -32,7 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
 from otelprof import _throughput
@@ -66,6 +66,9 @@ _MODULE_ACTIONS = {
 }
 
 
+_IGNORED, _TIMED, _OPTIMIZER_STEP, _CHECKPOINT = range(4)
+
+
 def _timing_name(action: str) -> str | None:
     if action.endswith("_dataloader_next") or action.endswith(("].val_next", "].test_next")):
         return DATALOADER_NEXT
@@ -83,23 +86,43 @@ class _OtelprofProfiler(Profiler):
     def __init__(self, inner: Profiler) -> None:
         super().__init__()
         self.inner = inner
+        # Lightning calls the profiler around every hook (dozens per batch): decisions are
+        # cached per action name, and a pass-through inner profiler (the default) opens no
+        # range, so there is nothing to forget around its calls.
+        self._passthrough = type(inner) is PassThroughProfiler
+        self._kinds: dict[str, tuple[int, str | None]] = {}
         self._open: dict[str, list[tuple[Any, Any]]] = {}
         self._opt_depth: int | None = None  # stack depth at `optimizer_step` start
         self._opt_frame: Any = None  # the optimizer_step leaf span, begun after the closure
         self._checkpoint: list[str] = []
 
     # ---- otelprof side ----
+    def _kind(self, action: str) -> tuple[int, str | None]:
+        kind = self._kinds.get(action)
+        if kind is None:
+            if action.startswith("[LightningModule]") and action.endswith(".optimizer_step"):
+                kind = (_OPTIMIZER_STEP, None)
+            elif action == "save_checkpoint":
+                kind = (_CHECKPOINT, None)
+            else:
+                name = _timing_name(action)
+                kind = (_IGNORED, None) if name is None else (_TIMED, name)
+            if len(self._kinds) < 4096:
+                self._kinds[action] = kind
+        return kind
+
     def _start(self, action: str) -> None:
-        if action.startswith("[LightningModule]") and action.endswith(".optimizer_step"):
+        kind, name = self._kind(action)
+        if kind == _IGNORED:
+            return
+        if kind == _OPTIMIZER_STEP:
             self._opt_depth = common.stack_depth()
             self._opt_frame = None
             return
-        if action == "save_checkpoint":
+        if kind == _CHECKPOINT:
             self._checkpoint.append(otelprof.set_phase(rec.PHASE_CHECKPOINT))
             return
-        name = _timing_name(action)
-        if name is None:
-            return
+        assert name is not None
         if self._opt_depth is not None and name == FORWARD:
             # inside the closure: torch's Optimizer.step#... range encloses it; forget it
             common.forget_ranges_above(self._opt_depth)
@@ -108,13 +131,16 @@ class _OtelprofProfiler(Profiler):
         self._open.setdefault(action, []).append((timing, None))
 
     def _stop(self, action: str) -> None:
-        if action.startswith("[LightningModule]") and action.endswith(".optimizer_step"):
+        kind, _name = self._kind(action)
+        if kind == _IGNORED:
+            return
+        if kind == _OPTIMIZER_STEP:
             self._opt_depth = None
             frame, self._opt_frame = self._opt_frame, None
             if frame is not None:
                 rec.end_leaf(frame)
             return
-        if action == "save_checkpoint":
+        if kind == _CHECKPOINT:
             if self._checkpoint:
                 otelprof.set_phase(self._checkpoint.pop())
             return
@@ -132,18 +158,27 @@ class _OtelprofProfiler(Profiler):
 
     # ---- Lightning's interface ----
     def start(self, action_name: str) -> None:
+        kind = self._kinds.get(action_name)
+        if kind is not None and kind[0] == _IGNORED and self._passthrough:
+            return
         try:
             self._start(action_name)
         except Exception as error:
             common.warn_once("lightning-start", "otelprof: Lightning action failed: %r", error)
+        if self._passthrough:
+            return
         depth = common.stack_depth()
         self.inner.start(action_name)
         common.forget_ranges_above(depth)  # the inner profiler's own range, if any
 
     def stop(self, action_name: str) -> None:
-        depth = common.stack_depth()
-        self.inner.stop(action_name)  # the PyTorch profiler opens `ProfilerStep#N` here
-        common.forget_ranges_above(depth)
+        kind = self._kinds.get(action_name)
+        if kind is not None and kind[0] == _IGNORED and self._passthrough:
+            return
+        if not self._passthrough:
+            depth = common.stack_depth()
+            self.inner.stop(action_name)  # the PyTorch profiler opens `ProfilerStep#N` here
+            common.forget_ranges_above(depth)
         try:
             self._stop(action_name)
         except Exception as error:
@@ -151,6 +186,10 @@ class _OtelprofProfiler(Profiler):
 
     @contextlib.contextmanager
     def profile(self, action_name: str) -> Generator[Any, None, None]:
+        kind = self._kinds.get(action_name)
+        if kind is not None and kind[0] == _IGNORED and self._passthrough:
+            yield action_name  # most of Lightning's ~30 actions per batch: nothing to do
+            return
         try:
             self.start(action_name)
             yield action_name
