@@ -34,6 +34,7 @@ STEP_SPAN = "step"
 MIN_WAIT_GAP_S = 1e-3
 MIN_WAIT_GAP_SHARE = 0.05
 _WINDOW_STEPS = 64  # open (rank, step) groups kept per rank
+_COLLECTIVE_PREFIXES = ("dist.", "ddp.")  # otelprof._distributed.collectives span names
 
 
 @dataclass
@@ -156,7 +157,9 @@ class StragglerPass:
             group.step_id = rec.span_id
             group.step_s = (rec.end_ns - rec.start_ns) / 1e9
             return
-        op = rec.attr(ATTR_COLLECTIVE)
+        # only otelprof's collective spans carry the attribute, and they have these names:
+        # skip the attribute scan for every other span (the report's hot loop)
+        op = rec.attr(ATTR_COLLECTIVE) if rec.name.startswith(_COLLECTIVE_PREFIXES) else None
         item = (rec.span_id, rec.parent_span_id, rec.name, rec.start_ns, rec.end_ns)
         if op is not None:
             group.collectives.append((*item[:2], str(op), *item[3:]))
