@@ -15,9 +15,8 @@ Printed per step length:
 - background CPU per recorded span: CPU of otelprof's and the SDK's threads in instrumented
   blocks / spans recorded (goal <= 10 µs);
 - detached data per day in the steady state (goal <= 1 GB/rank/day): one longer
-  instrumented block per step length (`--volume-seconds`), bytes written over its last
-  10 s (after the head budget's initial burst is spent), times 86,400; with `--compress`
-  also for compress=True.
+  instrumented block per step length, bytes written over `--volume-seconds` once the head
+  budget's initial burst is spent, times 86,400; with `--compress` also for compress=True.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 30.0])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--block-seconds", type=float, default=2.0)
-    parser.add_argument("--volume-seconds", type=float, default=40.0)
+    parser.add_argument("--volume-seconds", type=float, default=20.0)
     parser.add_argument("--compress", action="store_true", help="also measure compress=True")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -164,12 +163,17 @@ def _run_bytes(run_dir: Path) -> int:
 def _volume(
     work: Work, units: list[int], seconds: float, out: Path, index: int, compress: bool
 ) -> float:
-    """Bytes per day written in the steady state: the last 10 s of a `seconds` block."""
+    """Bytes per day written in the steady state: `seconds` measured once the head budget's
+    initial burst is spent (the sampler has started sampling out), up to 300 s of waiting."""
     prof = otelprof.instrument(output_dir=str(out), run_id=f"v{index}", compress=compress)
     try:
-        _loop(work, units, seconds - 10.0, prof)
+        waited = 0.0
+        while waited < 300 and not prof.stats().get("timings.spans_sampled_out"):
+            _loop(work, units, 1.0, prof)
+            waited += 1.0
+        _loop(work, units, 2.0, prof)  # let the builder's and exporters' buffers turn over
         before, t0 = _run_bytes(out / f"v{index}"), time.perf_counter()
-        _loop(work, units, 10.0, prof)
+        _loop(work, units, seconds, prof)
         after, t1 = _run_bytes(out / f"v{index}"), time.perf_counter()
     finally:
         prof.shutdown()
