@@ -677,6 +677,48 @@ def training_dashboard() -> dict[str, Any]:
         [target(f"scalar(max({wait})) - {wait}", "rank {{otelprof_rank}} ({{host_name}})")],
         unit="percentunit",
     )
+    lay.row("Throughput and MFU")
+    lay.timeseries(
+        "Samples per second",
+        "Samples trained per second of training-step time (validation and other phases "
+        "excluded), over each rank's last 100 steps; from otelprof.step_work() or a "
+        "framework integration.",
+        [
+            target(
+                f"sum by (host_name, otelprof_rank) "
+                f"(otelprof_train_throughput_samples_per_second{{{RANK_SEL}}})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="none",
+        width=8,
+    )
+    lay.timeseries(
+        "Tokens per second",
+        "Tokens trained per second of training-step time, per rank (last 100 steps).",
+        [
+            target(
+                f"sum by (host_name, otelprof_rank) "
+                f"(otelprof_train_throughput_tokens_per_second{{{RANK_SEL}}})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="none",
+        width=8,
+    )
+    lay.timeseries(
+        "MFU (model FLOP utilization)",
+        "Achieved FLOP/s over one device's peak (declared, OTELPROF_PEAK_FLOPS, or the "
+        "table of common GPUs), per rank, last 100 steps.",
+        [
+            target(
+                f"avg by (host_name, otelprof_rank) (otelprof_train_mfu_ratio{{{RANK_SEL}}})",
+                "rank {{otelprof_rank}} ({{host_name}})",
+            )
+        ],
+        unit="percentunit",
+        width=8,
+    )
     return dashboard(
         "otelprof-training",
         "otelprof — training",

@@ -126,6 +126,8 @@ def training_loop(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loss_fn = nn.CrossEntropyLoss()
+    # the usual estimate of a training step's FLOPs: 6 x parameters x samples
+    step_flops = 6 * sum(p.numel() for p in model.parameters()) * batch
     device = torch.device("cpu")
     step_times: list[float] = []
     losses: list[torch.Tensor] = []
@@ -152,6 +154,7 @@ def training_loop(
             del losses[:-10]
         with otelprof.timing("reduce_metrics"):
             float(torch.stack(losses).mean())
+        otelprof.step_work(samples=batch, tokens=batch * 64, flops=step_flops)
         prof.step()
         step_times.append(time.perf_counter() - t0)
         if pause_s:
@@ -175,12 +178,14 @@ def train(
     """
     import otelprof
 
+    otelprof.set_peak_flops(1e12)  # a declared peak: MFU on a CPU
     prof = otelprof.instrument(endpoint=endpoint, interval=interval_s, service_name=service_name)
     try:
         step_times = training_loop(prof, steps=steps, pause_s=pause_s)
     finally:
         resource = dict(prof.resource.attributes)
         prof.shutdown()
+        otelprof.set_peak_flops(None)
     return TrainingResult(len(step_times), step_times, prof.stats(), resource)
 
 
