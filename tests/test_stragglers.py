@@ -1,0 +1,47 @@
+"""The straggler rule on exact numbers: who waits least in collectives is the straggler,
+but only when the others clearly wait longer; where its extra time goes is its own work."""
+
+from __future__ import annotations
+
+from otelprof.analysis.reader import Resource
+from otelprof.analysis.stragglers import UNTIMED, RankWork, _judge
+
+
+def _rank(rank: int, wait_ms: float, own: dict[str, float], steps: int = 100) -> RankWork:
+    """A rank with `steps` equal steps: own work per part + waiting in train_batch (ms)."""
+    step_ms = sum(own.values()) + wait_ms
+    return RankWork(
+        Resource((("host.name", "n"), ("otelprof.rank", rank), ("process.pid", 10 + rank))),
+        steps=steps,
+        step_s=steps * step_ms / 1e3,
+        wait_s=steps * wait_ms / 1e3,
+        own={k: steps * v / 1e3 for k, v in own.items()},
+        wait_in={"train_batch": steps * wait_ms / 1e3},
+        wait_op={"ddp_allreduce": steps * wait_ms / 1e3},
+    )
+
+
+def test_balanced_ranks_have_no_straggler() -> None:
+    work = {"train_batch": 10.0, UNTIMED: 1.0}
+    ranks = [_rank(0, 2.0, work), _rank(1, 2.3, work), _rank(2, 2.1, work)]
+    report = _judge(ranks)
+    assert report.straggler is None and report.headline is None
+
+
+def test_the_rank_that_waits_least_is_named_with_where_its_time_goes() -> None:
+    fast = {"train_batch": 10.0, UNTIMED: 1.0}
+    slow = {"train_batch": 10.0, UNTIMED: 21.0}  # +20 ms outside any timing
+    ranks = [_rank(0, 22.0, fast), _rank(1, 2.0, slow), _rank(2, 22.5, fast)]
+    report = _judge(ranks)
+    assert report.straggler is ranks[1]
+    assert report.extra_in == UNTIMED and abs(report.extra_in_s - 0.020) < 1e-9
+    assert report.others_wait_in == "train_batch" and report.others_wait_op == "ddp_allreduce"
+    assert report.headline is not None
+    assert report.headline.startswith("rank 1 is the straggler: +20.0 ms per step outside")
+
+
+def test_a_small_wait_gap_is_not_a_straggler() -> None:
+    work = {"train_batch": 100.0}
+    # 2 ms less waiting on a 100 ms step: under 5 % of the step, noise rather than a straggler
+    report = _judge([_rank(0, 4.0, work), _rank(1, 2.0, work)])
+    assert report.straggler is None
