@@ -10,8 +10,9 @@ Every PromQL expression here is run against a real Prometheus fed by a real pipe
 - hardware gauges: otelprof.system names through the prometheus exporter
   (system_cpu_utilization_ratio, hw_gpu_utilization_ratio, ...), resource attributes as
   labels (service_name, host_name, otelprof_rank, determined_trial_id, ...);
-- timings: the span_metrics connector's traces_span_metrics_duration_seconds_* histograms
-  and traces_span_metrics_calls_total, labelled span_name.
+- timings: otelprof's own otelprof_timing_duration_seconds_* histograms (every range of
+  every step, aggregated in process, so they stay exact while traces are sampled), labelled
+  otelprof_timing and otelprof_phase, with exemplars pointing at kept traces.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ TEMPO_UID = "otelprof-tempo"
 SCHEMA_VERSION = 39
 
 PHASES = "|".join(DETERMINED_TIMINGS)
-HIST = "traces_span_metrics_duration_seconds"
-CALLS = "traces_span_metrics_calls_total"
+HIST = "otelprof_timing_duration_seconds"
+CALLS = "otelprof_timing_duration_seconds_count"
 
 # Label filters of each dashboard's template variables.
 HOST_SEL = 'service_name=~"$service", host_name=~"$host", determined_trial_id=~"$trial"'
@@ -492,8 +493,8 @@ def _rate(metric: str, selector: str) -> str:
 
 def training_dashboard() -> dict[str, Any]:
     variables = _common_variables(CALLS)
-    step = f'span_name="step", {SPAN_SEL}'
-    phases = f'span_name=~"{PHASES}", {SPAN_SEL}'
+    step = f'otelprof_timing="step", otelprof_phase="train", {SPAN_SEL}'
+    phases = f'otelprof_timing=~"{PHASES}", otelprof_phase="train", {SPAN_SEL}'
     phase_buckets = _rate(HIST + "_bucket", phases)
     phase_sums = _rate(HIST + "_sum", phases)
     lay = Layout()
@@ -506,7 +507,7 @@ def training_dashboard() -> dict[str, Any]:
     )
     lay.stat(
         "Step time p50",
-        "Median step time (span_metrics histogram of the step span).",
+        "Median step time (otelprof's histogram of every step span).",
         f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
         unit="s",
     )
@@ -559,8 +560,8 @@ def training_dashboard() -> dict[str, Any]:
         "optimizer, LR schedulers, metric reduction).",
         [
             target(
-                f"histogram_quantile(0.5, sum by (le, span_name) ({phase_buckets}))",
-                "{{span_name}}",
+                f"histogram_quantile(0.5, sum by (le, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}}",
             )
         ],
         unit="s",
@@ -570,23 +571,23 @@ def training_dashboard() -> dict[str, Any]:
         "95th percentile of each Determined timing.",
         [
             target(
-                f"histogram_quantile(0.95, sum by (le, span_name) ({phase_buckets}))",
-                "{{span_name}}",
+                f"histogram_quantile(0.95, sum by (le, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}}",
                 exemplar=True,
             )
         ],
         unit="s",
     )
     step_time = f"sum({_rate(HIST + '_sum', step)})"
-    loader = f'span_name="dataloader_next", {SPAN_SEL}'
+    loader = f'otelprof_timing="dataloader_next", otelprof_phase="train", {SPAN_SEL}'
     lay.timeseries(
         "Share of step time per phase",
         "Time spent in each timing divided by the step time; 'other' is step time outside "
         "every timing (Python overhead, unannotated work).",
         [
             target(
-                f"sum by (span_name) ({phase_sums}) / on() group_left() {step_time}",
-                "{{span_name}}",
+                f"sum by (otelprof_timing) ({phase_sums}) / on() group_left() {step_time}",
+                "{{otelprof_timing}}",
             ),
             target(
                 f"clamp_min(1 - sum({phase_sums}) / {step_time}, 0)",
@@ -722,8 +723,9 @@ def training_dashboard() -> dict[str, Any]:
     return dashboard(
         "otelprof-training",
         "otelprof — training",
-        "Step time and its breakdown into Determined's timings, from the collector's "
-        "span_metrics histograms; exemplars link to traces in Tempo.",
+        "Step time and its breakdown into Determined's timings, from otelprof's in-process "
+        "histograms of every step (exact while traces are sampled); exemplars link to "
+        "kept traces in Tempo.",
         variables,
         lay,
     )

@@ -4,8 +4,9 @@ The histograms are aggregated on the span builder thread from every recorded ran
 `otelprof.timings._sampling`); recording each range through an SDK Histogram instrument
 cost 35-75 µs per range on the test machine, so the aggregation is ours and the points are
 merged into the data each counting metric exporter sends (files, OTLP, Determined), as
-cumulative OTel histograms with an exemplar pointing at a kept trace. They are sent every
-`EXPORT_EVERY_S` (cumulative, so nothing is lost between exports) and once more at shutdown.
+cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
+them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports; it keeps the
+files small), other exporters with every export; all once more at shutdown.
 The Prometheus pull endpoint does not get them (it reads the SDK's instruments only).
 """
 
@@ -47,6 +48,10 @@ class AggregateMetrics:
         exporter carries the final histograms."""
 
     def _due(self, exporter: str) -> bool:
+        """Files get the histograms every EXPORT_EVERY_S (disk volume); other exporters
+        (OTLP, Determined) with every export, so dashboards' rate() windows see them move."""
+        if exporter != "files" and not self.final:
+            return True
         now = time.monotonic()
         with self._lock:
             if self.final:
