@@ -315,3 +315,42 @@ def test_lightning_like_launcher_gets_right_ranks_although_only_local_rank_is_se
     run_dir = _only_run_dir(tmp_path)
     _check_ranks(run_dir, relocated=True)
     assert "rank 1 is the straggler" in _report(str(run_dir))
+
+
+USER_HOOK_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+import otelprof
+from otelprof._distributed import collectives
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+prof = otelprof.instrument()
+model = DDP(torch.nn.Linear(4, 1))
+calls = []
+def user_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    calls.append(1)
+    return default_hooks.allreduce_hook(state, bucket)
+for step in range(3):
+    model(torch.randn(2, 4)).sum().backward()
+    if step == 0:  # after otelprof registered its hook at the first forward
+        model.register_comm_hook(None, user_hook)
+    prof.step()
+print("user hook calls", len(calls), "timed", collectives.snapshot()["ddp_allreduce"][1])
+prof.shutdown()
+dist.destroy_process_group()
+"""
+
+
+def test_a_users_ddp_comm_hook_registered_after_otelprofs_still_runs(tmp_path: Path) -> None:
+    # DDP takes one comm hook; otelprof's came first, so the user's is called through it
+    # (registering it must not raise into training) and the all-reduce is still timed.
+    result = subprocess.run(
+        [sys.executable, "-c", USER_HOOK_SCRIPT],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "user hook calls 2 timed 3" in result.stdout

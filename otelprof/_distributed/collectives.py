@@ -116,26 +116,39 @@ def _emit(name: str, op: str, start: int, end: int, ctx: Any, parent: Any, state
         rec._count_drop()
 
 
-def timed_allreduce_hook(process_group: Any, bucket: Any) -> Any:
-    """DDP's default all-reduce hook, timed from this rank's last ready bucket to the end."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+class HookState:
+    """State of otelprof's DDP hook: the model's process group, and the user's own hook when
+    they register one after otelprof did (it is called instead of DDP's all-reduce)."""
 
+    def __init__(self, process_group: Any) -> None:
+        self.process_group = process_group
+        self.user: tuple[Any, Any] | None = None  # (state, hook)
+
+
+def timed_allreduce_hook(state: HookState, bucket: Any) -> Any:
+    """DDP's default all-reduce (or the user's hook), timed from this rank's last ready
+    bucket to the end."""
     _inside.depth += 1  # its all_reduce call is this span, not one of its own
     try:
-        future = allreduce_hook(process_group, bucket)
+        if state.user is not None:
+            future = state.user[1](state.user[0], bucket)
+        else:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            future = allreduce_hook(state.process_group, bucket)
     finally:
         _inside.depth -= 1
     if not _enabled or not bucket.is_last():
         return future
     start = perf_counter_ns()
     ctx = rec.current
-    state = rec.thread_state()
-    top = state.stack[-1]
+    thread = rec.thread_state()
+    top = thread.stack[-1]
     parent = top if top[rec.F_CTX] is ctx else None
 
     def done(fut: Any) -> Any:
         with contextlib.suppress(Exception):  # telemetry never breaks training
-            _emit(DDP_SPAN, "ddp_allreduce", start, perf_counter_ns(), ctx, parent, state)
+            _emit(DDP_SPAN, "ddp_allreduce", start, perf_counter_ns(), ctx, parent, thread)
         return fut.value()
 
     return future.then(done)
@@ -183,6 +196,20 @@ class CollectiveTiming:
             return original(self, *args, **kwargs)
 
         self._patch(DDP, "forward", forward)
+        original_register = DDP.__dict__["register_comm_hook"]
+
+        @functools.wraps(original_register)
+        def register_comm_hook(self: Any, state: object, hook: Any) -> None:
+            ours: HookState | None = getattr(self, "_otelprof_hook_state", None)
+            if ours is None or ours.user is not None:
+                return original_register(self, state, hook)  # DDP's own checks and errors
+            # otelprof's hook came first (DDP takes one): it calls the user's from now on
+            if hasattr(self, "_check_comm_hook"):
+                self._check_comm_hook(hook)
+            ours.user = (state, hook)
+            return None
+
+        self._patch(DDP, "register_comm_hook", register_comm_hook)
 
     def remove(self) -> None:
         global _enabled
@@ -204,8 +231,12 @@ def _register_hook(model: Any) -> None:
 
         # DDP checks the hook's annotations against the real types (strings here otherwise)
         timed_allreduce_hook.__annotations__.update(
-            bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]}
+            state=HookState,
+            bucket=dist.GradBucket,
+            **{"return": torch.futures.Future[torch.Tensor]},
         )
-        model.register_comm_hook(model.process_group, timed_allreduce_hook)
+        state = HookState(model.process_group)
+        model.register_comm_hook(state, timed_allreduce_hook)
+        model._otelprof_hook_state = state
     except Exception as error:
         _log.info("otelprof: could not time DDP's all-reduce: %r", error)
