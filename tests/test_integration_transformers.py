@@ -139,3 +139,33 @@ def test_a_bad_flops_option_is_refused() -> None:
     bad: Any = "many"
     with pytest.raises(ValueError, match="flops must be a number"):
         OtelprofTrainerCallback(flops=bad)
+
+
+def test_a_trainer_version_lacking_a_method_degrades_with_one_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otelprof.integrations import _common
+    from otelprof.integrations import transformers as integration
+
+    class OldTrainer:  # no _save_checkpoint, as an older or newer Trainer might lack it
+        def compute_loss(self) -> None: ...
+
+    monkeypatch.setattr(
+        integration,
+        "_patches",
+        lambda: [
+            (OldTrainer, "compute_loss", integration._wrap_compute_loss),
+            (OldTrainer, "_save_checkpoint", integration._wrap_save),
+        ],
+    )
+    monkeypatch.setattr(_common, "_warned", set())
+    original = OldTrainer.compute_loss
+    for _ in range(2):
+        integration._install()
+        assert OldTrainer.compute_loss is not original  # what exists is still timed
+        integration._uninstall()
+        assert OldTrainer.compute_loss is original
+    lines = [r.getMessage() for r in caplog.records if "_save_checkpoint" in r.getMessage()]
+    assert lines == [
+        "otelprof: this OldTrainer has no _save_checkpoint(); that part of the step is not timed"
+    ]
