@@ -187,3 +187,22 @@ def test_samples_per_second_matches_lightnings_throughput_monitor(tmp_path: Path
               if p.name == "otelprof.train.throughput.samples"]  # fmt: skip
     ours = max(points, key=lambda p: p.time_ns).value
     assert ours == pytest.approx(theirs[0], rel=0.1)  # measured: within 2 %
+
+
+def test_trainer_test_batches_are_a_test_phase_not_training_steps(tmp_path: Path) -> None:
+    class Testable(TinyModule):
+        def test_step(self, batch: Any, _index: int) -> None:
+            self.validation_step(batch, _index)
+
+    data = TensorDataset(torch.randn(3 * BATCH, 32), torch.randint(0, 4, (3 * BATCH,)))
+    trainer = pl.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[OtelprofCallback(output_dir=str(tmp_path), run_id="test", **INSTRUMENT)],
+    )  # fmt: skip
+    trainer.test(Testable(), DataLoader(data, batch_size=BATCH))
+    spans = spans_of(tmp_path / "test")
+    assert not roots(spans, "step")
+    tests = roots(spans, "test")
+    assert len(tests) == 3
+    for t in tests:
+        assert set(children(spans, t)) == {"dataloader_next", "to_device", "forward"}

@@ -48,6 +48,8 @@ from otelprof.timings._api import (
 _log = logging.getLogger("otelprof")
 
 FORWARD = "forward"
+PHASE_TEST = "test"
+PHASE_PREDICT = "predict"
 BACKWARD = "backward"
 ZERO_GRAD = "zero_grad"
 
@@ -70,7 +72,7 @@ _IGNORED, _TIMED, _OPTIMIZER_STEP, _CHECKPOINT = range(4)
 
 
 def _timing_name(action: str) -> str | None:
-    if action.endswith("_dataloader_next") or action.endswith(("].val_next", "].test_next")):
+    if action.endswith(("_dataloader_next", "].val_next", "].test_next", "].predict_next")):
         return DATALOADER_NEXT
     if action.startswith("[Strategy]"):
         return _STRATEGY_ACTIONS.get(action.rsplit(".", 1)[-1])
@@ -352,6 +354,35 @@ class OtelprofCallback(Callback):
     @common.safe
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         otelprof.set_phase(self._phases.pop() if self._phases else rec.PHASE_TRAIN)
+
+    # ---- test and predict: phases of their own, one trace per batch ----
+    @common.safe
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phases.append(otelprof.set_phase(PHASE_TEST))
+
+    @common.safe
+    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                          outputs: Any, batch: Any, batch_idx: int,
+                          dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @common.safe
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_validation_end(trainer, pl_module)
+
+    @common.safe
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._phases.append(otelprof.set_phase(PHASE_PREDICT))
+
+    @common.safe
+    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                             outputs: Any, batch: Any, batch_idx: int,
+                             dataloader_idx: int = 0) -> None:  # fmt: skip
+        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @common.safe
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_validation_end(trainer, pl_module)
 
     @common.safe
     def on_exception(
