@@ -160,7 +160,7 @@ torch_range_enter: Callable[[str, str | None], Any] | None = None
 torch_range_exit: Callable[[Any], Any] | None = None
 cuda_timer: Any = None  # _cuda.CudaTimer while CUDA timing is on
 is_compiling: Callable[[], bool] | None = None
-"""torch.compiler.is_compiling once torch is imported: inside a region torch.compile traces,
+"""torch.compiler.is_dynamo_compiling once torch is imported: inside a region torch.compile traces,
 `timing()` steps aside (a clock read or a thread-local there is a graph break)."""
 
 
@@ -494,7 +494,10 @@ def _find_is_compiling() -> Callable[[], bool] | None:
     if torch is None:
         return None
     try:
-        is_compiling = torch.compiler.is_compiling
+        # is_dynamo_compiling: a bare `return False` in eager (the cheapest check on the hot
+        # path), constant-folded to True by dynamo while it traces.
+        compiler = torch.compiler
+        is_compiling = getattr(compiler, "is_dynamo_compiling", None) or compiler.is_compiling
     except Exception:
         is_compiling = _never
     return is_compiling
