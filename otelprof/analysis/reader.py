@@ -46,6 +46,11 @@ class RunFiles:
         return sum(p.stat().st_size for p in self.jsonl)
 
     @property
+    def run_ids(self) -> list[str]:
+        """The run ids in the run.json files, each once (the ranks of a job share one)."""
+        return list(dict.fromkeys(str(i["run_id"]) for i in self.run_info if i.get("run_id")))
+
+    @property
     def started_ns(self) -> int | None:
         """Earliest start time recorded in run.json files, if any."""
         starts = []

@@ -88,7 +88,7 @@ def _metric_charts(
 def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | None = None) -> str:
     """The report as one HTML string."""
     files = summary.files
-    ids = [str(i.get("run_id")) for i in files.run_info if i.get("run_id")]
+    ids = files.run_ids
     title = f"otelprof report: {', '.join(ids) or ', '.join(d.name for d in files.dirs)}"
     t0 = (summary.first_ns or 0) / 1e9
     t1 = (summary.last_ns or 0) / 1e9

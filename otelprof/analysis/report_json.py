@@ -43,7 +43,7 @@ def build_json(summary: RunSummary, verdict: Verdict, sections: list[Section]) -
     doc: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "run": {
-            "run_ids": [str(i.get("run_id")) for i in files.run_info if i.get("run_id")],
+            "run_ids": files.run_ids,
             "dirs": [str(d) for d in files.dirs],
             "files": len(files.jsonl),
             "bytes": summary.read.bytes,

@@ -19,7 +19,7 @@ from otelprof.analysis.verdict import Verdict
 
 def _run_header(summary: RunSummary) -> str:
     files = summary.files
-    ids = [str(i.get("run_id")) for i in files.run_info if i.get("run_id")]
+    ids = files.run_ids
     lines = [
         f"run: {', '.join(ids) or ', '.join(str(d) for d in files.dirs)}",
         f"files: {len(files.jsonl)} ({fmt.size(summary.read.bytes)}), "

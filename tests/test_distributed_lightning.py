@@ -1,0 +1,54 @@
+"""Lightning's own DDP launcher, for real: `Trainer(strategy="ddp", devices=2)` on CPU (gloo)
+re-runs the user's script for local rank 1; otelprof was instrumented at the top of the
+script in both processes, before any rank existed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.services import REPO
+from tests.test_distributed import _check_ranks, _env, _only_run_dir, _report
+
+SCRIPT = REPO / "tests" / "lightning_ddp_job.py"
+
+
+def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_names_the_straggler(
+    tmp_path: Path,
+) -> None:
+    # no MASTER_ADDR/MASTER_PORT: Lightning picks them itself, as for a user
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--root", str(tmp_path / "lightning"),
+         "--steps", "30", "--slow-rank", "1", "--slow-ms", "20"],
+        env=_env(tmp_path, launcher_sets_master=True),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Lightning itself ran two processes with these ranks, and otelprof followed each
+    seen = [json.loads(p.read_text()) for p in (tmp_path / "lightning").glob("process*.json")]
+    assert sorted(s["lightning"] for s in seen) == [[0, 0, 2], [1, 1, 2]], seen
+    for process in seen:  # otelprof followed Lightning in each process
+        assert process["otelprof"] == process["lightning"], process
+    run_dir = _only_run_dir(tmp_path)  # the directory each rank opened first is gone
+    assert {Path(s["run_dir"]) for s in seen} == {run_dir}
+    # otelprof.rank/local_rank/world_size on every span, point and run file; host metrics
+    # from local rank 0 only (rank 1 had LOCAL_RANK=1 from its start)
+    _check_ranks(run_dir)
+    for rank in (0, 1):
+        info = json.loads((run_dir / f"run.rank{rank}.json").read_text())
+        assert info["run_id"] == run_dir.name
+        assert info["end"]["status"] == "clean"
+    report = _report(str(run_dir))
+    assert report.startswith(f"run: {run_dir.name}\n"), report[:200]  # one job, one id
+    doc = json.loads(_report(str(run_dir), "--json"))
+    assert doc["run"]["run_ids"] == [run_dir.name]
+    rows = {r["process"].split(" @")[0]: r for r in doc["sections"]["stragglers"]["rows"]}
+    assert [name for name, row in rows.items() if row["straggler"]] == ["rank 1"], rows
+    assert rows["rank 0"]["waiting ms"] > rows["rank 1"]["waiting ms"] + 10, rows
+    verdict = doc["sections"]["stragglers"]["notes"][0]
+    assert verdict.startswith("rank 1 is the straggler: +"), verdict
+    assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
