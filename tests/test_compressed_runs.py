@@ -91,5 +91,10 @@ def test_the_collectors_otlpjsonfile_receiver_replays_a_compressed_run(
         f'count(traces_span_metrics_calls_total{{service_name="gz",span_name=~"{names}"}}'
         f" == {steps})"
     )
-    prom.wait_for_series(f"{query} == {len(DETERMINED_TIMINGS) + 1}", timeout_s=60)
-    prom.wait_for_series('system_cpu_utilization_ratio{service_name="gz"}', timeout_s=30)
+    prom.wait_for_series(f"{query} == {len(DETERMINED_TIMINGS) + 1}", timeout_s=90)
+    # the metrics file too: otelprof's timing histogram, counting every step
+    prom.wait_for_series(
+        'otelprof_timing_duration_seconds_count{service_name="gz", otelprof_timing="step"}'
+        f" == {steps}",
+        timeout_s=60,
+    )
