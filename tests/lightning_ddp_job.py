@@ -4,7 +4,8 @@ at the top of the script, the one-line callback, `Trainer(strategy="ddp", device
 Lightning's subprocess script launcher re-runs this very script (same argv) for local rank 1
 with `LOCAL_RANK=1` in its environment; ranks exist only once the Trainer calls
 `init_process_group`. `--slow-rank R --slow-ms MS` makes rank R sleep in each training step
-(a straggler). Random data; nothing is downloaded.
+(a straggler); `--callback-only` leaves instrument() out, so the callback starts otelprof at
+the Trainer's setup. Random data; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -12,19 +13,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import otelprof
 
-otelprof.instrument()  # at the top of the script, before Lightning starts any rank
+if "--callback-only" not in sys.argv:
+    otelprof.instrument()  # at the top of the script, before Lightning starts any rank
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from otelprof.integrations.lightning import OtelprofCallback  # noqa: E402
+from otelprof.integrations.lightning import OtelprofCallback
 
 RANKS = ("rank", "local_rank", "world_size")
 
@@ -44,6 +47,19 @@ class TinyModule(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
+    def on_train_end(self) -> None:
+        active = otelprof.active_profiler()
+        assert active is not None
+        trainer = self.trainer
+        seen = {  # what Lightning and otelprof each say this process is
+            "lightning": [trainer.global_rank, trainer.local_rank, trainer.world_size],
+            "otelprof": [active.resource.attributes.get(f"otelprof.{k}") for k in RANKS],
+            "run_dir": str(active.run_dir),
+        }
+        root = Path(trainer.default_root_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / f"process{os.getpid()}.json").write_text(json.dumps(seen))
+
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -54,6 +70,11 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=20.0)
     p.add_argument("--root", required=True, help="Lightning's default_root_dir")
+    p.add_argument(
+        "--callback-only",
+        action="store_true",
+        help="no instrument() at the top: the callback starts otelprof at the Trainer's setup",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -72,16 +93,7 @@ def main() -> None:
         callbacks=[OtelprofCallback()],
     )
     trainer.fit(TinyModule(args.slow_rank, args.slow_ms), DataLoader(data, batch_size=8))
-    active = otelprof.active_profiler()
-    assert active is not None
-    seen = {  # what Lightning and otelprof each say this process is
-        "lightning": [trainer.global_rank, trainer.local_rank, trainer.world_size],
-        "otelprof": [active.resource.attributes.get(f"otelprof.{k}") for k in RANKS],
-        "run_dir": str(active.run_dir),
-    }
-    Path(args.root).mkdir(parents=True, exist_ok=True)
-    Path(args.root, f"process{os.getpid()}.json").write_text(json.dumps(seen))
-    otelprof.uninstrument()
+    otelprof.uninstrument()  # a no-op when the callback started otelprof (ended at teardown)
 
 
 if __name__ == "__main__":

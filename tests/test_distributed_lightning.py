@@ -1,6 +1,7 @@
 """Lightning's own DDP launcher, for real: `Trainer(strategy="ddp", devices=2)` on CPU (gloo)
-re-runs the user's script for local rank 1; otelprof was instrumented at the top of the
-script in both processes, before any rank existed."""
+re-runs the user's script for local rank 1. otelprof starts either at the top of the script
+in both processes, before any rank exists (it restarts under the process group's ranks), or
+from the one-line callback at the Trainer's setup, after the process group exists."""
 
 from __future__ import annotations
 
@@ -9,26 +10,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.services import REPO
-from tests.test_distributed import _check_ranks, _env, _only_run_dir, _report
+from tests.test_distributed import (
+    _check_ranks,
+    _env,
+    _last_collective_seconds,
+    _only_run_dir,
+    _report,
+)
 
 SCRIPT = REPO / "tests" / "lightning_ddp_job.py"
 
 
+@pytest.mark.parametrize("start", ["instrument-at-top", "callback-only"])
 def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_names_the_straggler(
-    tmp_path: Path,
+    tmp_path: Path, start: str
 ) -> None:
     # no MASTER_ADDR/MASTER_PORT: Lightning picks them itself, as for a user
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--root", str(tmp_path / "lightning"),
-         "--steps", "30", "--slow-rank", "1", "--slow-ms", "20"],
+         "--steps", "30", "--slow-rank", "1", "--slow-ms", "20",
+         *(["--callback-only"] if start == "callback-only" else [])],
         env=_env(tmp_path, launcher_sets_master=True),
         capture_output=True,
         text=True,
         timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    # Lightning itself ran two processes with these ranks, and otelprof followed each
+    # Lightning itself ran two processes, with these ranks
     seen = [json.loads(p.read_text()) for p in (tmp_path / "lightning").glob("process*.json")]
     assert sorted(s["lightning"] for s in seen) == [[0, 0, 2], [1, 1, 2]], seen
     for process in seen:  # otelprof followed Lightning in each process
@@ -52,3 +63,6 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
     verdict = doc["sections"]["stragglers"]["notes"][0]
     assert verdict.startswith("rank 1 is the straggler: +"), verdict
     assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
+    # live, the straggler is the rank that spends least time in collectives
+    waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]
+    assert waits[0] > waits[1] + 0.2, waits  # 30 steps x ~20 ms of waiting on rank 0
