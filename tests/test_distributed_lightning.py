@@ -57,6 +57,8 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
     assert report.startswith(f"run: {run_dir.name}\n"), report[:200]  # one job, one id
     doc = json.loads(_report(str(run_dir), "--json"))
     assert doc["run"]["run_ids"] == [run_dir.name]
+    assert doc["problems"] == []  # no stray run file of the identities the ranks started with
+    assert doc["verdict"]["kind"] == "straggler", doc["verdict"]
     rows = {r["process"].split(" @")[0]: r for r in doc["sections"]["stragglers"]["rows"]}
     assert [name for name, row in rows.items() if row["straggler"]] == ["rank 1"], rows
     assert rows["rank 0"]["waiting ms"] > rows["rank 1"]["waiting ms"] + 10, rows
