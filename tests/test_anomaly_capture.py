@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import otelprof
+from otelprof.timings import _sampling
 from tests.otlp_files import read_spans
 
 
@@ -62,3 +64,30 @@ def _requests(path: Path) -> list[list[dict]]:  # type: ignore[type-arg]
         for rs in request["resourceSpans"]
         for ss in rs["scopeSpans"]
     ]
+
+
+def test_steps_of_a_scheduled_kineto_window_are_kept_whatever_the_trace_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sampling, "HEAD_BURST", 0.0)  # no head sample at all
+    monkeypatch.setattr(_sampling, "TAIL_BURST", 0.0)
+    prof = otelprof.instrument(  # Kineto's default window: steps 2-4
+        output_dir=str(tmp_path), run_id="k", kineto=True, trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+    x = torch.randn(16, 16)
+    try:
+        for _ in range(30):
+            with otelprof.timing("train_batch"):
+                (x @ x).relu()
+            prof.step()
+    finally:
+        prof.shutdown()
+    spans = read_spans(prof.files["traces"])
+    kineto = [s for s in spans if s.attributes.get("otelprof.source") == "kineto"]
+    steps = {s.trace_id: s for s in spans if s.name == "step"}
+    assert kineto
+    # no orphan: every operator span's step was written
+    assert {s.trace_id for s in kineto} <= set(steps)
+    assert {steps[s.trace_id].attributes["otelprof.step"] for s in kineto} == {2, 3, 4}
+    assert prof.stats()["timings.spans_sampled_out"] > 0

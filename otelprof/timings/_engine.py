@@ -214,10 +214,11 @@ class TimingsEngine:
                 self._kineto_action = self._kineto_action_for(self._step)
                 self._kineto.step(finished, self._kineto_action)
             self._begin_step(perf_counter_ns())
-            if self._from_capture and self._kineto_action.records and self._ctx is not None:
-                # a step of an anomaly's Kineto window: kept in full (its ops are children)
-                self._ctx.kineto_capture = True
+            if self._kineto is not None and self._kineto_action.records and self._ctx is not None:
+                # a Kineto window's step is kept in full: its operator spans are its children
                 self._ctx.kept = True
+                if self._from_capture:  # an anomaly's window: linked from the slow step
+                    self._ctx.kineto_capture = True
         except Exception as error:  # telemetry never breaks training
             _log.warning("otelprof: step() failed: %r", error)
 

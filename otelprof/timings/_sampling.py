@@ -124,7 +124,7 @@ class TokenBucket:
         now = self._clock()
         self.tokens = min(self.burst, self.tokens + (now - self._last) * self.rate)
         self._last = now
-        if self.tokens >= min(n, self.burst):
+        if self.burst > 0 and self.tokens >= min(n, self.burst):
             self.tokens -= n
             return True
         return False
