@@ -46,6 +46,9 @@ TIMINGS = (
 )
 SHARES = (0.2, 0.05, 0.6, 0.05, 0.05, 0.05)
 OTELPROF_THREADS = ("otelprof-", "Otel")
+TOLERANCE = 1.25
+"""A pair counts only if its bare block's measured step is within this factor of the target:
+a load change mid-pair otherwise turns a "0.3 ms" figure into one for 0.15 ms steps."""
 
 
 def _background_cpu() -> float:
@@ -70,12 +73,24 @@ class Work:
             torch.mm(a, a)
 
 
-def _calibrate(work: Work, step_s: float) -> list[int]:
-    start = time.perf_counter()
-    work.run(2000)
-    per_unit = (time.perf_counter() - start) / 2000
-    total = max(len(SHARES), round(step_s / per_unit))
-    return [max(1, round(total * share)) for share in SHARES]
+def _calibrate(work: Work, step_s: float, units: list[int] | None = None) -> list[int]:
+    """Units per timing so that a bare step takes `step_s` *now*: the time per matmul moves
+    with the machine's load, so this is re-run before every A-B pair, measuring whole bare
+    steps (the loop itself included) and scaling until one lands within 5 % of the target."""
+    if units is None:
+        start = time.perf_counter()
+        work.run(2000)
+        per_unit = (time.perf_counter() - start) / 2000
+        total = max(len(SHARES), round(step_s / per_unit))
+        units = [max(1, round(total * share)) for share in SHARES]
+    for _ in range(4):
+        steps = _loop(work, units, 0.25, None)
+        measured = 0.25 / max(steps, 1)
+        scale = step_s / measured
+        if abs(scale - 1) < 0.05:
+            break
+        units = [max(1, round(n * scale)) for n in units]
+    return units
 
 
 def _loop(work: Work, units: list[int], seconds: float, prof: Any) -> int:
@@ -102,7 +117,7 @@ def _block(
     start = time.perf_counter()
     steps = _loop(work, units, seconds, prof)
     wall = time.perf_counter() - start
-    result: dict[str, float] = {"steps_per_s": steps / wall}
+    result: dict[str, float] = {"steps_per_s": steps / wall, "step_ms": wall / max(steps, 1) * 1e3}
     if prof is not None:
         background = _background_cpu() - background
         prof.shutdown()
@@ -139,17 +154,40 @@ def main() -> int:
     index = 0  # run ids stay unique across step lengths
     with tempfile.TemporaryDirectory() as tmp:
         for step_ms in args.step_ms:
-            units = _calibrate(work, step_ms / 1000)
+            units: list[int] | None = None
             bare: list[dict[str, float]] = []
             inst: list[dict[str, float]] = []
+            off = 0
             for pair in range(args.pairs):
+                units = _calibrate(work, step_ms / 1000, units)
                 order = (False, True) if pair % 2 == 0 else (True, False)
+                results: dict[bool, dict[str, float]] = {}
                 for instrumented in order:
                     index += 1
                     r = _block(work, units, args.block_seconds, instrumented, Path(tmp), index)
-                    (inst if instrumented else bare).append(r)
+                    results[instrumented] = r
+                b, i = results[False], results[True]
+                ratio = b["step_ms"] / step_ms
+                flag = "" if 1 / TOLERANCE <= ratio <= TOLERANCE else "  OFF TARGET: not counted"
+                over = (i["step_ms"] / b["step_ms"] - 1) * 100
+                print(
+                    f"  pair {pair + 1}: bare step {b['step_ms']:.3f} ms, instrumented "
+                    f"{i['step_ms']:.3f} ms, overhead {over:+.1f} %{flag}"
+                )
+                if flag:
+                    off += 1
+                    continue
+                bare.append(b)
+                inst.append(i)
+            if not bare:
+                print(f"step {step_ms} ms: every pair was off target; no figure\n")
+                continue
+            if off:
+                print(f"  {off} of {args.pairs} pairs off target (bare step outside ±{TOLERANCE}x)")
             _print(step_ms, bare, inst)
             for compress in (False, True) if args.compress else (False,):
+                if args.volume_seconds <= 0 or units is None:
+                    break
                 index += 1
                 per_day = _volume(work, units, args.volume_seconds, Path(tmp), index, compress)
                 print(f"  steady-state data (compress={compress}): {per_day / 1e9:.3f} GB/day\n")
@@ -183,11 +221,18 @@ def _volume(
 def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, float]]) -> None:
     b = statistics.median(r["steps_per_s"] for r in bare)
     i = statistics.median(r["steps_per_s"] for r in inst)
+    paired = statistics.median(
+        ri["step_ms"] / rb["step_ms"] - 1 for rb, ri in zip(bare, inst, strict=True)
+    )
+    measured = statistics.median(r["step_ms"] for r in bare)
     spans = sum(r["spans"] for r in inst)
     ranges = sum(r["ranges"] for r in inst)
     bg = sum(r["background_s"] for r in inst)
-    print(f"step {step_ms} ms:")
-    print(f"  steps/s bare {b:,.0f}  instrumented {i:,.0f}  overhead {(1 - i / b) * 100:+.1f} %")
+    print(f"step {step_ms} ms (measured bare: median {measured:.3f} ms over {len(bare)} pairs):")
+    print(
+        f"  steps/s bare {b:,.0f}  instrumented {i:,.0f}  overhead {(1 - i / b) * 100:+.1f} %"
+        f"; median per-pair step-time overhead {paired * 100:+.1f} %"
+    )
     print(
         f"  ranges {ranges:,.0f}, spans written {spans:,.0f}, "
         f"background CPU {bg:.2f} s = {bg / max(ranges, 1) * 1e6:.1f} µs per range, "
