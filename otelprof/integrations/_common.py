@@ -155,6 +155,37 @@ class FlopCounter:
                 mode.__exit__(None, None, None)
 
 
+class Work:
+    """The work options every integration takes (`samples`, `tokens`, `flops`): checked once
+    and turned into per-batch amounts and per-step FLOPs the same way in each framework."""
+
+    def __init__(self, owner: str, samples: Amount, tokens: Amount, flops: float | str | None):
+        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
+            raise ValueError(f"{owner}: flops must be a number, 'auto' or None, got {flops!r}")
+        self.samples = samples
+        self.tokens = tokens
+        self.flops = flops
+        self.counter = FlopCounter()
+
+    @property
+    def counts_flops(self) -> bool:
+        """FLOPs are counted with FlopCounterMode rather than declared."""
+        return self.flops == "auto"
+
+    def of_batch(self, batch: Any) -> tuple[float | None, float | None]:
+        """(samples, tokens) of one batch: declared, or read from the batch."""
+        return (
+            amount_of(self.samples, batch_samples, batch),
+            amount_of(self.tokens, batch_tokens, batch),
+        )
+
+    def step_flops(self) -> float | None:
+        """FLOPs of the step that just ended: counted ("auto") or declared."""
+        if self.flops == "auto":
+            return self.counter.stop()
+        return None if self.flops is None else float(self.flops)
+
+
 def record_work(samples: float | None, tokens: float | None, flops: float | None) -> None:
     _throughput.step_work(samples=samples, tokens=tokens, flops=flops)
 

@@ -140,21 +140,16 @@ class _Instrumentation:
     def __init__(
         self,
         accelerator: Any,
-        samples: common.Amount,
-        tokens: common.Amount,
-        flops: float | str | None,
+        work: common.Work,
         handle: Any,
     ) -> None:
         self.accelerator = accelerator
-        self.samples = samples
-        self.tokens = tokens
-        self.flops = flops
+        self.work = work
         self.handle = handle
         self.removed = False
         self.models: list[Any] = []
         self.undo: list[Any] = []
         self.batch_open = False  # a batch was fetched since the last step boundary
-        self.counter = common.FlopCounter()
         self.counting = False
 
     # ---- steps and phases ----
@@ -169,22 +164,19 @@ class _Instrumentation:
         if current != wanted and current in _AUTO_PHASES:
             otelprof.set_phase(wanted)
         if (
-            self.flops == "auto"
+            self.work.counts_flops
             and wanted == rec.PHASE_TRAIN
             and _engine._active is not None
             and not self.counting
         ):
             self.counting = True
-            self.counter.start()
+            self.work.counter.start()
 
     def _end_step(self) -> None:
         self.batch_open = False
         flops: float | None = None
         if otelprof.current_phase() == rec.PHASE_TRAIN:
-            if self.flops == "auto":
-                flops = self.counter.stop()
-            elif self.flops is not None:
-                flops = float(self.flops)
+            flops = self.work.step_flops()
         if flops is not None:
             common.record_work(None, None, flops)
         otelprof.step()
@@ -193,8 +185,7 @@ class _Instrumentation:
     def after_batch(self, batch: Any) -> None:
         self.batch_open = True
         common.record_work(
-            common.amount_of(self.samples, common.batch_samples, batch),
-            common.amount_of(self.tokens, common.batch_tokens, batch),
+            *self.work.of_batch(batch),
             None,
         )
 
@@ -250,7 +241,7 @@ class _Instrumentation:
         if self.removed:
             return
         self.removed = True
-        self.counter.abandon()
+        self.work.counter.abandon()
         for undo in reversed(self.undo):
             try:
                 undo()
@@ -285,15 +276,12 @@ def instrument_accelerator(
             "instrument_accelerator needs an accelerate.Accelerator, got "
             f"{type(accelerator).__name__}"
         )
-    if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
-        raise ValueError(
-            f"instrument_accelerator: flops must be a number, 'auto' or None, got {flops!r}"
-        )
+    work = common.Work("instrument_accelerator", samples, tokens, flops)
     if peak_flops is not None:
         otelprof.set_peak_flops(peak_flops)
     _throughput.set_precision(common.precision_of(getattr(accelerator, "mixed_precision", None)))
     handle = otelprof.instrument(**instrument_options)
-    inst = _Instrumentation(accelerator, samples, tokens, flops, handle)
+    inst = _Instrumentation(accelerator, work, handle)
     original_prepare = accelerator.prepare
     original_backward = accelerator.backward
 

@@ -234,13 +234,7 @@ class OtelprofCallback(Callback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
-            raise ValueError(
-                f"OtelprofCallback: flops must be a number, 'auto' or None, got {flops!r}"
-            )
-        self.samples = samples
-        self.tokens = tokens
-        self.flops = flops
+        self.work = common.Work("OtelprofCallback", samples, tokens, flops)
         self.peak_flops = (
             None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
         )
@@ -248,7 +242,6 @@ class OtelprofCallback(Callback):
         self._handle: Any = None
         self._profiler: _OtelprofProfiler | None = None
         self._trainer: Any = None
-        self._counter = common.FlopCounter()
         self._phases: list[str] = []
 
     # ---- lifecycle ----
@@ -275,7 +268,7 @@ class OtelprofCallback(Callback):
 
     @common.safe
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._counter.abandon()
+        self.work.counter.abandon()
         wrapper = self._profiler
         if wrapper is not None:
             inner = wrapper.inner
@@ -295,8 +288,8 @@ class OtelprofCallback(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.flops == "auto":
-            self._counter.start()
+        if self.work.counts_flops:
+            self.work.counter.start()
 
     @common.safe
     def on_before_optimizer_step(
@@ -315,15 +308,7 @@ class OtelprofCallback(Callback):
         batch_idx: int,
     ) -> None:
         try:
-            if self.flops == "auto":
-                flops = self._counter.stop()
-            else:
-                flops = None if self.flops is None else float(self.flops)
-            common.record_work(
-                common.amount_of(self.samples, common.batch_samples, batch),
-                common.amount_of(self.tokens, common.batch_tokens, batch),
-                flops,
-            )
+            common.record_work(*self.work.of_batch(batch), self.work.step_flops())
         finally:
             otelprof.step()  # the step boundary even when counting the work failed
 
@@ -343,11 +328,7 @@ class OtelprofCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         try:
-            common.record_work(
-                common.amount_of(self.samples, common.batch_samples, batch),
-                common.amount_of(self.tokens, common.batch_tokens, batch),
-                None,
-            )
+            common.record_work(*self.work.of_batch(batch), None)
         finally:
             otelprof.step()
 
@@ -388,4 +369,4 @@ class OtelprofCallback(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._counter.abandon()
+        self.work.counter.abandon()

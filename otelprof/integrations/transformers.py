@@ -153,12 +153,7 @@ class _LoaderHooks:
 
     @common.safe
     def after_batch(self, batch: Any) -> None:
-        cb = self.callback
-        common.record_work(
-            common.amount_of(cb.samples, common.batch_samples, batch),
-            common.amount_of(cb.tokens, common.batch_tokens, batch),
-            None,
-        )
+        common.record_work(*self.callback.work.of_batch(batch), None)
 
 
 class OtelprofTrainerCallback(TrainerCallback):
@@ -179,13 +174,7 @@ class OtelprofTrainerCallback(TrainerCallback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
-            raise ValueError(
-                f"OtelprofTrainerCallback: flops must be a number, 'auto' or None, got {flops!r}"
-            )
-        self.samples = samples
-        self.tokens = tokens
-        self.flops = flops
+        self.work = common.Work("OtelprofTrainerCallback", samples, tokens, flops)
         self.peak_flops = (
             None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
         )
@@ -193,7 +182,6 @@ class OtelprofTrainerCallback(TrainerCallback):
         self._handle: Any = None
         self._undo: list[Any] = []
         self._hooks = _LoaderHooks(self)
-        self._counter = common.FlopCounter()
         self._epoch = -1
 
     def _register_loader(self, loader: Any) -> None:
@@ -229,16 +217,13 @@ class OtelprofTrainerCallback(TrainerCallback):
 
     @common.safe
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.flops == "auto":
-            self._counter.start()
+        if self.work.counts_flops:
+            self.work.counter.start()
 
     @common.safe
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         try:
-            if self.flops == "auto":
-                flops = self._counter.stop()
-            else:
-                flops = None if self.flops is None else float(self.flops)
+            flops = self.work.step_flops()
             if flops is not None:
                 common.record_work(None, None, flops)
         finally:
@@ -251,7 +236,7 @@ class OtelprofTrainerCallback(TrainerCallback):
 
     @common.safe
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._counter.abandon()
+        self.work.counter.abandon()
         self._hooks.removed = True
         for undo in reversed(self._undo):
             undo()
