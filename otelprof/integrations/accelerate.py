@@ -36,6 +36,7 @@ from otelprof.timings._api import (
     STEP_LR_SCHEDULERS,
     TO_DEVICE,
     HookHandle,
+    timed_items,
     unwrap_optimizer,
 )
 
@@ -56,22 +57,7 @@ def _timed_iter(original: Any) -> Any:
         if inst is None or getattr(inst, "removed", False):
             yield from original(self)
             return
-        iterator = original(self)
-        while True:
-            inst.before_batch()
-            span = otelprof.timing(DATALOADER_NEXT)
-            span.__enter__()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                span.cancel()
-                return
-            except BaseException as error:
-                span.__exit__(type(error), error, error.__traceback__)
-                raise
-            span.__exit__(None, None, None)
-            inst.after_batch(batch)
-            yield batch
+        yield from timed_items(original(self), DATALOADER_NEXT, inst.before_batch, inst.after_batch)
 
     return __iter__
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from otelprof.timings import _engine
@@ -121,21 +121,35 @@ class timed_dataloader(Generic[T]):
         return getattr(self.iterable, name)
 
     def __iter__(self) -> Iterator[T]:
-        iterator = iter(self.iterable)
-        name = self.name
-        while True:
-            span = timing(name)
-            span.__enter__()
-            try:
-                item = next(iterator)
-            except StopIteration:
-                span.cancel()
-                return
-            except BaseException as error:
-                span.__exit__(type(error), error, error.__traceback__)
-                raise
-            span.__exit__(None, None, None)
-            yield item
+        yield from timed_items(iter(self.iterable), self.name)
+
+
+def timed_items(
+    iterator: Iterator[T],
+    name: str = DATALOADER_NEXT,
+    before: Callable[[], object] | None = None,
+    after: Callable[[T], object] | None = None,
+) -> Iterator[T]:
+    """`iterator`'s items, each `next()` a span named `name`; the `next()` that finds it
+    exhausted is no span. `before`/`after` run around every fetch (integrations mark step
+    boundaries there)."""
+    while True:
+        if before is not None:
+            before()
+        span = timing(name)
+        span.__enter__()
+        try:
+            item = next(iterator)
+        except StopIteration:
+            span.cancel()
+            return
+        except BaseException as error:
+            span.__exit__(type(error), error, error.__traceback__)
+            raise
+        span.__exit__(None, None, None)
+        if after is not None:
+            after(item)
+        yield item
 
 
 def _compiling() -> bool:
