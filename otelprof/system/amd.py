@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import names
-from ._common import Attributes, LogOnce, Reading, logger
+from ._common import LogOnce, Reading, logger
 from ._stamps import Clock
-from .gpu import _ProcessTree, parse_visible_devices
+from .gpu import GpuIdentity, _ProcessTree, parse_visible_devices
 
 T = TypeVar("T")
 MIB = 2**20
@@ -51,19 +51,10 @@ _PERMANENT = {_STATUS_INVAL, _STATUS_NOT_SUPPORTED, _STATUS_NOT_YET_IMPLEMENTED,
 
 
 @dataclass
-class AmdDevice:
-    handle: Any
-    uuid: str
-    index: int
+class AmdDevice(GpuIdentity):
+    """One AMD GPU being sampled, with what AMD SMI has refused for it."""
+
     refused: set[str] = field(default_factory=set)
-
-    @property
-    def attributes(self) -> Attributes:
-        return {names.HW_ID: self.uuid, names.GPU_INDEX: self.index}
-
-    @property
-    def hw_attributes(self) -> Attributes:
-        return {**self.attributes, names.HW_TYPE: "gpu"}
 
 
 class AmdGpuSampler:

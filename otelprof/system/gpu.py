@@ -67,19 +67,13 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
 
 
 @dataclass
-class GpuDevice:
-    """One GPU (or MIG slice) being sampled, with what NVML has refused for it."""
+class GpuIdentity:
+    """A sampled GPU's driver handle and the attributes every series of it carries, the same
+    for NVML and AMD SMI devices."""
 
     handle: Any
     uuid: str
     index: int
-    parent: Any = None  # the physical GPU's handle, for a MIG slice
-    refused: set[str] = field(default_factory=set)
-    use_samples: bool = True
-    last_sample_us: int = 0
-    last_samples_us: dict[int, int] = field(default_factory=dict)  # other sample kinds
-    last_utilization_ns: int | None = None
-    perf: PerfState = field(default_factory=PerfState)
 
     @property
     def attributes(self) -> Attributes:
@@ -88,6 +82,19 @@ class GpuDevice:
     @property
     def hw_attributes(self) -> Attributes:
         return {**self.attributes, names.HW_TYPE: "gpu"}
+
+
+@dataclass
+class GpuDevice(GpuIdentity):
+    """One GPU (or MIG slice) being sampled, with what NVML has refused for it."""
+
+    parent: Any = None  # the physical GPU's handle, for a MIG slice
+    refused: set[str] = field(default_factory=set)
+    use_samples: bool = True
+    last_sample_us: int = 0
+    last_samples_us: dict[int, int] = field(default_factory=dict)  # other sample kinds
+    last_utilization_ns: int | None = None
+    perf: PerfState = field(default_factory=PerfState)
 
 
 class GpuSampler:
