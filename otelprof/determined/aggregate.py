@@ -20,6 +20,7 @@ from otelprof.determined.mapping import (
     PROFILING_KEYS,
     STEP_INDEX_BASE,
     GaugeSample,
+    HistogramPoint,
     TimingSample,
 )
 
@@ -83,6 +84,9 @@ class _Trial:
     per_batch: int = 1
     timing_time_ns: int = 0
     last_seen: int = 0
+    # Timings come from otelprof's duration histograms (exact over every step); spans of
+    # this trial then only move the step count, so no range is counted twice.
+    from_histograms: bool = False
 
 
 @dataclass
@@ -121,6 +125,10 @@ class WindowAggregator:
         # Highest stepsCompleted reported per (trial, run): a repeat would be merged by the
         # master and refused on overlapping keys, so steps must strictly increase.
         self.last_steps: OrderedDict[tuple[int, int], int] = OrderedDict()
+        # (trial, run, series) -> (start_ns, count, sum) of the last cumulative histogram point
+        self._hist_last: OrderedDict[tuple[int, int, str], tuple[int, int, float]] = OrderedDict()
+        self._hist_trials: set[tuple[int, int]] = set()  # trials whose histograms we follow
+        self.max_series = 64 * max_trials if max_trials < 10_000 else 1_000_000
         self.incomplete: list[str] = []  # descriptions from the last drain, for logging
         self.unsafe: list[str] = []  # restarted trials whose timings cannot be placed
 
@@ -153,23 +161,76 @@ class WindowAggregator:
                 acc[1] += 1
                 acc[2] = max(acc[2], s.time_ns)
 
+    def histogram_deltas(self, points: list[HistogramPoint]) -> list[TimingSample]:
+        """Timing samples (seconds and calls since the previous point) from histogram points.
+
+        Cumulative points are differenced per series (a new start time or a lower count is
+        a restarted producer: counted in full). The first point of a trial this aggregator
+        has not followed before is counted in full, unless timings of the trial were
+        already reported (from spans, or before a bridge restart): then it is only the
+        baseline, so nothing is ever counted twice (at worst one point's increment is not
+        reported). The training root span's histogram also carries the step count.
+        """
+        out: list[TimingSample] = []
+        seen: set[tuple[int, int]] = set()
+        for p in points:
+            trial = (p.trial_id, p.run_id)
+            seen.add(trial)
+            max_step = -1
+            if p.cumulative:
+                key = (p.trial_id, p.run_id, p.series)
+                last = self._hist_last.pop(key, None)
+                self._hist_last[key] = (p.start_ns, p.calls, p.sum_s)
+                while len(self._hist_last) > self.max_series:
+                    self._hist_last.popitem(last=False)
+                if last is not None and last[0] == p.start_ns and p.calls >= last[1]:
+                    n, total = p.calls - last[1], max(0.0, p.sum_s - last[2])
+                elif last is None and trial not in self._hist_trials and trial in self.last_steps:
+                    n, total = 0, 0.0  # baseline: earlier calls were already reported
+                else:
+                    n, total = p.calls, p.sum_s
+                if p.is_step:
+                    max_step = p.calls - 1 + STEP_INDEX_BASE
+            else:
+                n, total = p.calls, p.sum_s
+            if n == 0 and max_step < 0:
+                continue
+            out.append(
+                TimingSample(
+                    p.trial_id, p.run_id, p.name, total, n, max_step, p.time_ns, p.offset,
+                    p.per_batch, True,
+                )
+            )  # fmt: skip
+        self._hist_trials |= seen
+        return out
+
     def add_timings(self, samples: list[TimingSample]) -> None:
         for s in samples:
             state = self._trial(s.trial_id, s.run_id)
             if state is None:
                 continue
-            acc = state.timings.get(s.name)
-            if acc is None:
-                if len(state.timings) >= self.max_timing_names:
-                    self.stats.dropped_names += 1
-                    continue
-                acc = state.timings[s.name] = [0.0, 0]
-            acc[0] += s.total_s
-            acc[1] += s.n
+            if s.from_histogram and not state.from_histograms:
+                state.from_histograms = True
+                state.timings.clear()  # this window's span sums: the histograms cover them
+            counted = s.n > 0 and (s.from_histogram or not state.from_histograms)
+            if counted and not self._add_timing(state, s):
+                continue
             state.max_step = max(state.max_step, s.max_step)
             state.offset = max(state.offset, s.offset)
             state.per_batch = max(1, s.per_batch)
             state.timing_time_ns = max(state.timing_time_ns, s.time_ns)
+
+    def _add_timing(self, state: _Trial, s: TimingSample) -> bool:
+        """Add one sample's seconds and calls; False when the name is over the cap."""
+        acc = state.timings.get(s.name)
+        if acc is None:
+            if len(state.timings) >= self.max_timing_names:
+                self.stats.dropped_names += 1
+                return False
+            acc = state.timings[s.name] = [0.0, 0]
+        acc[0] += s.total_s
+        acc[1] += s.n
+        return True
 
     def drain(self) -> list[Report]:
         """Close the current window and return its reports (profiling groups, then timings)."""
@@ -187,10 +248,18 @@ class WindowAggregator:
                 and (self.window - state.last_seen > self.idle_windows)
             ):
                 del self._trials[(trial_id, run_id)]
+                self._forget_histograms(trial_id, run_id)
         self.window += 1
         self.stats.windows += 1
         self.stats.reports += len(reports)
         return reports
+
+    def _forget_histograms(self, trial_id: int, run_id: int) -> None:
+        if (trial_id, run_id) not in self._hist_trials:
+            return
+        self._hist_trials.discard((trial_id, run_id))
+        for key in [k for k in self._hist_last if k[0] == trial_id and k[1] == run_id]:
+            del self._hist_last[key]
 
     def _fresh(self, state: _Trial, key: tuple[str, str, str, str]) -> float | None:
         acc = state.gauges.get(key)

@@ -9,6 +9,7 @@ output is a list of small, JSON-able samples; windowing and report building live
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,12 @@ ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
 # Set by a process that posts to Determined itself (instrument(determined=True)): the
 # bridge leaves its data alone, so one trial's group has exactly one producer.
 ATTR_DIRECT = "otelprof.determined.direct"
+ATTR_RANK = "otelprof.rank"
+# otelprof's per-(timing, phase) duration histograms, aggregated in process from every
+# recorded range (otelprof.timings._sampling): exact whatever the trace sampling kept.
+TIMING_HISTOGRAM = "otelprof.timing.duration"
+ATTR_TIMING = "otelprof.timing"
+STEP_SPAN = "step"  # the training root span: its histogram counts the steps
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
@@ -93,6 +100,25 @@ class TimingSample(NamedTuple):
     time_ns: int
     offset: int = -1  # DET_STEPS_COMPLETED of the process (-1: not known)
     per_batch: int = 1  # otelprof steps per Determined batch
+    from_histogram: bool = False  # a histogram delta (exact), not a sum of kept spans
+
+
+class HistogramPoint(NamedTuple):
+    """One `otelprof.timing.duration` point of one producer; deltas are taken by the
+    aggregator (`WindowAggregator.histogram_deltas`), which remembers cumulative points."""
+
+    trial_id: int
+    run_id: int
+    series: str  # producer (resource) + timing + phase: what a cumulative point continues
+    name: str  # the Determined key stem (same rule as spans: `forward_validation`)
+    calls: int
+    sum_s: float
+    start_ns: int
+    time_ns: int
+    cumulative: bool
+    is_step: bool  # the training root span's histogram: its count is steps completed
+    offset: int = -1
+    per_batch: int = 1
 
 
 @dataclass(frozen=True)
@@ -112,6 +138,7 @@ class Extracted:
 
     gauges: list[GaugeSample] = field(default_factory=list)
     timings: list[TimingSample] = field(default_factory=list)
+    histograms: list[HistogramPoint] = field(default_factory=list)
     rejected: int = 0
     errors: list[str] = field(default_factory=list)
     ignored: int = 0  # points of metrics Determined has no key for
@@ -333,11 +360,77 @@ def extract_metrics(
         buckets: dict[tuple[str, str, str, int], tuple[str, list[float]]] = {}
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
-                _map_metric(metric, buckets, out)
+                if metric.name == TIMING_HISTOGRAM:
+                    _map_histogram(metric, attrs, default, trial, run, out)
+                else:
+                    _map_metric(metric, buckets, out)
         for (group, sub, key, time_ns), (how, values) in buckets.items():
             value = _combine(values, how)
             out.gauges.append(GaugeSample(trial, run, agent, group, sub, key, value, time_ns))
     return out
+
+
+_CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_DELTA = 1
+
+
+def _map_histogram(
+    metric: Any, attrs: Mapping[str, Any], default: Route, trial: int, run: int, out: Extracted
+) -> None:
+    """Histogram points of otelprof's timing durations → `out.histograms`.
+
+    Only global rank 0's (Determined charts one timing series per trial, as with spans).
+    """
+    kind = metric.WhichOneof("data")
+    points = getattr(metric, kind).data_points if kind else ()
+    if kind != "histogram":
+        out.ignored += len(points)
+        return
+    try:
+        rank = _as_int(attrs, ATTR_RANK)
+    except RouteError:
+        rank = None
+    if rank not in (None, 0):
+        out.ignored += len(points)
+        return
+    temporality = metric.histogram.aggregation_temporality
+    if metric.unit not in ("s", "") or temporality not in (_CUMULATIVE, _DELTA):
+        out.reject(
+            len(points),
+            f"metric {TIMING_HISTOGRAM} has unit {metric.unit!r} and temporality "
+            f"{temporality}; expected unit 's', delta or cumulative",
+        )
+        return
+    offset = _positive_int(attrs, ATTR_STEPS_OFFSET, default.steps_offset)
+    per_batch = _positive_int(attrs, ATTR_STEPS_PER_BATCH, default.steps_per_batch) or 1
+    producer = repr(sorted((k, str(v)) for k, v in attrs.items()))
+    for point in points:
+        point_attrs = attributes_dict(point.attributes)
+        timing = point_attrs.get(ATTR_TIMING)
+        phase = point_attrs.get(ATTR_PHASE) or "train"
+        count, total = int(point.count), float(point.sum)
+        if not isinstance(timing, str) or not timing:
+            out.reject(1, f"metric {TIMING_HISTOGRAM} point has no {ATTR_TIMING} attribute")
+            continue
+        if count < 0 or not math.isfinite(total) or total < 0:
+            out.reject(1, f"metric {TIMING_HISTOGRAM} point of {timing!r} has a bad count/sum")
+            continue
+        out.histograms.append(
+            HistogramPoint(
+                trial,
+                run,
+                f"{producer}\0{timing}\0{phase}",
+                phase_timing_name(timing, phase),
+                count,
+                total,
+                int(point.start_time_unix_nano),
+                int(point.time_unix_nano),
+                temporality == _CUMULATIVE,
+                timing == STEP_SPAN and phase == "train",
+                -1 if offset is None else offset,
+                per_batch,
+            )
+        )
 
 
 def _point_count(metric: Any) -> int:

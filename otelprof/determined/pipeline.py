@@ -105,9 +105,12 @@ class Pipeline:
 
     def _ingest(self, extracted: Extracted) -> Extracted:
         with self._lock:
-            self.spool.journal(self.aggregator.window, extracted.gauges, extracted.timings)
+            timings = extracted.timings
+            if extracted.histograms:  # exact timings; journaled as deltas like span sums
+                timings = timings + self.aggregator.histogram_deltas(extracted.histograms)
+            self.spool.journal(self.aggregator.window, extracted.gauges, timings)
             self.aggregator.add_gauges(extracted.gauges)
-            self.aggregator.add_timings(extracted.timings)
+            self.aggregator.add_timings(timings)
             self.rejected_points += extracted.rejected
             self.skipped_direct += extracted.skipped_direct
         for message in extracted.errors:

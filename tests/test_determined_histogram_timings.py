@@ -1,0 +1,191 @@
+"""Determined's timings group comes from otelprof's duration histograms: exact under sampling.
+
+Traces are sampled (trace_budget), so spans cover some steps only; the `timings` report
+must still give every step's mean and call count, and never count a range twice when a
+trial's spans and histograms both arrive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import otelprof
+from otelprof.determined.aggregate import WindowAggregator
+from otelprof.determined.mapping import HistogramPoint, TimingSample
+from tests.determined_contract import DeterminedContractServer, trial_metrics
+
+TRAIN_STEPS = 3000
+VALIDATION_BATCHES = 40
+
+
+@pytest.fixture
+def master() -> Iterator[DeterminedContractServer]:
+    server = DeterminedContractServer().start()
+    server.token = server.add_user("alice")  # type: ignore[attr-defined]
+    server.add_trial(42, run_id=1, editors=("alice",))
+    yield server
+    server.stop()
+
+
+def _timed(record: dict[str, list[int]], key: str, name: str, sleep_s: float) -> None:
+    """One otelprof range, also timed here (outside it) for an independent figure."""
+    t0 = time.perf_counter_ns()
+    with otelprof.timing(name):
+        if sleep_s:
+            time.sleep(sleep_s)
+    record.setdefault(key, []).append(time.perf_counter_ns() - t0)
+
+
+def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "DET_MASTER": master.url,
+        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": "1",
+        "DET_AGENT_ID": "agent-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    mine: dict[str, list[int]] = {}
+    with otelprof.instrument(
+        determined=True, detached=False, interval=0.2, trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    ) as prof:  # fmt: skip
+        for i in range(TRAIN_STEPS):
+            _timed(mine, "dataloader_next", "dataloader_next", 0.0)
+            _timed(mine, "forward", "forward", 0.0002 if i % 7 else 0.0006)
+            prof.step()
+            if i == TRAIN_STEPS // 2:
+                with otelprof.phase("validation"):
+                    for _ in range(VALIDATION_BATCHES):
+                        _timed(mine, "forward_validation", "forward", 0.0001)
+                        prof.step()
+        time.sleep(0.6)  # a few metric exports after the last step
+        sampled_out = prof.stats()["timings.spans_sampled_out"]
+    assert sampled_out > TRAIN_STEPS  # most steps' traces were not kept...
+
+    rows = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
+    assert rows
+    totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    steps = []
+    for row in rows:
+        steps.append(row["totalBatches"])
+        batch = row["metrics"]["batch_metrics"][0]
+        for key, value in row["metrics"]["avg_metrics"].items():
+            if key.endswith("_s"):
+                n = batch[f"{key[:-2]}_count"]
+                totals[key[:-2]] = totals.get(key[:-2], 0.0) + value * n
+                counts[key[:-2]] = counts.get(key[:-2], 0) + n
+    # ...yet the reports count every call, each once, and the last report says all steps
+    assert counts["dataloader_next"] == TRAIN_STEPS
+    assert counts["forward"] == TRAIN_STEPS
+    assert counts["forward_validation"] == VALIDATION_BATCHES
+    assert counts["step"] == TRAIN_STEPS
+    assert counts["validation"] == VALIDATION_BATCHES
+    assert steps == sorted(steps) and steps[-1] == TRAIN_STEPS
+    # the means over all reports equal the means of every call timed here, independently
+    # (this test's timer wraps otelprof's range: a few µs of enter/exit per call more)
+    for key in ("forward", "forward_validation", "dataloader_next"):
+        expected = sum(mine[key]) / len(mine[key]) / 1e9
+        got = totals[key] / counts[key]
+        assert got == pytest.approx(expected, rel=0.15, abs=30e-6), key
+        assert got <= expected * 1.000001, key  # never more than the wrapped time
+    assert prof.stats()["dropped_total"] == 0
+
+
+def _hist(
+    name: str, calls: int, total: float, *, start: int = 1, step: bool = False,
+    cumulative: bool = True, series: str = "p1",
+) -> HistogramPoint:  # fmt: skip
+    return HistogramPoint(
+        7, 1, f"{series}/{name}", name, calls, total, start, 10**18, cumulative, step
+    )
+
+
+def _span(name: str, calls: int, total: float, max_step: int) -> TimingSample:
+    return TimingSample(7, 1, name, total, calls, max_step, 10**18)
+
+
+def _report(agg: WindowAggregator) -> dict[str, Any]:
+    (report,) = agg.drain()
+    metrics = report.body["metrics"]
+    out: dict[str, Any] = {"steps": metrics["stepsCompleted"]}
+    out.update(metrics["metrics"]["avgMetrics"])
+    out.update(metrics["metrics"]["batchMetrics"][0])
+    return out
+
+
+def test_spans_and_histograms_of_one_trial_are_counted_once_and_cumulative_points_differenced() -> (
+    None
+):
+    agg = WindowAggregator()
+    # window 1: kept spans of steps 0-1 and the cumulative histograms of steps 0-9
+    agg.add_timings([_span("forward", 2, 0.2, 1), _span("step", 2, 0.4, 1)])
+    agg.add_timings(
+        agg.histogram_deltas(
+            [_hist("forward", 10, 1.5), _hist("step", 10, 3.0, step=True)]
+        )
+    )  # fmt: skip
+    agg.add_timings([_span("forward", 1, 0.1, 9)])  # a later kept span: steps only
+    first = _report(agg)
+    assert first == {
+        "steps": 10, "forward_s": 0.15, "step_s": 0.3, "forward_count": 10, "step_count": 10,
+    }  # fmt: skip
+    # window 2: the next cumulative points give only what is new
+    agg.add_timings(
+        agg.histogram_deltas([_hist("forward", 30, 5.5), _hist("step", 30, 9.0, step=True)])
+    )
+    second = _report(agg)
+    assert second["steps"] == 30
+    assert second["forward_count"] == 20 and second["forward_s"] == pytest.approx(0.2)
+    assert second["step_count"] == 20 and second["step_s"] == pytest.approx(0.3)
+    # a restarted producer (new start time) is counted from its new start
+    restarted = [_hist("forward", 3, 0.3, start=2), _hist("step", 40, 12.0, step=True)]
+    agg.add_timings(agg.histogram_deltas(restarted))
+    third = _report(agg)
+    assert third["forward_count"] == 3 and third["forward_s"] == pytest.approx(0.1)
+
+
+def test_delta_histogram_points_are_added_as_they_come() -> None:
+    agg = WindowAggregator()
+    agg.add_timings([_span("step", 1, 1.0, 4)])  # the step count still comes from spans
+    for _ in range(3):
+        agg.add_timings(agg.histogram_deltas([_hist("forward", 5, 0.5, cumulative=False)]))
+    report = _report(agg)
+    assert report["forward_count"] == 15 and report["forward_s"] == pytest.approx(0.1)
+    assert "step_count" not in report  # the step's span was a sample, not the figure
+    assert report["steps"] == 5
+
+
+def test_first_histograms_after_span_reports_are_a_baseline_never_a_double_count() -> None:
+    agg = WindowAggregator()
+    agg.add_timings([_span("forward", 4, 0.4, 3)])  # a producer seen through spans first
+    assert _report(agg)["forward_count"] == 4
+    # its histograms since process start also hold those 4 calls: only a baseline
+    agg.add_timings(
+        agg.histogram_deltas([_hist("forward", 4, 0.4), _hist("step", 4, 1.0, step=True)])
+    )
+    assert agg.drain() == []
+    agg.add_timings(
+        agg.histogram_deltas([_hist("forward", 9, 0.9), _hist("step", 9, 2.0, step=True)])
+    )
+    report = _report(agg)
+    assert report["forward_count"] == 5 and report["steps"] == 9
+    # a timing first seen later in a followed trial is counted in full
+    agg.add_timings(
+        agg.histogram_deltas([_hist("backward", 6, 0.6), _hist("step", 12, 3.0, step=True)])
+    )
+    assert _report(agg)["backward_count"] == 6
+
+
+def test_a_trial_without_histograms_keeps_its_timings_from_spans() -> None:
+    agg = WindowAggregator()
+    agg.add_timings([_span("forward", 3, 0.3, 2)])
+    report = _report(agg)
+    assert report == {"steps": 3, "forward_s": pytest.approx(0.1), "forward_count": 3}
