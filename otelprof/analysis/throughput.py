@@ -6,6 +6,12 @@
 process: samples/s = Σsamples / Σ(root span durations), likewise tokens/s and FLOP/s; MFU =
 FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics.
 A job's samples/s and tokens/s are the sum over its processes; its MFU is their mean.
+
+Under trace sampling the kept step spans are a sample of the steps; when a process's
+training-step histogram (`otelprof.timing.duration`, timing `step`) counts more steps than
+its kept spans, its training row is taken from the aggregates instead: the exported
+`otelprof.train.samples` / `otelprof.train.tokens` counters over the histogram's total step
+time (every step, step 0 included), and FLOP/s (MFU) from the kept steps' rate.
 """
 
 from __future__ import annotations
@@ -15,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from otelprof.analysis.reader import ReadStats, Resource, SpanRec, Warn, iter_records
+from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.reader import (
+    PointRec,
+    ReadStats,
+    Resource,
+    SpanRec,
+    Warn,
+    iter_all_records,
+)
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary
 
@@ -23,6 +37,7 @@ STEP_SPAN = "step"
 PHASE_ATTR = "otelprof.phase"
 WORK_ATTRS = ("otelprof.samples", "otelprof.tokens", "otelprof.flops")
 PEAK_ATTR = "otelprof.peak_flops"
+COUNTERS = {"otelprof.train.samples": "samples", "otelprof.train.tokens": "tokens"}
 
 
 @dataclass
@@ -46,6 +61,7 @@ class PhaseThroughput:
     flops_per_s: float | None
     mfu: float | None
     peak_flops: float | None
+    from_aggregates: bool = False  # counters + step histogram: traces were sampled
 
 
 def _number(value: Any) -> float | None:
@@ -62,9 +78,31 @@ def analyze(
     """One pass over the spans; a row per phase that recorded any work. `steps` (A, B):
     only steps A <= n < B (`otelprof report --steps A:B`); else every step but step 0."""
     accs: dict[tuple[str, Resource], _Acc] = {}
-    for rec in iter_records(files, warn, ReadStats()):
+    kept_steps: dict[Resource, int] = {}  # kept training step spans, step 0 included
+    step_hists: dict[Resource, HistRec] = {}  # latest cumulative step histogram
+    counters: dict[tuple[Resource, str], tuple[int, float]] = {}  # latest (time, total)
+    for rec in iter_all_records(files, warn, ReadStats()):
+        if isinstance(rec, HistRec):
+            if rec.timing == STEP_SPAN and rec.phase == "train":
+                seen = step_hists.get(rec.resource)
+                if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
+                    step_hists[rec.resource] = rec
+            continue
+        if isinstance(rec, PointRec):
+            what = COUNTERS.get(rec.name)
+            if (
+                what
+                and rec.kind == "sum"
+                and dict(rec.attributes).get(PHASE_ATTR, "train") == ("train")
+            ):
+                key = (rec.resource, what)
+                if rec.time_ns >= counters.get(key, (0, 0.0))[0]:
+                    counters[key] = (rec.time_ns, rec.value)
+            continue
         if not isinstance(rec, SpanRec) or rec.parent_span_id:
             continue
+        if rec.name == STEP_SPAN and (rec.attr(PHASE_ATTR) or "train") == "train":
+            kept_steps[rec.resource] = kept_steps.get(rec.resource, 0) + 1
         phase = rec.attr(PHASE_ATTR)
         number = rec.attr("otelprof.step")
         if steps is not None and isinstance(number, int):
@@ -89,6 +127,9 @@ def analyze(
         peak = _number(rec.attr(PEAK_ATTR))
         if peak:
             acc.peak = peak
+    sampled = False
+    if steps is None:  # the histograms cannot be filtered by step number
+        sampled = _from_aggregates(accs, kept_steps, step_hists, counters)
     by_phase: dict[str, list[_Acc]] = {}
     for (phase, _resource), acc in accs.items():
         by_phase.setdefault(phase, []).append(acc)
@@ -112,9 +153,34 @@ def analyze(
                 flops_per_s=rate("flops"),
                 mfu=sum(mfus) / len(mfus) if mfus else None,
                 peak_flops=max(peaks) if peaks else None,
+                from_aggregates=sampled and phase == "train",
             )
         )
     return out
+
+
+def _from_aggregates(
+    accs: dict[tuple[str, Resource], _Acc],
+    kept_steps: dict[Resource, int],
+    step_hists: dict[Resource, HistRec],
+    counters: dict[tuple[Resource, str], tuple[int, float]],
+) -> bool:
+    """Replace each sampled process's training figures by its counters over its step
+    histogram; True if any was replaced."""
+    replaced = False
+    for resource, hist in step_hists.items():
+        acc = accs.get(("train", resource))
+        if acc is None or hist.count <= kept_steps.get(resource, 0) or hist.sum <= 0:
+            continue  # all steps were kept (exact spans stay), or no work was recorded
+        flops_rate = acc.flops / acc.seconds if acc.flops is not None and acc.seconds else None
+        acc.steps, acc.seconds = hist.count, hist.sum
+        acc.samples = (
+            counters[(resource, "samples")][1] if (resource, "samples") in counters else None
+        )
+        acc.tokens = counters[(resource, "tokens")][1] if (resource, "tokens") in counters else None
+        acc.flops = flops_rate * hist.sum if flops_rate is not None else None
+        replaced = True
+    return replaced
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:
@@ -141,7 +207,14 @@ def throughput_section(summary: RunSummary) -> Section | None:
         }
         for r in rows
     ]
-    notes = [
+    notes = []
+    if any(r.from_aggregates for r in rows):
+        notes.append(
+            "traces were sampled: training samples/s and tokens/s are the exported counters "
+            "over every step's time (otelprof.timing.duration, step 0 included); TFLOP/s "
+            "and MFU are the kept steps' rate"
+        )
+    notes += [
         "rates are work / step time of each phase's steps (other phases excluded), summed "
         "over processes; MFU is per device; "
         + (
