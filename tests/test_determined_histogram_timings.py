@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import otelprof
 from otelprof.determined.aggregate import WindowAggregator
+from otelprof.determined.client import Credentials, DeterminedClient
 from otelprof.determined.mapping import HistogramPoint, TimingSample
+from otelprof.determined.pipeline import Pipeline
+from otelprof.determined.server import BridgeServer
+from otelprof.determined.spool import DiskSpool
 from tests.determined_contract import DeterminedContractServer, trial_metrics
 
 TRAIN_STEPS = 3000
@@ -97,6 +102,45 @@ def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
         assert got == pytest.approx(expected, rel=0.15, abs=30e-6), key
         assert got <= expected * 1.000001, key  # never more than the wrapped time
     assert prof.stats()["dropped_total"] == 0
+
+
+def test_bridge_timings_count_every_step_of_a_sampled_otlp_run(
+    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name, value in {
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": "1",
+        "DET_AGENT_ID": "a1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    client = DeterminedClient(master.url, Credentials(user_token=master.token))  # type: ignore[attr-defined]
+    pipeline = Pipeline(client, DiskSpool(tmp_path / "spool"), window_s=1.0, retry_max_s=0.5)
+    bridge = BridgeServer(pipeline, "127.0.0.1:0")
+    bridge.start()
+    try:
+        with otelprof.instrument(
+            endpoint=f"http://127.0.0.1:{bridge.port}", detached=False, interval=0.25,
+            trace_budget=0, host_metrics=False, process_metrics=False,
+        ) as prof:  # fmt: skip
+            for _ in range(TRAIN_STEPS):
+                with otelprof.timing("dataloader_next"):
+                    pass
+                with otelprof.timing("forward"):
+                    pass
+                prof.step()
+            time.sleep(0.6)
+            assert prof.stats()["timings.spans_sampled_out"] > TRAIN_STEPS
+        deadline = time.monotonic() + 20
+        while True:
+            rows = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
+            forward = sum(r["metrics"]["batch_metrics"][0].get("forward_count", 0) for r in rows)
+            if forward >= TRAIN_STEPS or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        bridge.stop(grace_s=0.5, drain_timeout_s=2.0)
+    assert forward == TRAIN_STEPS  # every call, each once: not the kept spans' count
+    assert rows[-1]["totalBatches"] == TRAIN_STEPS
 
 
 def _hist(
