@@ -233,3 +233,42 @@ def test_a_trial_without_histograms_keeps_its_timings_from_spans() -> None:
     agg.add_timings([_span("forward", 3, 0.3, 2)])
     report = _report(agg)
     assert report == {"steps": 3, "forward_s": pytest.approx(0.1), "forward_count": 3}
+
+
+def _histogram_request(rank: int, unit: str = "s") -> Any:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+    )
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+
+    def kv(key: str, value: object) -> KeyValue:
+        if isinstance(value, int):
+            return KeyValue(key=key, value=AnyValue(int_value=value))
+        return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+    request = ExportMetricsServiceRequest()
+    rm = request.resource_metrics.add()
+    for key, value in {"determined.trial.id": 7, "determined.trial.run_id": 1,
+                       "host.name": "h", "otelprof.rank": rank}.items():  # fmt: skip
+        rm.resource.attributes.append(kv(key, value))
+    metric = rm.scope_metrics.add().metrics.add()
+    metric.name, metric.unit = "otelprof.timing.duration", unit
+    metric.histogram.aggregation_temporality = 2  # cumulative
+    point = metric.histogram.data_points.add()
+    point.count, point.sum, point.start_time_unix_nano, point.time_unix_nano = 4, 0.4, 1, 2
+    point.attributes.extend([kv("otelprof.timing", "forward"), kv("otelprof.phase", "validation")])
+    return request
+
+
+def test_histogram_points_map_to_phase_keys_from_rank_0_only_and_need_seconds() -> None:
+    from otelprof.determined.mapping import Route, extract_metrics
+
+    (point,) = extract_metrics(_histogram_request(0), Route()).histograms
+    assert (point.name, point.calls, point.sum_s, point.cumulative) == (
+        "forward_validation", 4, 0.4, True,
+    )  # fmt: skip
+    other_rank = extract_metrics(_histogram_request(1), Route())
+    assert other_rank.histograms == [] and other_rank.ignored == 1
+    wrong_unit = extract_metrics(_histogram_request(0, unit="ms"), Route())
+    assert wrong_unit.histograms == [] and wrong_unit.rejected == 1
+    assert "unit 'ms'" in wrong_unit.errors[0]
