@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import random
 import time
@@ -158,9 +159,14 @@ def _train(prof: Any, steps: int) -> None:
                 pass
 
 
-def test_histograms_equal_what_full_traces_give_per_timing_and_phase(tmp_path: Path) -> None:
+@pytest.mark.parametrize("budget", [float("inf"), 10.0], ids=["keep-all", "sampling"])
+def test_histograms_equal_what_full_traces_give_per_timing_and_phase(
+    tmp_path: Path, budget: float
+) -> None:
+    # with a budget every span still fits the head burst, so all are written: the
+    # sampling-mode builder (batched aggregation) must give the same histograms
     prof = otelprof.instrument(
-        output_dir=str(tmp_path), run_id="full", trace_budget=float("inf"),
+        output_dir=str(tmp_path), run_id="full", trace_budget=budget,
         host_metrics=False, process_metrics=False,
     )  # fmt: skip
     try:
@@ -182,7 +188,10 @@ def test_histograms_equal_what_full_traces_give_per_timing_and_phase(tmp_path: P
         assert dp["sum"] == pytest.approx(sum(durations), rel=1e-9, abs=1e-9), key
         assert dp["min"] == pytest.approx(min(durations), abs=1e-9), key
         assert dp["max"] == pytest.approx(max(durations), abs=1e-9), key
-        assert sum(int(c) for c in dp["bucketCounts"]) == len(durations)
+        buckets = [0] * (len(_sampling.BOUNDS) + 1)
+        for seconds in durations:
+            buckets[bisect.bisect_left(_sampling.BOUNDS, seconds)] += 1
+        assert [int(c) for c in dp["bucketCounts"]] == buckets, key
         (exemplar,) = dp["exemplars"]  # points at a span that was written
         assert (exemplar["traceId"], exemplar["spanId"]) in ids
 
@@ -208,3 +217,17 @@ def test_sampled_runs_keep_exact_histograms_and_account_for_every_span(tmp_path:
     assert written + stats["timings.spans_sampled_out"] == recorded
     assert written <= _sampling_burst + _sampling.TAIL_BURST + 1000
     assert stats["dropped_total"] == 0  # sampling out is not a loss
+
+
+def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
+    # every bound's edge in integer ns, both sides, plus a spread of ordinary values
+    values = [k + d for k in _sampling.BOUNDS_NS for d in (-1, 0, 1)]
+    values += [random.randrange(1, 10**10) for _ in range(2000)] + [0, 10**13]
+    one, batch = _sampling.DurationHistogram(), _sampling.DurationHistogram()
+    for ns in values:
+        one.add(ns / 1e9)
+    batch.add_ns(values[:1000])
+    batch.add_ns(values[1000:])
+    assert batch.buckets == one.buckets
+    assert (batch.count, batch.min, batch.max) == (one.count, one.min, one.max)
+    assert batch.sum == pytest.approx(one.sum, rel=1e-12)

@@ -25,7 +25,14 @@ from otelprof.export._spanlines import encode_span
 from otelprof.timings import _recorder as rec
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
-from otelprof.timings._sampling import DEFAULT_PHASE, Aggregates, TraceSampler
+from otelprof.timings._sampling import (
+    DEFAULT_PHASE,
+    MAX_BUFFERED,
+    Aggregates,
+    DurationHistogram,
+    TraceSampler,
+    _Pending,
+)
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -43,6 +50,9 @@ ATTR_EPOCH = "otelprof.epoch"
 ATTR_PHASE = "otelprof.phase"
 ATTR_SOURCE = "otelprof.source"
 ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
+
+
+_Batch = tuple[DurationHistogram, list[int]]
 
 
 class Clock:
@@ -134,6 +144,10 @@ class SpanBuilder:
         self._encoded: list[str] = []
         self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
         self.aggregates = Aggregates()
+        # sampling mode's fast path: phase -> raw name -> the duration batch of its
+        # histogram; batches are folded into the histograms at the end of every drain
+        self._raw_hists: dict[str, dict[str, list[int]]] = {}
+        self._batches: dict[int, _Batch] = {}
         self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
 
     # ---- lifecycle ----
@@ -188,6 +202,9 @@ class SpanBuilder:
                 self._write_encoded()
 
     def _drain_queue(self) -> None:
+        if not self.sampler.keep_all:
+            self._drain_sampling()
+            return
         queue = rec.queue
         popleft = queue.popleft
         done = 0
@@ -208,6 +225,103 @@ class SpanBuilder:
                     continue
                 self.cuda_unresolved += 1
             self._emit(frame)
+
+    def _drain_sampling(self) -> None:
+        """`_drain_queue` in sampling mode, with the common case inlined: a range (not a
+        step) without CUDA events or error, in a step not decided yet. Its duration goes to
+        a per-histogram batch (folded in at the end, in C) and the frame to its step's
+        buffer; no call, tuple or float per range. Everything else takes `_emit`. Measured
+        at ~1 µs of builder CPU per range against ~3.3 µs through `_sample`."""
+        queue = rec.queue
+        popleft = queue.popleft
+        sampler = self.sampler
+        pending_of = sampler._pending
+        stop = self._stop
+        batches = self._batches
+        by_phase = self._raw_hists
+        step_kind = rec.KIND_STEP
+        cur_ctx: Any = None
+        cur_buffer: list[Any] | None = None
+        cur_durations: dict[str, list[int]] = {}
+        done = 0
+        try:
+            while True:
+                try:
+                    frame = popleft()
+                except IndexError:
+                    return
+                done += 1
+                if done % YIELD_EVERY == 0 and not stop.is_set():
+                    time.sleep(YIELD_S)  # see `_drain_queue`
+                ctx = frame[3]
+                if (
+                    frame[10] is step_kind
+                    or frame[9] is not None
+                    or frame[8] is not None
+                    or ctx is None
+                ):
+                    self._emit_or_hold(frame)
+                    cur_ctx = None  # the slow path may have decided a step
+                    continue
+                if ctx is not cur_ctx:
+                    if ctx.kept is not None:
+                        self._emit_or_hold(frame)
+                        cur_ctx = None
+                        continue
+                    cur_ctx = ctx
+                    pending = pending_of.get(ctx)
+                    if pending is None:
+                        pending = pending_of[ctx] = _Pending()
+                    cur_buffer = pending.fields
+                    phase = ctx.phase or DEFAULT_PHASE
+                    cur_durations = by_phase.get(phase)  # type: ignore[assignment]
+                    if cur_durations is None:
+                        cur_durations = by_phase[phase] = {}
+                start = frame[6]
+                end = frame[7]
+                if not ctx.has_children:
+                    ctx.has_children = True
+                    ctx.first_child_ns = start
+                elif start < ctx.first_child_ns:
+                    ctx.first_child_ns = start
+                if end > ctx.last_child_ns:
+                    ctx.last_child_ns = end
+                durations = cur_durations.get(frame[0])
+                if durations is None:
+                    durations = self._durations_for(frame[0], ctx, batches)
+                durations.append(end - start)
+                cur_buffer.append(frame)  # type: ignore[union-attr]
+                sampler._buffered += 1
+                if sampler._buffered > MAX_BUFFERED:
+                    sampler._decide_oldest()
+                    cur_ctx = None
+        finally:
+            for hist, durations in batches.values():
+                hist.add_ns(durations)
+                durations.clear()
+
+    def _durations_for(self, raw: str, ctx: Any, batches: dict[int, _Batch]) -> list[int]:
+        """The duration batch of the histogram `raw` (in `ctx`'s phase) aggregates into;
+        remembered per (phase, raw name) while few enough."""
+        phase = ctx.phase or DEFAULT_PHASE
+        hist = self.aggregates.add_histogram(self._exported_name(raw), phase)
+        entry = batches.get(id(hist))
+        if entry is None:
+            entry = batches[id(hist)] = (hist, [])
+        by_raw = self._raw_hists[phase]
+        if len(by_raw) < MAX_CACHED_NAMES:
+            by_raw[raw] = entry[1]
+        return entry[1]
+
+    def _emit_or_hold(self, frame: list[Any]) -> None:
+        """One frame the general way: held while its CUDA events run, else emitted."""
+        cuda = frame[rec.F_CUDA]
+        if cuda is not None and not self._cuda.ready(cuda):
+            if len(self._pending) < self._max_pending:
+                self._pending.append(frame)
+                return
+            self.cuda_unresolved += 1
+        self._emit(frame)
 
     def _resolve_pending(self, *, final: bool, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
