@@ -162,6 +162,11 @@ class TokenBucket:
         self._clock = clock
         self._last = clock()
 
+    def could_take(self, n: float) -> bool:
+        """Whether `take(n)` would succeed now (takes nothing)."""
+        tokens = min(self.burst, self.tokens + (self._clock() - self._last) * self.rate)
+        return self.burst > 0 and tokens >= min(n, self.burst)
+
     def take(self, n: float) -> bool:
         """Take `n` tokens if the bucket holds them (a step bigger than the burst needs a
         full bucket, and leaves it in debt)."""
@@ -347,7 +352,13 @@ class TraceSampler:
             why = "capture"
         if why is None and pending.error and self._tail.take(n):
             why = "tail.error"
-        if why is None and recent and seconds > max(recent) and self._tail.take(n):
+        if (
+            why is None
+            and recent
+            and self._tail.could_take(n)  # mostly empty at fast steps: skip max() then
+            and seconds > max(recent)
+            and self._tail.take(n)
+        ):
             why = "tail.slowest"
         if why is None and self._head.take(n):
             why = "head"
