@@ -282,7 +282,7 @@ def _print(step_ms: float, bare: list[dict[str, float]], inst: list[dict[str, fl
         f"{bg / max(spans, 1) * 1e6:.1f} µs per written span"
     )
     print(
-        f"  data in {len(inst)} short blocks (initial burst included): "
+        f"  data in {len(inst)} whole instrumented runs (initial burst included): "
         f"{statistics.median(r['bytes_per_step'] for r in inst):,.0f} B/step; "
         f"dropped {sum(r['dropped'] for r in inst):.0f}"
     )
