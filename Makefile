@@ -1,4 +1,4 @@
-# otelprof: `make demo` and `make test` work on a fresh machine (Python 3.10+, Go, apt).
+# otelprof: `make demo` and `make test` work on a fresh machine (Python 3.10+, Go, npm, apt).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
