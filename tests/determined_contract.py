@@ -785,6 +785,23 @@ class DeterminedContractServer:
 
 
 # -- reading back over HTTP, as the Web UI does ------------------------------------------------
+def set_trial_env(
+    monkeypatch: Any, master: DeterminedContractServer, run_id: str = "1", **extra: str
+) -> None:
+    """The environment Determined gives trial 42's task (user token from the test's `master`
+    fixture), so `instrument(determined=True)` reports to `master`."""
+    env = {
+        "DET_MASTER": master.url,
+        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
+        "DET_TRIAL_ID": "42",
+        "DET_TRIAL_RUN_ID": run_id,
+        "DET_AGENT_ID": "agent-1",
+        **extra,
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def _ndjson(response: httpx.Response) -> list[dict[str, Any]]:
     response.raise_for_status()
     return [json.loads(line) for line in response.text.splitlines() if line.strip()]

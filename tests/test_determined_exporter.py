@@ -16,7 +16,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 import otelprof
 from otelprof.determined.client import ConfigError, Credentials
 from otelprof.export.determined import DeterminedMetricExporter, build_pipeline
-from tests.determined_contract import DeterminedContractServer, available_series, trial_metrics
+from tests.determined_contract import (
+    DeterminedContractServer,
+    available_series,
+    set_trial_env,
+    trial_metrics,
+)
 from tests.determined_feed import trial_resource
 
 GPU = "GPU-11111111-aaaa-bbbb-cccc-000000000000"
@@ -151,14 +156,7 @@ def test_missing_master_or_credentials_is_a_clear_config_error() -> None:
 def test_instrument_with_determined_posts_real_hardware_and_timings_from_the_process(
     master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:
-    for name, value in {
-        "DET_MASTER": master.url,
-        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-        "DET_TRIAL_ID": "42",
-        "DET_TRIAL_RUN_ID": "1",
-        "DET_AGENT_ID": "agent-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master)
     with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
         for _ in range(3):
             with otelprof.timing("train_batch"):
@@ -177,14 +175,7 @@ def test_reports_the_master_refuses_show_as_lost_in_stats_not_as_exported(
     master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     master.restart_trial(42)  # the master is at run 2; this process still says run 1
-    for name, value in {
-        "DET_MASTER": master.url,
-        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-        "DET_TRIAL_ID": "42",
-        "DET_TRIAL_RUN_ID": "1",
-        "DET_AGENT_ID": "agent-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master)
     with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
         time.sleep(0.5)
     stats = prof.stats()
@@ -197,14 +188,7 @@ def test_reports_the_master_refuses_show_as_lost_in_stats_not_as_exported(
 def test_reports_still_undelivered_at_shutdown_are_counted_as_dropped(
     master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name, value in {
-        "DET_MASTER": master.url,
-        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-        "DET_TRIAL_ID": "42",
-        "DET_TRIAL_RUN_ID": "1",
-        "DET_AGENT_ID": "agent-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master)
     # every report a retryable 500 until the process ends
     with (
         master.database_down(),

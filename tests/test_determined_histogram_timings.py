@@ -21,7 +21,7 @@ from otelprof.determined.mapping import HistogramPoint, TimingSample
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import DiskSpool
-from tests.determined_contract import DeterminedContractServer, trial_metrics
+from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
 
 TRAIN_STEPS = 3000
 VALIDATION_BATCHES = 40
@@ -48,14 +48,7 @@ def _timed(record: dict[str, list[int]], key: str, name: str, sleep_s: float) ->
 def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
     master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name, value in {
-        "DET_MASTER": master.url,
-        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-        "DET_TRIAL_ID": "42",
-        "DET_TRIAL_RUN_ID": "1",
-        "DET_AGENT_ID": "agent-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master)
     mine: dict[str, list[int]] = {}
     with otelprof.instrument(
         determined=True, detached=False, interval=0.2, trace_budget=0,

@@ -10,7 +10,7 @@ import pytest
 
 import otelprof
 from otelprof.determined.mapping import phase_timing_name
-from tests.determined_contract import DeterminedContractServer, trial_metrics
+from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
 
 
 @pytest.fixture
@@ -34,14 +34,7 @@ def test_timing_keys_of_other_phases_stay_apart() -> None:
 def test_determined_gets_throughput_mfu_and_validation_apart_from_training(
     master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for name, value in {
-        "DET_MASTER": master.url,
-        "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-        "DET_TRIAL_ID": "42",
-        "DET_TRIAL_RUN_ID": "1",
-        "DET_AGENT_ID": "agent-1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master)
     otelprof.set_peak_flops(1e12)
     try:
         with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:

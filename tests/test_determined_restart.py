@@ -23,7 +23,7 @@ from otelprof.determined.mapping import timing_name
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import MemorySpool
-from tests.determined_contract import DeterminedContractServer, trial_metrics
+from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
 from tests.determined_feed import OtlpClient, timing_spans_request, trial_resource
 
 TRAINED = 3000  # batches the trial's first run trained (and checkpointed)
@@ -73,11 +73,7 @@ def _numeric_only(posts: list[Any]) -> bool:
 
 
 def _env(monkeypatch: pytest.MonkeyPatch, master: DeterminedContractServer, **extra: str) -> None:
-    env = {"DET_MASTER": master.url, "DET_USER_TOKEN": master.token,  # type: ignore[attr-defined]
-           "DET_TRIAL_ID": "42", "DET_TRIAL_RUN_ID": str(master.trial(42)["runId"]),
-           "DET_AGENT_ID": "agent-1", **extra}  # fmt: skip
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    set_trial_env(monkeypatch, master, run_id=str(master.trial(42)["runId"]), **extra)
 
 
 def _train(steps: int, **options: Any) -> otelprof.Profiler:
