@@ -60,6 +60,7 @@ class Settings:
     trace_budget: float = 10.0
     compress: bool = False
     max_trace_bytes: int | None = 1 << 30
+    max_metrics_bytes: int | None = 1 << 30
 
     @property
     def run_dir(self) -> Path:
@@ -128,6 +129,7 @@ ENVIRONMENT: dict[str, tuple[str, ...]] = {
     "trace_budget": ("OTELPROF_TRACE_BUDGET",),
     "compress": ("OTELPROF_COMPRESS",),
     "max_trace_bytes": ("OTELPROF_MAX_TRACE_BYTES",),
+    "max_metrics_bytes": ("OTELPROF_MAX_METRICS_BYTES",),
 }
 # `interval` is accepted as the friendly keyword for interval_s.
 _ALIASES = {"interval": "interval_s", "export_timeout": "export_timeout_s"}
@@ -332,6 +334,12 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
             f"{_where('max_trace_bytes', raw['max_trace_bytes'])}: must be >= 0 (0 = no cap)"
         )
     values["max_trace_bytes"] = cap or None
+    cap = _as_number("max_metrics_bytes", raw["max_metrics_bytes"], int, 1 << 30)
+    if cap < 0:
+        raise ConfigError(
+            f"{_where('max_metrics_bytes', raw['max_metrics_bytes'])}: must be >= 0 (0 = no cap)"
+        )
+    values["max_metrics_bytes"] = cap or None
     values["resource_attributes"] = _as_mapping("resource_attributes", raw["resource_attributes"])
 
     run_id = _as_str(raw["run_id"]) or _default_run_id()

@@ -85,6 +85,18 @@ class ExportCounters:
         _log.warning(message, *args)
 
 
+class ExportDropped(Exception):
+    """Raised by an inner metric exporter that refused a whole export on purpose (a size
+    cap): `CountingMetricExporter` counts its points as `<name>.metric_points_dropped_<reason>`
+    and its exports as `<name>.metric_exports_<reason>` (not a loss key, so `dropped_total`
+    stays a count of points), and logs `message` once, instead of reporting a failure."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
 def _count_points(data: MetricsData) -> int:
     return sum(
         len(getattr(metric.data, "data_points", ()))
@@ -194,6 +206,11 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
             # system metrics: each point's time = its read, start = its window (see _stamps)
             metrics_data = apply_read_times(metrics_data)
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except ExportDropped as dropped:
+            self._counters.add(f"{self.name}.metric_points_dropped_{dropped.reason}", points)
+            self._counters.add(f"{self.name}.metric_exports_{dropped.reason}")
+            self._counters.warn_once(f"{self.name}.{dropped.reason}", "%s", dropped.message)
+            return MetricExportResult.FAILURE
         except Exception as error:
             self._counters.warn_once(
                 f"{self.name}.metric_error",

@@ -17,7 +17,8 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof.config import Settings
-from otelprof.export._spanlines import GzipLineStream, SpanLineExporter, SpanLineWriter
+from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
+from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -122,12 +123,17 @@ def _add_files(
     if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member
         metrics_name, traces_name = f"{metrics_name}.gz", f"{traces_name}.gz"
     pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
-    if compress:
-        stream = GzipLineStream(pipelines.files["metrics"])
-        metric_exporter = FileMetricExporter(stream=stream)  # type: ignore[call-overload]
-        pipelines.closers.append(stream.close)
-    else:
-        metric_exporter = FileMetricExporter(pipelines.files["metrics"])
+    # whole lines, gzip'd with `compress`, none past max_metrics_bytes (drops are counted)
+    stream = MetricLineStream(
+        pipelines.files["metrics"],
+        compress=compress,
+        max_bytes=getattr(settings, "max_metrics_bytes", None),
+    )
+    metric_exporter = CappedMetricExporter(
+        FileMetricExporter(stream=stream),  # type: ignore[call-overload]
+        stream,
+    )
+    pipelines.closers.append(stream.close)
     pipelines.metric_readers.append(
         _metric_reader(pipelines, "files", metric_exporter, settings, counters)
     )
