@@ -253,6 +253,14 @@ class Profiler:
         # every range's duration, as histograms in every metrics export (traces are sampled)
         self._aggregate_metrics = AggregateMetrics(engine.aggregates, self.resource, _version())
         self._counters.add_metric_extra(self._aggregate_metrics.merge)
+        registry = self._pipelines.prometheus_registry
+        if registry is not None:  # and on the pull endpoint, at each scrape
+            from otelprof.export._prom_histograms import register
+
+            _degrade(
+                "timing histograms on the Prometheus endpoint",
+                lambda: register(registry, engine.aggregates, self.resource.attributes, _version()),
+            )
         return engine
 
     def _start_distributed(self) -> Any:

@@ -7,7 +7,8 @@ merged into the data each counting metric exporter sends (files, OTLP, Determine
 cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
 them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports; it keeps the
 files small), other exporters with every export; all once more at shutdown.
-The Prometheus pull endpoint does not get them (it reads the SDK's instruments only).
+The Prometheus pull endpoint reads the SDK's instruments only, so it gets them from its own
+collector instead (`otelprof.export._prom_histograms`, a consistent snapshot per scrape).
 """
 
 from __future__ import annotations

@@ -47,6 +47,9 @@ class ExportPipelines:
     closers: list[Callable[[], None]] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
     prometheus_port: int | None = None
+    prometheus_registry: Any = None
+    """The pull endpoint's prometheus_client registry (None without one): the timing
+    histograms are registered on it once the timings engine exists."""
     exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
 
     def abandon_exports(self) -> None:
@@ -209,6 +212,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
         return
     reader = PrometheusMetricReader(registry=registry)
     pipelines.prometheus_port = int(server.server_address[1])
+    pipelines.prometheus_registry = registry
     pipelines.metric_readers.append(reader)
 
     def stop() -> None:

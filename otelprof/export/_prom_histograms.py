@@ -1,0 +1,140 @@
+"""The timing histograms (`otelprof.timing.duration`) on the Prometheus pull endpoint.
+
+Why: the histograms are aggregated in process (`otelprof.timings._sampling.Aggregates`),
+not through an SDK instrument, so the SDK's PrometheusMetricReader never sees them. This
+prometheus_client collector, registered on the endpoint's own registry, reads a consistent
+snapshot at every scrape and exposes it the way the collector's `prometheus` exporter
+(`resource_to_telemetry_conversion` on, see collector-config/otelcol.yaml) exposes the same
+OTLP histogram: `otelprof_timing_duration_seconds_{bucket,sum,count}` labelled
+`otelprof_timing`, `otelprof_phase`, the `otel_scope_*` labels and every resource attribute
+(`service_name`, `host_name`, `otelprof_rank`, `determined_trial_id`, ...; less the
+`telemetry.sdk.*` ones the collector config deletes), cumulative
+buckets with `le` in seconds. So the dashboards' queries work against either source. The
+collector's `job`/`instance` labels are left to the scraping Prometheus, which sets them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.samples import Exemplar
+from prometheus_client.utils import floatToGoString
+
+from otelprof.timings._sampling import BOUNDS
+
+_log = logging.getLogger("otelprof.export")
+
+PROM_NAME = "otelprof_timing_duration_seconds"
+SCOPE_NAME = "otelprof.timings"
+DOCUMENTATION = (
+    "Durations of every recorded timing range, per timing name and phase "
+    "(exact count/sum/min/max; traces are sampled, these are not)"
+)
+_LE = [floatToGoString(bound) for bound in BOUNDS] + ["+Inf"]
+_INVALID = re.compile(r"[^a-zA-Z0-9_]")
+DROPPED_RESOURCE_KEYS = frozenset(
+    {
+        "telemetry.sdk.name",
+        "telemetry.sdk.language",
+        "telemetry.sdk.version",
+        "telemetry.auto.version",
+    }
+)
+"""What collector-config/otelcol.yaml's `resource` processor deletes before its exporters."""
+
+
+def label_name(key: str) -> str:
+    """An OTel attribute key as a Prometheus label name, as the collector's translator does
+    (invalid characters to `_`, a leading digit gets `key_`, a leading `_` gets `key`)."""
+    name = _INVALID.sub("_", key)
+    if name[:1].isdigit():
+        name = "key_" + name
+    elif name.startswith("_") and not name.startswith("__"):
+        name = "key" + name
+    return name
+
+
+def _label_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_label_value(v) for v in value) + "]"
+    return str(value)
+
+
+class TimingHistogramCollector:
+    """Yields `otelprof_timing_duration_seconds` from a live `Aggregates` at each scrape."""
+
+    def __init__(
+        self, aggregates: Any, resource_attributes: Mapping[str, Any], version: str
+    ) -> None:
+        self._aggregates = aggregates
+        labels: dict[str, str] = {}
+        for key, value in resource_attributes.items():
+            if key in DROPPED_RESOURCE_KEYS:
+                continue
+            labels[label_name(str(key))] = _label_value(value)
+        labels.update(
+            otel_scope_name=SCOPE_NAME, otel_scope_schema_url="", otel_scope_version=version
+        )
+        self._base = labels
+        self._failed = False
+
+    def describe(self) -> list[Metric]:
+        """Nothing at registration: keeps `register()` from calling `collect()` early."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            family = self._family()
+        except Exception as error:  # a scrape must never take the endpoint down
+            if not self._failed:
+                self._failed = True
+                _log.warning("otelprof: timing histograms left out of a scrape: %r", error)
+            return
+        if family is not None:
+            yield family
+
+    def _family(self) -> HistogramMetricFamily | None:
+        family: HistogramMetricFamily | None = None
+        for name, phase, hist in self._aggregates.snapshot():
+            if not hist.count:
+                continue
+            if family is None:
+                labels = [*self._base, "otelprof_timing", "otelprof_phase"]
+                family = HistogramMetricFamily(PROM_NAME, DOCUMENTATION, labels=labels)
+            exemplar_bucket, exemplar = _exemplar(hist.exemplar)
+            buckets: list[Any] = []
+            running = 0
+            for index, (le, n) in enumerate(zip(_LE, hist.buckets, strict=True)):
+                running += n
+                if index == exemplar_bucket:
+                    buckets.append((le, running, exemplar))
+                else:
+                    buckets.append((le, running))
+            # _count is the +Inf bucket, so a scrape racing the builder's update of one
+            # histogram still exposes a self-consistent one (the next scrape catches up).
+            family.add_metric([*self._base.values(), name, phase], buckets, hist.sum)
+        return family
+
+
+def _exemplar(raw: tuple[float, int, int, int] | None) -> tuple[int, Exemplar | None]:
+    """(bucket index, exemplar) for the kept trace a histogram points at, as the collector
+    exposes it (OpenMetrics only): labels trace_id/span_id in hex, time in seconds."""
+    if raw is None:
+        return -1, None
+    value, at_ns, trace_id, span_id = raw
+    labels = {"trace_id": format(trace_id, "032x"), "span_id": format(span_id, "016x")}
+    return bisect.bisect_left(BOUNDS, value), Exemplar(labels, value, at_ns / 1e9)
+
+
+def register(
+    registry: Any, aggregates: Any, resource_attributes: Mapping[str, Any], version: str
+) -> None:
+    """Serve the timing histograms on `registry` (the pull endpoint's)."""
+    registry.register(TimingHistogramCollector(aggregates, resource_attributes, version))
