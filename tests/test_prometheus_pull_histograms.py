@@ -253,3 +253,66 @@ def test_real_prometheus_scraping_the_endpoint_answers_the_dashboards_quantile_q
     # steps take ~3-11 ms here; every quantile lies within the buckets that saw them
     for name, value in answers.items():
         assert 0.0002 < value < 0.05, (name, value)
+
+
+def test_scrapes_during_training_are_each_consistent_and_never_go_back(tmp_path: Path) -> None:
+    import threading
+
+    with otelprof.instrument(
+        detached=False, prometheus_port=0, host_metrics=False, process_metrics=False
+    ) as prof:
+        assert prof.prometheus_port
+        port = prof.prometheus_port
+        scrapes: list[dict[tuple[str, str], dict[str, Any]]] = []
+        stop = threading.Event()
+
+        def scrape_loop() -> None:
+            while not stop.is_set():
+                scrapes.append(_histograms(_scrape(port)))
+
+        scraper = threading.Thread(target=scrape_loop)
+        scraper.start()
+        try:
+            for _ in range(40):
+                for _ in range(25):
+                    with otelprof.timing("train_batch"):
+                        pass
+                    prof.step()
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            scraper.join(timeout=10)
+    assert len(scrapes) >= 5, "too few scrapes to check"
+    previous: dict[tuple[str, str], float] = {}
+    for scrape in scrapes:
+        for key, hist in scrape.items():
+            counts = [n for _, n in hist["buckets"]]
+            assert counts == sorted(counts), key
+            assert counts[-1] == hist["count"], key
+            assert hist["count"] >= previous.get(key, 0), key
+            previous[key] = hist["count"]
+    assert previous[("train_batch", "train")] > 0
+
+
+def test_a_failing_histogram_read_leaves_the_rest_of_the_scrape_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with otelprof.instrument(
+        detached=False, prometheus_port=0, host_metrics=True, process_metrics=False, interval=0.2
+    ) as prof:
+        assert prof.prometheus_port
+        aggregates = prof._timings.aggregates
+
+        def broken() -> list[Any]:
+            raise RuntimeError("snapshot exploded")
+
+        aggregates.snapshot = broken
+        with otelprof.timing("train_batch"):
+            pass
+        prof.step()
+        time.sleep(0.3)
+        body = _scrape(prof.prometheus_port)
+        _scrape(prof.prometheus_port)
+    assert "system_cpu_utilization{" in body
+    assert HIST not in body
+    assert caplog.text.count("timing histograms left out of a scrape") == 1
