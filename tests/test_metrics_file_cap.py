@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.exporter.otlp.json.file import FileMetricExporter
@@ -52,11 +53,30 @@ def _metrics_data(points: int) -> MetricsData:
 
 
 def _capped_exporter(
-    path: Path, counters: ExportCounters, cap: int | None, compress: bool = False
-) -> tuple[CountingMetricExporter, MetricLineStream]:
-    stream = MetricLineStream(path, compress=compress, max_bytes=cap)
-    inner = CappedMetricExporter(FileMetricExporter(stream=stream), stream)  # type: ignore[call-overload]
-    return CountingMetricExporter("files", inner, counters), stream
+    path: Path,
+    counters: ExportCounters,
+    cap: int | None,
+    compress: bool = False,
+    reserve: int | None = 0,
+) -> tuple[CountingMetricExporter, CappedMetricExporter]:
+    stream = MetricLineStream(path, compress=compress, max_bytes=cap, reserve_bytes=reserve)
+    file_exporter = FileMetricExporter(stream=stream)  # type: ignore[call-overload]
+    capped = CappedMetricExporter(file_exporter, stream, counters, "files")
+    return CountingMetricExporter("files", capped, counters), capped
+
+
+def _step_count(line: dict[str, Any]) -> int | None:
+    """The `step` timing histogram's count in one metrics request, if it has one."""
+    for rm in line["resourceMetrics"]:
+        for sm in rm["scopeMetrics"]:
+            for metric in sm["metrics"]:
+                if metric["name"] != "otelprof.timing.duration":
+                    continue
+                for point in metric["histogram"]["dataPoints"]:
+                    attrs = {a["key"]: a["value"] for a in point["attributes"]}
+                    if attrs.get("otelprof.timing") == {"stringValue": "step"}:
+                        return int(point["count"])
+    return None
 
 
 def test_a_tiny_cap_stops_the_metrics_file_at_the_cap_and_counts_the_dropped_exports(
@@ -124,16 +144,16 @@ def test_each_export_is_written_whole_or_dropped_whole_and_counted_by_its_points
 ) -> None:
     counters = ExportCounters()
     path = tmp_path / "metrics.jsonl"
-    exporter, stream = _capped_exporter(path, counters, cap=None)
+    exporter, capped = _capped_exporter(path, counters, cap=None)
     exporter.export(_metrics_data(3))
     line = path.stat().st_size
     exporter.shutdown()
-    stream.close()
+    capped.close()
     path.unlink()
 
-    exporter, stream = _capped_exporter(path, counters := ExportCounters(), cap=2 * line + 10)
+    exporter, capped = _capped_exporter(path, counters := ExportCounters(), cap=2 * line + 10)
     results = [exporter.export(_metrics_data(3)) for _ in range(4)]
-    stream.close()
+    capped.close()
     assert [r.name for r in results] == ["SUCCESS", "SUCCESS", "FAILURE", "FAILURE"]
     assert path.stat().st_size == 2 * line
     assert len(read_lines(path)) == 2
@@ -148,20 +168,67 @@ def test_lines_already_in_the_file_are_kept_and_count_toward_the_cap(tmp_path: P
     earlier = b'{"resourceMetrics":[]}\n' * 40
     path.write_bytes(earlier)
     counters = ExportCounters()
-    exporter, stream = _capped_exporter(path, counters, cap=len(earlier) + 50)
+    exporter, capped = _capped_exporter(path, counters, cap=len(earlier) + 50, reserve=None)
     exporter.export(_metrics_data(2))
-    stream.close()
+    capped.close()  # the held export does not fit either
     assert path.read_bytes() == earlier
     assert counters.snapshot()[DROPPED] == 2
+
+
+def test_the_newest_dropped_export_is_written_at_close_into_the_reserve(tmp_path: Path) -> None:
+    counters = ExportCounters()
+    path = tmp_path / "metrics.jsonl"
+    exporter, capped = _capped_exporter(path, counters, cap=None)
+    exporter.export(_metrics_data(3))
+    line = path.stat().st_size
+    capped.close()
+    path.unlink()
+
+    # room for 4 lines; the last 2 are kept for the final export
+    exporter, capped = _capped_exporter(
+        path, counters := ExportCounters(), 4 * line, reserve=2 * line
+    )
+    for _ in range(4):
+        exporter.export(_metrics_data(3))
+    exporter.export(_metrics_data(5))  # the "final" export: larger, and newest
+    assert counters.snapshot()[DROPPED] == 2 * 3 + 5
+    capped.close()
+    lines = read_lines(path)
+    assert len(lines) == 3 and path.stat().st_size <= 4 * line
+    final = lines[-1]["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]
+    assert len(final["gauge"]["dataPoints"]) == 5
+    counts = counters.snapshot()
+    assert counts["files.metric_points_exported"] == 2 * 3 + 5
+    assert counts[DROPPED] == 2 * 3 and counts[CAPPED_EXPORTS] == 2
+
+
+def test_a_run_past_its_cap_still_ends_with_its_final_timing_histograms(
+    tmp_path: Path,
+) -> None:
+    cap = 100_000  # a quarter kept for the final export, which a ~20 KB histogram line fits
+    run_dir = tmp_path / "runs" / "cap"
+    run_dir.mkdir(parents=True)
+    earlier = b'{"resourceMetrics":[]}\n' * (70_000 // 23)  # a file nearly at the periodic limit
+    (run_dir / "metrics.jsonl").write_bytes(earlier)
+    prof = _capped_run(tmp_path, cap)
+    path = prof.files["metrics"]
+    assert path.read_bytes().startswith(earlier) and path.stat().st_size <= cap
+    stats = prof.stats()
+    assert stats[DROPPED] > 0  # periodic exports past the limit
+    assert _step_count(read_lines(path)[-1]) == 30  # the final export made it in
+    warnings = WarningLog(sink=lambda _m: None)
+    summary = summarize(open_run([run_dir]), warnings)
+    assert warnings.count == 0, warnings.messages
+    assert summary.step.count == 30
 
 
 def test_no_cap_writes_every_export(tmp_path: Path) -> None:
     counters = ExportCounters()
     path = tmp_path / "metrics.jsonl.gz"
-    exporter, stream = _capped_exporter(path, counters, cap=None, compress=True)
+    exporter, capped = _capped_exporter(path, counters, cap=None, compress=True)
     for _ in range(5):
         exporter.export(_metrics_data(4))
-    stream.close()
+    capped.close()
     assert len(read_lines(path)) == 5
     assert counters.snapshot()["files.metric_points_exported"] == 20
 

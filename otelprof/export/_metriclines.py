@@ -10,6 +10,13 @@ which `CountingMetricExporter` counts as `<name>.metric_points_dropped_size_cap`
 drop shows in `prof.stats()`, the end-of-run warning and the report's problems. The file
 keeps only whole lines, so it stays valid OTLP JSON Lines for `report`, `trace`, `replay`
 and the collector's otlpjsonfile receiver; lines already written are never touched.
+
+The run's last export matters most: the timing histograms are cumulative and the report
+reads the last point, so the final export (after the span builder's last drain) makes the
+breakdown exact over every step. Periodic exports therefore stop `reserve_bytes` short of
+the cap (a quarter of it, at most 16 MiB), and the newest refused line is held (one line,
+bounded) and written when the file is closed, if it fits under the cap; its points then
+count as exported, not dropped.
 """
 
 from __future__ import annotations
@@ -21,7 +28,14 @@ from typing import IO, Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
-from otelprof.export.counters import ExportDropped
+from otelprof.export.counters import ExportCounters, ExportDropped, count_points
+
+MAX_RESERVE_BYTES = 16 << 20
+
+
+def default_reserve(max_bytes: int | None) -> int:
+    """Room kept for the run's final export: a quarter of the cap, at most 16 MiB."""
+    return 0 if max_bytes is None else min(max_bytes // 4, MAX_RESERVE_BYTES)
 
 
 class MetricLineStream:
@@ -31,11 +45,23 @@ class MetricLineStream:
     file's cap), including what an earlier process appended to the same file. With
     `compress`, each flush is one gzip member, so a crash loses at most the member being
     written and every earlier line stays readable. `capped` counts the flushes dropped.
+    Flushes stop `reserve_bytes` short of `max_bytes`; the newest dropped one is held and
+    `close()` writes it if it fits under `max_bytes` (`held_written` then says so).
     """
 
-    def __init__(self, path: Path, *, compress: bool = False, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        compress: bool = False,
+        max_bytes: int | None = None,
+        reserve_bytes: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self.reserve_bytes = default_reserve(max_bytes) if reserve_bytes is None else reserve_bytes
+        self._held: bytes | None = None
+        self.held_written = False
         self._compress = compress
         self._buffer: list[str] = []
         self._raw: IO[bytes] | None = None
@@ -63,15 +89,32 @@ class MetricLineStream:
         if self._compress:
             data = gzip.compress(data, compresslevel=6)
         handle = self._file()
-        if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
+        if (
+            self.max_bytes is not None
+            and self.bytes_written + len(data) > self.max_bytes - self.reserve_bytes
+        ):
             self.capped += 1
+            self._held = data
             return
+        self._held = None  # a newer line made it in
         handle.write(data)
         handle.flush()
         self.bytes_written += len(data)
 
     def close(self) -> None:
         self.flush()
+        held, self._held = self._held, None
+        if (
+            held is not None
+            and not self.closed
+            and self.max_bytes is not None
+            and self.bytes_written + len(held) <= self.max_bytes
+        ):
+            handle = self._file()
+            handle.write(held)
+            handle.flush()
+            self.bytes_written += len(held)
+            self.held_written = True
         self.closed = True
         if self._raw is not None:
             self._raw.close()
@@ -80,15 +123,26 @@ class MetricLineStream:
 
 class CappedMetricExporter(MetricExporter):
     """Wraps the SDK's file exporter writing to a `MetricLineStream`; an export the cap
-    refused raises `ExportDropped("size_cap")` for the counting wrapper to count."""
+    refused raises `ExportDropped("size_cap")` for the counting wrapper to count.
+    `close()` closes the stream; if that wrote the held line, its points move from
+    `<name>.metric_points_dropped_size_cap` to `<name>.metric_points_exported`."""
 
-    def __init__(self, inner: MetricExporter, stream: MetricLineStream) -> None:
+    def __init__(
+        self,
+        inner: MetricExporter,
+        stream: MetricLineStream,
+        counters: ExportCounters | None = None,
+        name: str = "files",
+    ) -> None:
         super().__init__(
             preferred_temporality=inner._preferred_temporality,
             preferred_aggregation=inner._preferred_aggregation,
         )
         self._inner = inner
         self.stream = stream
+        self._counters = counters
+        self._name = name
+        self._held_points = 0
         self._lock = threading.Lock()
 
     def export(
@@ -98,11 +152,12 @@ class CappedMetricExporter(MetricExporter):
             capped = self.stream.capped
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
             if self.stream.capped != capped:
+                self._held_points = count_points(metrics_data)
                 raise ExportDropped(
                     "size_cap",
                     f"otelprof: {self.stream.path} reached its size cap "
-                    f"({self.stream.max_bytes} bytes); later metric exports are dropped and "
-                    "counted",
+                    f"({self.stream.max_bytes} bytes, the last {self.stream.reserve_bytes} kept "
+                    "for the run's final export); later metric exports are dropped and counted",
                 )
         return result
 
@@ -111,3 +166,13 @@ class CappedMetricExporter(MetricExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self._inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    def close(self) -> None:
+        """Close the file, writing the held last export if it fits (see the module doc)."""
+        with self._lock:
+            self.stream.close()
+            if self.stream.held_written and self._counters is not None:
+                points, self._held_points = self._held_points, 0
+                self._counters.add(f"{self._name}.metric_points_dropped_size_cap", -points)
+                self._counters.add(f"{self._name}.metric_exports_size_cap", -1)
+                self._counters.add(f"{self._name}.metric_points_exported", points)

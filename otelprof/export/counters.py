@@ -97,7 +97,8 @@ class ExportDropped(Exception):
         self.message = message
 
 
-def _count_points(data: MetricsData) -> int:
+def count_points(data: MetricsData) -> int:
+    """Data points in an export (what the point counters count)."""
     return sum(
         len(getattr(metric.data, "data_points", ()))
         for rm in data.resource_metrics
@@ -197,7 +198,7 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
         metrics_data = self._counters.merge_metric_extras(self.name, metrics_data)
-        points = _count_points(metrics_data)
+        points = count_points(metrics_data)
         if self._abandoned:
             self._counters.add(f"{self.name}.metric_points_failed", points)
             self._counters.add(f"{self.name}.metric_exports_failed")

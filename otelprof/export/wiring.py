@@ -135,8 +135,10 @@ def _add_files(
     metric_exporter = CappedMetricExporter(
         FileMetricExporter(stream=stream),  # type: ignore[call-overload]
         stream,
+        counters,
+        "files",
     )
-    pipelines.closers.append(stream.close)
+    pipelines.closers.append(metric_exporter.close)
     pipelines.metric_readers.append(
         _metric_reader(pipelines, "files", metric_exporter, settings, counters)
     )
