@@ -1,6 +1,18 @@
 """Step-rate overhead, background CPU per span and data volume, measured the way users run it.
 
-    .venv/bin/python bench/bench_step_rate.py [--step-ms 0.3 30] [--pairs 6] [--block-seconds 2]
+    .venv/bin/python bench/bench_step_rate.py [--step-ms 0.3 30] [--pairs 40] [--block-seconds 0.5]
+    .venv/bin/python bench/bench_step_rate.py --method sessions [--pairs 6] [--block-seconds 2]
+
+`--method interleaved` (default): one `otelprof.instrument()` session stays up (default
+settings, every background thread free), in its steady state; short blocks alternate A-B-B-A
+between the bare loop (the same matmuls, no otelprof call at all) and the instrumented loop
+(six `otelprof.timing` blocks and `prof.step()` per step). A shared VM's speed drifts by
+±25 % over seconds, so many short pairs compared pair by pair give a far steadier figure than
+a few long sessions. An instrumented block's time includes the span builder's catch-up after
+it (the ranges it recorded that were still queued when the block ended, built before the
+next bare block starts), so no otelprof work is left to land in a bare block.
+
+`--method sessions`: the older way, a whole `instrument()`/`shutdown()` per instrumented block:
 
 A CPU training step of `--step-ms` (small torch matmuls, 1 intra-op thread) split over
 Determined's six timings (`dataloader_next`, `to_device`, `train_batch`, `step_lr_schedulers`,
@@ -158,6 +170,98 @@ def _block(
     return result
 
 
+def _bare_loop(work: Work, units: list[int], seconds: float) -> int:
+    """The baseline of the interleaved method: the same work, no otelprof call at all."""
+    steps = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for n in units:
+            work.run(n)
+        steps += 1
+    return steps
+
+
+def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -> list[int]:
+    """Pairs of bare and instrumented blocks inside one steady-state session (see module
+    doc); prints each pair and the summary, returns the last calibration."""
+    units = _calibrate(work, step_ms / 1000, None)
+    prof = otelprof.instrument(output_dir=str(out), run_id=f"i{index}")
+    builder = prof._timings._builder  # the span builder, for its catch-up after a block
+    try:
+        waited = 0.0  # steady state: the initial head and tail bursts are spent, and
+        # steps are sampled out where they ran (timings.steps_sampled_out_on_thread)
+        while waited < 120 and _stat(prof, "timings.steps_sampled_out_on_thread") < 1000:
+            _loop(work, units, 0.25, prof)
+            waited += 0.25
+        _loop(work, units, 0.5, prof)
+        builder.flush()
+        bare: list[float] = []
+        inst: list[float] = []
+        ranges = 0
+        background = 0.0
+        off = 0
+        for pair in range(args.pairs):
+            if pair % 4 == 0:
+                units = _calibrate_bare(work, step_ms / 1000, units)
+            order = (False, True) if pair % 2 == 0 else (True, False)
+            times: dict[bool, float] = {}
+            for instrumented in order:
+                if instrumented:
+                    cpu = _background_cpu()
+                    start = time.perf_counter()
+                    steps = _loop(work, units, args.block_seconds, prof)
+                    builder.flush()
+                    wall = time.perf_counter() - start
+                    background += _background_cpu() - cpu
+                    ranges += steps * (len(TIMINGS) + 1)
+                else:
+                    start = time.perf_counter()
+                    steps = _bare_loop(work, units, args.block_seconds)
+                    wall = time.perf_counter() - start
+                times[instrumented] = wall / max(steps, 1) * 1e3
+            ratio = times[False] / step_ms
+            if not 1 / TOLERANCE <= ratio <= TOLERANCE:
+                off += 1
+                continue
+            bare.append(times[False])
+            inst.append(times[True])
+        stats = prof.stats()
+    finally:
+        prof.shutdown()
+    print(
+        f"step {step_ms} ms, interleaved in one session, {len(bare)} of {args.pairs} pairs "
+        f"counted ({off} off target: bare step outside ±{TOLERANCE}x)"
+    )
+    if not bare:
+        return units
+    over = sorted(i / b - 1 for b, i in zip(bare, inst, strict=True))
+    quart = (over[len(over) // 4], over[(3 * len(over)) // 4])
+    print(
+        f"  bare step median {statistics.median(bare):.3f} ms, instrumented "
+        f"{statistics.median(inst):.3f} ms; per-pair overhead median "
+        f"{statistics.median(over) * 100:+.1f} % (quartiles {quart[0] * 100:+.1f} / "
+        f"{quart[1] * 100:+.1f} %); total {(sum(inst) / sum(bare) - 1) * 100:+.1f} %"
+    )
+    print(
+        f"  background CPU {background:.2f} s over {ranges:,} ranges = "
+        f"{background / max(ranges, 1) * 1e6:.2f} µs per range "
+        f"({background / max(ranges, 1) * 1e6 * (len(TIMINGS) + 1):.1f} µs per step); "
+        f"dropped {stats.get('dropped_total', 0)}\n"
+    )
+    return units
+
+
+def _calibrate_bare(work: Work, step_s: float, units: list[int]) -> list[int]:
+    """`_calibrate` for the bare loop of the interleaved method."""
+    for _ in range(4):
+        steps = _bare_loop(work, units, 0.25)
+        scale = step_s / (0.25 / max(steps, 1))
+        if abs(scale - 1) < 0.05:
+            break
+        units = [max(1, round(n * scale)) for n in units]
+    return units
+
+
 def _stat(prof: Any, name: str) -> float:
     return float(prof.stats().get(name, 0))
 
@@ -165,8 +269,11 @@ def _stat(prof: Any, name: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 30.0])
-    parser.add_argument("--pairs", type=int, default=6)
-    parser.add_argument("--block-seconds", type=float, default=2.0)
+    parser.add_argument("--method", choices=("interleaved", "sessions"), default="interleaved")
+    parser.add_argument("--pairs", type=int, default=None, help="default 40 (sessions: 6)")
+    parser.add_argument(
+        "--block-seconds", type=float, default=None, help="default 0.5 (sessions: 2)"
+    )
     parser.add_argument("--volume-seconds", type=float, default=20.0)
     parser.add_argument("--compress", action="store_true", help="also measure compress=True")
     parser.add_argument(
@@ -176,6 +283,11 @@ def main() -> int:
         "spans included (default: from the steady state on)",
     )
     args = parser.parse_args()
+    interleaved = args.method == "interleaved"
+    if args.pairs is None:
+        args.pairs = 40 if interleaved else 6
+    if args.block_seconds is None:
+        args.block_seconds = 0.5 if interleaved else 2.0
     torch.set_num_threads(1)
     work = Work()
     work.run(500)
@@ -183,13 +295,19 @@ def main() -> int:
     print(f"{args.pairs} A-B-B-A pairs of {args.block_seconds} s blocks per step length")
     print(
         "timed from instrument() on, initial burst included\n"
-        if args.include_burst
+        if args.include_burst and not interleaved
         else "timed in the steady state (head budget's initial burst spent)\n"
     )
     index = 0  # run ids stay unique across step lengths
     with tempfile.TemporaryDirectory() as tmp:
         for step_ms in args.step_ms:
             units: list[int] | None = None
+            if interleaved:
+                index += 1
+                units = _interleaved(work, step_ms, args, Path(tmp), index)
+                _volumes(work, units, args, Path(tmp), index)
+                index += 2
+                continue
             bare: list[dict[str, float]] = []
             inst: list[dict[str, float]] = []
             off = 0
@@ -228,13 +346,19 @@ def main() -> int:
             if off:
                 print(f"  {off} of {args.pairs} pairs off target (bare step outside ±{TOLERANCE}x)")
             _print(step_ms, bare, inst)
-            for compress in (False, True) if args.compress else (False,):
-                if args.volume_seconds <= 0 or units is None:
-                    break
-                index += 1
-                per_day = _volume(work, units, args.volume_seconds, Path(tmp), index, compress)
-                print(f"  steady-state data (compress={compress}): {per_day / 1e9:.3f} GB/day\n")
+            if units is not None:
+                _volumes(work, units, args, Path(tmp), index)
+                index += 2
     return 0
+
+
+def _volumes(work: Work, units: list[int], args: Any, out: Path, index: int) -> None:
+    for compress in (False, True) if args.compress else (False,):
+        if args.volume_seconds <= 0:
+            break
+        index += 1
+        per_day = _volume(work, units, args.volume_seconds, out, index, compress)
+        print(f"  steady-state data (compress={compress}): {per_day / 1e9:.3f} GB/day\n")
 
 
 def _run_bytes(run_dir: Path) -> int:

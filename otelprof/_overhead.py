@@ -33,6 +33,7 @@ def calibrate_range_cost(rounds: int = 5, n: int = 2000) -> float:
     Runs the real hot path with a private step context, then removes what it queued; call
     it before the span builder starts (the engine does, in `start()`)."""
     saved, capacity, dropped = rec.current, rec.capacity, rec.dropped
+    in_items = rec.in_items
     queued = len(rec.queue)
     ctx = rec.StepContext(-1, None, time.perf_counter_ns())
     timing = rec.timing("otelprof.calibration")
@@ -46,14 +47,21 @@ def calibrate_range_cost(rounds: int = 5, n: int = 2000) -> float:
                 with timing:
                     pass
             costs.append((time.perf_counter_ns() - start) / n / 1e9)
-            while len(rec.queue) > queued:
-                rec.queue.pop()
+            _discard(ctx, queued)
+            rec.in_items = in_items
     finally:
         rec.current, rec.capacity, rec.dropped = saved, capacity, dropped
-        while len(rec.queue) > queued:
-            rec.queue.pop()
+        _discard(ctx, queued)
+        rec.in_items = in_items
         rec._timings_by_name.pop("otelprof.calibration", None)
     return statistics.median(costs)
+
+
+def _discard(ctx: rec.StepContext, queued: int) -> None:
+    """Forget the calibration's ranges: those its step collected and chunks it queued."""
+    ctx.frames.clear()
+    while len(rec.queue) > queued:
+        rec.queue.pop()
 
 
 class _ThreadCpu:

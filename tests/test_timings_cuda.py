@@ -119,6 +119,7 @@ def test_device_durations_wait_for_their_events_then_reach_the_span(tmp_path: Pa
     with timing("pending_gpu"):
         pass
     rec.cuda_timer = None
+    run.engine.step()  # the step's ranges reach the builder with it
     run.engine._builder.drain(final=False)
     assert run.engine.stats()["cuda_pending"] == 1, "not built until the end event completes"
     _StandInEvent.completed = True

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
@@ -22,6 +23,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otelprof.export._spanlines import encode_span
+from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
@@ -53,6 +55,20 @@ ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
 
 
 _Batch = tuple[DurationHistogram, list[int]]
+_Signature = tuple[list[list[int]], list[Any]]
+"""A step layout's duration batches, one per range position, and its rows of durations."""
+MAX_SIGNATURES = 256
+"""Distinct step layouts (phase, range names in close order) aggregated in bulk; steps of
+further layouts are aggregated range by range."""
+_get_name = itemgetter(rec.F_NAME)
+_get_start = itemgetter(rec.F_START)
+_get_end = itemgetter(rec.F_END)
+_get_error = itemgetter(rec.F_ERROR)
+_get_last = itemgetter(-1)
+_get_step = itemgetter(-2)
+"""A `_quiet_steps` row: range durations, the step's duration, the layout id."""
+_NO_FRAMES: list[Any] = []
+"""What a processed step's `frames` becomes (never appended to: its owner is gone)."""
 
 
 class Clock:
@@ -82,10 +98,14 @@ def _clean_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
 
 
 def _span_id(frame: list[Any]) -> int:
-    """Span ids are drawn here, lazily, so the hot path spends nothing on randomness."""
+    """Span ids are drawn here, lazily, so the hot path spends nothing on randomness (a
+    step span's is its context's, which its ranges name as their parent)."""
     span_id: int = frame[rec.F_SPAN]
     if not span_id:
-        span_id = frame[rec.F_SPAN] = _getrandbits(64) or 1
+        if frame[rec.F_KIND] is rec.KIND_STEP:
+            span_id = frame[rec.F_SPAN] = frame[rec.F_CTX].span_id
+        else:
+            span_id = frame[rec.F_SPAN] = _getrandbits(64) or 1
     return span_id
 
 
@@ -138,6 +158,7 @@ class SpanBuilder:
         self.failed = 0
         self.cuda_unresolved = 0
         self.job_spans = 0
+        self.steps_on_thread = 0  # steps sampled out on their own thread (`_quiet_steps`)
         self._procs_seen: Any = None
         self._sinks: list[Any] = []
         self._others: list[Any] = []
@@ -148,6 +169,17 @@ class SpanBuilder:
         # histogram; batches are folded into the histograms at the end of every drain
         self._raw_hists: dict[str, dict[str, list[int]]] = {}
         self._batches: dict[int, _Batch] = {}
+        # step items' bulk path: phase -> range names in close order -> its signature
+        self._signatures: dict[str, dict[tuple[str, ...], _Signature]] = {}
+        self._step_signatures: dict[str, dict[tuple[str, tuple[str, ...]], _Signature]] = {}
+        self._signature_list: list[_Signature] = []
+        # step/chunk items waiting for their ranges' CUDA events: (item, frames)
+        self._pending_units: deque[tuple[list[Any], list[list[Any]]]] = deque()
+        # per root span name: TraceSampler.quiet() as of this drain
+        self._quiet: dict[str, tuple[float, float, float, deque[float]]] = {}
+        # steps ended from another thread than their own: (ctx, frames taken) to look at
+        # once more for a range that thread was appending right then
+        self._recheck: list[tuple[rec.StepContext, int]] = []
         self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
 
     # ---- lifecycle ----
@@ -178,7 +210,7 @@ class SpanBuilder:
         self.drain(final=True, timeout_s=timeout_s)
 
     def pending_cuda(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + sum(len(frames) for _, frames in self._pending_units)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -193,13 +225,23 @@ class SpanBuilder:
     def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
         with self._lock:
             try:
+                self._recheck_steps()
                 self._drain_queue()
                 self._run_jobs()
                 self._resolve_pending(final=final, timeout_s=timeout_s)
                 if final:
+                    self._recheck_steps()
                     self.sampler.flush()
             finally:
                 self._write_encoded()
+
+    def _recheck_steps(self) -> None:
+        recheck, self._recheck = self._recheck, []
+        for ctx, taken in recheck:
+            late = ctx.frames[taken:]
+            ctx.frames = _NO_FRAMES
+            for frame in late:
+                self._emit_or_hold(frame)
 
     def _drain_queue(self) -> None:
         if not self.sampler.keep_all:
@@ -218,6 +260,15 @@ class SpanBuilder:
                 # hand the GIL over: a training thread coming back from torch (which
                 # releases it) would otherwise wait up to the 5 ms switch interval
                 time.sleep(YIELD_S)
+            kind = frame[rec.F_KIND]
+            if kind is rec.KIND_ROWS:
+                self._rows(frame)
+                continue
+            if kind is rec.KIND_STEP or kind is rec.KIND_CHUNK:
+                for carried in self._take_carried(frame):
+                    self._emit_or_hold(carried)
+                if kind is rec.KIND_CHUNK:
+                    continue
             cuda = frame[rec.F_CUDA]
             if cuda is not None and not self._cuda.ready(cuda):
                 if len(self._pending) < self._max_pending:
@@ -240,10 +291,13 @@ class SpanBuilder:
         batches = self._batches
         by_phase = self._raw_hists
         step_kind = rec.KIND_STEP
+        chunk_kind = rec.KIND_CHUNK
+        rows_kind = rec.KIND_ROWS
         cur_ctx: Any = None
         cur_buffer: list[Any] | None = None
         cur_durations: dict[str, list[int]] = {}
         done = 0
+        self._quiet.clear()  # tokens refilled since the last drain
         try:
             while True:
                 try:
@@ -254,12 +308,18 @@ class SpanBuilder:
                 if done % YIELD_EVERY == 0 and not stop.is_set():
                     time.sleep(YIELD_S)  # see `_drain_queue`
                 ctx = frame[3]
-                if (
-                    frame[10] is step_kind
-                    or frame[9] is not None
-                    or frame[8] is not None
-                    or ctx is None
-                ):
+                kind = frame[10]
+                if kind is rows_kind:
+                    self._rows(frame)
+                    continue
+                if kind is step_kind or kind is chunk_kind:
+                    carried = self._take_carried(frame)
+                    if not (kind is step_kind and self._sampled_out_step(frame, carried)):
+                        self._unit(frame, carried)
+                    done += len(carried) >> 2  # a step item costs about a quarter per range
+                    cur_ctx = None
+                    continue
+                if frame[9] is not None or frame[8] is not None or ctx is None:
                     self._emit_or_hold(frame)
                     cur_ctx = None  # the slow path may have decided a step
                     continue
@@ -288,22 +348,233 @@ class SpanBuilder:
                     ctx.last_child_ns = end
                 durations = cur_durations.get(frame[0])
                 if durations is None:
-                    durations = self._durations_for(frame[0], ctx, batches)
+                    durations = self._durations_for(frame[0], phase, batches)
                 durations.append(end - start)
                 cur_buffer.append(frame)  # type: ignore[union-attr]
                 sampler._buffered += 1
                 if sampler._buffered > MAX_BUFFERED:
                     sampler._decide_oldest()
+                    self._quiet.clear()
                     cur_ctx = None
         finally:
-            for hist, durations in batches.values():
+            self._fold_batches()
+            _quiet_steps.publish(
+                _quiet_steps.limits_for(sampler._recent_by_root, sampler.quiet)
+                if not stop.is_set()
+                else {}
+            )
+
+    def _rows(self, item: list[Any]) -> None:
+        """Steps sampled out on their own thread (`_quiet_steps`): each row's durations
+        join its layout's rows (folded into the histograms in C at the end of the drain),
+        its step duration the sampler's recent window."""
+        rows: list[list[int]] = item[rec.F_ATTRS]
+        item[rec.F_ATTRS] = None
+        spans = sum(map(len, rows)) - len(rows)
+        rec.out_items += spans
+        layout_of = _get_last
+        first = rows[0][-1]
+        if all(row[-1] == first for row in rows):
+            groups: dict[int, list[list[int]]] = {first: rows}
+        else:
+            groups = {}
+            for row in rows:
+                groups.setdefault(layout_of(row), []).append(row)
+        for layout, group in groups.items():
+            phase, root, names = _quiet_steps.layouts[layout]
+            signature = self._signature_for(phase, root, names)
+            if signature is None:  # too many layouts: range by range
+                for row in group:
+                    for raw, duration in zip(names, row, strict=False):
+                        self._durations_in(raw, phase).append(duration)
+                    self._step_durations(root, phase).append(row[-2])
+            else:
+                signature[1].extend(group)
+            self.sampler._recent_of(root).extend(d / 1e9 for d in map(_get_step, group))
+        self.sampler.sampled_out += spans
+        self.steps_on_thread += len(rows)
+
+    def _fold_batches(self) -> None:
+        """Step rows into their ranges' batches (column by column), batches into the
+        histograms: every loop here runs in C."""
+        for columns, rows in self._signature_list:
+            if rows:
+                # rows from `_quiet_steps` end with their layout id: the zips stop before it
+                columns_in = zip(*rows, strict=False)
+                for durations, column in zip(columns, columns_in, strict=False):
+                    durations.extend(column)
+                rows.clear()
+        for hist, durations in self._batches.values():
+            if durations:
                 hist.add_ns(durations)
                 durations.clear()
 
-    def _durations_for(self, raw: str, ctx: Any, batches: dict[int, _Batch]) -> list[int]:
-        """The duration batch of the histogram `raw` (in `ctx`'s phase) aggregates into;
+    def _take_carried(self, item: list[Any]) -> list[list[Any]]:
+        """The ranges a step or chunk item carries, taken out of it (a step's `frames`
+        would otherwise keep a reference cycle, step -> frames -> step, alive)."""
+        if item[rec.F_KIND] is rec.KIND_CHUNK:
+            frames: list[list[Any]] = item[rec.F_ATTRS]
+            item[rec.F_ATTRS] = None
+        else:
+            ctx: rec.StepContext = item[rec.F_CTX]
+            frames = ctx.frames
+            if item[rec.F_RANGE]:  # ended from another thread: look again next drain
+                self._recheck.append((ctx, len(frames)))
+            else:
+                ctx.frames = _NO_FRAMES
+        rec.out_items += len(frames)
+        return frames
+
+    def _sampled_out_step(self, item: list[Any], frames: list[list[Any]]) -> bool:
+        """The common case of a fast run, in a few C-level passes: a step whose ranges all
+        came with it and that the sampler certainly samples out (`TraceSampler.quiet`, read
+        once per drain). Its ranges' durations and its own go into the histograms; nothing
+        is buffered or built. False: the step takes `_unit`."""
+        ctx: rec.StepContext = item[rec.F_CTX]
+        if ctx.kept is not None or ctx.trim_start or ctx.trim_end or not frames:
+            return False
+        root = item[rec.F_NAME]
+        quiet = self._quiet.get(root)
+        if quiet is None:
+            quiet = self.sampler.quiet(root)
+            if quiet is None:
+                return False
+            self._quiet[root] = quiet
+        n = len(frames) + 1
+        duration = item[rec.F_END] - item[rec.F_START]
+        if (
+            n <= quiet[0]
+            or n <= quiet[1]
+            or duration >= quiet[2]
+            or ctx.error
+            or ctx in self.sampler._pending
+        ):
+            return False
+        signature = self._step_signature(ctx, root, frames)
+        if signature is None:
+            return False
+        row = [f[7] - f[6] for f in frames]
+        row.append(duration)
+        signature[1].append(row)
+        quiet[3].append(duration / 1e9)
+        ctx.has_children = True
+        ctx.kept = False
+        self.sampler.sampled_out += n
+        return True
+
+    def _step_signature(
+        self, ctx: rec.StepContext, root: str, frames: list[list[Any]]
+    ) -> _Signature | None:
+        return self._signature_for(ctx.phase or DEFAULT_PHASE, root, tuple(map(_get_name, frames)))
+
+    def _signature_for(self, phase: str, root: str, names: tuple[str, ...]) -> _Signature | None:
+        """The batches of a step layout: its ranges' histograms in close order, then the
+        step's own (None once MAX_SIGNATURES layouts are known)."""
+        by_layout = self._step_signatures.get(phase)
+        if by_layout is None:
+            by_layout = self._step_signatures[phase] = {}
+        signature = by_layout.get((root, names))
+        if signature is None:
+            if len(self._signature_list) >= MAX_SIGNATURES:
+                return None
+            columns = [self._durations_in(raw, phase) for raw in names]
+            columns.append(self._step_durations(root, phase))
+            signature = by_layout[(root, names)] = (columns, [])
+            self._signature_list.append(signature)
+        return signature
+
+    def _step_durations(self, root: str, phase: str) -> list[int]:
+        """The duration batch of the step span's own histogram (its name, not folded)."""
+        hist = self.aggregates.add_histogram(root, phase)
+        entry = self._batches.get(id(hist))
+        if entry is None:
+            entry = self._batches[id(hist)] = (hist, [])
+        return entry[1]
+
+    def _unit(self, item: list[Any], frames: list[list[Any]]) -> None:
+        """A step or chunk item in sampling mode, held while its ranges' CUDA events run."""
+        self._quiet.clear()  # the sampler may decide a step (and take tokens)
+        cuda = self._cuda
+        if cuda is not None and (self._pending_units or not self._units_ready(frames)):
+            self._pending_units.append((item, frames))  # in order, behind any held one
+            return
+        try:
+            self._process_unit(item, frames)
+        except Exception as error:
+            self.failed += len(frames)
+            _log.debug("otelprof: could not sample step %r: %r", item[rec.F_NAME], error)
+
+    def _units_ready(self, frames: list[list[Any]]) -> bool:
+        ready = self._cuda.ready
+        return all(ready(f[rec.F_CUDA]) for f in frames if f[rec.F_CUDA] is not None)
+
+    def _process_unit(self, item: list[Any], frames: list[list[Any]]) -> None:
+        """Aggregate a step's (or chunk's) ranges in bulk, add them to the step's trace
+        buffer, and for a step item decide the step: a few C-level passes per step."""
+        ctx: rec.StepContext = item[rec.F_CTX]
+        is_chunk = item[rec.F_KIND] is rec.KIND_CHUNK
+        n = len(frames)
+        if n:
+            self._aggregate_step(ctx.phase or DEFAULT_PHASE, frames)
+            if is_chunk or ctx.trim_start or ctx.trim_end:
+                first, last = min(map(_get_start, frames)), max(map(_get_end, frames))
+                if not ctx.has_children or first < ctx.first_child_ns:
+                    ctx.first_child_ns = first
+                if last > ctx.last_child_ns:
+                    ctx.last_child_ns = last
+            ctx.has_children = True
+            sampler = self.sampler
+            kept = ctx.kept
+            if kept is None:
+                pending = sampler._pending.get(ctx)
+                if pending is None:
+                    pending = sampler._pending[ctx] = _Pending()
+                pending.fields.extend(frames)
+                sampler._buffered += n
+                if ctx.error or any(map(_get_error, frames)):
+                    pending.error = True
+                if sampler._buffered > MAX_BUFFERED:
+                    sampler._decide_oldest()
+            elif kept:
+                for frame in frames:
+                    fields = self._fields_or_none(frame)
+                    if fields is not None:
+                        self._output(fields)
+            else:
+                sampler.sampled_out += n
+        if not is_chunk:
+            self._emit(item)
+
+    def _aggregate_step(self, phase: str, frames: list[list[Any]]) -> None:
+        """Every range of a step (or chunk) into its histogram's batch: a known layout
+        appends one row of durations (folded in column by column at the end of the
+        drain); others go range by range."""
+        by_layout = self._signatures.get(phase)
+        if by_layout is None:
+            by_layout = self._signatures[phase] = {}
+        names = tuple(map(_get_name, frames))
+        signature = by_layout.get(names)
+        if signature is None and len(self._signature_list) < MAX_SIGNATURES:
+            columns = [self._durations_in(raw, phase) for raw in names]
+            signature = by_layout[names] = (columns, [])
+            self._signature_list.append(signature)
+        if signature is not None:
+            signature[1].append([f[rec.F_END] - f[rec.F_START] for f in frames])
+            return
+        for frame in frames:
+            durations = self._durations_in(frame[rec.F_NAME], phase)
+            durations.append(frame[rec.F_END] - frame[rec.F_START])
+
+    def _durations_in(self, raw: str, phase: str) -> list[int]:
+        by_raw = self._raw_hists.setdefault(phase, {})
+        durations = by_raw.get(raw)
+        if durations is None:
+            durations = self._durations_for(raw, phase, self._batches)
+        return durations
+
+    def _durations_for(self, raw: str, phase: str, batches: dict[int, _Batch]) -> list[int]:
+        """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
-        phase = ctx.phase or DEFAULT_PHASE
         hist = self.aggregates.add_histogram(self._exported_name(raw), phase)
         entry = batches.get(id(hist))
         if entry is None:
@@ -315,6 +586,7 @@ class SpanBuilder:
 
     def _emit_or_hold(self, frame: list[Any]) -> None:
         """One frame the general way: held while its CUDA events run, else emitted."""
+        self._quiet.clear()  # the sampler may decide a step (and take tokens)
         cuda = frame[rec.F_CUDA]
         if cuda is not None and not self._cuda.ready(cuda):
             if len(self._pending) < self._max_pending:
@@ -325,6 +597,7 @@ class SpanBuilder:
 
     def _resolve_pending(self, *, final: bool, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        self._resolve_units(final=final, deadline=deadline)
         while self._pending:
             frame = self._pending[0]
             if self._cuda.ready(frame[rec.F_CUDA]):
@@ -342,6 +615,31 @@ class SpanBuilder:
                     self._emit(frame)
                 return
             time.sleep(0.001)
+
+    def _resolve_units(self, *, final: bool, deadline: float) -> None:
+        units = self._pending_units
+        processed = False
+        while units:
+            item, frames = units[0]
+            if not self._units_ready(frames):
+                if not final:
+                    return
+                if time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    continue
+                for frame in frames:  # give up waiting: host durations only
+                    if frame[rec.F_CUDA] is not None and not self._cuda.ready(frame[rec.F_CUDA]):
+                        frame[rec.F_CUDA] = None
+                        self.cuda_unresolved += 1
+            units.popleft()
+            processed = True
+            try:
+                self._process_unit(item, frames)
+            except Exception as error:
+                self.failed += len(frames)
+                _log.debug("otelprof: could not sample step %r: %r", item[rec.F_NAME], error)
+        if processed:
+            self._fold_batches()
 
     def _run_jobs(self) -> None:
         while self._jobs:

@@ -35,6 +35,7 @@ from typing import Any
 from opentelemetry.sdk.trace import TracerProvider
 
 from otelprof.config import Settings
+from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
@@ -126,6 +127,7 @@ class TimingsEngine:
         self._train_t0: int | None = None
         self._train_acc_ns = 0
         self._step_listeners: list[Callable[[int, int, bool], None]] = []
+        self._stepping: rec.ThreadState | None = None  # the thread that calls step()
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -141,7 +143,10 @@ class TimingsEngine:
         rec.dropped = 0
         rec.exhausted = 0
         rec.queue.clear()
+        rec.in_items = rec.out_items = 0
+        _quiet_steps.reset()
         rec.capacity = self._settings.max_queued_spans
+        rec.chunk_size = max(1, min(rec.CHUNK, rec.capacity // 4))
         from otelprof._overhead import calibrate_range_cost
 
         # for the overhead gauge: what one range costs this thread (before the builder runs)
@@ -170,12 +175,15 @@ class TimingsEngine:
         rec.current = None
         self._ctx = None
         try:
+            _quiet_steps.publish({})
+            if self._stepping is not None:  # the stepping thread's sampled-out rows
+                _quiet_steps.hand_rows(self._stepping)
             if self._bridge is not None:
                 self._bridge.uninstall()
             if self._kineto is not None:
                 self._kineto.stop(self._window_step(ctx, end))
             self._builder.flush(timeout)
-            if ctx is not None and ctx.has_children:
+            if ctx is not None and (ctx.has_children or ctx.frames):
                 ctx.trim_end = True
                 rec.emit_step(ctx, end)
             self._builder.stop(timeout)
@@ -199,7 +207,11 @@ class TimingsEngine:
             ctx = self._ctx
             rec.current = None
             if ctx is not None:
-                rec.emit_step(ctx, end)
+                state = ctx.owner  # decided here if the sampler is quiet, else queued
+                on_thread = state is not None and state is rec._local.state
+                if not (on_thread and _quiet_steps.sample_out(ctx, end, state)):  # type: ignore[arg-type]
+                    rec.emit_step(ctx, end)
+                self._stepping = state
             if self._phase != rec.PHASE_TRAIN:
                 # a batch of validation (etc.): its own trace, the training step stays
                 self._begin_step(perf_counter_ns(), trim_start=False)
@@ -260,6 +272,8 @@ class TimingsEngine:
         train_ns = self._train_acc_ns + (end_ns - t0 if t0 is not None else 0)
         self._train_acc_ns = 0
         self._train_t0 = end_ns
+        if not self._step_listeners:
+            return
         for listener in tuple(self._step_listeners):
             try:
                 listener(self._step, train_ns, self._step_from_start)
@@ -315,6 +329,12 @@ class TimingsEngine:
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Hand every span recorded so far to the provider's processors (tests, shutdown)."""
+        ctx = self._ctx
+        state = rec._local.state
+        if state is not None and state is self._stepping:
+            _quiet_steps.hand_rows(state)  # steps sampled out on this thread so far
+        if ctx is not None and ctx.owner is not None and ctx.owner is state:
+            rec.hand_off(ctx)  # the running step's ranges so far (only its thread may)
         self._builder.flush(timeout_s)
 
     def stats(self) -> dict[str, int]:
@@ -322,7 +342,8 @@ class TimingsEngine:
         stats = {
             "spans_recorded": builder.built + builder.job_spans,
             "spans_dropped": rec.dropped + builder.failed,
-            "spans_queued": len(rec.queue),
+            "spans_queued": rec.queued_frames()
+            + sum(map(len, self._stepping.rows if self._stepping else ())),
             "steps": self._step,
             "cuda_pending": builder.pending_cuda(),
             "cuda_unresolved": builder.cuda_unresolved,
@@ -333,6 +354,7 @@ class TimingsEngine:
             "bridge_installed": int(self._bridge is not None and self._bridge.installed),
             # recorded, aggregated, and not written (the trace budget): not a loss
             "spans_sampled_out": builder.sampler.sampled_out,
+            "steps_sampled_out_on_thread": builder.steps_on_thread,
             "anomalies": builder.sampler.anomalies,
         }
         for why, count in builder.sampler.kept_steps.items():
@@ -349,7 +371,7 @@ class TimingsEngine:
     def _begin_step(
         self, start_ns: int, keep: bool = False, trim_start: bool | None = None
     ) -> None:
-        action = self._timing_action()
+        action = ScheduleAction.RECORD if self._schedule is None else self._timing_action()
         previous = self._ctx if keep else None
         self._step_start = start_ns
         if action.records:

@@ -1,10 +1,17 @@
 """The hot path: what the training thread does per range — two timestamps and an append.
 
 A range becomes a *frame*, a small list (name, ids, step context, timestamps, error), pushed
-on a per-thread stack while open (so nested ranges find their parent) and appended to a
-bounded queue when it closes. Nothing here builds OTel objects, does I/O or takes a lock
-(except to count a drop): the span builder thread turns frames into ReadableSpans. When the
-queue is full the frame is dropped and counted; training never waits on telemetry.
+on a per-thread stack while open (so nested ranges find their parent). When it closes on the
+thread that runs the step (the one that calls `step()`), it is appended to its step's own
+list (`StepContext.frames`), and the whole step reaches the span builder as one queue item
+when the step ends: the builder then aggregates and samples a step in a few C-level passes
+instead of a Python loop per range, which is what keeps fast steps cheap. Ranges closed on
+other threads, or after their step ended, are queued one by one. A step longer than `CHUNK`
+ranges is handed over in chunks, so memory stays bounded without `step()` calls.
+
+Nothing here builds OTel objects, does I/O or takes a lock (except to count a drop). The
+queue holds at most `capacity` frames, counting those inside step items; past it frames are
+dropped and counted; training never waits on telemetry.
 
 The recorder is process-wide (module globals, for the cheapest possible reads on the hot
 path); `TimingsEngine` is the only writer of that state.
@@ -43,6 +50,14 @@ F_RANGE = 12  # timing frames only: the torch profiler range opened alongside, o
 KIND_RECORD_FUNCTION = KIND_RF = "record_function"
 KIND_TIMING = "timing"
 KIND_STEP = "step"
+KIND_CHUNK = "chunk"
+"""A queue item carrying `CHUNK` ranges of a step that is still running (in F_ATTRS)."""
+KIND_ROWS = "rows"
+"""A queue item carrying duration rows of steps sampled out on their own thread (F_ATTRS)."""
+
+CHUNK = 512
+"""Ranges a step collects on its thread before they are handed to the builder mid-step
+(fewer with a small queue: `chunk_size`)."""
 
 EXHAUSTED = (StopIteration, StopAsyncIteration)
 """A range ended by these is an iterator's final, empty `__next__` (the DataLoader's at every
@@ -65,19 +80,22 @@ class StepContext:
     """One training step while it records: its trace, its root span, its number and epoch."""
 
     __slots__ = (
+        "_span_id",
+        "_trace_id",
         "attrs",
         "drop_if_empty",
         "epoch",
+        "error",
         "first_child_ns",
+        "frames",
         "has_children",
         "kept",
         "kineto_capture",
         "last_child_ns",
+        "owner",
         "phase",
-        "span_id",
         "start_ns",
         "step",
-        "trace_id",
         "trim_end",
         "trim_start",
     )
@@ -98,8 +116,8 @@ class StepContext:
         self.drop_if_empty = False
         # attributes of the step span itself (e.g. the step's samples/tokens/FLOPs)
         self.attrs: dict[str, Any] | None = None
-        self.trace_id = _getrandbits(128) or 1
-        self.span_id = _getrandbits(64) or 1
+        self._trace_id = 0  # drawn on first use: most steps are sampled out, never written
+        self._span_id = 0
         self.start_ns = start_ns
         # A side of the step with no step() call (the start of the first step, opened by
         # start(); the end of the trailing one, closed by shutdown()) is trimmed to the
@@ -112,6 +130,27 @@ class StepContext:
         self.last_child_ns = 0
         self.kept: bool | None = None  # builder thread: the trace sampler's decision
         self.kineto_capture = False  # in a Kineto window an anomaly started (kept in full)
+        # ranges closed on the step's own thread, handed over with the step (see module doc);
+        # `owner` is that thread until the step is queued, then None (later ranges go singly)
+        self.frames: list[list[Any]] = []
+        self.owner: ThreadState | None = _local.state or thread_state()
+        self.error = False  # a range of it (on its own thread) ended with an exception
+
+    @property
+    def trace_id(self) -> int:
+        """The step's trace id (drawn on the span builder's thread, the only reader)."""
+        trace_id = self._trace_id
+        if not trace_id:
+            trace_id = self._trace_id = _getrandbits(128) or 1
+        return trace_id
+
+    @property
+    def span_id(self) -> int:
+        """The step span's id (drawn like `trace_id`)."""
+        span_id = self._span_id
+        if not span_id:
+            span_id = self._span_id = _getrandbits(64) or 1
+        return span_id
 
 
 _BASE_FRAME: list[Any] = [None] * 13
@@ -121,12 +160,16 @@ _BASE_FRAME: list[Any] = [None] * 13
 class ThreadState:
     """Per-thread open-range stack, plus the thread's identity for span attributes."""
 
-    __slots__ = ("ident", "name", "stack")
+    __slots__ = ("hold", "ident", "name", "rows", "stack")
 
     def __init__(self) -> None:
         thread = threading.current_thread()
         self.ident = threading.get_ident()
         self.name = thread.name
+        # steps this thread sampled out itself (`_quiet_steps`): rows of durations not yet
+        # queued, and how many more steps go to the builder after a possible anomaly
+        self.rows: list[list[int]] = []
+        self.hold = 0
         # The base frame is never popped: a list that empties and refills on every range
         # would be reallocated twice per range (CPython shrinks it at size 0).
         self.stack: list[list[Any]] = [_BASE_FRAME]
@@ -141,6 +184,13 @@ current: StepContext | None = None
 """The recording step's context; None when nothing records (no engine, or a NONE/WARMUP step)."""
 queue: deque[list[Any]] = deque()
 capacity: int = 0
+"""Frames the queue may hold, those carried inside step and chunk items included."""
+in_items: int = 0
+"""Frames queued inside step/chunk items so far (written by the stepping thread)."""
+out_items: int = 0
+"""... and taken out by the builder (written by the builder thread only)."""
+chunk_size: int = CHUNK
+"""CHUNK, or a quarter of a smaller queue's capacity (set by the engine)."""
 dropped: int = 0
 exhausted: int = 0
 _drop_lock = threading.Lock()
@@ -167,11 +217,15 @@ is_compiling: Callable[[], bool] | None = None
 def _stop_in_forked_child() -> None:
     """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing there,
     rather than filling a queue nobody drains."""
-    global current, capacity
+    global current, capacity, in_items, out_items
     _rng.seed()  # a child must not repeat its parent's ids
     current = None
     capacity = 0
     queue.clear()
+    in_items = out_items = 0
+    state = _local.state
+    if state is not None:
+        state.rows = []
 
 
 if hasattr(os, "register_at_fork"):
@@ -185,10 +239,49 @@ def thread_state() -> ThreadState:
     return state
 
 
-def _count_drop() -> None:
+def _count_drop(n: int = 1) -> None:
     global dropped
     with _drop_lock:
-        dropped += 1
+        dropped += n
+
+
+def queued_frames() -> int:
+    """Frames waiting for the builder, single ones and those inside step/chunk items."""
+    return len(queue) + max(0, in_items - out_items)
+
+
+def _queue_item(item: list[Any], carried: int) -> None:
+    """Queue a step or chunk item carrying `carried` frames; past the capacity its ranges
+    are dropped and counted (a step item still goes if the step span alone fits)."""
+    global in_items
+    queued = len(queue) + (in_items - out_items)
+    if queued + carried < capacity:
+        in_items += carried
+        queue.append(item)
+        return
+    if carried:
+        _count_drop(carried)
+        if item[F_KIND] is KIND_STEP:
+            item[F_CTX].frames = []
+        else:
+            return
+    if queued < capacity:
+        queue.append(item)
+    else:
+        _count_drop()
+
+
+def hand_off(ctx: StepContext) -> None:
+    """Queue the ranges `ctx` collected so far (on its own thread: only it appends to them)."""
+    frames = ctx.frames
+    if not frames:
+        return
+    ctx.frames = []
+    item: list[Any] = [None] * 13
+    item[F_CTX] = ctx
+    item[F_ATTRS] = frames
+    item[F_KIND] = KIND_CHUNK
+    _queue_item(item, len(frames))
 
 
 def _count_exhausted() -> None:
@@ -224,7 +317,13 @@ def begin_leaf(name: str) -> list[Any] | None:
 
 def end_leaf(frame: list[Any]) -> None:
     frame[7] = perf_counter_ns()
-    if len(queue) < capacity:
+    ctx = frame[3]
+    if ctx.owner is frame[4]:
+        frames = ctx.frames
+        frames.append(frame)
+        if len(frames) >= chunk_size:
+            hand_off(ctx)
+    elif len(queue) < capacity:
         queue.append(frame)
     else:
         _count_drop()
@@ -258,10 +357,16 @@ def find_owned_frame(owner: object) -> list[Any] | None:
 
 def emit_step(ctx: StepContext, end_ns: int) -> None:
     """Queue the step span (the root of the step's trace): `step` in training, else the
-    phase's name (`validation`, ...), so step statistics never include other phases."""
+    phase's name (`validation`, ...), so step statistics never include other phases. The
+    item carries the ranges the step collected (`ctx.frames`); from now on ranges of this
+    step that close late are queued singly. Ended from a thread other than the step's own,
+    the item says so (F_RANGE), and the builder looks once more for a range the step's
+    thread was appending right then."""
+    owner = ctx.owner
+    ctx.owner = None
     frame = [
         STEP_SPAN if ctx.phase == PHASE_TRAIN else ctx.phase,
-        ctx.span_id,
+        0,  # the builder gives it ctx.span_id
         0,
         ctx,
         thread_state(),
@@ -272,11 +377,9 @@ def emit_step(ctx: StepContext, end_ns: int) -> None:
         None,
         KIND_STEP,
         None,
+        owner is not None and owner is not _local.state,
     ]
-    if len(queue) < capacity:
-        queue.append(frame)
-    else:
-        _count_drop()
+    _queue_item(frame, len(ctx.frames))
 
 
 def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
@@ -329,7 +432,14 @@ def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
                         return original_exit(self, exc_type, exc, tb)
                 elif exc_type is not None:
                     frame[8] = describe_error(exc_type, exc, tb)
-                if len(frames) < capacity:
+                    frame[3].error = True
+                ctx = frame[3]
+                if ctx.owner is state:
+                    own = ctx.frames
+                    own.append(frame)
+                    if len(own) >= chunk_size:
+                        hand_off(ctx)
+                elif len(frames) < capacity:
                     frames.append(frame)
                 else:
                     _count_drop()
@@ -403,7 +513,14 @@ class Timing:
                 return
         elif exc_type is not None:
             frame[8] = describe_error(exc_type, exc, tb)
-        if len(queue) < capacity:
+            frame[3].error = True
+        ctx = frame[3]
+        if ctx.owner is state:
+            frames = ctx.frames
+            frames.append(frame)
+            if len(frames) >= chunk_size:
+                hand_off(ctx)
+        elif len(queue) < capacity:
             queue.append(frame)
         else:
             _count_drop()

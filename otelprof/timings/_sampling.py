@@ -162,6 +162,13 @@ class TokenBucket:
         self._clock = clock
         self._last = clock()
 
+    def available(self) -> float:
+        """The largest `n` that `take(n)` would grant now (inf: any; -1: none)."""
+        if self.burst <= 0:
+            return -1.0
+        tokens = min(self.burst, self.tokens + (self._clock() - self._last) * self.rate)
+        return math.inf if tokens >= self.burst else tokens
+
     def could_take(self, n: float) -> bool:
         """Whether `take(n)` would succeed now (takes nothing)."""
         tokens = min(self.burst, self.tokens + (self._clock() - self._last) * self.rate)
@@ -319,6 +326,25 @@ class TraceSampler:
         return recent
 
     # ---- the decision ----
+    def quiet(self, root: str) -> tuple[float, float, float, deque[float]] | None:
+        """What it takes to be kept right now, for steps named `root`: (head tokens, tail
+        tokens, anomaly threshold in ns, the recent-steps window). A step of `n` spans,
+        no error and a duration under the threshold, with `n` above both token counts, is
+        sampled out by `_decide` (tail.slowest needs tail tokens), so a caller may decide a
+        run of such steps without it. None when no step is certainly sampled out now.
+        Valid until the next `_decide` (which may take tokens) or for a fraction of a
+        second (tokens refill): the builder takes one per drain. Takes nothing."""
+        if self.keep_all or self._capture_left > 0:
+            return None
+        recent = self._recent_by_root.get(root)
+        if recent is None or len(recent) < 10:
+            return None
+        anomaly_ns = math.inf
+        if self._clock() - self._last_capture >= CAPTURE_COOLDOWN_S:
+            median = statistics.median(recent)
+            anomaly_ns = max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S) * 1e9
+        return self._head.available(), self._tail.available(), anomaly_ns, recent
+
     def _decide(
         self, ctx: Any, pending: _Pending, step_item: Any, seconds: float, root: str
     ) -> None:

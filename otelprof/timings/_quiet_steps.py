@@ -1,0 +1,135 @@
+"""Steps sampled out on their own thread, at `step()`, while the sampler is quiet.
+
+Why: at fast step rates almost every step is sampled out (its trace is not kept; only its
+durations go into the histograms). Handing each such step to the span builder costs the
+builder several µs of GIL time per step, touches every range on another core, and keeps
+the ranges alive long enough to be promoted by the garbage collector. So the builder
+publishes, once per drain, what a step needs to be kept (`publish`): no more spans than
+the head budget now holds, or than the tail budget holds while slower than every recent
+step the builder has seen, or a duration at or above the anomaly threshold. Any other step
+without errors is decided on the thread that ran it: one row of durations
+(its ranges' in close order, then its own) joins the thread's batch of rows, its ranges
+are freed at once, and every `ROWS_PER_ITEM` steps the batch goes to the builder as one
+queue item, which folds it into the histograms in C. Every other step (the first ones,
+anything the budget could keep, errors, anomalies and the `CAPTURE_STEPS` after a step
+over the threshold) goes to the builder whole, as before, so the sampler's decisions are
+the same; only their timing differs (tokens refilled within a drain are seen at the next).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from operator import itemgetter
+from typing import Any
+
+from otelprof.timings import _recorder as rec
+from otelprof.timings._sampling import CAPTURE_STEPS
+
+ROWS_PER_ITEM = 64
+"""Sampled-out steps per queue item: the histograms lag the training thread by at most this."""
+
+quiet: dict[str, list[float]] = {}
+"""Published by the span builder: phase -> [head tokens, tail tokens, the slowest recent
+step in ns, the anomaly threshold in ns]. A step of `n` spans with `n` <= head tokens, or
+<= tail tokens and slower than the slowest recent one, or at or over the threshold, goes to
+the builder (which may keep it); tokens so handed over are subtracted here until the next
+publication. A phase not in it: every step goes to the builder."""
+
+layouts: dict[int, tuple[str, str, tuple[str, ...]]] = {}
+"""Row layout id -> (phase, root span name, range names in close order); written on the
+training thread before the first row of that layout is queued."""
+_layout_ids: dict[str, dict[tuple[str, ...], int]] = {}
+MAX_LAYOUTS = 256
+_get_name = itemgetter(rec.F_NAME)
+
+
+def publish(quiet_by_phase: dict[str, list[float]]) -> None:
+    """Replace what steps must exceed to go to the builder (one atomic rebinding)."""
+    global quiet
+    quiet = quiet_by_phase
+
+
+def reset() -> None:
+    """A new engine: nothing published, no layouts."""
+    publish({})
+    layouts.clear()
+    _layout_ids.clear()
+
+
+def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> bool:
+    """At `step()` on the step's own thread: True if the step was sampled out here (its row
+    queued or batched, its ranges freed), False if it must go to the builder."""
+    limits = quiet.get(ctx.phase)
+    if limits is None:
+        return False
+    duration = end_ns - ctx.start_ns
+    if duration >= limits[3]:
+        state.hold = CAPTURE_STEPS  # maybe an anomaly: the next steps may be captured
+        return False
+    if state.hold:
+        state.hold -= 1
+        return False
+    if ctx.kept is not None or ctx.trim_start or ctx.error:
+        return False
+    frames = ctx.frames
+    if not frames:
+        return False
+    spans = len(frames) + 1
+    if spans <= limits[0]:  # the head budget keeps it: spent here until the next publish
+        limits[0] -= spans
+        return False
+    if spans <= limits[1] and duration > limits[2]:  # maybe the slowest lately: tail's
+        limits[1] -= spans
+        return False
+    names = tuple(map(_get_name, frames))
+    by_names = _layout_ids.get(ctx.phase)
+    if by_names is None:
+        by_names = _layout_ids[ctx.phase] = {}
+    layout = by_names.get(names)
+    if layout is None:
+        if len(layouts) >= MAX_LAYOUTS:
+            return False
+        layout = len(layouts)
+        root = rec.STEP_SPAN if ctx.phase == rec.PHASE_TRAIN else ctx.phase
+        layouts[layout] = (ctx.phase, root, names)
+        by_names[names] = layout
+    row = [f[7] - f[6] for f in frames]
+    row.append(duration)
+    row.append(layout)
+    ctx.owner = None  # ranges of it that close late are queued singly ...
+    ctx.kept = False  # ... and counted as sampled out
+    frames.clear()  # its ranges are freed now, on this thread (no cycle left to collect)
+    rows = state.rows
+    rows.append(row)
+    if len(rows) >= ROWS_PER_ITEM:
+        hand_rows(state)
+    return True
+
+
+def hand_rows(state: rec.ThreadState) -> None:
+    """Queue the thread's batch of rows (from that thread, or once it no longer steps)."""
+    rows = state.rows
+    if not rows:
+        return
+    state.rows = []
+    item: list[Any] = [None] * 13
+    item[rec.F_ATTRS] = rows
+    item[rec.F_KIND] = rec.KIND_ROWS
+    rec._queue_item(item, sum(map(len, rows)) - len(rows))
+
+
+def limits_for(
+    roots: dict[str, Any], quiet_of: Callable[[str], tuple[float, float, float, Any] | None]
+) -> dict[str, list[float]]:
+    """What the builder publishes: per phase, from `TraceSampler.quiet(root)` of its root."""
+    out: dict[str, list[float]] = {}
+    for root in roots:
+        found = quiet_of(root)
+        if found is None:
+            continue
+        head, tail, anomaly_ns, recent = found
+        if max(head, tail) < math.inf:  # a full bucket takes a step of any size
+            phase = rec.PHASE_TRAIN if root == rec.STEP_SPAN else root
+            out[phase] = [head, tail, max(recent) * 1e9 if recent else 0.0, anomaly_ns]
+    return out

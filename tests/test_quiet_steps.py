@@ -1,0 +1,181 @@
+"""Steps sampled out on their own thread (`_quiet_steps`) give the same aggregates, the same
+decisions and the same accounting as steps decided by the span builder.
+
+A fake `perf_counter_ns` makes every duration known in advance, so the histograms can be
+checked exactly against the schedule, with the on-thread path on and off.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otelprof
+from otelprof.timings import _engine, _quiet_steps, _sampling
+from otelprof.timings import _recorder as rec
+from tests.otlp_files import read_lines, read_spans
+
+
+class _FakeClock:
+    """perf_counter_ns for the recorder and the engine: moves only when a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 10**12
+
+    def __call__(self) -> int:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
+    fake = _FakeClock()
+    monkeypatch.setattr(rec, "perf_counter_ns", fake)
+    monkeypatch.setattr(_engine, "perf_counter_ns", fake)
+    monkeypatch.setattr(_sampling, "HEAD_BURST", 0.0)  # nothing fits a budget: every
+    monkeypatch.setattr(_sampling, "TAIL_BURST", 0.0)  # step is sampled out but anomalies
+    return fake
+
+
+def _instrument(tmp_path: Path, run_id: str) -> Any:
+    return otelprof.instrument(
+        output_dir=str(tmp_path), run_id=run_id, trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+
+
+def _train(prof: Any, clock: _FakeClock, steps: int, slow_step: int | None = None) -> dict:
+    """A schedule of known durations; returns the expected durations per (name, phase)."""
+    expected: dict[tuple[str, str], list[int]] = {}
+
+    def block(name: str, ns: int, phase: str = "train") -> None:
+        with otelprof.timing(name):
+            clock.now += ns
+        expected.setdefault((name, phase), []).append(ns)
+
+    for i in range(steps):
+        if i == 100:
+            prof._timings.flush()  # the builder has seen 100 steps: it publishes its limits
+        # a step starts at the previous step() (the first step, and the first after a
+        # phase, at their first range): only step 251 starts before its loop iteration
+        start = clock.now - (4_000 if i == 251 else 0)
+        block("dataloader_next", 10_000 + (i % 7) * 1_000)
+        forward = 100_000 + (i % 13) * 5_000 + (50_000_000 if i == slow_step else 0)
+        with otelprof.timing("train_batch"):
+            block("forward", forward)
+            clock.now += 2_000
+        expected.setdefault(("train_batch", "train"), []).append(forward + 2_000)
+        if i == 250:  # a range still open across the step boundary: it stays in step 250
+            carry = otelprof.timing("carry")
+            carry.__enter__()
+            clock.now += 1_000
+        expected.setdefault(("step", "train"), []).append(clock.now - start)
+        prof.step()
+        if i == 250:
+            clock.now += 4_000
+            carry.__exit__(None, None, None)
+            expected[("carry", "train")] = [5_000]
+        if i % 100 == 99:
+            with otelprof.phase("validation"):
+                block("eval_batch", 30_000, "validation")
+    return expected
+
+
+def _histograms(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for request in read_lines(path):
+        for rm in request.get("resourceMetrics", []):
+            for sm in rm.get("scopeMetrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] != "otelprof.timing.duration":
+                        continue
+                    for dp in metric["histogram"]["dataPoints"]:
+                        attrs = {a["key"]: a["value"]["stringValue"] for a in dp["attributes"]}
+                        out[(attrs["otelprof.timing"], attrs["otelprof.phase"])] = dp
+    return out
+
+
+def _assert_histograms_are(hists: dict, expected: dict) -> None:
+    for key, durations in expected.items():
+        dp = hists[key]
+        seconds = [d / 1e9 for d in durations]
+        assert int(dp["count"]) == len(seconds), key
+        assert dp["sum"] == pytest.approx(sum(seconds), rel=1e-9), key
+        assert dp["min"] == pytest.approx(min(seconds)), key
+        assert dp["max"] == pytest.approx(max(seconds)), key
+        buckets = [0] * (len(_sampling.BOUNDS) + 1)
+        for s in seconds:
+            buckets[bisect.bisect_left(_sampling.BOUNDS, s)] += 1
+        assert [int(c) for c in dp["bucketCounts"]] == buckets, key
+
+
+@pytest.mark.parametrize("on_thread", [True, False], ids=["on-thread", "builder-only"])
+def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_schedule(
+    tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, on_thread: bool
+) -> None:
+    if not on_thread:
+        monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+    prof = _instrument(tmp_path, "q")
+    try:
+        expected = _train(prof, clock, 400)
+    finally:
+        prof.shutdown()
+    stats = prof.stats()
+    if on_thread:
+        assert stats["timings.steps_sampled_out_on_thread"] > 200
+    else:
+        assert stats["timings.steps_sampled_out_on_thread"] == 0
+    hists = _histograms(prof.files["metrics"])
+    _assert_histograms_are(hists, expected)
+    # every recorded span is written or counted as sampled out; none is lost
+    recorded = sum(int(dp["count"]) for dp in hists.values())
+    traces = prof.files["traces"]
+    written = len(read_spans(traces)) if traces.exists() else 0  # a file once a span is kept
+    assert written + stats["timings.spans_sampled_out"] == recorded
+    assert stats["dropped_total"] == 0
+
+
+def test_a_slow_step_after_steps_sampled_out_on_their_thread_is_kept_with_the_next_five(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    prof = _instrument(tmp_path, "a")
+    try:
+        _train(prof, clock, 300, slow_step=200)
+    finally:
+        prof.shutdown()
+    stats = prof.stats()
+    assert stats["timings.steps_sampled_out_on_thread"] > 50
+    assert stats["timings.anomalies"] == 1
+    steps = {
+        s.attributes["otelprof.step"]: s
+        for s in read_spans(prof.files["traces"])
+        if s.name == "step"
+    }
+    assert steps[200].attributes["otelprof.sampled"] == "anomaly"
+    captured = sorted(n for n, s in steps.items() if s.attributes["otelprof.sampled"] == "capture")
+    assert captured == [201, 202, 203, 204, 205]
+    (links,) = [
+        span["links"]
+        for request in read_lines(prof.files["traces"])
+        for rs in request["resourceSpans"]
+        for ss in rs["scopeSpans"]
+        for span in ss["spans"]
+        if span["spanId"] == steps[200].span_id
+    ]
+    assert {link["spanId"] for link in links} == {steps[n].span_id for n in captured}
+
+
+def test_flush_on_the_training_thread_brings_the_histograms_up_to_the_last_step(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    prof = _instrument(tmp_path, "f")
+    try:
+        _train(prof, clock, 170)
+        prof._timings.flush()
+        hist = prof._timings.aggregates.histograms[("step", "train")]
+        assert prof.stats()["timings.steps_sampled_out_on_thread"] > 0
+        assert hist.count == 170
+    finally:
+        prof.shutdown()
