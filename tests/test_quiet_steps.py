@@ -8,6 +8,7 @@ checked exactly against the schedule, with the on-thread path on and off.
 from __future__ import annotations
 
 import bisect
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,11 @@ def _train(prof: Any, clock: _FakeClock, steps: int, slow_step: int | None = Non
             block("forward", forward)
             clock.now += 2_000
         expected.setdefault(("train_batch", "train"), []).append(forward + 2_000)
+        if i == 320:  # a range of another thread, buffered by the builder mid-step
+            side = threading.Thread(target=block, args=("side", 3_000))
+            side.start()
+            side.join()
+            prof._timings._builder.drain(final=False)
         if i == 250:  # a range still open across the step boundary: it stays in step 250
             carry = otelprof.timing("carry")
             carry.__enter__()
@@ -120,6 +126,9 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
     prof = _instrument(tmp_path, "q")
     try:
         expected = _train(prof, clock, 400)
+        prof._timings.flush()
+        # the other thread's range of step 320 is not left waiting for a decision
+        assert prof._timings._builder.sampler._buffered == 0
     finally:
         prof.shutdown()
     stats = prof.stats()

@@ -358,11 +358,24 @@ class SpanBuilder:
                     cur_ctx = None
         finally:
             self._fold_batches()
+            self._sweep_decided()
             _quiet_steps.publish(
                 _quiet_steps.limits_for(sampler._recent_by_root, sampler.quiet)
                 if not stop.is_set()
                 else {}
             )
+
+    def _sweep_decided(self) -> None:
+        """Ranges of other threads buffered for a step that was then sampled out on its
+        own thread (`_quiet_steps`): counted as sampled out (their durations are already
+        in the histograms), not held until shutdown."""
+        pending = self.sampler._pending
+        if not pending:
+            return
+        for ctx in [ctx for ctx in pending if getattr(ctx, "kept", None) is False]:
+            fields = pending.pop(ctx).fields
+            self.sampler._buffered -= len(fields)
+            self.sampler.sampled_out += len(fields)
 
     def _rows(self, item: list[Any]) -> None:
         """Steps sampled out on their own thread (`_quiet_steps`): each row's durations

@@ -472,7 +472,8 @@ class Timing:
         if state is None:
             state = thread_state()
         stack = state.stack
-        parent = stack[-1] if stack and stack[-1][3] is ctx else None
+        top = stack[-1]  # never empty: the base frame stays
+        parent = top if top[3] is ctx else None
         # the F_* layout with literal indices (hot path); F_RANGE only exists on timing frames
         frame = [self.name, 0, parent, ctx, state, self.attributes, 0, 0, None, None, KIND_TIMING,
                  self, None]  # fmt: skip
@@ -491,10 +492,10 @@ class Timing:
         tb: TracebackType | None,
     ) -> None:
         state = _local.state
-        if state is None or not state.stack:
+        if state is None:
             return
         stack = state.stack
-        frame: Any = stack[-1]
+        frame: Any = stack[-1]  # the base frame's owner is None, never a Timing
         if frame[11] is self:
             stack.pop()
         else:
@@ -505,15 +506,15 @@ class Timing:
         if frame[9] is not None:
             cuda_timer.exit(frame[9])
         frame[7] = perf_counter_ns()
-        if exc_type is not None and issubclass(exc_type, NOT_ERRORS):
-            if issubclass(exc_type, EXHAUSTED):
+        if exc_type is not None:
+            if not issubclass(exc_type, NOT_ERRORS):
+                frame[8] = describe_error(exc_type, exc, tb)
+                frame[3].error = True
+            elif issubclass(exc_type, EXHAUSTED):
                 _count_exhausted()
                 if frame[12] is not None:
                     _torch_range_exit(frame[12])
                 return
-        elif exc_type is not None:
-            frame[8] = describe_error(exc_type, exc, tb)
-            frame[3].error = True
         ctx = frame[3]
         if ctx.owner is state:
             frames = ctx.frames

@@ -190,7 +190,7 @@ class _Pending:
     __slots__ = ("error", "fields")
 
     def __init__(self) -> None:
-        self.fields: list[tuple[Any, ...]] = []
+        self.fields: list[Any] = []  # buffered items (frames), built only if kept
         self.error = False
 
 
