@@ -221,6 +221,12 @@ class TimingsEngine:
             self._step += 1
             self._batch_in_epoch += 1
             self._step_from_start = False
+            if self._kineto is None and self._schedule is None:  # the common case, inlined
+                start = self._step_start = perf_counter_ns()
+                rec.current = self._ctx = rec.StepContext(
+                    self._step, self._epoch, start, False, self._phase
+                )
+                return
             if self._kineto is not None:
                 finished = self._window_step(ctx, end)
                 self._kineto_action = self._kineto_action_for(self._step)

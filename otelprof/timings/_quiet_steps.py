@@ -60,7 +60,8 @@ def reset() -> None:
 def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> bool:
     """At `step()` on the step's own thread: True if the step was sampled out here (its row
     queued or batched, its ranges freed), False if it must go to the builder."""
-    limits = quiet.get(ctx.phase)
+    phase = ctx.phase
+    limits = quiet.get(phase)
     if limits is None:
         return False
     duration = end_ns - ctx.start_ns
@@ -83,16 +84,16 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
         limits[1] -= spans
         return False
     names = tuple(map(_get_name, frames))
-    by_names = _layout_ids.get(ctx.phase)
+    by_names = _layout_ids.get(phase)
     if by_names is None:
-        by_names = _layout_ids[ctx.phase] = {}
+        by_names = _layout_ids[phase] = {}
     layout = by_names.get(names)
     if layout is None:
         if len(layouts) >= MAX_LAYOUTS:
             return False
         layout = len(layouts)
-        root = rec.STEP_SPAN if ctx.phase == rec.PHASE_TRAIN else ctx.phase
-        layouts[layout] = (ctx.phase, root, names)
+        root = rec.STEP_SPAN if phase == rec.PHASE_TRAIN else phase
+        layouts[layout] = (phase, root, names)
         by_names[names] = layout
     row = [f[7] - f[6] for f in frames]
     row.append(duration)
