@@ -205,6 +205,28 @@ def test_every_panel_query_returns_data_from_the_run(pipeline_run: PipelineRun, 
 
 
 @pytest.mark.e2e
+def test_trace_to_metrics_links_answer_from_the_exact_timing_histograms(
+    pipeline_run: PipelineRun,
+) -> None:
+    """Tempo's span -> metrics links, expanded as Grafana does for a `train_batch` span of
+    the run, return data from otelprof's histograms (every range, even when traces are
+    sampled), not from the collector's span_metrics (kept spans only)."""
+    run = pipeline_run
+    to_metrics = _datasources()["otelprof-tempo"]["jsonData"]["tracesToMetrics"]
+    tags = ", ".join(
+        f'{tag["value"]}="{value}"'
+        for tag, value in zip(
+            to_metrics["tags"], (run.service_name, run.host_name, run.rank), strict=True
+        )
+    )
+    for query in to_metrics["queries"]:
+        assert "otelprof_timing_duration_seconds" in query["query"], query["name"]
+        expr = query["query"].replace("$$__tags", tags).replace("$${__span.name}", "train_batch")
+        series = run_range(run.prometheus, expr, run.started, run.finished + 3.0)
+        assert sum(len(values) for _, _, values in series), f"{query['name']}: no data: {expr}"
+
+
+@pytest.mark.e2e
 def test_step_spans_carry_what_tempo_search_needs(pipeline_run: PipelineRun) -> None:
     """TraceQL `{ name = "step" && resource.service.name = ... && resource.otelprof.rank = ... }`
     with `span.otelprof.step` to pick a step: all three must be on the exported spans."""
