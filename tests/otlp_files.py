@@ -128,3 +128,20 @@ def read_spans(path: Path) -> list[Span]:
                         )
                     )
     return spans
+
+
+def timing_histograms(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The last `otelprof.timing.duration` point (cumulative) per (timing, phase) of a
+    metrics file; every one is in seconds."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for request in read_lines(path):
+        for rm in request.get("resourceMetrics", []):
+            for sm in rm.get("scopeMetrics", []):
+                for metric in sm.get("metrics", []):
+                    if metric["name"] != "otelprof.timing.duration":
+                        continue
+                    assert metric["unit"] == "s"
+                    for dp in metric["histogram"]["dataPoints"]:
+                        attrs = {a["key"]: a["value"]["stringValue"] for a in dp["attributes"]}
+                        out[(attrs["otelprof.timing"], attrs["otelprof.phase"])] = dp
+    return out

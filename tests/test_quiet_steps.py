@@ -17,7 +17,7 @@ import pytest
 import otelprof
 from otelprof.timings import _engine, _quiet_steps, _sampling
 from otelprof.timings import _recorder as rec
-from tests.otlp_files import read_lines, read_spans
+from tests.otlp_files import read_lines, read_spans, timing_histograms
 
 
 class _FakeClock:
@@ -89,20 +89,6 @@ def _train(prof: Any, clock: _FakeClock, steps: int, slow_step: int | None = Non
     return expected
 
 
-def _histograms(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for request in read_lines(path):
-        for rm in request.get("resourceMetrics", []):
-            for sm in rm.get("scopeMetrics", []):
-                for metric in sm.get("metrics", []):
-                    if metric["name"] != "otelprof.timing.duration":
-                        continue
-                    for dp in metric["histogram"]["dataPoints"]:
-                        attrs = {a["key"]: a["value"]["stringValue"] for a in dp["attributes"]}
-                        out[(attrs["otelprof.timing"], attrs["otelprof.phase"])] = dp
-    return out
-
-
 def _assert_histograms_are(hists: dict, expected: dict) -> None:
     for key, durations in expected.items():
         dp = hists[key]
@@ -136,7 +122,7 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
         assert stats["timings.steps_sampled_out_on_thread"] > 200
     else:
         assert stats["timings.steps_sampled_out_on_thread"] == 0
-    hists = _histograms(prof.files["metrics"])
+    hists = timing_histograms(prof.files["metrics"])
     _assert_histograms_are(hists, expected)
     # every recorded span is written or counted as sampled out; none is lost
     recorded = sum(int(dp["count"]) for dp in hists.values())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import json
 import random
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import otelprof
 from otelprof.timings import _sampling
 from otelprof.timings._sampling import TraceSampler
-from tests.otlp_files import read_spans
+from tests.otlp_files import read_spans, timing_histograms
 
 
 class _Ctx:
@@ -131,22 +130,6 @@ def test_the_head_budget_bounds_the_spans_written_per_second() -> None:
     assert sampler.sampled_out + len(out) == 2 * len(durations)
 
 
-def _histograms(path: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """The last cumulative `otelprof.timing.duration` point per (timing, phase)."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        for rm in json.loads(line)["resourceMetrics"]:
-            for sm in rm.get("scopeMetrics", []):
-                for metric in sm.get("metrics", []):
-                    if metric["name"] != "otelprof.timing.duration":
-                        continue
-                    assert metric["unit"] == "s"
-                    for dp in metric["histogram"]["dataPoints"]:
-                        attrs = {a["key"]: a["value"]["stringValue"] for a in dp["attributes"]}
-                        out[(attrs["otelprof.timing"], attrs["otelprof.phase"])] = dp
-    return out
-
-
 def _train(prof: Any, steps: int) -> None:
     for i in range(steps):
         with otelprof.timing("dataloader_next"):
@@ -174,7 +157,7 @@ def test_histograms_equal_what_full_traces_give_per_timing_and_phase(
     finally:
         prof.shutdown()
     spans = read_spans(prof.files["traces"])
-    hists = _histograms(prof.files["metrics"])
+    hists = timing_histograms(prof.files["metrics"])
     expected: dict[tuple[str, str], list[float]] = {}
     for span in spans:
         key = (span.name, span.attributes["otelprof.phase"])
@@ -207,7 +190,7 @@ def test_sampled_runs_keep_exact_histograms_and_account_for_every_span(tmp_path:
     finally:
         prof.shutdown()
     stats = prof.stats()
-    hists = _histograms(prof.files["metrics"])
+    hists = timing_histograms(prof.files["metrics"])
     assert int(hists[("forward", "train")]["count"]) == 3000
     assert int(hists[("step", "train")]["count"]) == 3000
     assert int(hists[("eval_batch", "validation")]["count"]) == 60

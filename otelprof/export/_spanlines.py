@@ -265,38 +265,6 @@ class SpanLineWriter:
                 self._raw = None
 
 
-class GzipLineStream:
-    """A text stream for the SDK's file metric exporter that writes each flushed batch as
-    one gzip member (the exporter writes a whole line, then flushes), so a crash loses at
-    most the member being written and every earlier line stays readable."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._buffer: list[str] = []
-        self._raw: IO[bytes] | None = None
-        self.closed = False
-
-    def write(self, text: str) -> int:
-        self._buffer.append(text)
-        return len(text)
-
-    def flush(self) -> None:
-        if not self._buffer or self.closed:
-            return
-        data, self._buffer = "".join(self._buffer), []
-        if self._raw is None:
-            self._raw = self.path.open("ab")
-        self._raw.write(gzip.compress(data.encode("utf-8"), compresslevel=6))
-        self._raw.flush()
-
-    def close(self) -> None:
-        self.flush()
-        self.closed = True
-        if self._raw is not None:
-            self._raw.close()
-            self._raw = None
-
-
 class SpanLineExporter(SpanExporter):
     """SDK spans (user code, Kineto) into a SpanLineWriter, so the file has one writer.
 
