@@ -177,7 +177,10 @@ class Profiler:
             self._shutdown_done = True
             if _active is self:
                 _active = None
-        self._end = end
+        # the ending first: a launcher's SIGTERM or a SIGKILL during the flush below (the
+        # SIGTERM handler is uninstalled next) must not leave the run looking unfinished
+        with contextlib.suppress(Exception):
+            self._mark_end(end)
         with contextlib.suppress(Exception):
             self._run_end.uninstall()
         # Flushing gets one export timeout in all; exports still retrying after that (a

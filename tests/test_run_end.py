@@ -163,6 +163,37 @@ def test_sigterm_in_a_forked_child_is_not_the_runs_end(tmp_path: Path) -> None:
     assert info["stats"]["timings.steps"] == 5
 
 
+def test_an_ending_recorded_before_the_flush_survives_a_sigterm_during_it(
+    tmp_path: Path,
+) -> None:
+    # an elastic launcher's SIGTERM reaches a rank while its exception is being flushed
+    # (its peer's failure broke its collective): the exception is already in run.json
+    child = _child(
+        tmp_path,
+        """
+        prof = otelprof.instrument(interval=0.2)
+        flush = prof.tracer_provider.shutdown
+        def slow_flush():
+            open(ready + ".flushing", "w").close()
+            time.sleep(30)
+            flush()
+        prof.tracer_provider.shutdown = slow_flush
+        with prof:
+            loop(5)
+            raise RuntimeError("peer vanished")
+        """,
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready.flushing").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    code, stderr = _finish(child)
+    assert code == -signal.SIGTERM, stderr
+    end = _run_json(tmp_path)["end"]
+    assert end["status"] == "exception", end
+    assert end["exception"] == {"type": "RuntimeError", "message": "peer vanished"}
+
+
 def test_sigkill_leaves_the_run_unfinalized(tmp_path: Path) -> None:
     child = _child(tmp_path, "otelprof.instrument(interval=0.2)\nloop()\n")
     _wait_ready(tmp_path, child)
