@@ -174,3 +174,41 @@ def test_flush_on_the_training_thread_brings_the_histograms_up_to_the_last_step(
         assert hist.count == 170
     finally:
         prof.shutdown()
+
+
+def test_cuda_events_of_steps_sampled_out_on_their_thread_are_reused(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    from otelprof.timings._cuda import CudaTimer
+    from tests.test_timings_cuda import _StandInEvent, _StandInTorch
+
+    created = []
+
+    class _CountedEvent(_StandInEvent):
+        def __init__(self, enable_timing: bool = True) -> None:
+            super().__init__(enable_timing)
+            created.append(self)
+
+    class _Cuda(_StandInTorch.cuda):  # type: ignore[name-defined,misc]
+        Event = _CountedEvent
+
+    class _Torch:
+        cuda = _Cuda
+
+    prof = _instrument(tmp_path, "c")
+    _StandInEvent.completed = True  # the device is done with every range
+    try:
+        timer = CudaTimer(_Torch, events=True, sync=False)
+        prof._timings._builder._cuda = timer
+        rec.cuda_timer = timer
+        _train(prof, clock, 200)  # on-thread decisions start at step 100
+        before = len(created)
+        _train(prof, clock, 100)
+        prof._timings.flush()
+        assert prof.stats()["timings.steps_sampled_out_on_thread"] > 150
+        # 4 ranges x 2 events per step: without reuse 800 new events in 100 steps
+        assert len(created) - before <= 16
+    finally:
+        rec.cuda_timer = None
+        prof.shutdown()
+        _StandInEvent.completed = False

@@ -98,6 +98,11 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
     row = [f[7] - f[6] for f in frames]
     row.append(duration)
     row.append(layout)
+    cuda = rec.cuda_timer
+    if cuda is not None:  # its CUDA events are reused by later ranges
+        for frame in frames:
+            if frame[rec.F_CUDA] is not None:
+                cuda.release(frame[rec.F_CUDA])
     ctx.owner = None  # ranges of it that close late are queued singly ...
     ctx.kept = False  # ... and counted as sampled out
     frames.clear()  # its ranges are freed now, on this thread (no cycle left to collect)
