@@ -176,8 +176,9 @@ def test_flush_on_the_training_thread_brings_the_histograms_up_to_the_last_step(
         prof.shutdown()
 
 
-def test_cuda_events_of_steps_sampled_out_on_their_thread_are_reused(
-    tmp_path: Path, clock: _FakeClock
+@pytest.mark.parametrize("on_thread", [True, False], ids=["on-thread", "builder-only"])
+def test_cuda_events_of_sampled_out_steps_are_reused(
+    tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, on_thread: bool
 ) -> None:
     from otelprof.timings._cuda import CudaTimer
     from tests.test_timings_cuda import _StandInEvent, _StandInTorch
@@ -195,6 +196,8 @@ def test_cuda_events_of_steps_sampled_out_on_their_thread_are_reused(
     class _Torch:
         cuda = _Cuda
 
+    if not on_thread:
+        monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
     prof = _instrument(tmp_path, "c")
     _StandInEvent.completed = True  # the device is done with every range
     try:
@@ -202,10 +205,12 @@ def test_cuda_events_of_steps_sampled_out_on_their_thread_are_reused(
         prof._timings._builder._cuda = timer
         rec.cuda_timer = timer
         _train(prof, clock, 200)  # on-thread decisions start at step 100
+        prof._timings.flush()  # the builder has decided every step it was handed
         before = len(created)
         _train(prof, clock, 100)
         prof._timings.flush()
-        assert prof.stats()["timings.steps_sampled_out_on_thread"] > 150
+        if on_thread:
+            assert prof.stats()["timings.steps_sampled_out_on_thread"] > 150
         # 4 ranges x 2 events per step: without reuse 800 new events in 100 steps
         assert len(created) - before <= 16
     finally:

@@ -181,6 +181,8 @@ class SpanBuilder:
         # once more for a range that thread was appending right then
         self._recheck: list[tuple[rec.StepContext, int]] = []
         self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
+        if cuda_timer is not None:
+            self.sampler.on_sampled_out = self._release_cuda
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -473,7 +475,16 @@ class SpanBuilder:
         ctx.has_children = True
         ctx.kept = False
         self.sampler.sampled_out += n
+        if self._cuda is not None:
+            self._release_cuda(frames)
         return True
+
+    def _release_cuda(self, frames: list[list[Any]]) -> None:
+        """CUDA events of ranges that will not be written go back to the pool."""
+        release = self._cuda.release
+        for frame in frames:
+            if frame[rec.F_CUDA] is not None:
+                release(frame[rec.F_CUDA])
 
     def _step_signature(
         self, ctx: rec.StepContext, root: str, frames: list[list[Any]]

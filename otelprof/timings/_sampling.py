@@ -230,6 +230,8 @@ class TraceSampler:
         self.kept_steps: dict[str, int] = {}
         self.anomalies = 0
         self.on_anomaly: Callable[[Any, float], bool] | None = None
+        self.on_sampled_out: Callable[[list[Any]], None] | None = None
+        """Called with a sampled-out step's buffered items (e.g. to recycle their resources)."""
         self._awaiting_window = 0  # Kineto window steps the held span still waits for
 
     # ---- spans ----
@@ -392,6 +394,8 @@ class TraceSampler:
         if why is None:
             ctx.kept = False
             self.sampled_out += n
+            if self.on_sampled_out is not None:
+                self.on_sampled_out(pending.fields)
             return
         ctx.kept = True
         self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
