@@ -175,14 +175,11 @@ class SpanBuilder:
         self._signature_list: list[_Signature] = []
         # step/chunk items waiting for their ranges' CUDA events: (item, frames)
         self._pending_units: deque[tuple[list[Any], list[list[Any]]]] = deque()
-        # per root span name: TraceSampler.quiet() as of this drain
-        self._quiet: dict[str, tuple[float, float, float, deque[float]]] = {}
         # steps ended from another thread than their own: (ctx, frames taken) to look at
         # once more for a range that thread was appending right then
         self._recheck: list[tuple[rec.StepContext, int]] = []
         self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
-        if cuda_timer is not None:
-            self.sampler.on_sampled_out = self._release_cuda
+        self.sampler.on_sampled_out = self._release_cuda
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -271,13 +268,7 @@ class SpanBuilder:
                     self._emit_or_hold(carried)
                 if kind is rec.KIND_CHUNK:
                     continue
-            cuda = frame[rec.F_CUDA]
-            if cuda is not None and not self._cuda.ready(cuda):
-                if len(self._pending) < self._max_pending:
-                    self._pending.append(frame)
-                    continue
-                self.cuda_unresolved += 1
-            self._emit(frame)
+            self._emit_or_hold(frame)
 
     def _drain_sampling(self) -> None:
         """`_drain_queue` in sampling mode, with the common case inlined: a range (not a
@@ -290,7 +281,6 @@ class SpanBuilder:
         sampler = self.sampler
         pending_of = sampler._pending
         stop = self._stop
-        batches = self._batches
         by_phase = self._raw_hists
         step_kind = rec.KIND_STEP
         chunk_kind = rec.KIND_CHUNK
@@ -299,7 +289,6 @@ class SpanBuilder:
         cur_buffer: list[Any] | None = None
         cur_durations: dict[str, list[int]] = {}
         done = 0
-        self._quiet.clear()  # tokens refilled since the last drain
         try:
             while True:
                 try:
@@ -316,8 +305,7 @@ class SpanBuilder:
                     continue
                 if kind is step_kind or kind is chunk_kind:
                     carried = self._take_carried(frame)
-                    if not (kind is step_kind and self._sampled_out_step(frame, carried)):
-                        self._unit(frame, carried)
+                    self._unit(frame, carried)
                     done += len(carried) >> 2  # a step item costs about a quarter per range
                     cur_ctx = None
                     continue
@@ -350,13 +338,12 @@ class SpanBuilder:
                     ctx.last_child_ns = end
                 durations = cur_durations.get(frame[0])
                 if durations is None:
-                    durations = self._durations_for(frame[0], phase, batches)
+                    durations = self._durations_for(frame[0], phase)
                 durations.append(end - start)
                 cur_buffer.append(frame)  # type: ignore[union-attr]
                 sampler._buffered += 1
                 if sampler._buffered > MAX_BUFFERED:
                     sampler._decide_oldest()
-                    self._quiet.clear()
                     cur_ctx = None
         finally:
             self._fold_batches()
@@ -440,56 +427,14 @@ class SpanBuilder:
         rec.out_items += len(frames)
         return frames
 
-    def _sampled_out_step(self, item: list[Any], frames: list[list[Any]]) -> bool:
-        """The common case of a fast run, in a few C-level passes: a step whose ranges all
-        came with it and that the sampler certainly samples out (`TraceSampler.quiet`, read
-        once per drain). Its ranges' durations and its own go into the histograms; nothing
-        is buffered or built. False: the step takes `_unit`."""
-        ctx: rec.StepContext = item[rec.F_CTX]
-        if ctx.kept is not None or ctx.trim_start or ctx.trim_end or not frames:
-            return False
-        root = item[rec.F_NAME]
-        quiet = self._quiet.get(root)
-        if quiet is None:
-            quiet = self.sampler.quiet(root)
-            if quiet is None:
-                return False
-            self._quiet[root] = quiet
-        n = len(frames) + 1
-        duration = item[rec.F_END] - item[rec.F_START]
-        if (
-            n <= quiet[0]
-            or n <= quiet[1]
-            or duration >= quiet[2]
-            or ctx.error
-            or ctx in self.sampler._pending
-        ):
-            return False
-        signature = self._step_signature(ctx, root, frames)
-        if signature is None:
-            return False
-        row = [f[7] - f[6] for f in frames]
-        row.append(duration)
-        signature[1].append(row)
-        quiet[3].append(duration / 1e9)
-        ctx.has_children = True
-        ctx.kept = False
-        self.sampler.sampled_out += n
-        if self._cuda is not None:
-            self._release_cuda(frames)
-        return True
-
     def _release_cuda(self, frames: list[list[Any]]) -> None:
         """CUDA events of ranges that will not be written go back to the pool."""
+        if self._cuda is None:
+            return
         release = self._cuda.release
         for frame in frames:
             if frame[rec.F_CUDA] is not None:
                 release(frame[rec.F_CUDA])
-
-    def _step_signature(
-        self, ctx: rec.StepContext, root: str, frames: list[list[Any]]
-    ) -> _Signature | None:
-        return self._signature_for(ctx.phase or DEFAULT_PHASE, root, tuple(map(_get_name, frames)))
 
     def _signature_for(self, phase: str, root: str, names: tuple[str, ...]) -> _Signature | None:
         """The batches of a step layout: its ranges' histograms in close order, then the
@@ -509,15 +454,10 @@ class SpanBuilder:
 
     def _step_durations(self, root: str, phase: str) -> list[int]:
         """The duration batch of the step span's own histogram (its name, not folded)."""
-        hist = self.aggregates.add_histogram(root, phase)
-        entry = self._batches.get(id(hist))
-        if entry is None:
-            entry = self._batches[id(hist)] = (hist, [])
-        return entry[1]
+        return self._batch_of(self.aggregates.add_histogram(root, phase))
 
     def _unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """A step or chunk item in sampling mode, held while its ranges' CUDA events run."""
-        self._quiet.clear()  # the sampler may decide a step (and take tokens)
         cuda = self._cuda
         if cuda is not None and (self._pending_units or not self._units_ready(frames)):
             self._pending_units.append((item, frames))  # in order, behind any held one
@@ -593,24 +533,27 @@ class SpanBuilder:
         by_raw = self._raw_hists.setdefault(phase, {})
         durations = by_raw.get(raw)
         if durations is None:
-            durations = self._durations_for(raw, phase, self._batches)
+            durations = self._durations_for(raw, phase)
         return durations
 
-    def _durations_for(self, raw: str, phase: str, batches: dict[int, _Batch]) -> list[int]:
+    def _durations_for(self, raw: str, phase: str) -> list[int]:
         """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
-        hist = self.aggregates.add_histogram(self._exported_name(raw), phase)
-        entry = batches.get(id(hist))
-        if entry is None:
-            entry = batches[id(hist)] = (hist, [])
+        durations = self._batch_of(self.aggregates.add_histogram(self._exported_name(raw), phase))
         by_raw = self._raw_hists[phase]
         if len(by_raw) < MAX_CACHED_NAMES:
-            by_raw[raw] = entry[1]
+            by_raw[raw] = durations
+        return durations
+
+    def _batch_of(self, hist: DurationHistogram) -> list[int]:
+        """The batch of durations folded into `hist` at the end of every drain."""
+        entry = self._batches.get(id(hist))
+        if entry is None:
+            entry = self._batches[id(hist)] = (hist, [])
         return entry[1]
 
     def _emit_or_hold(self, frame: list[Any]) -> None:
         """One frame the general way: held while its CUDA events run, else emitted."""
-        self._quiet.clear()  # the sampler may decide a step (and take tokens)
         cuda = frame[rec.F_CUDA]
         if cuda is not None and not self._cuda.ready(cuda):
             if len(self._pending) < self._max_pending:

@@ -335,7 +335,8 @@ class TraceSampler:
         sampled out by `_decide` (tail.slowest needs tail tokens), so a caller may decide a
         run of such steps without it. None when no step is certainly sampled out now.
         Valid until the next `_decide` (which may take tokens) or for a fraction of a
-        second (tokens refill): the builder takes one per drain. Takes nothing."""
+        second (tokens refill): the builder publishes one per drain (`_quiet_steps`).
+        Takes nothing."""
         if self.keep_all or self._capture_left > 0:
             return None
         recent = self._recent_by_root.get(root)
