@@ -90,19 +90,19 @@ def test_recorded_ranges_and_user_sdk_spans_share_one_file_of_whole_lines(tmp_pa
     assert stats["files.spans_exported"] == 9 and stats["dropped_total"] == 0
 
 
-def test_a_size_cap_drops_whole_batches_and_counts_them(tmp_path: Path) -> None:
+def test_a_size_cap_drops_whole_lines_and_counts_their_spans(tmp_path: Path) -> None:
     counters = ExportCounters()
-    writer = SpanLineWriter(tmp_path / "t.jsonl", counters, max_bytes=3000)
+    writer = SpanLineWriter(tmp_path / "t.jsonl", counters, max_bytes=3000, line_spans=5)
     resource = Resource({"service.name": "t"})
     span = encode_span("x", 1, 2, 0, 1, 2, {"otelprof.step": 0})
-    written = 0
     for _ in range(40):
-        if writer.write(resource, None, [span] * 5):
-            written += 5
+        assert writer.write(resource, None, [span] * 5)  # taken; the cap decides per line
     writer.close()
     counts = counters.snapshot()
-    assert 0 < written < 200
-    assert counts["files.spans_exported"] == written
+    written = counts["files.spans_exported"]
+    assert 0 < written < 200 and written % 5 == 0
     assert counts["files.spans_dropped_size_cap"] == 200 - written
     assert (tmp_path / "t.jsonl").stat().st_size <= 3000
     assert len(read_spans(tmp_path / "t.jsonl")) == written
+    assert not writer.write(resource, None, [span])  # closed: refused and counted
+    assert counters.snapshot()["files.spans_failed"] == 1

@@ -17,6 +17,7 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof.config import Settings
+from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
 from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
 from otelprof.export.counters import (
@@ -109,6 +110,16 @@ def _metric_reader(
     )
 
 
+class _FileSpanProcessor(CountingBatchSpanProcessor):
+    """The trace file's processor: `force_flush()` also writes the spans its writer holds
+    (the SDK's batch processor does not flush its exporter)."""
+
+    def force_flush(self, timeout_millis: int | None = None) -> bool:
+        ok = super().force_flush(timeout_millis)
+        exporter: Any = self._batch_processor._exporter
+        return bool(exporter.force_flush()) and ok
+
+
 def _add_files(
     pipelines: ExportPipelines,
     settings: Settings,
@@ -132,11 +143,15 @@ def _add_files(
         compress=compress,
         max_bytes=getattr(settings, "max_metrics_bytes", None),
     )
-    metric_exporter = CappedMetricExporter(
+    capped = CappedMetricExporter(
         FileMetricExporter(stream=stream),  # type: ignore[call-overload]
         stream,
         counters,
         "files",
+    )
+    # several exports per line: the resource and metric descriptions once per line
+    metric_exporter = MetricLineBatcher(
+        capped, exports_per_line(settings.interval_s), counters, "files"
     )
     pipelines.closers.append(metric_exporter.close)
     pipelines.metric_readers.append(
@@ -153,7 +168,7 @@ def _add_files(
             compress=compress,
             max_bytes=getattr(settings, "max_trace_bytes", None),
         )
-        processor = CountingBatchSpanProcessor(
+        processor = _FileSpanProcessor(
             "files",
             SpanLineExporter(writer),
             counters,
@@ -163,6 +178,9 @@ def _add_files(
         )
         processor.frame_sink = writer  # type: ignore[attr-defined]
         pipelines.span_processors.append(processor)
+        # the writer holds spans for fuller lines; the metrics reader's tick (every
+        # interval) writes them when due even if no new span comes
+        metric_exporter.on_export.append(writer.flush_due)
         pipelines.closers.append(writer.close)
 
 
