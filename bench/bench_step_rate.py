@@ -40,6 +40,7 @@ Printed per step length:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -369,7 +370,10 @@ def _volume(
     work: Work, units: list[int], seconds: float, out: Path, index: int, compress: bool
 ) -> float:
     """Bytes per day written in the steady state: `seconds` measured once the head budget's
-    initial burst is spent (the sampler has started sampling out), up to 300 s of waiting."""
+    initial burst is spent (the sampler has started sampling out), up to 300 s of waiting,
+    and the tail budget's burst too where slow steps are drawing on it (up to 60 s more).
+    The files hold up to 5 s of data per line, so both ends of the window are flushed: the
+    bytes are those of the window's own data (plus two partial lines' headers)."""
     prof = otelprof.instrument(output_dir=str(out), run_id=f"v{index}", compress=compress)
     try:
         waited = 0.0
@@ -377,8 +381,17 @@ def _volume(
             _loop(work, units, 1.0, prof)
             waited += 1.0
         _loop(work, units, 2.0, prof)  # let the builder's and exporters' buffers turn over
+        tail = prof._timings._builder.sampler._tail  # full (inf) when slow steps do not use it
+        for _ in range(60):
+            if not 20 < tail.available() < math.inf:
+                break
+            _loop(work, units, 1.0, prof)
+        prof.tracer_provider.force_flush()
+        prof.meter_provider.force_flush()
         before, t0 = _run_bytes(out / f"v{index}"), time.perf_counter()
         _loop(work, units, seconds, prof)
+        prof.tracer_provider.force_flush()
+        prof.meter_provider.force_flush()
         after, t1 = _run_bytes(out / f"v{index}"), time.perf_counter()
     finally:
         prof.shutdown()

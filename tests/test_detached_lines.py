@@ -273,3 +273,29 @@ def test_the_collectors_otlpjsonfile_receiver_delivers_every_sample_of_multi_exp
     kept = sum(1 for s in read_spans(prof.files["traces"]) if s.name == STEP_SPAN)
     query = f'count(traces_span_metrics_calls_total{{job="lines",span_name=~"{names}"}} == {kept})'
     prom.wait_for_series(f"{query} == {len(DETERMINED_TIMINGS) + 1}", timeout_s=60)
+
+
+def test_the_files_get_the_timing_histograms_every_30_s_and_once_more_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from otelprof.export import _aggregates
+    from otelprof.timings._sampling import Aggregates
+
+    now = [1000.0]
+    monkeypatch.setattr(_aggregates.time, "monotonic", lambda: now[0])
+    aggregates = Aggregates()
+    aggregates.add(STEP_SPAN, "train", 0.01)
+    metrics = _aggregates.AggregateMetrics(aggregates, Resource({}))
+
+    def carries(exporter: str) -> bool:
+        data = metrics.merge(exporter, MetricsData(resource_metrics=[]))
+        return bool(data.resource_metrics)
+
+    seen = []
+    for _ in range(7):  # one export every 10 s
+        seen.append((carries("files"), carries("otlp")))
+        now[0] += 10.0
+    assert seen == [(True, True), (False, True), (False, True)] * 2 + [(True, True)]
+    metrics.final = True  # the builder's final drain: every exporter gets them once more
+    assert carries("files") and carries("otlp")
+    assert not carries("files")

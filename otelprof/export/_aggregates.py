@@ -5,8 +5,9 @@ The histograms are aggregated on the span builder thread from every recorded ran
 cost 35-75 µs per range on the test machine, so the aggregation is ours and the points are
 merged into the data each counting metric exporter sends (files, OTLP, Determined), as
 cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
-them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports; it keeps the
-files small), other exporters with every export; all once more at shutdown.
+them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports: the report
+reads the last point, which the run's final export makes exact over every step), other
+exporters with every export; all once more at shutdown.
 The Prometheus pull endpoint reads the SDK's instruments only, so it gets them from its own
 collector instead (`otelprof.export._prom_histograms`, a consistent snapshot per scrape).
 """
@@ -32,7 +33,11 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otelprof.timings._sampling import ATTR_PHASE, ATTR_TIMING, BOUNDS, METRIC_NAME
 
-EXPORT_EVERY_S = 10.0
+EXPORT_EVERY_S = 30.0
+"""Seconds between the histograms in the detached metrics file: a ~10 KB point set (61
+bucket bounds per timing name) every 10 s was a third of the metrics file at the default
+interval; every 30 s it is a fraction of that, and a replayed run's dashboards still get a
+point every 30 s."""
 
 
 class AggregateMetrics:
