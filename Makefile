@@ -3,16 +3,22 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The venv is rebuilt when pyproject.toml changes.
-STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+# The venv is reinstalled when what the install builds changes (the C hot path included).
+INSTALL_INPUTS := pyproject.toml setup.py otelprof/timings/_speedups.c
+STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
+# Tests of the recorder that `make test` runs a second time with OTELPROF_PURE_PYTHON=1: the
+# Python hot path is the reference, and what runs where the C extension could not be built.
+PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
+  tests/test_quiet_steps.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
+  tests/test_profiler.py
 DEMO_ARGS ?=
 
 .PHONY: venv demo test collector prometheus traceql-grammar lint bench gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): $(INSTALL_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[torch,dev]'
@@ -43,6 +49,9 @@ test: venv collector prometheus traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
 	OTELPROF_TRACEQL_GRAMMAR="$$(scripts/traceql-grammar.sh | tail -n 1)" \
 	  $(VENV)/bin/pytest $(PYTEST_ARGS)
+	@echo "== the recorder's tests again on the pure-Python hot path (no C extension)"
+	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" OTELPROF_PURE_PYTHON=1 \
+	  $(VENV)/bin/pytest -q $(PURE_PYTHON_TESTS)
 
 lint: venv
 	$(VENV)/bin/ruff check otelprof tests bench

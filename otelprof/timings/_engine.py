@@ -208,8 +208,7 @@ class TimingsEngine:
             rec.current = None
             if ctx is not None:
                 state = ctx.owner  # decided here if the sampler is quiet, else queued
-                on_thread = state is not None and state is rec._local.state
-                if not (on_thread and _quiet_steps.sample_out(ctx, end, state)):  # type: ignore[arg-type]
+                if state is None or not _quiet_steps.sample_out(ctx, end, state):
                     rec.emit_step(ctx, end)
                 self._stepping = state
             if self._phase != rec.PHASE_TRAIN:
@@ -223,7 +222,7 @@ class TimingsEngine:
             self._step_from_start = False
             if self._kineto is None and self._schedule is None:  # the common case, inlined
                 start = self._step_start = perf_counter_ns()
-                rec.current = self._ctx = rec.StepContext(
+                rec.current = self._ctx = rec.new_step_context(
                     self._step, self._epoch, start, False, self._phase
                 )
                 return
@@ -382,12 +381,12 @@ class TimingsEngine:
         self._step_start = start_ns
         if action.records:
             if previous is None:
-                previous = rec.StepContext(
+                previous = rec.new_step_context(
                     self._step,
                     self._epoch,
                     start_ns,
-                    trim_start=self._step_from_start if trim_start is None else trim_start,
-                    phase=self._phase,
+                    self._step_from_start if trim_start is None else trim_start,
+                    self._phase,
                 )
             self._ctx = previous
         else:

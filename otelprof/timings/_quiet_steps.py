@@ -58,8 +58,11 @@ def reset() -> None:
 
 
 def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> bool:
-    """At `step()` on the step's own thread: True if the step was sampled out here (its row
-    queued or batched, its ranges freed), False if it must go to the builder."""
+    """At `step()`: True if the step was sampled out here (its row queued or batched, its
+    ranges freed), False if it must go to the builder. Only `state`'s own thread decides:
+    ended from another thread, a step goes to the builder."""
+    if state is not rec._local.state:
+        return False
     phase = ctx.phase
     limits = quiet.get(phase)
     if limits is None:
@@ -139,3 +142,22 @@ def limits_for(
             phase = rec.PHASE_TRAIN if root == rec.STEP_SPAN else root
             out[phase] = [head, tail, max(recent) * 1e9 if recent else 0.0, anomaly_ns]
     return out
+
+
+_py_sample_out = sample_out
+
+
+def use_compiled(on: bool) -> bool:
+    """Decide steps with the compiled `sample_out` (when built) or the Python one above;
+    returns whether it runs compiled now."""
+    global sample_out
+    speedups = rec.speedups
+    if on and speedups is not None:
+        speedups.bind_quiet(globals())
+        sample_out = speedups.sample_out
+        return True
+    sample_out = _py_sample_out
+    return False
+
+
+use_compiled(rec.compiled)

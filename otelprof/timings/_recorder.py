@@ -15,6 +15,10 @@ dropped and counted; training never waits on telemetry.
 
 The recorder is process-wide (module globals, for the cheapest possible reads on the hot
 path); `TimingsEngine` is the only writer of that state.
+
+`Timing.__enter__`/`__exit__` and `StepContext()` also exist in C (`_speedups.c`, built at
+install when a C compiler is there, see `use_compiled`): the same frames from the same
+globals, uncommon cases handed back to the Python code here, which stays the reference.
 """
 
 from __future__ import annotations
@@ -635,3 +639,48 @@ def _torch_range_enter(name: str) -> Any:
 def _torch_range_exit(handle: Any) -> None:
     with contextlib.suppress(Exception):
         torch_range_exit(handle)  # type: ignore[misc]
+
+
+# ---- the compiled hot path (`_speedups.c`): the same functions, without the interpreter ----
+_py_timing_enter = Timing.__enter__
+_py_timing_exit = Timing.__exit__
+
+
+def _load_speedups() -> Any:
+    """The compiled hot path, or None: not built (no C compiler at install) or turned off
+    with OTELPROF_PURE_PYTHON=1. The Python code above stays the reference either way."""
+    if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
+        return None
+    try:
+        from otelprof.timings import _speedups
+    except ImportError:
+        return None
+    return _speedups
+
+
+speedups = _load_speedups()
+compiled = False
+"""Whether `Timing`'s enter/exit run compiled now (see `use_compiled`)."""
+new_step_context: Callable[[int, int | None, int, bool, str], StepContext] = StepContext
+"""`StepContext(step, epoch, start_ns, trim_start, phase)`, compiled when the hot path is."""
+
+
+def use_compiled(on: bool) -> bool:
+    """Run `Timing`'s enter/exit compiled (when built) or in Python; returns whether they
+    run compiled now. (`timing()` stays Python: torch.compile traces it to step aside.)"""
+    global compiled, new_step_context
+    if on and speedups is not None:
+        speedups.bind(globals(), StepContext(0, None, 0))  # new contexts start as its copies
+        Timing.__enter__ = speedups.method(speedups.timing_enter)  # type: ignore[method-assign]
+        Timing.__exit__ = speedups.method(speedups.timing_exit)  # type: ignore[method-assign]
+        new_step_context = speedups.step_context
+        compiled = True
+    else:
+        Timing.__enter__ = _py_timing_enter  # type: ignore[method-assign]
+        Timing.__exit__ = _py_timing_exit  # type: ignore[method-assign]
+        new_step_context = StepContext
+        compiled = False
+    return compiled
+
+
+use_compiled(True)

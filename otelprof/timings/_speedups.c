@@ -1,0 +1,884 @@
+/* The training thread's hot path in C: `Timing.__enter__`/`__exit__`, `timing()` and the
+ * on-thread sampling decision at `step()` (`_quiet_steps.sample_out`).
+ *
+ * (`timing()` itself stays Python: torch.compile traces it, and steps aside in compiled code.)
+ *
+ * Why: at 0.3 ms steps the pure-Python versions of these few functions are most of what
+ * profiling costs the training thread (about 1 us per range and 2-4 us per step on a slow
+ * core). This module does exactly what the Python code in `_recorder.py` and
+ * `_quiet_steps.py` does, building the same frame lists, reading the same module globals
+ * (so the engine, tests and monkeypatching see one state), and hands every uncommon case
+ * (an exception, a frame not on top of the stack, CUDA events, a torch profiler range, an
+ * unseen name) to the Python implementation. Those stay the reference: both paths run the
+ * same tests (tests/test_compiled_hot_path.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+#include <time.h>
+
+#ifndef Py_T_OBJECT_EX
+#define Py_T_OBJECT_EX T_OBJECT_EX
+#endif
+
+/* frame layout: _recorder.F_* */
+#define F_NAME 0
+#define F_PARENT 2
+#define F_CTX 3
+#define F_THREAD 4
+#define F_ATTRS 5
+#define F_START 6
+#define F_END 7
+#define F_CUDA 9
+#define F_KIND 10
+#define F_OWNER 11
+#define F_RANGE 12
+#define FRAME_LEN 13
+
+static PyObject *rec_globals;   /* _recorder's module dict (bind()) */
+static PyObject *quiet_globals; /* _quiet_steps's module dict (bind_quiet()) */
+static PyObject *zero;
+static PyObject *real_clock; /* time.perf_counter_ns */
+static PyObject *state_key;  /* where a thread's dict caches its ThreadState */
+
+#define STRINGS(X)                                                                         \
+    X(current) X(_local) X(state) X(stack) X(thread_state) X(name) X(attributes)          \
+    X(KIND_TIMING) X(torch_profiler_state) X(_is_profiler_enabled) X(_torch_range_enter) \
+    X(cuda_timer) X(enter) X(perf_counter_ns) X(_py_timing_exit) X(owner) X(frames)      \
+    X(chunk_size) X(hand_off) X(queue) X(capacity) X(_count_drop) X(append)              \
+    X(phase) X(quiet) X(start_ns) X(hold) X(kept) X(trim_start) X(error)                 \
+    X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
+    X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext)
+
+#define DECLARE(n) static PyObject *s_##n;
+STRINGS(DECLARE)
+#undef DECLARE
+
+/* A module global (borrowed); NULL with an error set when it is missing. */
+static PyObject *
+global(PyObject *globals, PyObject *key)
+{
+    PyObject *value = PyDict_GetItemWithError(globals, key);
+    if (value == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_RuntimeError, "otelprof._speedups: %U is not bound", key);
+    return value;
+}
+
+static int
+check_bound(void)
+{
+    if (rec_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: bind() was not called");
+        return -1;
+    }
+    return 0;
+}
+
+/* An attribute kept in a __slots__ slot, read in place when the object is exactly of the
+ * class bind() saw (no descriptor call), else looked up as usual. */
+typedef struct {
+    PyTypeObject *type;
+    Py_ssize_t offset;
+    PyObject *name;
+} Slot;
+
+static Slot timing_name, timing_attributes, state_stack, ctx_owner, ctx_frames;
+
+static int
+slot_init(Slot *slot, PyObject *cls, PyObject *name)
+{
+    slot->type = NULL;
+    slot->offset = 0;
+    slot->name = name;
+    PyObject *descr = PyObject_GetAttr(cls, name);
+    if (descr == NULL)
+        return -1;
+    if (PyType_Check(cls) && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+        if (member->type == Py_T_OBJECT_EX) {
+            slot->type = (PyTypeObject *)cls;
+            slot->offset = member->offset;
+        }
+    }
+    Py_DECREF(descr);
+    return 0;
+}
+
+static PyObject *
+slot_get(Slot *slot, PyObject *obj)
+{
+    if (Py_TYPE(obj) == slot->type) {
+        PyObject *value = *(PyObject **)((char *)obj + slot->offset);
+        if (value != NULL)
+            return Py_NewRef(value);
+    }
+    return PyObject_GetAttr(obj, slot->name);
+}
+
+/* perf_counter_ns() as the recorder sees it (a test may replace it). On Linux it is
+ * clock_gettime(CLOCK_MONOTONIC), read here without the call. */
+static PyObject *
+now(void)
+{
+    PyObject *clock = global(rec_globals, s_perf_counter_ns);
+    if (clock == NULL)
+        return NULL;
+#ifdef __linux__
+    struct timespec ts;
+    if (clock == real_clock && clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+#endif
+    return PyObject_CallNoArgs(clock);
+}
+
+/* The calling thread's ThreadState (new reference), None if it has none and `make` is 0.
+ * `_local.state` costs a thread-local lookup and a generic attribute lookup; the thread's own
+ * dict caches it, keyed by the `_local` it came from (a test may replace `_local`). */
+static PyObject *
+get_thread_state(int make)
+{
+    PyObject *local = global(rec_globals, s__local);
+    if (local == NULL)
+        return NULL;
+    PyObject *cache = PyThreadState_GetDict();
+    if (cache != NULL) {
+        PyObject *entry = PyDict_GetItemWithError(cache, state_key);
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_ITEM(entry, 0) == local)
+            return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    PyObject *state = PyObject_GetAttr(local, s_state);
+    if (state == NULL)
+        return NULL;
+    if (state == Py_None) {
+        if (!make)
+            return state;
+        Py_DECREF(state);
+        PyObject *maker = global(rec_globals, s_thread_state);
+        state = maker == NULL ? NULL : PyObject_CallNoArgs(maker);
+        if (state == NULL)
+            return NULL;
+    }
+    if (cache != NULL) {
+        PyObject *entry = PyTuple_Pack(2, local, state);
+        if (entry == NULL || PyDict_SetItem(cache, state_key, entry) < 0) {
+            Py_XDECREF(entry);
+            Py_DECREF(state);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    return state;
+}
+
+static PyObject *
+timing_enter(PyObject *module, PyObject *self)
+{
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *ctx = global(rec_globals, s_current);
+    if (ctx == NULL)
+        return NULL;
+    if (ctx == Py_None)
+        return Py_NewRef(self);
+    Py_INCREF(ctx);
+    PyObject *state = NULL, *stack = NULL, *frame = NULL, *name = NULL;
+    state = get_thread_state(1);
+    if (state == NULL)
+        goto fail;
+    stack = slot_get(&state_stack, state);
+    if (stack == NULL)
+        goto fail;
+    if (!PyList_Check(stack) || PyList_GET_SIZE(stack) == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: a thread's stack lost its base");
+        goto fail;
+    }
+    PyObject *top = PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1);
+    PyObject *parent = Py_None;
+    if (PyList_Check(top) && PyList_GET_SIZE(top) > F_CTX && PyList_GET_ITEM(top, F_CTX) == ctx)
+        parent = top;
+    name = slot_get(&timing_name, self);
+    if (name == NULL)
+        goto fail;
+    PyObject *attributes = slot_get(&timing_attributes, self);
+    if (attributes == NULL)
+        goto fail;
+    PyObject *kind = global(rec_globals, s_KIND_TIMING);
+    if (kind == NULL) {
+        Py_DECREF(attributes);
+        goto fail;
+    }
+    frame = PyList_New(FRAME_LEN);
+    if (frame == NULL) {
+        Py_DECREF(attributes);
+        goto fail;
+    }
+    PyList_SET_ITEM(frame, F_NAME, Py_NewRef(name));
+    PyList_SET_ITEM(frame, 1, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, F_PARENT, Py_NewRef(parent));
+    PyList_SET_ITEM(frame, F_CTX, ctx);
+    ctx = NULL; /* the frame holds it */
+    PyList_SET_ITEM(frame, F_THREAD, Py_NewRef(state));
+    PyList_SET_ITEM(frame, F_ATTRS, attributes);
+    PyList_SET_ITEM(frame, F_START, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, F_END, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, 8, Py_NewRef(Py_None));
+    PyList_SET_ITEM(frame, F_CUDA, Py_NewRef(Py_None));
+    PyList_SET_ITEM(frame, F_KIND, Py_NewRef(kind));
+    PyList_SET_ITEM(frame, F_OWNER, Py_NewRef(self));
+    PyList_SET_ITEM(frame, F_RANGE, Py_NewRef(Py_None));
+    if (PyList_Append(stack, frame) < 0)
+        goto fail;
+
+    PyObject *profiler = global(rec_globals, s_torch_profiler_state);
+    if (profiler == NULL)
+        goto fail;
+    if (profiler != Py_None) {
+        PyObject *enabled = PyObject_GetAttr(profiler, s__is_profiler_enabled);
+        if (enabled == NULL)
+            goto fail;
+        int on = PyObject_IsTrue(enabled);
+        Py_DECREF(enabled);
+        if (on < 0)
+            goto fail;
+        if (on) {
+            PyObject *open = global(rec_globals, s__torch_range_enter);
+            PyObject *range = open == NULL ? NULL : PyObject_CallOneArg(open, name);
+            if (range == NULL || PyList_SetItem(frame, F_RANGE, range) < 0)
+                goto fail;
+        }
+    }
+    PyObject *cuda = global(rec_globals, s_cuda_timer);
+    if (cuda == NULL)
+        goto fail;
+    if (cuda != Py_None) {
+        PyObject *events = PyObject_CallMethodNoArgs(cuda, s_enter);
+        if (events == NULL || PyList_SetItem(frame, F_CUDA, events) < 0)
+            goto fail;
+    }
+    PyObject *start = now();
+    if (start == NULL || PyList_SetItem(frame, F_START, start) < 0)
+        goto fail;
+    Py_DECREF(frame);
+    Py_DECREF(name);
+    Py_DECREF(stack);
+    Py_DECREF(state);
+    return Py_NewRef(self);
+fail:
+    Py_XDECREF(ctx);
+    Py_XDECREF(frame);
+    Py_XDECREF(name);
+    Py_XDECREF(stack);
+    Py_XDECREF(state);
+    return NULL;
+}
+
+/* Call `_recorder.<key>(args...)` and drop the result. */
+static int
+call_global(PyObject *key, PyObject *const *args, size_t nargs)
+{
+    PyObject *fn = global(rec_globals, key);
+    if (fn == NULL)
+        return -1;
+    PyObject *result = PyObject_Vectorcall(fn, args, nargs, NULL);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* A closed frame goes to its step's own list on the step's thread, else to the queue. */
+static int
+deliver(PyObject *frame, PyObject *state)
+{
+    PyObject *ctx = PyList_GET_ITEM(frame, F_CTX);
+    PyObject *owner = slot_get(&ctx_owner, ctx);
+    if (owner == NULL)
+        return -1;
+    int own = owner == state;
+    Py_DECREF(owner);
+    if (own) {
+        PyObject *frames = slot_get(&ctx_frames, ctx);
+        if (frames == NULL)
+            return -1;
+        if (PyList_Append(frames, frame) < 0) {
+            Py_DECREF(frames);
+            return -1;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(frames);
+        Py_DECREF(frames);
+        PyObject *chunk = global(rec_globals, s_chunk_size);
+        if (chunk == NULL)
+            return -1;
+        Py_ssize_t limit = PyLong_AsSsize_t(chunk);
+        if (limit == -1 && PyErr_Occurred())
+            return -1;
+        if (n >= limit)
+            return call_global(s_hand_off, &ctx, 1);
+        return 0;
+    }
+    PyObject *queue = global(rec_globals, s_queue);
+    PyObject *capacity = queue == NULL ? NULL : global(rec_globals, s_capacity);
+    if (capacity == NULL)
+        return -1;
+    Py_ssize_t queued = PyObject_Length(queue);
+    Py_ssize_t room = PyLong_AsSsize_t(capacity);
+    if (queued < 0 || (room == -1 && PyErr_Occurred()))
+        return -1;
+    if (queued < room) {
+        PyObject *done = PyObject_CallMethodOneArg(queue, s_append, frame);
+        Py_XDECREF(done);
+        return done == NULL ? -1 : 0;
+    }
+    return call_global(s__count_drop, NULL, 0);
+}
+
+static PyObject *
+timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "timing_exit(self, exc_type, exc, tb)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *self = args[0];
+    PyObject *state = get_thread_state(0);
+    if (state == NULL)
+        return NULL;
+    if (state == Py_None) {
+        Py_DECREF(state);
+        Py_RETURN_NONE;
+    }
+    PyObject *stack = slot_get(&state_stack, state);
+    if (stack == NULL) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    Py_ssize_t depth = PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+    PyObject *frame = depth ? PyList_GET_ITEM(stack, depth - 1) : NULL;
+    if (frame == NULL || !PyList_Check(frame) || PyList_GET_SIZE(frame) != FRAME_LEN ||
+        PyList_GET_ITEM(frame, F_OWNER) != self || args[1] != Py_None ||
+        PyList_GET_ITEM(frame, F_CUDA) != Py_None || PyList_GET_ITEM(frame, F_RANGE) != Py_None) {
+        /* not on top, an exception, CUDA events or a torch range: the Python exit */
+        Py_DECREF(stack);
+        Py_DECREF(state);
+        PyObject *slow = global(rec_globals, s__py_timing_exit);
+        return slow == NULL ? NULL : PyObject_Vectorcall(slow, args, 4, NULL);
+    }
+    Py_INCREF(frame);
+    int failed = PyList_SetSlice(stack, depth - 1, depth, NULL) < 0;
+    Py_DECREF(stack);
+    PyObject *end = failed ? NULL : now();
+    failed = end == NULL || PyList_SetItem(frame, F_END, end) < 0 || deliver(frame, state) < 0;
+    Py_DECREF(frame);
+    Py_DECREF(state);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ---- _quiet_steps.sample_out ---- */
+
+static int
+as_double(PyObject *value, double *out)
+{
+    *out = PyFloat_AsDouble(value);
+    return (*out == -1.0 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+as_ns(PyObject *value, long long *out)
+{
+    *out = PyLong_AsLongLong(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+truthy_attr(PyObject *obj, PyObject *name)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL)
+        return -1;
+    int yes = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return yes;
+}
+
+/* Spend `spans` tokens of limits[index] (a float): what `limits[i] -= spans` does. */
+static int
+spend(PyObject *limits, Py_ssize_t index, double have, Py_ssize_t spans)
+{
+    PyObject *left = PyFloat_FromDouble(have - (double)spans);
+    return left == NULL ? -1 : PyList_SetItem(limits, index, left);
+}
+
+/* The layout id of a step whose ranges closed in this name order, -1 when the table is
+ * full (the step goes to the builder), -2 on error. */
+static long
+layout_of(PyObject *phase, PyObject *frames)
+{
+    Py_ssize_t n = PyList_GET_SIZE(frames);
+    PyObject *names = PyTuple_New(n);
+    if (names == NULL)
+        return -2;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *frame = PyList_GET_ITEM(frames, i);
+        PyObject *name = PySequence_GetItem(frame, F_NAME);
+        if (name == NULL) {
+            Py_DECREF(names);
+            return -2;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    long id = -2;
+    PyObject *ids = global(quiet_globals, s__layout_ids);
+    PyObject *layouts = ids == NULL ? NULL : global(quiet_globals, s_layouts);
+    if (layouts == NULL)
+        goto done;
+    PyObject *by_names = PyDict_GetItemWithError(ids, phase);
+    if (by_names == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        PyObject *fresh = PyDict_New();
+        int failed = fresh == NULL || PyDict_SetItem(ids, phase, fresh) < 0;
+        Py_XDECREF(fresh); /* the dict keeps it */
+        if (failed)
+            goto done;
+        by_names = fresh;
+    }
+    PyObject *known = PyDict_GetItemWithError(by_names, names);
+    if (known != NULL) {
+        id = PyLong_AsLong(known);
+        if (id == -1 && PyErr_Occurred())
+            id = -2;
+        goto done;
+    }
+    if (PyErr_Occurred())
+        goto done;
+    PyObject *most = global(quiet_globals, s_MAX_LAYOUTS);
+    if (most == NULL)
+        goto done;
+    Py_ssize_t count = PyObject_Length(layouts);
+    long limit = PyLong_AsLong(most);
+    if (count < 0 || (limit == -1 && PyErr_Occurred()))
+        goto done;
+    if (count >= limit) {
+        id = -1;
+        goto done;
+    }
+    PyObject *train = global(rec_globals, s_PHASE_TRAIN);
+    PyObject *root = NULL;
+    if (train == NULL)
+        goto done;
+    int is_train = PyObject_RichCompareBool(phase, train, Py_EQ);
+    if (is_train < 0)
+        goto done;
+    root = is_train ? global(rec_globals, s_STEP_SPAN) : phase;
+    if (root == NULL)
+        goto done;
+    PyObject *key = PyLong_FromSsize_t(count);
+    PyObject *entry = key == NULL ? NULL : PyTuple_Pack(3, phase, root, names);
+    int failed = entry == NULL || PyObject_SetItem(layouts, key, entry) < 0 ||
+                 PyDict_SetItem(by_names, names, key) < 0;
+    Py_XDECREF(entry);
+    Py_XDECREF(key);
+    if (!failed)
+        id = (long)count;
+done:
+    Py_DECREF(names);
+    return id;
+}
+
+/* `_quiet_steps.sample_out` (see there): 1 if the step was sampled out here, 0 if it goes to
+ * the builder, -1 on error. */
+static int
+sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
+{
+    PyObject *mine = get_thread_state(0);
+    if (mine == NULL)
+        return -1;
+    Py_DECREF(mine);
+    if (mine != state) /* ended from another thread: the builder decides */
+        return 0;
+    PyObject *phase = PyObject_GetAttr(ctx, s_phase);
+    if (phase == NULL)
+        return -1;
+    int result = -1;
+    PyObject *limits = NULL, *frames = NULL, *row = NULL;
+    PyObject *quiet = global(quiet_globals, s_quiet);
+    if (quiet == NULL)
+        goto done;
+    limits = PyObject_GetItem(quiet, phase); /* held: the builder may publish a new dict */
+    if (limits == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_KeyError))
+            goto done;
+        PyErr_Clear();
+        result = 0;
+        goto done;
+    }
+    if (!PyList_Check(limits) || PyList_GET_SIZE(limits) < 4) {
+        PyErr_SetString(PyExc_TypeError, "otelprof._speedups: quiet limits must be a list of 4");
+        goto done;
+    }
+    long long end_ns, start_ns;
+    double head, tail, slowest, anomaly;
+    PyObject *start_obj = PyObject_GetAttr(ctx, s_start_ns);
+    if (start_obj == NULL)
+        goto done;
+    int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
+    Py_DECREF(start_obj);
+    if (bad || as_double(PyList_GET_ITEM(limits, 0), &head) < 0 ||
+        as_double(PyList_GET_ITEM(limits, 1), &tail) < 0 ||
+        as_double(PyList_GET_ITEM(limits, 2), &slowest) < 0 ||
+        as_double(PyList_GET_ITEM(limits, 3), &anomaly) < 0)
+        goto done;
+    long long duration = end_ns - start_ns;
+    if ((double)duration >= anomaly) { /* maybe an anomaly: the next steps may be captured */
+        PyObject *capture = global(quiet_globals, s_CAPTURE_STEPS);
+        if (capture == NULL || PyObject_SetAttr(state, s_hold, capture) < 0)
+            goto done;
+        result = 0;
+        goto done;
+    }
+    PyObject *hold_obj = PyObject_GetAttr(state, s_hold);
+    if (hold_obj == NULL)
+        goto done;
+    long hold = PyLong_AsLong(hold_obj);
+    Py_DECREF(hold_obj);
+    if (hold == -1 && PyErr_Occurred())
+        goto done;
+    if (hold) {
+        PyObject *less = PyLong_FromLong(hold - 1);
+        int failed = less == NULL || PyObject_SetAttr(state, s_hold, less) < 0;
+        Py_XDECREF(less);
+        result = failed ? -1 : 0;
+        goto done;
+    }
+    PyObject *kept = PyObject_GetAttr(ctx, s_kept);
+    if (kept == NULL)
+        goto done;
+    Py_DECREF(kept);
+    if (kept != Py_None) {
+        result = 0;
+        goto done;
+    }
+    int yes = truthy_attr(ctx, s_trim_start);
+    if (yes == 0)
+        yes = truthy_attr(ctx, s_error);
+    if (yes != 0) {
+        result = yes < 0 ? -1 : 0;
+        goto done;
+    }
+    frames = slot_get(&ctx_frames, ctx);
+    if (frames == NULL)
+        goto done;
+    if (!PyList_Check(frames) || PyList_GET_SIZE(frames) == 0) {
+        result = 0;
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(frames);
+    Py_ssize_t spans = n + 1;
+    if ((double)spans <= head) { /* the head budget keeps it: spent until the next publish */
+        result = spend(limits, 0, head, spans) < 0 ? -1 : 0;
+        goto done;
+    }
+    if ((double)spans <= tail && (double)duration > slowest) { /* maybe the tail's */
+        result = spend(limits, 1, tail, spans) < 0 ? -1 : 0;
+        goto done;
+    }
+    long layout = layout_of(phase, frames);
+    if (layout < 0) {
+        result = layout == -1 ? 0 : -1;
+        goto done;
+    }
+    row = PyList_New(n + 2);
+    if (row == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *frame = PyList_GET_ITEM(frames, i);
+        PyObject *took = PyNumber_Subtract(PyList_GET_ITEM(frame, F_END),
+                                           PyList_GET_ITEM(frame, F_START));
+        if (took == NULL)
+            goto done;
+        PyList_SET_ITEM(row, i, took);
+    }
+    PyObject *whole = PyLong_FromLongLong(duration);
+    if (whole == NULL)
+        goto done;
+    PyList_SET_ITEM(row, n, whole);
+    PyObject *id = PyLong_FromLong(layout);
+    if (id == NULL)
+        goto done;
+    PyList_SET_ITEM(row, n + 1, id);
+    PyObject *cuda = global(rec_globals, s_cuda_timer);
+    if (cuda == NULL)
+        goto done;
+    if (cuda != Py_None) { /* its CUDA events are reused by later ranges */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *events = PyList_GET_ITEM(PyList_GET_ITEM(frames, i), F_CUDA);
+            if (events == Py_None)
+                continue;
+            PyObject *done = PyObject_CallMethodOneArg(cuda, s_release, events);
+            if (done == NULL)
+                goto done;
+            Py_DECREF(done);
+        }
+    }
+    /* later ranges of it are queued singly and counted as sampled out; its ranges are
+     * freed now, on this thread */
+    if (PyObject_SetAttr(ctx, s_owner, Py_None) < 0 || PyObject_SetAttr(ctx, s_kept, Py_False) < 0 ||
+        PyList_SetSlice(frames, 0, n, NULL) < 0)
+        goto done;
+    PyObject *rows = PyObject_GetAttr(state, s_rows);
+    if (rows == NULL)
+        goto done;
+    int failed = PyList_Append(rows, row) < 0;
+    Py_ssize_t batched = PyList_Check(rows) ? PyList_GET_SIZE(rows) : 0;
+    Py_DECREF(rows);
+    if (failed)
+        goto done;
+    PyObject *per_item = global(quiet_globals, s_ROWS_PER_ITEM);
+    long most = per_item == NULL ? -1 : PyLong_AsLong(per_item);
+    if (most == -1 && PyErr_Occurred())
+        goto done;
+    if (batched >= most) {
+        PyObject *hand = global(quiet_globals, s_hand_rows);
+        PyObject *handed = hand == NULL ? NULL : PyObject_CallOneArg(hand, state);
+        if (handed == NULL)
+            goto done;
+        Py_DECREF(handed);
+    }
+    result = 1;
+done:
+    Py_XDECREF(row);
+    Py_XDECREF(frames);
+    Py_XDECREF(limits);
+    Py_DECREF(phase);
+    return result;
+}
+
+static PyObject *
+sample_out(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sample_out(ctx, end_ns, state)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    if (quiet_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: bind_quiet() was not called");
+        return NULL;
+    }
+    int out = sample_out_impl(args[0], args[1], args[2]);
+    if (out < 0)
+        return NULL;
+    return Py_NewRef(out ? Py_True : Py_False);
+}
+
+/* ---- StepContext(step, epoch, start_ns, trim_start, phase) ---- */
+
+/* Every slot of a StepContext: a new one starts as a copy of the template (made by
+ * StepContext.__init__ at bind(), so its defaults are the class's own), then gets its own
+ * number, epoch, start, phase, range list and owner. */
+#define MAX_CTX_SLOTS 32
+static PyTypeObject *ctx_type;
+static PyObject *ctx_template;
+static Py_ssize_t ctx_offsets[MAX_CTX_SLOTS];
+static Py_ssize_t ctx_slot_count;
+static Py_ssize_t off_step, off_epoch, off_start, off_trim_start, off_phase, off_frames, off_owner;
+
+static int
+bind_step_context(PyObject *cls, PyObject *template)
+{
+    ctx_type = NULL;
+    if (!PyType_Check(cls) || Py_TYPE(template) != (PyTypeObject *)cls)
+        return 0;
+    PyObject *names = PyObject_GetAttrString(cls, "__slots__");
+    if (names == NULL)
+        return -1;
+    PyObject *seq = PySequence_Fast(names, "StepContext.__slots__");
+    Py_DECREF(names);
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int ok = n <= MAX_CTX_SLOTS;
+    off_step = off_epoch = off_start = off_trim_start = off_phase = off_frames = off_owner = -1;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        PyObject *name = PySequence_Fast_GET_ITEM(seq, i);
+        Slot slot;
+        if (slot_init(&slot, cls, name) < 0) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        ok = slot.type != NULL;
+        ctx_offsets[i] = slot.offset;
+        const char *text = PyUnicode_AsUTF8(name);
+        if (text == NULL) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        Py_ssize_t *known = strcmp(text, "step") == 0         ? &off_step
+                            : strcmp(text, "epoch") == 0      ? &off_epoch
+                            : strcmp(text, "start_ns") == 0   ? &off_start
+                            : strcmp(text, "trim_start") == 0 ? &off_trim_start
+                            : strcmp(text, "phase") == 0      ? &off_phase
+                            : strcmp(text, "frames") == 0     ? &off_frames
+                            : strcmp(text, "owner") == 0      ? &off_owner
+                                                              : NULL;
+        if (known != NULL)
+            *known = slot.offset;
+    }
+    Py_DECREF(seq);
+    if (!ok || off_step < 0 || off_epoch < 0 || off_start < 0 || off_trim_start < 0 ||
+        off_phase < 0 || off_frames < 0 || off_owner < 0)
+        return 0; /* not the layout this code knows: StepContext() stays Python */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (*(PyObject **)((char *)template + ctx_offsets[i]) == NULL)
+            return 0;
+    }
+    ctx_slot_count = n;
+    Py_XSETREF(ctx_template, Py_NewRef(template));
+    ctx_type = (PyTypeObject *)cls;
+    return 0;
+}
+
+static void
+set_slot(PyObject *obj, Py_ssize_t offset, PyObject *value)
+{
+    PyObject **field = (PyObject **)((char *)obj + offset);
+    Py_XSETREF(*field, value);
+}
+
+static PyObject *
+step_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *cls = global(rec_globals, s_StepContext);
+    if (cls == NULL)
+        return NULL;
+    if ((PyTypeObject *)cls != ctx_type || nargs != 5) /* another layout: the Python class */
+        return PyObject_Vectorcall(cls, args, nargs, NULL);
+    PyObject *frames = PyList_New(0);
+    if (frames == NULL)
+        return NULL;
+    PyObject *state = get_thread_state(1);
+    if (state == NULL) {
+        Py_DECREF(frames);
+        return NULL;
+    }
+    PyObject *ctx = ctx_type->tp_alloc(ctx_type, 0);
+    if (ctx == NULL) {
+        Py_DECREF(frames);
+        Py_DECREF(state);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < ctx_slot_count; i++) {
+        PyObject *value = *(PyObject **)((char *)ctx_template + ctx_offsets[i]);
+        set_slot(ctx, ctx_offsets[i], Py_NewRef(value));
+    }
+    set_slot(ctx, off_step, Py_NewRef(args[0]));
+    set_slot(ctx, off_epoch, Py_NewRef(args[1]));
+    set_slot(ctx, off_start, Py_NewRef(args[2]));
+    set_slot(ctx, off_trim_start, Py_NewRef(args[3]));
+    set_slot(ctx, off_phase, Py_NewRef(args[4]));
+    set_slot(ctx, off_frames, frames);
+    set_slot(ctx, off_owner, state);
+    return ctx;
+}
+
+/* ---- binding ---- */
+
+static PyObject *
+bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bind(globals(), template StepContext)");
+        return NULL;
+    }
+    PyObject *globals = args[0];
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "bind(globals()): a module's dict");
+        return NULL;
+    }
+    PyObject *timing = PyDict_GetItemWithError(globals, s_Timing);
+    PyObject *state = timing == NULL ? NULL : PyDict_GetItemWithError(globals, s_ThreadState);
+    PyObject *ctx = state == NULL ? NULL : PyDict_GetItemWithError(globals, s_StepContext);
+    if (ctx == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "bind(): not the recorder's globals");
+        return NULL;
+    }
+    if (slot_init(&timing_name, timing, s_name) < 0 ||
+        slot_init(&timing_attributes, timing, s_attributes) < 0 ||
+        slot_init(&state_stack, state, s_stack) < 0 || slot_init(&ctx_owner, ctx, s_owner) < 0 ||
+        slot_init(&ctx_frames, ctx, s_frames) < 0 || bind_step_context(ctx, args[1]) < 0)
+        return NULL;
+    Py_XSETREF(rec_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+bind_quiet(PyObject *module, PyObject *globals)
+{
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "bind_quiet(globals()): a module's dict");
+        return NULL;
+    }
+    Py_XSETREF(quiet_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+method(PyObject *module, PyObject *function)
+{
+    return PyInstanceMethod_New(function);
+}
+
+static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(globals(), template) of otelprof.timings._recorder"},
+    {"step_context", (PyCFunction)(void (*)(void))step_context, METH_FASTCALL,
+     "StepContext(step, epoch, start_ns, trim_start, phase), positional"},
+    {"bind_quiet", bind_quiet, METH_O, "bind_quiet(globals()) of otelprof.timings._quiet_steps"},
+    {"method", method, METH_O, "method(function): a class attribute that binds like a def"},
+    {"timing_enter", timing_enter, METH_O, "Timing.__enter__"},
+    {"timing_exit", (PyCFunction)(void (*)(void))timing_exit, METH_FASTCALL, "Timing.__exit__"},
+    {"sample_out", (PyCFunction)(void (*)(void))sample_out, METH_FASTCALL,
+     "_quiet_steps.sample_out(ctx, end_ns, state)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef speedups = {
+    PyModuleDef_HEAD_INIT,
+    "otelprof.timings._speedups",
+    "The training thread's hot path in C (see _speedups.c).",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+#define INTERN(n)                                   \
+    if ((s_##n = PyUnicode_InternFromString(#n)) == NULL) \
+        return NULL;
+    STRINGS(INTERN)
+#undef INTERN
+    zero = PyLong_FromLong(0);
+    state_key = PyUnicode_InternFromString("otelprof.timings._speedups.state");
+    PyObject *time = PyImport_ImportModule("time");
+    real_clock = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
+    Py_XDECREF(time);
+    if (zero == NULL || state_key == NULL || real_clock == NULL)
+        return NULL;
+    return PyModule_Create(&speedups);
+}

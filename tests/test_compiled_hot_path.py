@@ -1,0 +1,394 @@
+"""The compiled hot path (`otelprof/timings/_speedups.c`) records exactly what the Python
+reference in `_recorder.py` / `_quiet_steps.py` records.
+
+Each scenario drives the recorder through one implementation, then the other, under a fake
+clock, and compares a transcript of everything left behind: the frames of the step, the
+queue, the thread's stack, drop and exhaustion counts, the rows and layouts of steps sampled
+out on their thread, the token budgets and the calls made to torch and CUDA stand-ins.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from otelprof.timings import _quiet_steps
+from otelprof.timings import _recorder as rec
+
+IMPLEMENTATIONS = ("python", "compiled")
+
+
+def test_the_compiled_hot_path_is_built() -> None:
+    if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
+        pytest.fail("OTELPROF_PURE_PYTHON is set: the compiled hot path cannot be checked")
+    assert rec.speedups is not None, (
+        "the C extension otelprof.timings._speedups was not built: installing otelprof "
+        "(pip install -e .) needs a C compiler and Python's headers"
+    )
+    assert rec.compiled and _quiet_steps.sample_out is rec.speedups.sample_out
+
+
+@pytest.fixture
+def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Switch the hot path; the default (compiled when built) comes back afterwards."""
+    if rec.speedups is None:
+        pytest.fail("the C extension otelprof.timings._speedups was not built")
+    default = rec.compiled
+
+    def switch(implementation: str) -> None:
+        on = implementation == "compiled"
+        assert rec.use_compiled(on) is on
+        assert _quiet_steps.use_compiled(on) is on
+
+    yield switch
+    rec.use_compiled(default)
+    _quiet_steps.use_compiled(default)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 10**12
+
+    def __call__(self) -> int:
+        self.now += 1_000
+        return self.now
+
+
+class _Recording:
+    """Fresh recorder state for one run of a scenario (restored by monkeypatch)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, capacity: int = 1000) -> None:
+        self.clock = _Clock()
+        self.calls: list[tuple[Any, ...]] = []
+        self.queue: Any = type(rec.queue)()
+        for name, value in {
+            "perf_counter_ns": self.clock,
+            "queue": self.queue,
+            "capacity": capacity,
+            "chunk_size": rec.CHUNK,
+            "dropped": 0,
+            "exhausted": 0,
+            "in_items": 0,
+            "out_items": 0,
+            "_local": rec._Local(),
+            "torch_profiler_state": None,
+            "cuda_timer": None,
+        }.items():
+            monkeypatch.setattr(rec, name, value)
+        monkeypatch.setattr(rec, "_timings_by_name", {})
+        self.state = rec.thread_state()
+        self.ctx = rec.StepContext(3, 1, self.clock.now)
+        monkeypatch.setattr(rec, "current", self.ctx)
+
+    def torch_on(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(rec, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True))
+        monkeypatch.setattr(rec, "torch_range_enter", self._range_enter)
+        monkeypatch.setattr(rec, "torch_range_exit", lambda handle: self.calls.append(handle))
+
+    def _range_enter(self, name: str, _args: Any) -> tuple[str, str]:
+        self.calls.append(("range", name))
+        return ("range", name)
+
+    def cuda_on(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        calls = self.calls
+
+        class _Timer:
+            def enter(self) -> list[str]:
+                calls.append(("cuda.enter",))
+                return ["events", str(len(calls))]
+
+            def exit(self, events: list[str]) -> None:
+                calls.append(("cuda.exit", *events))
+
+            def release(self, events: list[str]) -> None:
+                calls.append(("cuda.release", *events))
+
+        monkeypatch.setattr(rec, "cuda_timer", _Timer())
+
+    def transcript(self) -> dict[str, Any]:
+        """Everything the recorder left, with objects replaced by stable labels."""
+        labels: dict[int, str] = {}
+
+        def label(obj: Any) -> Any:
+            if obj is None or isinstance(obj, (str, int, float, bool)):
+                return obj
+            if obj is self.ctx:
+                return "ctx"
+            if obj is self.state:
+                return "main thread"
+            if isinstance(obj, rec.ThreadState):
+                return f"thread {obj.name}"
+            if isinstance(obj, rec.Timing):
+                return repr(obj)
+            if isinstance(obj, tuple):
+                return tuple(label(part) for part in obj)
+            if isinstance(obj, list) and len(obj) == 13:
+                return labels.setdefault(id(obj), f"frame {obj[0]} #{len(labels)}")
+            return repr(obj)
+
+        def frame(f: list[Any]) -> tuple[Any, ...]:
+            error = f[rec.F_ERROR]
+            shown = [label(f)]
+            shown += [label(v) for i, v in enumerate(f) if i not in (rec.F_ERROR, rec.F_ATTRS)]
+            shown.append(error[:2] if error else None)  # the stack's text names the caller
+            shown.append(repr(f[rec.F_ATTRS]))
+            return tuple(shown)
+
+        def item(entry: list[Any]) -> Any:
+            if entry[rec.F_KIND] == rec.KIND_CHUNK:
+                return ("chunk", label(entry[rec.F_CTX]), [frame(f) for f in entry[rec.F_ATTRS]])
+            if entry[rec.F_KIND] == rec.KIND_ROWS:
+                return ("rows", entry[rec.F_ATTRS])
+            return frame(entry)
+
+        return {
+            "step frames": [frame(f) for f in self.ctx.frames],
+            "queue": [item(entry) for entry in self.queue],
+            "stack": [frame(f) for f in self.state.stack[1:]],
+            "dropped": rec.dropped,
+            "exhausted": rec.exhausted,
+            "in_items": rec.in_items,
+            "ctx": (self.ctx.error, self.ctx.kept, label(self.ctx.owner)),
+            "calls": self.calls,
+            "rows": self.state.rows,
+            "hold": self.state.hold,
+            "layouts": dict(_quiet_steps.layouts),
+            "quiet": {phase: list(limits) for phase, limits in _quiet_steps.quiet.items()},
+        }
+
+
+def _nested(r: _Recording) -> None:
+    with rec.timing("outer"):
+        with rec.timing("inner", batch=4):
+            pass
+        with rec.timing("inner"):
+            pass
+    with rec.Timing("sibling"):
+        pass
+
+
+def _errors(r: _Recording) -> None:
+    with rec.timing("outer"), pytest.raises(ValueError, match="bad batch"), rec.timing("fails"):
+        raise ValueError("bad batch")
+    with pytest.raises(StopIteration), rec.timing("exhausted"):
+        raise StopIteration
+    with pytest.raises(GeneratorExit), rec.timing("closed"):
+        raise GeneratorExit
+
+
+def _out_of_order(r: _Recording) -> None:
+    first, second = rec.timing("first"), rec.timing("second")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # not on top: found further down
+    second.__exit__(None, None, None)
+    second.__exit__(None, None, None)  # closed twice: nothing left to close
+    lonely = rec.timing("never entered")
+    lonely.__exit__(None, None, None)
+
+
+def _another_thread(r: _Recording) -> None:
+    def work() -> None:
+        with rec.timing("other thread"):
+            pass
+
+    with rec.timing("main"):
+        side = threading.Thread(target=work, name="side")
+        side.start()
+        side.join()
+
+
+def _chunks(r: _Recording) -> None:
+    rec.chunk_size = 3
+    for _ in range(7):
+        with rec.timing("many"):
+            pass
+
+
+def _drops(r: _Recording) -> None:
+    r.ctx.owner = None  # the step was handed over: its ranges are queued singly
+    for _ in range(5):
+        with rec.timing("late"):
+            pass
+
+
+def _nothing_records(r: _Recording) -> None:
+    rec.current = None
+    with rec.timing("idle"):
+        pass
+
+
+def _torch_profiler(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
+    r.torch_on(monkeypatch)
+    with rec.timing("traced"), rec.timing("nested"):
+        pass
+    with pytest.raises(StopIteration), rec.timing("exhausted"):
+        raise StopIteration
+
+
+def _cuda_events(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
+    r.cuda_on(monkeypatch)
+    with rec.timing("on the gpu"), rec.timing("nested"):
+        pass
+
+
+SCENARIOS: dict[str, Callable[..., None]] = {
+    "nested": _nested,
+    "errors": _errors,
+    "out-of-order": _out_of_order,
+    "another-thread": _another_thread,
+    "chunks": _chunks,
+    "drops": _drops,
+    "nothing-records": _nothing_records,
+}
+
+
+def _run(
+    use: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: Callable[..., None],
+    *,
+    capacity: int = 1000,
+    with_monkeypatch: bool = False,
+) -> list[dict[str, Any]]:
+    transcripts = []
+    for implementation in IMPLEMENTATIONS:
+        use(implementation)
+        with monkeypatch.context() as patch:
+            recording = _Recording(patch, capacity)
+            if with_monkeypatch:
+                scenario(recording, patch)
+            else:
+                scenario(recording)
+            transcripts.append(recording.transcript())
+    return transcripts
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_compiled_ranges_record_exactly_what_the_python_ones_do(
+    name: str, use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, compiled = _run(use, monkeypatch, SCENARIOS[name], capacity=3)
+    assert python["step frames"] or python["queue"] or name == "nothing-records"
+    assert compiled == python
+
+
+@pytest.mark.parametrize(
+    ("scenario", "expected_call"),
+    [(_torch_profiler, ("range", "nested")), (_cuda_events, ("cuda.enter",))],
+    ids=["torch-profiler", "cuda-events"],
+)
+def test_compiled_ranges_open_torch_ranges_and_cuda_events_like_the_python_ones(
+    scenario: Callable[..., None],
+    expected_call: tuple[str, ...],
+    use: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    python, compiled = _run(use, monkeypatch, scenario, with_monkeypatch=True)
+    assert expected_call in python["calls"]
+    assert compiled == python
+
+
+def test_compiled_ranges_read_the_same_clock_as_perf_counter_ns(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use("compiled")
+    with monkeypatch.context() as patch:
+        recording = _Recording(patch)
+        patch.setattr(rec, "perf_counter_ns", time.perf_counter_ns)
+        before = time.perf_counter_ns()
+        with rec.timing("timed"):
+            pass
+        after = time.perf_counter_ns()
+        (frame,) = recording.ctx.frames
+    assert before <= frame[rec.F_START] <= frame[rec.F_END] <= after
+
+
+def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
+    """A finished step of `names` on the main thread, each range taking `ns`."""
+    ctx = rec.StepContext(7, None, r.clock.now)
+    rec.current = ctx
+    for name in names:
+        frame = rec.begin_leaf(name)
+        assert frame is not None
+        frame[rec.F_END] = frame[rec.F_START] + ns
+        frame[rec.F_CUDA] = [f"cuda {name}"]
+        rec.end_leaf(frame)
+        frame[rec.F_END] = frame[rec.F_START] + ns  # end_leaf read the clock again
+    return ctx
+
+
+def _decide_steps(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps against published limits: head and tail tokens, the slowest recent step, the
+    anomaly threshold, holds after it, errors, a full layout table, a full batch of rows."""
+    r.cuda_on(monkeypatch)
+    _quiet_steps.reset()
+    monkeypatch.setattr(_quiet_steps, "ROWS_PER_ITEM", 3)
+    monkeypatch.setattr(_quiet_steps, "MAX_LAYOUTS", 3)
+    decisions: list[Any] = []
+
+    def decide(
+        names: tuple[str, ...], ns: int, phase: str = "train", took: int = 0, **ctx_attrs: Any
+    ) -> None:
+        ctx = _step(r, names, ns)
+        ctx.phase = phase
+        for key, value in ctx_attrs.items():
+            setattr(ctx, key, value)
+        end = ctx.start_ns + took if took else r.clock.now + ns * len(names)
+        decisions.append((names, _quiet_steps.sample_out(ctx, end, r.state), ctx.kept))
+        decisions.append(("frames left", len(ctx.frames), ctx.owner is None))
+
+    decide(("a", "b"), 100)  # nothing published: to the builder
+    _quiet_steps.publish({
+        "train": [3.0, 4.0, 1e6, 5e7],
+        "validation": [0.0, 0.0, 0.0, float("inf")],
+    })  # fmt: skip
+    decide(("a", "b"), 100)  # 3 spans fit the 3 head tokens
+    decide(("a", "b"), 100)  # head spent; tail has 4 but the step is not the slowest
+    decide(("a", "b"), 100, took=1_000_000)  # as slow as the slowest lately: sampled out
+    decide(("a", "b", "c"), 600_000)  # slowest lately: 4 spans take the tail's 4 tokens
+    decide(("a", "b", "c"), 600_000)  # no tokens left
+    decide(("a",), 100, took=50_000_000)  # at the anomaly threshold: to the builder, held
+    for _ in range(6):
+        decide(("a", "b"), 100)  # five held, then sampled out again
+    decide(("a", "b"), 100, error=True)
+    decide(("a", "b"), 100, trim_start=True)
+    decide(("a", "b"), 100, kept=True)
+    decide((), 100)  # no ranges
+    decide(("x",), 100, phase="validation")
+    decide(("y",), 100, phase="validation")  # the layout table is full: to the builder
+    decide(("x",), 100, phase="checkpoint")  # a phase with nothing published
+    ended_elsewhere = _step(r, ("a", "b"), 100)  # ended by a thread that does not own it
+    decisions.append(_quiet_steps.sample_out(ended_elsewhere, r.clock.now, rec.ThreadState()))
+    r.calls.append(tuple(decisions))
+
+
+def test_compiled_step_decisions_equal_the_python_ones(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, compiled = _run(use, monkeypatch, _decide_steps, with_monkeypatch=True)
+    assert python["rows"] and python["layouts"] and python["queue"]  # it sampled some out
+    assert ("cuda.release", "cuda a") in python["calls"]
+    assert compiled == python
+
+
+def test_compiled_step_contexts_start_like_the_python_ones(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = {}
+    for implementation in IMPLEMENTATIONS:
+        use(implementation)
+        ctx = rec.new_step_context(12, 3, 10**12, True, "validation")
+        assert type(ctx) is rec.StepContext
+        made[implementation] = {name: getattr(ctx, name) for name in rec.StepContext.__slots__}
+    python, compiled = made["python"], made["compiled"]
+    assert compiled["frames"] == [] and compiled["frames"] is not python["frames"]
+    assert compiled["owner"] is python["owner"] is rec.thread_state()
+    assert compiled == python
+    assert rec.new_step_context(1, None, 0, False, "train").frames is not compiled["frames"]
