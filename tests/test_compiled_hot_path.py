@@ -392,3 +392,21 @@ def test_compiled_step_contexts_start_like_the_python_ones(
     assert compiled["owner"] is python["owner"] is rec.thread_state()
     assert compiled == python
     assert rec.new_step_context(1, None, 0, False, "train").frames is not compiled["frames"]
+
+
+def test_compiled_ranges_follow_the_recorder_globals_as_they_change(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use("compiled")  # it caches module globals while their dict is unchanged
+    recording = _Recording(monkeypatch)
+    first, second = recording.ctx, rec.StepContext(4, 1, 0)
+    timed = rec.timing("timed")
+    for ctx in (first, second, first, None, second):
+        rec.current = ctx
+        with timed:
+            pass
+    assert (len(first.frames), len(second.frames)) == (2, 2)
+    rec.perf_counter_ns = lambda: 42
+    with timed:
+        pass
+    assert second.frames[-1][rec.F_START] == second.frames[-1][rec.F_END] == 42

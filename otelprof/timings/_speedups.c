@@ -51,19 +51,65 @@ static PyObject *state_key;  /* where a thread's dict caches its ThreadState */
     X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
     X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext)
 
-#define DECLARE(n) static PyObject *s_##n;
-STRINGS(DECLARE)
-#undef DECLARE
+#define ENUM(n) K_##n,
+enum { STRINGS(ENUM) K_COUNT };
+#undef ENUM
+static PyObject *strings[K_COUNT]; /* interned */
+#define S(n) strings[K_##n]
+
+/* Module globals are read many times per range. A dict's version tag changes whenever the
+ * dict does, so a value looked up at the dict's current version is still its value (on
+ * Python < 3.14; later versions look it up every time). */
+#if PY_VERSION_HEX < 0x030E0000
+#define VERSION_TAGS 1
+#else
+#define VERSION_TAGS 0
+#endif
+
+typedef struct {
+    PyObject *values[K_COUNT]; /* borrowed, like PyDict_GetItem's */
+    uint64_t at[K_COUNT];
+} Cache;
+
+static Cache rec_cache, quiet_cache;
+
+static inline uint64_t
+version_of(PyObject *dict)
+{
+#if VERSION_TAGS
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+#endif
+    return ((PyDictObject *)dict)->ma_version_tag;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+#else
+    return 0;
+#endif
+}
 
 /* A module global (borrowed); NULL with an error set when it is missing. */
 static PyObject *
-global(PyObject *globals, PyObject *key)
+global(PyObject *globals, Cache *cache, int key)
 {
-    PyObject *value = PyDict_GetItemWithError(globals, key);
-    if (value == NULL && !PyErr_Occurred())
-        PyErr_Format(PyExc_RuntimeError, "otelprof._speedups: %U is not bound", key);
+    uint64_t version = version_of(globals);
+    if (VERSION_TAGS && version != 0 && cache->at[key] == version)
+        return cache->values[key];
+    PyObject *value = PyDict_GetItemWithError(globals, strings[key]);
+    if (value == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_RuntimeError, "otelprof._speedups: %U is not bound", strings[key]);
+        return NULL;
+    }
+    cache->values[key] = value;
+    cache->at[key] = version;
     return value;
 }
+
+#define REC(n) global(rec_globals, &rec_cache, K_##n)
+#define QUIET(n) global(quiet_globals, &quiet_cache, K_##n)
 
 static int
 check_bound(void)
@@ -121,7 +167,7 @@ slot_get(Slot *slot, PyObject *obj)
 static PyObject *
 now(void)
 {
-    PyObject *clock = global(rec_globals, s_perf_counter_ns);
+    PyObject *clock = REC(perf_counter_ns);
     if (clock == NULL)
         return NULL;
 #ifdef __linux__
@@ -138,7 +184,7 @@ now(void)
 static PyObject *
 get_thread_state(int make)
 {
-    PyObject *local = global(rec_globals, s__local);
+    PyObject *local = REC(_local);
     if (local == NULL)
         return NULL;
     PyObject *cache = PyThreadState_GetDict();
@@ -149,14 +195,14 @@ get_thread_state(int make)
         if (PyErr_Occurred())
             return NULL;
     }
-    PyObject *state = PyObject_GetAttr(local, s_state);
+    PyObject *state = PyObject_GetAttr(local, S(state));
     if (state == NULL)
         return NULL;
     if (state == Py_None) {
         if (!make)
             return state;
         Py_DECREF(state);
-        PyObject *maker = global(rec_globals, s_thread_state);
+        PyObject *maker = REC(thread_state);
         state = maker == NULL ? NULL : PyObject_CallNoArgs(maker);
         if (state == NULL)
             return NULL;
@@ -178,7 +224,7 @@ timing_enter(PyObject *module, PyObject *self)
 {
     if (check_bound() < 0)
         return NULL;
-    PyObject *ctx = global(rec_globals, s_current);
+    PyObject *ctx = REC(current);
     if (ctx == NULL)
         return NULL;
     if (ctx == Py_None)
@@ -205,7 +251,7 @@ timing_enter(PyObject *module, PyObject *self)
     PyObject *attributes = slot_get(&timing_attributes, self);
     if (attributes == NULL)
         goto fail;
-    PyObject *kind = global(rec_globals, s_KIND_TIMING);
+    PyObject *kind = REC(KIND_TIMING);
     if (kind == NULL) {
         Py_DECREF(attributes);
         goto fail;
@@ -232,11 +278,11 @@ timing_enter(PyObject *module, PyObject *self)
     if (PyList_Append(stack, frame) < 0)
         goto fail;
 
-    PyObject *profiler = global(rec_globals, s_torch_profiler_state);
+    PyObject *profiler = REC(torch_profiler_state);
     if (profiler == NULL)
         goto fail;
     if (profiler != Py_None) {
-        PyObject *enabled = PyObject_GetAttr(profiler, s__is_profiler_enabled);
+        PyObject *enabled = PyObject_GetAttr(profiler, S(_is_profiler_enabled));
         if (enabled == NULL)
             goto fail;
         int on = PyObject_IsTrue(enabled);
@@ -244,17 +290,17 @@ timing_enter(PyObject *module, PyObject *self)
         if (on < 0)
             goto fail;
         if (on) {
-            PyObject *open = global(rec_globals, s__torch_range_enter);
+            PyObject *open = REC(_torch_range_enter);
             PyObject *range = open == NULL ? NULL : PyObject_CallOneArg(open, name);
             if (range == NULL || PyList_SetItem(frame, F_RANGE, range) < 0)
                 goto fail;
         }
     }
-    PyObject *cuda = global(rec_globals, s_cuda_timer);
+    PyObject *cuda = REC(cuda_timer);
     if (cuda == NULL)
         goto fail;
     if (cuda != Py_None) {
-        PyObject *events = PyObject_CallMethodNoArgs(cuda, s_enter);
+        PyObject *events = PyObject_CallMethodNoArgs(cuda, S(enter));
         if (events == NULL || PyList_SetItem(frame, F_CUDA, events) < 0)
             goto fail;
     }
@@ -277,9 +323,9 @@ fail:
 
 /* Call `_recorder.<key>(args...)` and drop the result. */
 static int
-call_global(PyObject *key, PyObject *const *args, size_t nargs)
+call_global(int key, PyObject *const *args, size_t nargs)
 {
-    PyObject *fn = global(rec_globals, key);
+    PyObject *fn = global(rec_globals, &rec_cache, key);
     if (fn == NULL)
         return -1;
     PyObject *result = PyObject_Vectorcall(fn, args, nargs, NULL);
@@ -309,18 +355,18 @@ deliver(PyObject *frame, PyObject *state)
         }
         Py_ssize_t n = PyList_GET_SIZE(frames);
         Py_DECREF(frames);
-        PyObject *chunk = global(rec_globals, s_chunk_size);
+        PyObject *chunk = REC(chunk_size);
         if (chunk == NULL)
             return -1;
         Py_ssize_t limit = PyLong_AsSsize_t(chunk);
         if (limit == -1 && PyErr_Occurred())
             return -1;
         if (n >= limit)
-            return call_global(s_hand_off, &ctx, 1);
+            return call_global(K_hand_off, &ctx, 1);
         return 0;
     }
-    PyObject *queue = global(rec_globals, s_queue);
-    PyObject *capacity = queue == NULL ? NULL : global(rec_globals, s_capacity);
+    PyObject *queue = REC(queue);
+    PyObject *capacity = queue == NULL ? NULL : REC(capacity);
     if (capacity == NULL)
         return -1;
     Py_ssize_t queued = PyObject_Length(queue);
@@ -328,11 +374,11 @@ deliver(PyObject *frame, PyObject *state)
     if (queued < 0 || (room == -1 && PyErr_Occurred()))
         return -1;
     if (queued < room) {
-        PyObject *done = PyObject_CallMethodOneArg(queue, s_append, frame);
+        PyObject *done = PyObject_CallMethodOneArg(queue, S(append), frame);
         Py_XDECREF(done);
         return done == NULL ? -1 : 0;
     }
-    return call_global(s__count_drop, NULL, 0);
+    return call_global(K__count_drop, NULL, 0);
 }
 
 static PyObject *
@@ -365,7 +411,7 @@ timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         /* not on top, an exception, CUDA events or a torch range: the Python exit */
         Py_DECREF(stack);
         Py_DECREF(state);
-        PyObject *slow = global(rec_globals, s__py_timing_exit);
+        PyObject *slow = REC(_py_timing_exit);
         return slow == NULL ? NULL : PyObject_Vectorcall(slow, args, 4, NULL);
     }
     Py_INCREF(frame);
@@ -434,8 +480,8 @@ layout_of(PyObject *phase, PyObject *frames)
         PyTuple_SET_ITEM(names, i, name);
     }
     long id = -2;
-    PyObject *ids = global(quiet_globals, s__layout_ids);
-    PyObject *layouts = ids == NULL ? NULL : global(quiet_globals, s_layouts);
+    PyObject *ids = QUIET(_layout_ids);
+    PyObject *layouts = ids == NULL ? NULL : QUIET(layouts);
     if (layouts == NULL)
         goto done;
     PyObject *by_names = PyDict_GetItemWithError(ids, phase);
@@ -458,7 +504,7 @@ layout_of(PyObject *phase, PyObject *frames)
     }
     if (PyErr_Occurred())
         goto done;
-    PyObject *most = global(quiet_globals, s_MAX_LAYOUTS);
+    PyObject *most = QUIET(MAX_LAYOUTS);
     if (most == NULL)
         goto done;
     Py_ssize_t count = PyObject_Length(layouts);
@@ -469,14 +515,14 @@ layout_of(PyObject *phase, PyObject *frames)
         id = -1;
         goto done;
     }
-    PyObject *train = global(rec_globals, s_PHASE_TRAIN);
+    PyObject *train = REC(PHASE_TRAIN);
     PyObject *root = NULL;
     if (train == NULL)
         goto done;
     int is_train = PyObject_RichCompareBool(phase, train, Py_EQ);
     if (is_train < 0)
         goto done;
-    root = is_train ? global(rec_globals, s_STEP_SPAN) : phase;
+    root = is_train ? REC(STEP_SPAN) : phase;
     if (root == NULL)
         goto done;
     PyObject *key = PyLong_FromSsize_t(count);
@@ -503,12 +549,12 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     Py_DECREF(mine);
     if (mine != state) /* ended from another thread: the builder decides */
         return 0;
-    PyObject *phase = PyObject_GetAttr(ctx, s_phase);
+    PyObject *phase = PyObject_GetAttr(ctx, S(phase));
     if (phase == NULL)
         return -1;
     int result = -1;
     PyObject *limits = NULL, *frames = NULL, *row = NULL;
-    PyObject *quiet = global(quiet_globals, s_quiet);
+    PyObject *quiet = QUIET(quiet);
     if (quiet == NULL)
         goto done;
     limits = PyObject_GetItem(quiet, phase); /* held: the builder may publish a new dict */
@@ -525,7 +571,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     }
     long long end_ns, start_ns;
     double head, tail, slowest, anomaly;
-    PyObject *start_obj = PyObject_GetAttr(ctx, s_start_ns);
+    PyObject *start_obj = PyObject_GetAttr(ctx, S(start_ns));
     if (start_obj == NULL)
         goto done;
     int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
@@ -537,13 +583,13 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         goto done;
     long long duration = end_ns - start_ns;
     if ((double)duration >= anomaly) { /* maybe an anomaly: the next steps may be captured */
-        PyObject *capture = global(quiet_globals, s_CAPTURE_STEPS);
-        if (capture == NULL || PyObject_SetAttr(state, s_hold, capture) < 0)
+        PyObject *capture = QUIET(CAPTURE_STEPS);
+        if (capture == NULL || PyObject_SetAttr(state, S(hold), capture) < 0)
             goto done;
         result = 0;
         goto done;
     }
-    PyObject *hold_obj = PyObject_GetAttr(state, s_hold);
+    PyObject *hold_obj = PyObject_GetAttr(state, S(hold));
     if (hold_obj == NULL)
         goto done;
     long hold = PyLong_AsLong(hold_obj);
@@ -552,12 +598,12 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         goto done;
     if (hold) {
         PyObject *less = PyLong_FromLong(hold - 1);
-        int failed = less == NULL || PyObject_SetAttr(state, s_hold, less) < 0;
+        int failed = less == NULL || PyObject_SetAttr(state, S(hold), less) < 0;
         Py_XDECREF(less);
         result = failed ? -1 : 0;
         goto done;
     }
-    PyObject *kept = PyObject_GetAttr(ctx, s_kept);
+    PyObject *kept = PyObject_GetAttr(ctx, S(kept));
     if (kept == NULL)
         goto done;
     Py_DECREF(kept);
@@ -565,9 +611,9 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = 0;
         goto done;
     }
-    int yes = truthy_attr(ctx, s_trim_start);
+    int yes = truthy_attr(ctx, S(trim_start));
     if (yes == 0)
-        yes = truthy_attr(ctx, s_error);
+        yes = truthy_attr(ctx, S(error));
     if (yes != 0) {
         result = yes < 0 ? -1 : 0;
         goto done;
@@ -613,7 +659,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     if (id == NULL)
         goto done;
     PyList_SET_ITEM(row, n + 1, id);
-    PyObject *cuda = global(rec_globals, s_cuda_timer);
+    PyObject *cuda = REC(cuda_timer);
     if (cuda == NULL)
         goto done;
     if (cuda != Py_None) { /* its CUDA events are reused by later ranges */
@@ -621,7 +667,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
             PyObject *events = PyList_GET_ITEM(PyList_GET_ITEM(frames, i), F_CUDA);
             if (events == Py_None)
                 continue;
-            PyObject *done = PyObject_CallMethodOneArg(cuda, s_release, events);
+            PyObject *done = PyObject_CallMethodOneArg(cuda, S(release), events);
             if (done == NULL)
                 goto done;
             Py_DECREF(done);
@@ -629,10 +675,10 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     }
     /* later ranges of it are queued singly and counted as sampled out; its ranges are
      * freed now, on this thread */
-    if (PyObject_SetAttr(ctx, s_owner, Py_None) < 0 || PyObject_SetAttr(ctx, s_kept, Py_False) < 0 ||
+    if (PyObject_SetAttr(ctx, S(owner), Py_None) < 0 || PyObject_SetAttr(ctx, S(kept), Py_False) < 0 ||
         PyList_SetSlice(frames, 0, n, NULL) < 0)
         goto done;
-    PyObject *rows = PyObject_GetAttr(state, s_rows);
+    PyObject *rows = PyObject_GetAttr(state, S(rows));
     if (rows == NULL)
         goto done;
     int failed = PyList_Append(rows, row) < 0;
@@ -640,12 +686,12 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     Py_DECREF(rows);
     if (failed)
         goto done;
-    PyObject *per_item = global(quiet_globals, s_ROWS_PER_ITEM);
+    PyObject *per_item = QUIET(ROWS_PER_ITEM);
     long most = per_item == NULL ? -1 : PyLong_AsLong(per_item);
     if (most == -1 && PyErr_Occurred())
         goto done;
     if (batched >= most) {
-        PyObject *hand = global(quiet_globals, s_hand_rows);
+        PyObject *hand = QUIET(hand_rows);
         PyObject *handed = hand == NULL ? NULL : PyObject_CallOneArg(hand, state);
         if (handed == NULL)
             goto done;
@@ -758,7 +804,7 @@ step_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (check_bound() < 0)
         return NULL;
-    PyObject *cls = global(rec_globals, s_StepContext);
+    PyObject *cls = REC(StepContext);
     if (cls == NULL)
         return NULL;
     if ((PyTypeObject *)cls != ctx_type || nargs != 5) /* another layout: the Python class */
@@ -805,19 +851,20 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "bind(globals()): a module's dict");
         return NULL;
     }
-    PyObject *timing = PyDict_GetItemWithError(globals, s_Timing);
-    PyObject *state = timing == NULL ? NULL : PyDict_GetItemWithError(globals, s_ThreadState);
-    PyObject *ctx = state == NULL ? NULL : PyDict_GetItemWithError(globals, s_StepContext);
+    PyObject *timing = PyDict_GetItemWithError(globals, S(Timing));
+    PyObject *state = timing == NULL ? NULL : PyDict_GetItemWithError(globals, S(ThreadState));
+    PyObject *ctx = state == NULL ? NULL : PyDict_GetItemWithError(globals, S(StepContext));
     if (ctx == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "bind(): not the recorder's globals");
         return NULL;
     }
-    if (slot_init(&timing_name, timing, s_name) < 0 ||
-        slot_init(&timing_attributes, timing, s_attributes) < 0 ||
-        slot_init(&state_stack, state, s_stack) < 0 || slot_init(&ctx_owner, ctx, s_owner) < 0 ||
-        slot_init(&ctx_frames, ctx, s_frames) < 0 || bind_step_context(ctx, args[1]) < 0)
+    if (slot_init(&timing_name, timing, S(name)) < 0 ||
+        slot_init(&timing_attributes, timing, S(attributes)) < 0 ||
+        slot_init(&state_stack, state, S(stack)) < 0 || slot_init(&ctx_owner, ctx, S(owner)) < 0 ||
+        slot_init(&ctx_frames, ctx, S(frames)) < 0 || bind_step_context(ctx, args[1]) < 0)
         return NULL;
+    memset(&rec_cache, 0, sizeof rec_cache);
     Py_XSETREF(rec_globals, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -829,6 +876,7 @@ bind_quiet(PyObject *module, PyObject *globals)
         PyErr_SetString(PyExc_TypeError, "bind_quiet(globals()): a module's dict");
         return NULL;
     }
+    memset(&quiet_cache, 0, sizeof quiet_cache);
     Py_XSETREF(quiet_globals, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -869,7 +917,7 @@ PyMODINIT_FUNC
 PyInit__speedups(void)
 {
 #define INTERN(n)                                   \
-    if ((s_##n = PyUnicode_InternFromString(#n)) == NULL) \
+    if ((S(n) = PyUnicode_InternFromString(#n)) == NULL) \
         return NULL;
     STRINGS(INTERN)
 #undef INTERN
