@@ -198,6 +198,7 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
         builder.flush()
         bare: list[float] = []
         inst: list[float] = []
+        cpu_per_step: dict[bool, list[float]] = {False: [], True: []}  # training thread, µs
         ranges = 0
         background = 0.0
         off = 0
@@ -206,7 +207,9 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
                 units = _calibrate_bare(work, step_ms / 1000, units)
             order = (False, True) if pair % 2 == 0 else (True, False)
             times: dict[bool, float] = {}
+            thread_cpu: dict[bool, float] = {}
             for instrumented in order:
+                own = time.thread_time()
                 if instrumented:
                     cpu = _background_cpu()
                     start = time.perf_counter()
@@ -220,12 +223,15 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
                     steps = _bare_loop(work, units, args.block_seconds)
                     wall = time.perf_counter() - start
                 times[instrumented] = wall / max(steps, 1) * 1e3
+                thread_cpu[instrumented] = (time.thread_time() - own) / max(steps, 1) * 1e6
             ratio = times[False] / step_ms
             if not 1 / TOLERANCE <= ratio <= TOLERANCE:
                 off += 1
                 continue
             bare.append(times[False])
             inst.append(times[True])
+            for instrumented, used in thread_cpu.items():
+                cpu_per_step[instrumented].append(used)
         stats = prof.stats()
     finally:
         prof.shutdown()
@@ -243,11 +249,21 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
         f"{statistics.median(over) * 100:+.1f} % (quartiles {quart[0] * 100:+.1f} / "
         f"{quart[1] * 100:+.1f} %); total {(sum(inst) / sum(bare) - 1) * 100:+.1f} %"
     )
+    per_step = background / max(ranges, 1) * 1e6 * (len(TIMINGS) + 1)
     print(
         f"  background CPU {background:.2f} s over {ranges:,} ranges = "
         f"{background / max(ranges, 1) * 1e6:.2f} µs per range "
-        f"({background / max(ranges, 1) * 1e6 * (len(TIMINGS) + 1):.1f} µs per step); "
-        f"dropped {stats.get('dropped_total', 0)}\n"
+        f"({per_step:.1f} µs per step); dropped {stats.get('dropped_total', 0)}"
+    )
+    # CPU accounting, steadier than wall clock on a shared machine: what the training thread
+    # spends per step beyond the bare loop, plus the background threads' CPU per step (an
+    # upper bound of what they can take from it through the GIL)
+    own = statistics.median(cpu_per_step[True]) - statistics.median(cpu_per_step[False])
+    share = (own + per_step) / (statistics.median(bare) * 1e3) * 100
+    print(
+        f"  training-thread CPU per step: bare {statistics.median(cpu_per_step[False]):.1f} µs, "
+        f"instrumented {statistics.median(cpu_per_step[True]):.1f} µs ({own:+.1f} µs); "
+        f"with the background's: {share:+.1f} % of a bare step\n"
     )
     return units
 
