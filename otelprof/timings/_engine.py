@@ -216,7 +216,11 @@ class TimingsEngine:
                 self._begin_step(perf_counter_ns(), trim_start=False)
                 self._ctx_is_block = False
                 return
-            self._notify_step(end)
+            if self._step_listeners:
+                self._notify_step(end)
+            else:  # no one asks for the step's training time: only restart its clock
+                self._train_acc_ns = 0
+                self._train_t0 = end
             self._step += 1
             self._batch_in_epoch += 1
             self._step_from_start = False

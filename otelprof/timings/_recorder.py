@@ -575,14 +575,15 @@ def timing(name: str, **attributes: Any) -> Timing:
     check = is_compiling or _find_is_compiling()
     if check is not None and check():
         return _PASSTHROUGH
-    if attributes:
-        return Timing(name, attributes)
-    cached = _timings_by_name.get(name)
-    if cached is None:
-        cached = Timing(name)
-        if len(_timings_by_name) < MAX_CACHED_NAMES:
-            _timings_by_name[name] = cached
-    return cached
+    if not attributes:
+        try:
+            return _timings_by_name[name]
+        except (KeyError, TypeError):  # a new name (or not a string: Timing says so)
+            pass
+    made = Timing(name, attributes)
+    if not attributes and len(_timings_by_name) < MAX_CACHED_NAMES:
+        _timings_by_name[name] = made
+    return made
 
 
 class _Passthrough(Timing):
