@@ -186,6 +186,38 @@ class Work:
         return None if self.flops is None else float(self.flops)
 
 
+class CallbackOptions:
+    """What the Lightning and transformers callbacks take besides their hooks: the work per
+    batch (`Work`), one device's peak FLOP/s, and `instrument()`'s options."""
+
+    def __init__(
+        self,
+        owner: str,
+        samples: Amount,
+        tokens: Amount,
+        flops: float | str | None,
+        peak_flops: float | None,
+        instrument_options: dict[str, Any],
+    ) -> None:
+        self.work = Work(owner, samples, tokens, flops)
+        self.peak_flops = (
+            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        )
+        self.instrument_options = instrument_options
+
+    def begin(self, handle: Any, precision: str) -> Any:
+        """Training begins: `instrument()` unless `handle` already is a running profiler's,
+        then the peak FLOP/s and the precision for MFU. Returns the handle."""
+        import otelprof
+
+        if handle is None:
+            handle = otelprof.instrument(**self.instrument_options)
+        if self.peak_flops is not None:
+            otelprof.set_peak_flops(self.peak_flops)
+        _throughput.set_precision(precision)
+        return handle
+
+
 def record_work(samples: float | None, tokens: float | None, flops: float | None) -> None:
     _throughput.step_work(samples=samples, tokens=tokens, flops=flops)
 

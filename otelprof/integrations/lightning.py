@@ -35,7 +35,6 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
-from otelprof import _throughput
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -234,11 +233,10 @@ class OtelprofCallback(Callback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        self.work = common.Work("OtelprofCallback", samples, tokens, flops)
-        self.peak_flops = (
-            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        self.options = common.CallbackOptions(
+            "OtelprofCallback", samples, tokens, flops, peak_flops, instrument_options
         )
-        self.instrument_options = instrument_options
+        self.work = self.options.work
         self._handle: Any = None
         self._profiler: _OtelprofProfiler | None = None
         self._trainer: Any = None
@@ -247,11 +245,8 @@ class OtelprofCallback(Callback):
     # ---- lifecycle ----
     @common.safe
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._handle is None:
-            self._handle = otelprof.instrument(**self.instrument_options)
-        if self.peak_flops is not None:
-            otelprof.set_peak_flops(self.peak_flops)
-        _throughput.set_precision(common.precision_of(getattr(trainer, "precision", None)))
+        precision = common.precision_of(getattr(trainer, "precision", None))
+        self._handle = self.options.begin(self._handle, precision)
         inner = getattr(trainer, "profiler", None)
         if not isinstance(inner, Profiler):
             common.warn_once(

@@ -26,7 +26,6 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 import otelprof
-from otelprof import _throughput
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
 from otelprof.timings import _recorder as rec
@@ -174,11 +173,10 @@ class OtelprofTrainerCallback(TrainerCallback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        self.work = common.Work("OtelprofTrainerCallback", samples, tokens, flops)
-        self.peak_flops = (
-            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        self.options = common.CallbackOptions(
+            "OtelprofTrainerCallback", samples, tokens, flops, peak_flops, instrument_options
         )
-        self.instrument_options = instrument_options
+        self.work = self.options.work
         self._handle: Any = None
         self._undo: list[Any] = []
         self._hooks = _LoaderHooks(self)
@@ -190,12 +188,8 @@ class OtelprofTrainerCallback(TrainerCallback):
 
     @common.safe
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._handle = otelprof.instrument(**self.instrument_options)
-        if self.peak_flops is not None:
-            otelprof.set_peak_flops(self.peak_flops)
-        _throughput.set_precision(
-            "16-bit" if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "32-bit"
-        )
+        half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+        self._handle = self.options.begin(self._handle, "16-bit" if half else "32-bit")
         with _lock:
             if not _active:
                 _install()
