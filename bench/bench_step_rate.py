@@ -34,7 +34,8 @@ Printed per step length:
   (goal <= 10 µs per span);
 - detached data per day in the steady state (goal <= 1 GB/rank/day): one longer
   instrumented block per step length, bytes written over `--volume-seconds` once the head
-  budget's initial burst is spent, times 86,400; with `--compress` also for compress=True.
+  and tail budgets' initial bursts are spent (both window ends flushed: lines hold up to
+  5 s), times 86,400; with `--compress` also for compress=True.
 """
 
 from __future__ import annotations
