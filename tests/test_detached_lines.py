@@ -11,6 +11,12 @@ sample of a multi-export line to Prometheus.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +44,7 @@ from tests.pipeline_run import DETERMINED_TIMINGS, STEP_SPAN, training_loop
 from tests.services import COLLECTOR_DIR, Collector, Prometheus
 
 REPLAY_OVERLAY = COLLECTOR_DIR / "replay.yaml"
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _histogram_points(lines: list[dict]) -> int:  # type: ignore[type-arg]
@@ -299,3 +306,45 @@ def test_the_files_get_the_timing_histograms_every_30_s_and_once_more_at_the_end
     metrics.final = True  # the builder's final drain: every exporter gets them once more
     assert carries("files") and carries("otlp")
     assert not carries("files")
+
+
+CHILD = """
+import os, sys, time
+import otelprof
+otelprof.instrument(interval=0.2, trace_budget=float("inf"))
+for i in range(10**9):
+    with otelprof.timing("train_batch"):
+        time.sleep(0.005)
+    otelprof.step()
+    if i == 20:
+        open(sys.argv[1], "w").close()
+"""
+
+
+def test_a_sigterm_writes_the_held_lines_so_the_files_hold_every_counted_step(
+    tmp_path: Path,
+) -> None:
+    ready = tmp_path / "ready"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OTELPROF_OUTPUT_DIR=str(tmp_path / "runs"))
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(ready)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert child.poll() is None, "the child died before its loop"
+            assert time.monotonic() < deadline, "the child never reached its loop"
+            time.sleep(0.05)
+        child.send_signal(signal.SIGTERM)  # within a line's 2 s: spans and points are held
+        assert child.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        if child.poll() is None:
+            child.kill()
+    (run,) = (tmp_path / "runs").iterdir()
+    stats = json.loads((run / "run.json").read_text())["stats"]
+    spans = read_spans(run / "traces.jsonl")
+    steps = sum(1 for s in spans if s.name == STEP_SPAN)
+    assert steps >= 21 and len(spans) == stats["files.spans_exported"]
+    assert int(timing_histograms(run / "metrics.jsonl")[(STEP_SPAN, "train")]["count"]) == steps
+    lines = read_lines(run / "metrics.jsonl")
+    points = len(read_points(run / "metrics.jsonl")) + _histogram_points(lines)
+    assert points == stats["files.metric_points_exported"] and stats["dropped_total"] == 0
