@@ -178,6 +178,19 @@ now(void)
     return PyObject_CallNoArgs(clock);
 }
 
+/* The thread that asked last, by its thread state's id (unique for the interpreter's life):
+ * the training thread asks for nearly every range. Strong references. */
+static uint64_t last_thread_id;
+static PyObject *last_local, *last_state;
+
+static void
+remember_thread(uint64_t id, PyObject *local, PyObject *state)
+{
+    last_thread_id = id;
+    Py_XSETREF(last_local, Py_NewRef(local));
+    Py_XSETREF(last_state, Py_NewRef(state));
+}
+
 /* The calling thread's ThreadState (new reference), None if it has none and `make` is 0.
  * `_local.state` costs a thread-local lookup and a generic attribute lookup; the thread's own
  * dict caches it, keyed by the `_local` it came from (a test may replace `_local`). */
@@ -187,11 +200,16 @@ get_thread_state(int make)
     PyObject *local = REC(_local);
     if (local == NULL)
         return NULL;
+    uint64_t id = PyThreadState_GetID(PyThreadState_Get());
+    if (id == last_thread_id && local == last_local && last_state != NULL)
+        return Py_NewRef(last_state);
     PyObject *cache = PyThreadState_GetDict();
     if (cache != NULL) {
         PyObject *entry = PyDict_GetItemWithError(cache, state_key);
-        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_ITEM(entry, 0) == local)
+        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_ITEM(entry, 0) == local) {
+            remember_thread(id, local, PyTuple_GET_ITEM(entry, 1));
             return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+        }
         if (PyErr_Occurred())
             return NULL;
     }
@@ -216,6 +234,7 @@ get_thread_state(int make)
         }
         Py_DECREF(entry);
     }
+    remember_thread(id, local, state);
     return state;
 }
 
