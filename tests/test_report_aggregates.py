@@ -15,6 +15,7 @@ from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import WarningLog, iter_all_records, open_run
 from otelprof.analysis.summary import TimingAgg, summarize, timing_key
 from otelprof.cli import main as cli_main
+from otelprof.timings._sampling import BOUNDS
 
 
 def _train(prof: Any, steps: int) -> None:
@@ -62,8 +63,12 @@ def test_histogram_figures_equal_the_span_figures_of_a_fully_traced_run(tmp_path
         assert hist.stats.total == pytest.approx(agg.stats.total, rel=1e-9), name
         assert hist.stats.min == pytest.approx(agg.stats.min, abs=1e-9)
         assert hist.stats.max == pytest.approx(agg.stats.max, abs=1e-9)
-        for q in (50, 95):  # within a bucket (a factor of sqrt(2))
-            assert hist.stats.percentile(q) == pytest.approx(agg.stats.percentile(q), rel=0.42)
+        for q in (50, 95):  # within a bucket (a factor of sqrt(2)) ...
+            exact, estimate = agg.stats.percentile(q), hist.stats.percentile(q)
+            if exact > BOUNDS[0]:
+                assert estimate == pytest.approx(exact, rel=0.42), (name, q)
+            else:  # ... or in the first one, below 1 µs (an empty range takes less)
+                assert hist.stats.min <= estimate <= BOUNDS[0], (name, q)
     # a fully traced run keeps the spans' exact figures
     assert not summarize(open_run([run]), warn).timings_from_histograms
 
