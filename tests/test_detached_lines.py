@@ -211,7 +211,7 @@ def test_a_batched_line_is_written_every_n_exports_and_at_flush(tmp_path: Path) 
     assert counters.snapshot()["files.metric_points_exported"] == 7 * 3
 
 
-def test_a_refused_batched_line_counts_all_its_points_as_dropped_then_lines_hold_one_export(
+def test_a_refused_batched_line_keeps_its_newest_export_then_lines_hold_one_export(
     tmp_path: Path,
 ) -> None:
     counters = ExportCounters()
@@ -225,19 +225,20 @@ def test_a_refused_batched_line_counts_all_its_points_as_dropped_then_lines_hold
     counters = ExportCounters()
     exporter, batcher = _batched(path, counters, per_line=3, cap=one + 10)
     results = [exporter.export(_metrics_data(2)) for _ in range(3)]
-    assert [r.name for r in results] == ["SUCCESS", "SUCCESS", "FAILURE"]  # 3 exports: too big
+    # 3 exports are too big for one line: the newest is written alone, the 2 others dropped
+    assert [r.name for r in results] == ["SUCCESS", "SUCCESS", "SUCCESS"]
     counts = counters.snapshot()
-    assert counts["files.metric_points_dropped_size_cap"] == 9
-    assert counts["files.metric_points_exported"] == 0
-    assert counts["files.metric_exports_size_cap"] == 1
+    assert counts["files.metric_points_dropped_size_cap"] == 6
+    assert counts["files.metric_points_exported"] == 3
+    assert counts["files.metric_exports_size_cap"] == 2
     assert batcher.capped
     results = [exporter.export(_metrics_data(2)) for _ in range(3)]
-    assert [r.name for r in results] == ["SUCCESS", "FAILURE", "FAILURE"]  # one per line now
+    assert [r.name for r in results] == ["FAILURE", "FAILURE", "FAILURE"]  # one per line now
     batcher.close()
     counts = counters.snapshot()
     assert len(read_lines(path)) == 1 and len(read_points(path)) == 3
     assert counts["files.metric_points_exported"] == 3
-    assert counts["files.metric_points_dropped_size_cap"] == 9 + 3 + 3
+    assert counts["files.metric_points_dropped_size_cap"] == 6 + 3 * 3
 
 
 def test_lines_hold_five_seconds_of_exports_at_most_ten() -> None:

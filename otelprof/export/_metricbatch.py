@@ -14,9 +14,10 @@ Memory stays bounded (at most `exports_per_line` exports are held) and a flush o
 writes what is held, so only a SIGKILL can lose them (at most `LINE_SECONDS` of points).
 Counting stays exact: a held export counts as exported when handed over (the wrapping
 `CountingMetricExporter`'s rule); if the line holding it is then refused by the size cap or
-fails, its points move to dropped or failed. Once the cap has refused a line, exports go
-one per line again, so the cap's reserve still fits the run's final export (the timing
-histograms the report reads) as before.
+fails, its points move to dropped or failed. When the cap refuses a line of several exports,
+the newest is written alone (or, refused too, kept by the file for its close, within the
+cap's reserve), so the run's final export (the timing histograms the report reads) still
+makes it in; from then on exports go one per line.
 """
 
 from __future__ import annotations
@@ -177,12 +178,20 @@ class MetricLineBatcher(MetricExporter):
             )
         except ExportDropped as dropped:
             self.capped = True
-            self._move(earlier, f"dropped_{dropped.reason}")
+            reason = dropped.reason
+            older = len(held) - 1  # the exports held before the newest: lost either way
+            if older and self._counters is not None:
+                self._counters.add(f"{self._name}.metric_exports_{reason}", older)
+                self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
+            if older and self._alone(held[-1], timeout_millis, **kwargs):
+                self._move(points - count_points(held[-1]), f"dropped_{reason}")
+                return MetricExportResult.SUCCESS  # the newest made it in alone
+            self._move(earlier, f"dropped_{reason}")
             if from_export:
-                raise  # the counting wrapper counts this export's points and the line
+                raise  # the counting wrapper counts the newest export and its points
             if self._counters is not None:
-                self._counters.add(f"{self._name}.metric_exports_{dropped.reason}")
-                self._counters.warn_once(f"{self._name}.{dropped.reason}", "%s", dropped.message)
+                self._counters.add(f"{self._name}.metric_exports_{reason}")
+                self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
             return MetricExportResult.FAILURE
         except Exception as error:
             self._move(earlier, "failed")
@@ -195,6 +204,17 @@ class MetricLineBatcher(MetricExporter):
             if not from_export:
                 self._count_failure(None)
         return result
+
+    def _alone(self, newest: MetricsData, timeout_millis: float, **kwargs: Any) -> bool:
+        """Write the newest export as a line of its own after the cap refused the line
+        holding it: True if written. If refused too, the file keeps it (the newest refused
+        line) for its close, within the reserve: the final export, with the exact timing
+        histograms, then still makes it in, however many exports its line would have held."""
+        try:
+            result = self._inner.export(newest, timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            return False
+        return result is MetricExportResult.SUCCESS
 
     def _count_failure(self, error: Exception | None) -> None:
         if self._counters is None:
