@@ -22,7 +22,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
-from otelprof._run_end import EndRecord, RunEndWatcher
+from otelprof._run_end import DeferredSigterm, EndRecord, RunEndWatcher
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
 from otelprof.resource import build_resource
@@ -177,8 +177,8 @@ class Profiler:
             self._shutdown_done = True
             if _active is self:
                 _active = None
-        # the ending first: a launcher's SIGTERM or a SIGKILL during the flush below (the
-        # SIGTERM handler is uninstalled next) must not leave the run looking unfinished
+        # the ending first: a SIGKILL during the flush below must not leave the run looking
+        # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
         with contextlib.suppress(Exception):
             self._mark_end(end)
         with contextlib.suppress(Exception):
@@ -198,14 +198,15 @@ class Profiler:
             ("system metrics", self._system.close if self._system else None),
             ("exporter resources", self._pipelines.close),
         ]
-        for what, action in steps:
-            if action is None:
-                continue
-            try:
-                action()
-            except Exception as error:
-                _log.warning("otelprof: shutting down %s raised %r", what, error)
-        watchdog.cancel()
+        with DeferredSigterm():  # a launcher's SIGTERM now would lose the held lines
+            for what, action in steps:
+                if action is None:
+                    continue
+                try:
+                    action()
+                except Exception as error:
+                    _log.warning("otelprof: shutting down %s raised %r", what, error)
+            watchdog.cancel()
         stats = self.stats()
         if self.settings.detached:
             with contextlib.suppress(Exception):

@@ -13,6 +13,9 @@ A run that is never finalized looks like a run that is still going. So the profi
 - SIGKILL cannot be caught: run.json keeps no `finished_unix_nano` and the report says the
   run was not finalized.
 
+A SIGTERM that arrives while `shutdown()` flushes (a launcher stopping the other ranks after
+one raised) waits until the flush is done (`DeferredSigterm`), then acts as it would have.
+
 The `end` object in run.json: `status` (`clean`, `exception`, `signal`, `exit`, `exited`),
 `exit_code` (when known), `signal` (name, when one was received), `exception`
 (`{"type", "message"}`), `recorded_by` (what recorded it). Everything restored on uninstall.
@@ -33,6 +36,42 @@ from typing import Any
 _log = logging.getLogger("otelprof")
 
 EndRecord = dict[str, Any]
+
+
+class DeferredSigterm:
+    """`with DeferredSigterm():` a SIGTERM that arrives inside the block (a launcher stopping
+    the job while the profiler's final flush runs) waits for the block to end, then goes to
+    the handler that was there before: the flush, bounded by the export timeout, writes the
+    lines the exporters still hold instead of dying with them. Main thread only (elsewhere
+    Python cannot set handlers, and a no-op)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def _defer(self, signum: int, _frame: FrameType | None) -> None:
+        self.received = signum
+
+    def __enter__(self) -> DeferredSigterm:
+        if threading.current_thread() is threading.main_thread():
+            try:
+                self._previous = signal.signal(signal.SIGTERM, self._defer)
+                self._installed = True
+            except Exception as error:  # e.g. embedded interpreters without signals
+                _log.debug("otelprof: cannot defer SIGTERM: %r", error)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if not self._installed:
+            return
+        self._installed = False
+        try:
+            signal.signal(signal.SIGTERM, self._previous)
+            if self.received is not None:
+                signal.raise_signal(self.received)  # now, to whoever handled it before
+        except Exception as error:
+            _log.debug("otelprof: cannot restore the SIGTERM handler: %r", error)
 
 
 def exception_info(error: BaseException) -> dict[str, str]:

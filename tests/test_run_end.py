@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import otelprof
+from tests.otlp_files import read_spans
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -163,11 +164,12 @@ def test_sigterm_in_a_forked_child_is_not_the_runs_end(tmp_path: Path) -> None:
     assert info["stats"]["timings.steps"] == 5
 
 
-def test_an_ending_recorded_before_the_flush_survives_a_sigterm_during_it(
+def test_a_sigterm_during_the_final_flush_waits_for_it_then_ends_the_process(
     tmp_path: Path,
 ) -> None:
     # an elastic launcher's SIGTERM reaches a rank while its exception is being flushed
-    # (its peer's failure broke its collective): the exception is already in run.json
+    # (its peer's failure broke its collective): the exception is already in run.json, the
+    # flush goes on and writes the spans the trace file still held, then the signal acts
     child = _child(
         tmp_path,
         """
@@ -175,8 +177,9 @@ def test_an_ending_recorded_before_the_flush_survives_a_sigterm_during_it(
         flush = prof.tracer_provider.shutdown
         def slow_flush():
             open(ready + ".flushing", "w").close()
-            time.sleep(30)
+            time.sleep(2)  # a slow collector (the export timeout bounds a real one)
             flush()
+            open(ready + ".flushed", "w").close()
         prof.tracer_provider.shutdown = slow_flush
         with prof:
             loop(5)
@@ -188,10 +191,14 @@ def test_an_ending_recorded_before_the_flush_survives_a_sigterm_during_it(
         time.sleep(0.05)
     child.send_signal(signal.SIGTERM)
     code, stderr = _finish(child)
-    assert code == -signal.SIGTERM, stderr
+    assert code == -signal.SIGTERM, stderr  # delivered once the flush was done
+    assert (tmp_path / "ready.flushed").exists()
     end = _run_json(tmp_path)["end"]
     assert end["status"] == "exception", end
     assert end["exception"] == {"type": "RuntimeError", "message": "peer vanished"}
+    (run,) = list((tmp_path / "runs").iterdir())
+    names = [span.name for span in read_spans(run / "traces.jsonl")]
+    assert names.count("step") == 5 and names.count("train_batch") == 5
 
 
 def test_sigkill_leaves_the_run_unfinalized(tmp_path: Path) -> None:
