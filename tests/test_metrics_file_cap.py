@@ -33,8 +33,8 @@ def _capped_run(tmp_path: Path, cap: int, **options: object) -> otelprof.Profile
         output_dir=tmp_path / "runs", run_id="cap", interval=0.1, max_metrics_bytes=cap,
         **options,
     )  # fmt: skip
-    try:
-        training_loop(prof, steps=30, pause_s=0.03)
+    try:  # ~3 s: several 1 s lines of 10 exports (interval 0.1) are written during the run
+        training_loop(prof, steps=30, pause_s=0.1)
     finally:
         prof.shutdown()
     return prof
