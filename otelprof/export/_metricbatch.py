@@ -37,7 +37,7 @@ from opentelemetry.sdk.metrics.export import (
     ScopeMetrics,
 )
 
-from otelprof.export.counters import ExportCounters, ExportDropped, count_points
+from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
 _log = logging.getLogger("otelprof.export")
 
@@ -124,10 +124,7 @@ class MetricLineBatcher(MetricExporter):
         counters: ExportCounters | None = None,
         name: str = "files",
     ) -> None:
-        super().__init__(
-            preferred_temporality=inner._preferred_temporality,
-            preferred_aggregation=inner._preferred_aggregation,
-        )
+        super().__init__(**preferences_of(inner))
         self._inner = inner
         self.per_line = max(1, per_line)
         self._counters = counters

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
-from otelprof.export.counters import ExportCounters, ExportDropped, count_points
+from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
 MAX_RESERVE_BYTES = 16 << 20
 
@@ -134,10 +134,7 @@ class CappedMetricExporter(MetricExporter):
         counters: ExportCounters | None = None,
         name: str = "files",
     ) -> None:
-        super().__init__(
-            preferred_temporality=inner._preferred_temporality,
-            preferred_aggregation=inner._preferred_aggregation,
-        )
+        super().__init__(**preferences_of(inner))
         self._inner = inner
         self.stream = stream
         self._counters = counters

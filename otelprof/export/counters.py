@@ -181,14 +181,20 @@ class CountingSpanExporter(_Abandonable, SpanExporter):
             return False
 
 
+def preferences_of(inner: MetricExporter) -> dict[str, Any]:
+    """What a wrapping exporter passes to `MetricExporter.__init__`: the temporality and
+    aggregation the exporter it wraps asks for, so wrapping changes neither."""
+    return {
+        "preferred_temporality": inner._preferred_temporality,
+        "preferred_aggregation": inner._preferred_aggregation,
+    }
+
+
 class CountingMetricExporter(_Abandonable, MetricExporter):
     """Delegates to `inner`, counting data points exported and lost."""
 
     def __init__(self, name: str, inner: MetricExporter, counters: ExportCounters) -> None:
-        super().__init__(
-            preferred_temporality=inner._preferred_temporality,
-            preferred_aggregation=inner._preferred_aggregation,
-        )
+        super().__init__(**preferences_of(inner))
         self.name = name
         self._inner = inner
         self._counters = counters
