@@ -40,7 +40,6 @@ static PyObject *rec_globals;   /* _recorder's module dict (bind()) */
 static PyObject *quiet_globals; /* _quiet_steps's module dict (bind_quiet()) */
 static PyObject *zero;
 static PyObject *real_clock; /* time.perf_counter_ns */
-static PyObject *state_key;  /* where a thread's dict caches its ThreadState */
 
 #define STRINGS(X)                                                                         \
     X(current) X(_local) X(state) X(stack) X(thread_state) X(name) X(attributes)          \
@@ -178,22 +177,15 @@ now(void)
     return PyObject_CallNoArgs(clock);
 }
 
-/* The thread that asked last, by its thread state's id (unique for the interpreter's life):
- * the training thread asks for nearly every range. Strong references. */
+/* The thread that asked last, by its thread state's id (unique for the interpreter's life),
+ * and the `_local` its state came from (a test may replace `_local`): the training thread
+ * asks for nearly every range. Strong references. */
 static uint64_t last_thread_id;
 static PyObject *last_local, *last_state;
 
-static void
-remember_thread(uint64_t id, PyObject *local, PyObject *state)
-{
-    last_thread_id = id;
-    Py_XSETREF(last_local, Py_NewRef(local));
-    Py_XSETREF(last_state, Py_NewRef(state));
-}
-
 /* The calling thread's ThreadState (new reference), None if it has none and `make` is 0.
- * `_local.state` costs a thread-local lookup and a generic attribute lookup; the thread's own
- * dict caches it, keyed by the `_local` it came from (a test may replace `_local`). */
+ * `_local.state` costs a thread-local lookup and a generic attribute lookup, so the last
+ * thread's is kept at hand. */
 static PyObject *
 get_thread_state(int make)
 {
@@ -203,16 +195,6 @@ get_thread_state(int make)
     uint64_t id = PyThreadState_GetID(PyThreadState_Get());
     if (id == last_thread_id && local == last_local && last_state != NULL)
         return Py_NewRef(last_state);
-    PyObject *cache = PyThreadState_GetDict();
-    if (cache != NULL) {
-        PyObject *entry = PyDict_GetItemWithError(cache, state_key);
-        if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_ITEM(entry, 0) == local) {
-            remember_thread(id, local, PyTuple_GET_ITEM(entry, 1));
-            return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
-        }
-        if (PyErr_Occurred())
-            return NULL;
-    }
     PyObject *state = PyObject_GetAttr(local, S(state));
     if (state == NULL)
         return NULL;
@@ -225,16 +207,9 @@ get_thread_state(int make)
         if (state == NULL)
             return NULL;
     }
-    if (cache != NULL) {
-        PyObject *entry = PyTuple_Pack(2, local, state);
-        if (entry == NULL || PyDict_SetItem(cache, state_key, entry) < 0) {
-            Py_XDECREF(entry);
-            Py_DECREF(state);
-            return NULL;
-        }
-        Py_DECREF(entry);
-    }
-    remember_thread(id, local, state);
+    last_thread_id = id;
+    Py_XSETREF(last_local, Py_NewRef(local));
+    Py_XSETREF(last_state, Py_NewRef(state));
     return state;
 }
 
@@ -941,11 +916,10 @@ PyInit__speedups(void)
     STRINGS(INTERN)
 #undef INTERN
     zero = PyLong_FromLong(0);
-    state_key = PyUnicode_InternFromString("otelprof.timings._speedups.state");
     PyObject *time = PyImport_ImportModule("time");
     real_clock = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
     Py_XDECREF(time);
-    if (zero == NULL || state_key == NULL || real_clock == NULL)
+    if (zero == NULL || real_clock == NULL)
         return NULL;
     return PyModule_Create(&speedups);
 }
