@@ -177,9 +177,10 @@ class MetricLineBatcher(MetricExporter):
             self.capped = True
             reason = dropped.reason
             older = len(held) - 1  # the exports held before the newest: lost either way
-            if older and self._counters is not None:
-                self._counters.add(f"{self._name}.metric_exports_{reason}", older)
+            if self._counters is not None:  # (the counting wrapper warns with the same key)
                 self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
+                if older:
+                    self._counters.add(f"{self._name}.metric_exports_{reason}", older)
             if older and self._alone(held[-1], timeout_millis, **kwargs):
                 self._move(points - count_points(held[-1]), f"dropped_{reason}")
                 return MetricExportResult.SUCCESS  # the newest made it in alone
@@ -188,7 +189,6 @@ class MetricLineBatcher(MetricExporter):
                 raise  # the counting wrapper counts the newest export and its points
             if self._counters is not None:
                 self._counters.add(f"{self._name}.metric_exports_{reason}")
-                self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
             return MetricExportResult.FAILURE
         except Exception as error:
             self._move(earlier, "failed")

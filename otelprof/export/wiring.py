@@ -111,13 +111,18 @@ def _metric_reader(
 
 
 class _FileSpanProcessor(CountingBatchSpanProcessor):
-    """The trace file's processor: `force_flush()` also writes the spans its writer holds
-    (the SDK's batch processor does not flush its exporter)."""
+    """The trace file's processor. Its writer is the span builder's `frame_sink` (recorded
+    ranges skip the SDK), and `force_flush()` also writes the spans the writer holds (the
+    SDK's batch processor does not flush its exporter)."""
+
+    def __init__(self, writer: SpanLineWriter, counters: ExportCounters, **kwargs: Any) -> None:
+        super().__init__("files", SpanLineExporter(writer), counters, **kwargs)
+        self.frame_sink = writer
 
     def force_flush(self, timeout_millis: int | None = None) -> bool:
         ok = super().force_flush(timeout_millis)
-        exporter: Any = self._batch_processor._exporter
-        return bool(exporter.force_flush()) and ok
+        self.frame_sink.flush()
+        return ok
 
 
 def _add_files(
@@ -169,14 +174,12 @@ def _add_files(
             max_bytes=getattr(settings, "max_trace_bytes", None),
         )
         processor = _FileSpanProcessor(
-            "files",
-            SpanLineExporter(writer),
+            writer,
             counters,
             max_queue_size=SPAN_QUEUE_SIZE,
             max_export_batch_size=SPAN_BATCH_SIZE,
             schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
         )
-        processor.frame_sink = writer  # type: ignore[attr-defined]
         pipelines.span_processors.append(processor)
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
