@@ -35,7 +35,7 @@ def test_the_compiled_hot_path_is_built() -> None:
 
 
 @pytest.fixture
-def use(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+def use() -> Iterator[Callable[[str], None]]:
     """Switch the hot path; the default (compiled when built) comes back afterwards."""
     if rec.speedups is None:
         pytest.fail("the C extension otelprof.timings._speedups was not built")
@@ -64,6 +64,7 @@ class _Recording:
     """Fresh recorder state for one run of a scenario (restored by monkeypatch)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, capacity: int = 1000) -> None:
+        self.patch = monkeypatch  # what a scenario changes beyond this is undone with it
         self.clock = _Clock()
         self.calls: list[tuple[Any, ...]] = []
         self.queue: Any = type(rec.queue)()
@@ -86,16 +87,17 @@ class _Recording:
         self.ctx = rec.StepContext(3, 1, self.clock.now)
         monkeypatch.setattr(rec, "current", self.ctx)
 
-    def torch_on(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(rec, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True))
-        monkeypatch.setattr(rec, "torch_range_enter", self._range_enter)
-        monkeypatch.setattr(rec, "torch_range_exit", lambda handle: self.calls.append(handle))
+    def torch_on(self) -> None:
+        patch = self.patch
+        patch.setattr(rec, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True))
+        patch.setattr(rec, "torch_range_enter", self._range_enter)
+        patch.setattr(rec, "torch_range_exit", lambda handle: self.calls.append(handle))
 
     def _range_enter(self, name: str, _args: Any) -> tuple[str, str]:
         self.calls.append(("range", name))
         return ("range", name)
 
-    def cuda_on(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cuda_on(self) -> None:
         calls = self.calls
 
         class _Timer:
@@ -109,7 +111,7 @@ class _Recording:
             def release(self, events: list[str]) -> None:
                 calls.append(("cuda.release", *events))
 
-        monkeypatch.setattr(rec, "cuda_timer", _Timer())
+        self.patch.setattr(rec, "cuda_timer", _Timer())
 
     def transcript(self) -> dict[str, Any]:
         """Everything the recorder left, with objects replaced by stable labels."""
@@ -224,21 +226,21 @@ def _nothing_records(r: _Recording) -> None:
         pass
 
 
-def _torch_profiler(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
-    r.torch_on(monkeypatch)
+def _torch_profiler(r: _Recording) -> None:
+    r.torch_on()
     with rec.timing("traced"), rec.timing("nested"):
         pass
     with pytest.raises(StopIteration), rec.timing("exhausted"):
         raise StopIteration
 
 
-def _cuda_events(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
-    r.cuda_on(monkeypatch)
+def _cuda_events(r: _Recording) -> None:
+    r.cuda_on()
     with rec.timing("on the gpu"), rec.timing("nested"):
         pass
 
 
-SCENARIOS: dict[str, Callable[..., None]] = {
+SCENARIOS: dict[str, Callable[[_Recording], None]] = {
     "nested": _nested,
     "errors": _errors,
     "out-of-order": _out_of_order,
@@ -252,20 +254,15 @@ SCENARIOS: dict[str, Callable[..., None]] = {
 def _run(
     use: Callable[[str], None],
     monkeypatch: pytest.MonkeyPatch,
-    scenario: Callable[..., None],
-    *,
+    scenario: Callable[[_Recording], None],
     capacity: int = 1000,
-    with_monkeypatch: bool = False,
 ) -> list[dict[str, Any]]:
     transcripts = []
     for implementation in IMPLEMENTATIONS:
         use(implementation)
         with monkeypatch.context() as patch:
             recording = _Recording(patch, capacity)
-            if with_monkeypatch:
-                scenario(recording, patch)
-            else:
-                scenario(recording)
+            scenario(recording)
             transcripts.append(recording.transcript())
     return transcripts
 
@@ -274,7 +271,7 @@ def _run(
 def test_compiled_ranges_record_exactly_what_the_python_ones_do(
     name: str, use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python, compiled = _run(use, monkeypatch, SCENARIOS[name], capacity=3)
+    python, compiled = _run(use, monkeypatch, SCENARIOS[name], 3)
     assert python["step frames"] or python["queue"] or name == "nothing-records"
     assert compiled == python
 
@@ -285,12 +282,12 @@ def test_compiled_ranges_record_exactly_what_the_python_ones_do(
     ids=["torch-profiler", "cuda-events"],
 )
 def test_compiled_ranges_open_torch_ranges_and_cuda_events_like_the_python_ones(
-    scenario: Callable[..., None],
+    scenario: Callable[[_Recording], None],
     expected_call: tuple[str, ...],
     use: Callable[[str], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    python, compiled = _run(use, monkeypatch, scenario, with_monkeypatch=True)
+    python, compiled = _run(use, monkeypatch, scenario)
     assert expected_call in python["calls"]
     assert compiled == python
 
@@ -324,13 +321,13 @@ def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
     return ctx
 
 
-def _decide_steps(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
+def _decide_steps(r: _Recording) -> None:
     """Steps against published limits: head and tail tokens, the slowest recent step, the
     anomaly threshold, holds after it, errors, a full layout table, a full batch of rows."""
-    r.cuda_on(monkeypatch)
+    r.cuda_on()
     _quiet_steps.reset()
-    monkeypatch.setattr(_quiet_steps, "ROWS_PER_ITEM", 3)
-    monkeypatch.setattr(_quiet_steps, "MAX_LAYOUTS", 3)
+    r.patch.setattr(_quiet_steps, "ROWS_PER_ITEM", 3)
+    r.patch.setattr(_quiet_steps, "MAX_LAYOUTS", 3)
     decisions: list[Any] = []
 
     def decide(
@@ -372,7 +369,7 @@ def _decide_steps(r: _Recording, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_compiled_step_decisions_equal_the_python_ones(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python, compiled = _run(use, monkeypatch, _decide_steps, with_monkeypatch=True)
+    python, compiled = _run(use, monkeypatch, _decide_steps)
     assert python["rows"] and python["layouts"] and python["queue"]  # it sampled some out
     assert ("cuda.release", "cuda a") in python["calls"]
     assert compiled == python
