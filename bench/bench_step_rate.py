@@ -41,6 +41,8 @@ Printed per step length:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import math
 import os
 import statistics
@@ -50,7 +52,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from _machine import cpu_model
 
@@ -72,13 +73,42 @@ a load change mid-pair otherwise turns a "0.3 ms" figure into one for 0.15 ms st
 
 
 def _background_cpu() -> float:
-    """CPU seconds used so far by otelprof's and the OTel SDK's background threads."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    return sum(
-        t.user_time + t.system_time
-        for t in psutil.Process().threads()
-        if names.get(t.id, "").startswith(OTELPROF_THREADS)
-    )
+    """CPU seconds used so far by otelprof's and the OTel SDK's background threads, from each
+    thread's own CPU clock (exact to the ns; psutil's per-thread times count 10 ms ticks)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith(OTELPROF_THREADS) and thread.ident is not None:
+            with contextlib.suppress(OSError):  # it ended since enumerate()
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total
+
+
+class GcClock:
+    """Time the garbage collector runs, on any thread, and how many full collections: state
+    that outlives a step (rows, queued ranges) gets promoted, and a full collection of a
+    training process's heap holds the GIL for 0.1 s or more."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.full = 0
+        self._started: dict[int, int] = {}
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started[thread] = time.perf_counter_ns()
+            return
+        started = self._started.pop(thread, None)
+        if started is not None:
+            self.ns += time.perf_counter_ns() - started
+            self.full += info["generation"] == 2
 
 
 class Work:
@@ -200,39 +230,47 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
         bare: list[float] = []
         inst: list[float] = []
         cpu_per_step: dict[bool, list[float]] = {False: [], True: []}  # training thread, µs
+        gc_ns = {False: 0, True: 0}
+        gc_full = {False: 0, True: 0}
+        all_steps = {False: 0, True: 0}
         ranges = 0
         background = 0.0
         off = 0
-        for pair in range(args.pairs):
-            if pair % 4 == 0:
-                units = _calibrate_bare(work, step_ms / 1000, units)
-            order = (False, True) if pair % 2 == 0 else (True, False)
-            times: dict[bool, float] = {}
-            thread_cpu: dict[bool, float] = {}
-            for instrumented in order:
-                own = time.thread_time()
-                if instrumented:
-                    cpu = _background_cpu()
-                    start = time.perf_counter()
-                    steps = _loop(work, units, args.block_seconds, prof)
-                    builder.flush()
-                    wall = time.perf_counter() - start
-                    background += _background_cpu() - cpu
-                    ranges += steps * (len(TIMINGS) + 1)
-                else:
-                    start = time.perf_counter()
-                    steps = _bare_loop(work, units, args.block_seconds)
-                    wall = time.perf_counter() - start
-                times[instrumented] = wall / max(steps, 1) * 1e3
-                thread_cpu[instrumented] = (time.thread_time() - own) / max(steps, 1) * 1e6
-            ratio = times[False] / step_ms
-            if not 1 / TOLERANCE <= ratio <= TOLERANCE:
-                off += 1
-                continue
-            bare.append(times[False])
-            inst.append(times[True])
-            for instrumented, used in thread_cpu.items():
-                cpu_per_step[instrumented].append(used)
+        with GcClock() as collector:
+            for pair in range(args.pairs):
+                if pair % 4 == 0:
+                    units = _calibrate_bare(work, step_ms / 1000, units)
+                order = (False, True) if pair % 2 == 0 else (True, False)
+                times: dict[bool, float] = {}
+                thread_cpu: dict[bool, float] = {}
+                for instrumented in order:
+                    own = time.thread_time()
+                    collected = (collector.ns, collector.full)
+                    if instrumented:
+                        cpu = _background_cpu()
+                        start = time.perf_counter()
+                        steps = _loop(work, units, args.block_seconds, prof)
+                        builder.flush()
+                        wall = time.perf_counter() - start
+                        background += _background_cpu() - cpu
+                        ranges += steps * (len(TIMINGS) + 1)
+                    else:
+                        start = time.perf_counter()
+                        steps = _bare_loop(work, units, args.block_seconds)
+                        wall = time.perf_counter() - start
+                    times[instrumented] = wall / max(steps, 1) * 1e3
+                    thread_cpu[instrumented] = (time.thread_time() - own) / max(steps, 1) * 1e6
+                    gc_ns[instrumented] += collector.ns - collected[0]
+                    gc_full[instrumented] += collector.full - collected[1]
+                    all_steps[instrumented] += steps
+                ratio = times[False] / step_ms
+                if not 1 / TOLERANCE <= ratio <= TOLERANCE:
+                    off += 1
+                    continue
+                bare.append(times[False])
+                inst.append(times[True])
+                for instrumented, used in thread_cpu.items():
+                    cpu_per_step[instrumented].append(used)
         stats = prof.stats()
     finally:
         prof.shutdown()
@@ -264,7 +302,15 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
     print(
         f"  training-thread CPU per step: bare {statistics.median(cpu_per_step[False]):.1f} µs, "
         f"instrumented {statistics.median(cpu_per_step[True]):.1f} µs ({own:+.1f} µs); "
-        f"with the background's: {share:+.1f} % of a bare step\n"
+        f"with the background's: {share:+.1f} % of a bare step"
+    )
+    print(
+        "  garbage collection (any thread) per step: bare "
+        + ", instrumented ".join(
+            f"{gc_ns[kind] / max(all_steps[kind], 1) / 1e3:.2f} µs ({gc_full[kind]} full)"
+            for kind in (False, True)
+        )
+        + "\n"
     )
     return units
 

@@ -8,6 +8,7 @@ checked exactly against the schedule, with the on-thread path on and off.
 from __future__ import annotations
 
 import bisect
+import gc
 import threading
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,24 @@ def test_flush_on_the_training_thread_brings_the_histograms_up_to_the_last_step(
         hist = prof._timings.aggregates.histograms[("step", "train")]
         assert prof.stats()["timings.steps_sampled_out_on_thread"] > 0
         assert hist.count == 170
+    finally:
+        prof.shutdown()
+
+
+def test_rows_of_steps_sampled_out_on_their_thread_are_left_alone_by_the_garbage_collector(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    """Rows wait for the builder's next drain (0.2 s): were they tracked containers,
+    thousands a second would survive into the oldest generation and set off full
+    collections, each a GIL stall as long as the process's heap is big."""
+    prof = _instrument(tmp_path, "g")
+    try:
+        _train(prof, clock, 150)
+        rows = rec._local.state.rows  # this thread's batch, not handed over yet
+        gc.collect(0)  # the pure-Python path's tuples are untracked by their first one
+        assert rows
+        assert all(type(row) is tuple for row in rows)
+        assert not any(gc.is_tracked(row) for row in rows)
     finally:
         prof.shutdown()
 

@@ -55,7 +55,7 @@ ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
 
 
 _Batch = tuple[DurationHistogram, list[int]]
-_Signature = tuple[list[list[int]], list[Any]]
+_Signature = tuple[list[list[int]], list[tuple[int, ...]]]
 """A step layout's duration batches, one per range position, and its rows of durations."""
 MAX_SIGNATURES = 256
 """Distinct step layouts (phase, range names in close order) aggregated in bulk; steps of
@@ -370,14 +370,14 @@ class SpanBuilder:
         """Steps sampled out on their own thread (`_quiet_steps`): each row's durations
         join its layout's rows (folded into the histograms in C at the end of the drain),
         its step duration the sampler's recent window."""
-        rows: list[list[int]] = item[rec.F_ATTRS]
+        rows: list[tuple[int, ...]] = item[rec.F_ATTRS]
         item[rec.F_ATTRS] = None
         spans = sum(map(len, rows)) - len(rows)
         rec.out_items += spans
         layout_of = _get_last
         first = rows[0][-1]
         if all(row[-1] == first for row in rows):
-            groups: dict[int, list[list[int]]] = {first: rows}
+            groups: dict[int, list[tuple[int, ...]]] = {first: rows}
         else:
             groups = {}
             for row in rows:
@@ -401,10 +401,11 @@ class SpanBuilder:
         histograms: every loop here runs in C."""
         for columns, rows in self._signature_list:
             if rows:
-                # rows from `_quiet_steps` end with their layout id: the zips stop before it
-                columns_in = zip(*rows, strict=False)
-                for durations, column in zip(columns, columns_in, strict=False):
-                    durations.extend(column)
+                # one pass per column, not `zip(*rows)`: that makes an iterator per row, and
+                # thousands of them alive at a collection get promoted (see `_quiet_steps`);
+                # rows from `_quiet_steps` end with their step's duration and layout id
+                for index, durations in enumerate(columns):
+                    durations.extend(map(itemgetter(index), rows))
                 rows.clear()
         for hist, durations in self._batches.values():
             if durations:
@@ -523,7 +524,7 @@ class SpanBuilder:
             signature = by_layout[names] = (columns, [])
             self._signature_list.append(signature)
         if signature is not None:
-            signature[1].append([f[rec.F_END] - f[rec.F_START] for f in frames])
+            signature[1].append(tuple([f[rec.F_END] - f[rec.F_START] for f in frames]))
             return
         for frame in frames:
             durations = self._durations_in(frame[rec.F_NAME], phase)

@@ -98,9 +98,9 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
         root = rec.STEP_SPAN if phase == rec.PHASE_TRAIN else phase
         layouts[layout] = (phase, root, names)
         by_names[names] = layout
-    row = [f[7] - f[6] for f in frames]
-    row.append(duration)
-    row.append(layout)
+    # a tuple of numbers: the collector untracks it, so rows waiting for the builder are
+    # never promoted to the oldest generation (whose full collections stall the GIL)
+    row = (*[f[7] - f[6] for f in frames], duration, layout)
     cuda = rec.cuda_timer
     if cuda is not None:  # its CUDA events are reused by later ranges
         for frame in frames:

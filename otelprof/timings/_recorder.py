@@ -172,7 +172,7 @@ class ThreadState:
         self.name = thread.name
         # steps this thread sampled out itself (`_quiet_steps`): rows of durations not yet
         # queued, and how many more steps go to the builder after a possible anomaly
-        self.rows: list[list[int]] = []
+        self.rows: list[tuple[int, ...]] = []
         self.hold = 0
         # The base frame is never popped: a list that empties and refills on every range
         # would be reallocated twice per range (CPython shrinks it at size 0).

@@ -634,7 +634,10 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = layout == -1 ? 0 : -1;
         goto done;
     }
-    row = PyList_New(n + 2);
+    /* a tuple of ints, untracked by the garbage collector: rows wait up to a builder drain
+     * (0.2 s) to be folded, and lists that old get promoted to the oldest generation, so
+     * thousands a second would trigger full collections (a GIL stall of ~0.1 s each) */
+    row = PyTuple_New(n + 2);
     if (row == NULL)
         goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -643,16 +646,23 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
                                            PyList_GET_ITEM(frame, F_START));
         if (took == NULL)
             goto done;
-        PyList_SET_ITEM(row, i, took);
+        PyTuple_SET_ITEM(row, i, took);
     }
     PyObject *whole = PyLong_FromLongLong(duration);
     if (whole == NULL)
         goto done;
-    PyList_SET_ITEM(row, n, whole);
+    PyTuple_SET_ITEM(row, n, whole);
     PyObject *id = PyLong_FromLong(layout);
     if (id == NULL)
         goto done;
-    PyList_SET_ITEM(row, n + 1, id);
+    PyTuple_SET_ITEM(row, n + 1, id);
+    int atoms = 1; /* only numbers in it: no reference cycle can pass through it */
+    for (Py_ssize_t i = 0; i < n && atoms; i++) {
+        PyObject *took = PyTuple_GET_ITEM(row, i);
+        atoms = PyLong_CheckExact(took) || PyFloat_CheckExact(took);
+    }
+    if (atoms)
+        PyObject_GC_UnTrack(row);
     PyObject *cuda = REC(cuda_timer);
     if (cuda == NULL)
         goto done;
