@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
+import threading
+import time
 
 
 def cpu_model() -> str:
@@ -15,3 +18,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+BACKGROUND_THREADS = ("otelprof-", "Otel")
+"""Name prefixes of otelprof's and the OpenTelemetry SDK's background threads."""
+
+
+def background_cpu() -> float:
+    """CPU seconds used so far by otelprof's and the OTel SDK's background threads, from each
+    thread's own CPU clock (exact to the ns; psutil's per-thread times count 10 ms ticks, and
+    charge a whole tick to whichever thread it lands on)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith(BACKGROUND_THREADS) and thread.ident is not None:
+            with contextlib.suppress(OSError):  # it ended since enumerate()
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return total

@@ -41,7 +41,6 @@ Printed per step length:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import os
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import cpu_model
+from _machine import background_cpu, cpu_model
 
 import otelprof
 
@@ -66,21 +65,9 @@ TIMINGS = (
     "reduce_metrics",
 )
 SHARES = (0.2, 0.05, 0.6, 0.05, 0.05, 0.05)
-OTELPROF_THREADS = ("otelprof-", "Otel")
 TOLERANCE = 1.25
 """A pair counts only if its bare block's measured step is within this factor of the target:
 a load change mid-pair otherwise turns a "0.3 ms" figure into one for 0.15 ms steps."""
-
-
-def _background_cpu() -> float:
-    """CPU seconds used so far by otelprof's and the OTel SDK's background threads, from each
-    thread's own CPU clock (exact to the ns; psutil's per-thread times count 10 ms ticks)."""
-    total = 0.0
-    for thread in threading.enumerate():
-        if thread.name.startswith(OTELPROF_THREADS) and thread.ident is not None:
-            with contextlib.suppress(OSError):  # it ended since enumerate()
-                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-    return total
 
 
 class GcClock:
@@ -179,13 +166,13 @@ def _block(
             waited += 0.25
         _loop(work, units, 0.3, prof)
     before = _stat(prof, "timings.spans_recorded") if prof is not None else 0
-    background = _background_cpu()
+    background = background_cpu()
     start = time.perf_counter()
     steps = _loop(work, units, seconds, prof)
     wall = time.perf_counter() - start
     result: dict[str, float] = {"steps_per_s": steps / wall, "step_ms": wall / max(steps, 1) * 1e3}
     if prof is not None:
-        background = _background_cpu() - background
+        background = background_cpu() - background
         spans = _stat(prof, "timings.spans_recorded") - before  # lags by one builder wake-up
         prof.shutdown()
         stats = prof.stats()
@@ -247,12 +234,12 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
                     own = time.thread_time()
                     collected = (collector.ns, collector.full)
                     if instrumented:
-                        cpu = _background_cpu()
+                        cpu = background_cpu()
                         start = time.perf_counter()
                         steps = _loop(work, units, args.block_seconds, prof)
                         builder.flush()
                         wall = time.perf_counter() - start
-                        background += _background_cpu() - cpu
+                        background += background_cpu() - cpu
                         ranges += steps * (len(TIMINGS) + 1)
                     else:
                         start = time.perf_counter()

@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
-import psutil
 import torch
-from _machine import cpu_model
+from _machine import background_cpu, cpu_model
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -51,16 +49,6 @@ def _provider() -> TracerProvider:
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 17))
     return provider
-
-
-def _background_cpu() -> float:
-    """CPU seconds of otelprof's and the OTel SDK's threads so far."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    return sum(
-        t.user_time + t.system_time
-        for t in psutil.Process().threads()
-        if names.get(t.id, "").startswith(("otelprof-", "Otel"))
-    )
 
 
 def bare(n: int) -> None:
@@ -122,12 +110,12 @@ def main() -> int:
             naive_provider.force_flush()
             # as users run it: default detached mode, nothing held off during the bursts
             prof = otelprof.instrument(output_dir=tmp, run_id=f"burst{index}")
-            cpu = _background_cpu()
+            cpu = background_cpu()
             results["bridged"].append(_burst(bare, n))
             results["timing"].append(_burst(timed, n))
             prof.step()
             time.sleep(0.25)  # the builder's interval: let it catch up, still unhelped
-            background_s += _background_cpu() - cpu
+            background_s += background_cpu() - cpu
             prof.shutdown()
             stats = prof.stats()
             spans += stats.get("timings.spans_recorded", 0)

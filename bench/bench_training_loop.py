@@ -24,28 +24,14 @@ import argparse
 import os
 import statistics
 import tempfile
-import threading
 import time
 from typing import Any
 
-import psutil
 import torch
-from _machine import cpu_model
+from _machine import background_cpu, cpu_model
 
 import otelprof
 from otelprof._demo import train
-
-OTELPROF_THREADS = ("otelprof-", "Otel")
-
-
-def _otelprof_thread_cpu() -> float:
-    """CPU seconds used so far by otelprof's and the OTel SDK's background threads."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    return sum(
-        t.user_time + t.system_time
-        for t in psutil.Process().threads()
-        if names.get(t.id, "").startswith(OTELPROF_THREADS)
-    )
 
 
 def _block(
@@ -67,13 +53,13 @@ def _block(
             output_dir=output_dir, run_id=f"block{index}-{int(bridge)}", interval=1.0, **options
         )
     try:
-        background = _otelprof_thread_cpu()
+        background = background_cpu()
         cpu = time.process_time()
         thread_cpu = time.thread_time()
         result = train(profiler, seconds=seconds, seed=index)
         thread_cpu = time.thread_time() - thread_cpu
         cpu = time.process_time() - cpu
-        background = _otelprof_thread_cpu() - background
+        background = background_cpu() - background
     finally:
         if profiler is not None:
             profiler.shutdown()
@@ -82,7 +68,7 @@ def _block(
         "step_median": statistics.median(result.step_times_s),
         "cpu": cpu / result.steps,
         "thread_cpu": thread_cpu / result.steps,
-        "background_s": background,  # total: psutil thread times tick at 10 ms
+        "background_s": background,
         "steps": result.steps,
         "stats": profiler.stats() if profiler is not None else {},
     }
