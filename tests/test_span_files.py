@@ -36,7 +36,7 @@ def test_encoded_spans_equal_the_sdk_exporters_json_for_every_field_kind() -> No
             {
                 "otelprof.step": 0,
                 "thread.id": 1 << 60,
-                "s": "v\n",
+                "s": 'v\n "é"',
                 "f": 1.25,
                 "b": True,
                 "ints": (1, 2),

@@ -42,6 +42,7 @@ what one builder drain wrote before)."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
+_text_cache: dict[str, str] = {}  # string attribute values: phases, thread names
 _MAX_CACHE = 8192
 
 
@@ -76,8 +77,11 @@ def encode_value(value: Any) -> str:
 def encode_attributes(attributes: Mapping[str, Any]) -> str:
     parts = []
     for key, value in attributes.items():
-        if type(value) is int:  # the common case (step, thread id), inlined
+        if type(value) is int:  # the common cases (step, thread id; phase), inlined
             parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{{"intValue":"{value}"}}}}')
+        elif type(value) is str:
+            text = _json_str(value, _text_cache)
+            parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{{"stringValue":{text}}}}}')
         else:
             parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{encode_value(value)}}}')
     return ",".join(parts)
