@@ -291,6 +291,18 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
         f"instrumented {statistics.median(cpu_per_step[True]):.1f} µs ({own:+.1f} µs); "
         f"with the background's: {share:+.1f} % of a bare step"
     )
+    # at long steps the training thread's own extra CPU is far below the bare step's scatter:
+    # the pairs' differences, mean and 95 % interval, say whether it was resolved at all
+    paired = [i - b for b, i in zip(cpu_per_step[False], cpu_per_step[True], strict=True)]
+    if len(paired) > 1:
+        mean = statistics.fmean(paired)
+        half = 1.96 * statistics.stdev(paired) / math.sqrt(len(paired))
+        step_us = statistics.median(bare) * 1e3
+        print(
+            f"  training-thread CPU per step, paired: {mean:+.1f} ± {half:.1f} µs (95 %); with "
+            f"the background's: {(mean + per_step) / step_us * 100:+.2f} ± "
+            f"{half / step_us * 100:.2f} % of a bare step"
+        )
     print(
         "  garbage collection (any thread) per step: bare "
         + ", instrumented ".join(
