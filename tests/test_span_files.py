@@ -22,6 +22,23 @@ def _sdk_span_dict(builder: SpanBuilder, fields: tuple) -> dict:  # type: ignore
     return data["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
 
 
+def test_the_span_encoder_caches_short_attribute_values_but_not_stack_traces() -> None:
+    """Phases and thread names repeat on every span; each error's stack trace is new, and
+    a cache of them would hold one copy of every error the run ever had."""
+    from otelprof.export import _spanlines
+
+    stack = "Traceback (most recent call last):\n" + "  frame\n" * 20
+    encoded = encode_span(
+        "bad", 1, 2, 0, 10, 20, {"otelprof.phase": "train"}, ("ValueError", "boom", stack)
+    )
+    event = json.loads(encoded)["events"][0]
+    assert {a["key"]: a["value"]["stringValue"] for a in event["attributes"]}[
+        "exception.stacktrace"
+    ] == stack
+    assert "train" in _spanlines._text_cache
+    assert stack not in _spanlines._text_cache
+
+
 def test_encoded_spans_equal_the_sdk_exporters_json_for_every_field_kind() -> None:
     builder = SpanBuilder(TracerProvider(resource=Resource({"service.name": "t"})), Clock())
     cases = [

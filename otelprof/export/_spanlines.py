@@ -42,8 +42,11 @@ what one builder drain wrote before)."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
-_text_cache: dict[str, str] = {}  # string attribute values: phases, thread names
+_text_cache: dict[str, str] = {}  # short string attribute values: phases, thread names
 _MAX_CACHE = 8192
+MAX_CACHED_TEXT = 64
+"""Longer string values (exception messages and stack traces) are encoded every time: the
+cache holds what repeats on every span, not one copy of each distinct error."""
 
 
 def _json_str(text: str, cache: dict[str, str]) -> str:
@@ -77,9 +80,9 @@ def encode_value(value: Any) -> str:
 def encode_attributes(attributes: Mapping[str, Any]) -> str:
     parts = []
     for key, value in attributes.items():
-        if type(value) is int:  # the common cases (step, thread id; phase), inlined
+        if type(value) is int:  # the common cases, inlined: step and thread id ...
             parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{{"intValue":"{value}"}}}}')
-        elif type(value) is str:
+        elif type(value) is str and len(value) <= MAX_CACHED_TEXT:  # ... phase, thread name
             text = _json_str(value, _text_cache)
             parts.append(f'{{"key":{_json_str(key, _key_cache)},"value":{{"stringValue":{text}}}}}')
         else:
