@@ -640,6 +640,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     row = PyTuple_New(n + 2);
     if (row == NULL)
         goto done;
+    int atoms = 1; /* only numbers in it: no reference cycle can pass through it */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *frame = PyList_GET_ITEM(frames, i);
         PyObject *took = PyNumber_Subtract(PyList_GET_ITEM(frame, F_END),
@@ -647,6 +648,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         if (took == NULL)
             goto done;
         PyTuple_SET_ITEM(row, i, took);
+        atoms = atoms && (PyLong_CheckExact(took) || PyFloat_CheckExact(took));
     }
     PyObject *whole = PyLong_FromLongLong(duration);
     if (whole == NULL)
@@ -656,11 +658,6 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     if (id == NULL)
         goto done;
     PyTuple_SET_ITEM(row, n + 1, id);
-    int atoms = 1; /* only numbers in it: no reference cycle can pass through it */
-    for (Py_ssize_t i = 0; i < n && atoms; i++) {
-        PyObject *took = PyTuple_GET_ITEM(row, i);
-        atoms = PyLong_CheckExact(took) || PyFloat_CheckExact(took);
-    }
     if (atoms)
         PyObject_GC_UnTrack(row);
     PyObject *cuda = REC(cuda_timer);
