@@ -4,6 +4,7 @@ and checkpointing apart, throughput and MFU — with and without Lightning's own
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,14 @@ class TinyModule(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.1)
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+
+class DeviceBoundModule(TinyModule):
+    """A step whose time is mostly waiting, like a host thread waiting for its GPU."""
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return super().training_step(batch, index)
 
 
 def _fit(tmp_path: Path, run_id: str, profiler: Any = None, **callback: Any) -> Path:
@@ -151,7 +160,14 @@ def test_a_failing_work_function_is_logged_once_per_hook_and_training_goes_on(
 
 def test_samples_per_second_matches_lightnings_throughput_monitor(tmp_path: Path) -> None:
     """Same semantics as Lightning's ThroughputMonitor: time between batch ends, validation
-    excluded, the first batch's time left out (its window of 12 batch ends = our 11 steps)."""
+    excluded, the first batch's time left out (its window of 12 batch ends = our 11 steps).
+
+    One gap around validation counts differently: Lightning leaves out the time from the last
+    training batch's end to `on_validation_start` and counts that from the last validation
+    batch's end to `on_validation_end` (epoch-end logging, the CSV file), otelprof the other
+    way round. Those gaps took 0.2-1 ms here and ~3 ms on a loaded CI machine, 21 % of a run of
+    1 ms steps, so the steps take 20 ms (a device's share of a real step), as in real runs
+    where both figures are dominated by the steps."""
     import csv
 
     from lightning.pytorch.callbacks import ThroughputMonitor
@@ -177,7 +193,7 @@ def test_samples_per_second_matches_lightnings_throughput_monitor(tmp_path: Path
         ],
     )
     loader = DataLoader(data, batch_size=BATCH)
-    trainer.fit(TinyModule(), loader, loader)
+    trainer.fit(DeviceBoundModule(), loader, loader)
     (metrics_csv,) = (tmp_path / "csv").rglob("metrics.csv")
     with metrics_csv.open() as f:
         theirs = [float(r["train/device/samples_per_sec"]) for r in csv.DictReader(f)
@@ -186,7 +202,7 @@ def test_samples_per_second_matches_lightnings_throughput_monitor(tmp_path: Path
     points = [p for p in read_points(tmp_path / "tm" / "metrics.jsonl")
               if p.name == "otelprof.train.throughput.samples"]  # fmt: skip
     ours = max(points, key=lambda p: p.time_ns).value
-    assert ours == pytest.approx(theirs[0], rel=0.1)  # measured: within 2 %
+    assert ours == pytest.approx(theirs[0], rel=0.1)  # measured: within 1 %
 
 
 def test_trainer_test_batches_are_a_test_phase_not_training_steps(tmp_path: Path) -> None:
