@@ -32,6 +32,9 @@ def test_the_compiled_hot_path_is_built() -> None:
         "(pip install -e .) needs a C compiler and Python's headers"
     )
     assert rec.compiled and _quiet_steps.sample_out is rec.speedups.sample_out
+    enter, exit_ = rec.bridged_methods(print, print)  # record_function.__enter__, __exit__
+    assert enter.__func__.func is rec.speedups.bridge_enter
+    assert exit_.__func__.func is rec.speedups.bridge_exit
 
 
 @pytest.fixture
@@ -130,7 +133,7 @@ class _Recording:
                 return repr(obj)
             if isinstance(obj, tuple):
                 return tuple(label(part) for part in obj)
-            if isinstance(obj, list) and len(obj) == 13:
+            if isinstance(obj, list) and len(obj) in (12, 13):  # bridged: 12
                 return labels.setdefault(id(obj), f"frame {obj[0]} #{len(labels)}")
             return repr(obj)
 
@@ -240,7 +243,112 @@ def _cuda_events(r: _Recording) -> None:
         pass
 
 
+def _record_function(r: _Recording) -> Any:
+    """torch's record_function as the bridge sees it (its own enter/exit, a `name`),
+    bridged by the implementation in use: what `Bridge.install` does to torch's class."""
+    calls = r.calls
+
+    class RecordFunction:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __enter__(self) -> RecordFunction:
+            calls.append(("torch enter", self.name))
+            return self
+
+        def __exit__(self, exc_type: Any, *_: Any) -> None:
+            calls.append(("torch exit", self.name, exc_type and exc_type.__name__))
+
+        def __repr__(self) -> str:
+            return f"<record_function {self.name}>"
+
+    enter, exit_ = rec.bridged_methods(RecordFunction.__enter__, RecordFunction.__exit__)
+    RecordFunction.__enter__ = enter  # type: ignore[method-assign]
+    RecordFunction.__exit__ = exit_  # type: ignore[method-assign]
+    return RecordFunction
+
+
+def _bridged_nested(r: _Recording) -> None:
+    rf = _record_function(r)
+    with rec.timing("outer"), rf("forward") as opened:
+        assert isinstance(opened, rf)  # torch's enter's result
+        with rf("aten::mm"):
+            pass
+    with rf("optimizer"):
+        pass
+
+
+def _bridged_errors(r: _Recording) -> None:
+    rf = _record_function(r)
+    with rf("outer"), pytest.raises(ValueError, match="bad batch"), rf("fails"):
+        raise ValueError("bad batch")
+    with pytest.raises(StopIteration), rf("exhausted"):
+        raise StopIteration
+    with pytest.raises(GeneratorExit), rf("closed"):
+        raise GeneratorExit
+
+
+def _bridged_out_of_order(r: _Recording) -> None:
+    rf = _record_function(r)
+    first, second = rf("first"), rf("second")
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # not on top: found further down
+    second.__exit__(None, None, None)
+    second.__exit__(None, None, None)  # closed twice: torch's exit still runs
+    rf("never entered").__exit__(None, None, None)
+
+
+def _bridged_other_thread(r: _Recording) -> None:
+    rf = _record_function(r)
+
+    def work() -> None:
+        with rf("other thread"):
+            pass
+
+    with rf("main"):
+        side = threading.Thread(target=work, name="side")
+        side.start()
+        side.join()
+    fresh = threading.Thread(target=rf("no state yet").__exit__, args=(None, None, None))
+    fresh.start()  # a thread that never recorded closes a range: only torch's exit runs
+    fresh.join()
+
+
+def _bridged_chunks_and_drops(r: _Recording) -> None:
+    rf = _record_function(r)
+    rec.chunk_size = 3
+    for _ in range(7):
+        with rf("many"):
+            pass
+    r.ctx.owner = None  # the step was handed over: its ranges are queued singly
+    for _ in range(5):
+        with rf("late"):
+            pass
+
+
+def _bridged_too_deep(r: _Recording) -> None:
+    rf = _record_function(r)
+    r.patch.setattr(rec, "MAX_DEPTH", 3)  # the base frame and two ranges; no deeper ones
+    with rf("one"), rf("two"), rf("three"), rf("four"):
+        pass
+
+
+def _bridged_nothing_records(r: _Recording) -> None:
+    rf = _record_function(r)
+    rec.current = None
+    with rf("idle"):
+        pass
+
+
 SCENARIOS: dict[str, Callable[[_Recording], None]] = {
+    "bridged-nested": _bridged_nested,
+    "bridged-errors": _bridged_errors,
+    "bridged-out-of-order": _bridged_out_of_order,
+    "bridged-other-thread": _bridged_other_thread,
+    "bridged-chunks-and-drops": _bridged_chunks_and_drops,
+    "bridged-too-deep": _bridged_too_deep,
+    "bridged-nothing-records": _bridged_nothing_records,
     "nested": _nested,
     "errors": _errors,
     "out-of-order": _out_of_order,
@@ -272,7 +380,9 @@ def test_compiled_ranges_record_exactly_what_the_python_ones_do(
     name: str, use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     python, compiled = _run(use, monkeypatch, SCENARIOS[name], 3)
-    assert python["step frames"] or python["queue"] or name == "nothing-records"
+    assert python["step frames"] or python["queue"] or name.endswith("nothing-records")
+    if name.startswith("bridged"):
+        assert ("torch enter", python["calls"][0][1]) == python["calls"][0]
     assert compiled == python
 
 

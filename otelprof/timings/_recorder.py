@@ -16,9 +16,10 @@ dropped and counted; training never waits on telemetry.
 The recorder is process-wide (module globals, for the cheapest possible reads on the hot
 path); `TimingsEngine` is the only writer of that state.
 
-`Timing.__enter__`/`__exit__` and `StepContext()` also exist in C (`_speedups.c`, built at
-install when a C compiler is there, see `use_compiled`): the same frames from the same
-globals, uncommon cases handed back to the Python code here, which stays the reference.
+`Timing.__enter__`/`__exit__`, the record_function bridge's and `StepContext()` also exist
+in C (`_speedups.c`, built at install when a C compiler is there, see `use_compiled`): the
+same frames from the same globals, uncommon cases handed back to the Python code here, which
+stays the reference.
 """
 
 from __future__ import annotations
@@ -388,7 +389,20 @@ def emit_step(ctx: StepContext, end_ns: int) -> None:
 
 def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
     """`__enter__`/`__exit__` for torch's record_function: torch's own run first/last, and
-    in between the range is recorded like a `timing` (inlined: this is the hot path)."""
+    in between the range is recorded like a `timing`. Compiled when the hot path is at the
+    time of the call (`use_compiled`); the compiled exit hands every uncommon case (an
+    exception, a range not on top of the stack) to the Python one."""
+    enter, exit_ = _py_bridged_methods(original_enter, original_exit)
+    if not compiled or speedups is None:
+        return enter, exit_
+    fast_enter = functools.partial(speedups.bridge_enter, original_enter)
+    fast_exit = functools.partial(speedups.bridge_exit, exit_, original_exit)
+    fast_enter._otelprof_bridge = fast_exit._otelprof_bridge = True  # type: ignore[attr-defined]
+    return speedups.method(fast_enter), speedups.method(fast_exit)  # bound like a def
+
+
+def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
+    """The Python bridge (the reference; inlined: this is the hot path)."""
 
     local = _local
     pc = perf_counter_ns

@@ -1,5 +1,6 @@
-/* The training thread's hot path in C: `Timing.__enter__`/`__exit__`, `timing()` and the
- * on-thread sampling decision at `step()` (`_quiet_steps.sample_out`).
+/* The training thread's hot path in C: `Timing.__enter__`/`__exit__`, the record_function
+ * bridge's `__enter__`/`__exit__`, `StepContext()` and the on-thread sampling decision at
+ * `step()` (`_quiet_steps.sample_out`).
  *
  * (`timing()` itself stays Python: torch.compile traces it, and steps aside in compiled code.)
  *
@@ -48,7 +49,8 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(chunk_size) X(hand_off) X(queue) X(capacity) X(_count_drop) X(append)              \
     X(phase) X(quiet) X(start_ns) X(hold) X(kept) X(trim_start) X(error)                 \
     X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
-    X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext)
+    X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext) \
+    X(KIND_RF) X(MAX_DEPTH)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -213,6 +215,40 @@ get_thread_state(int make)
     return state;
 }
 
+/* The frame (F_* layout) a range opened in `ctx` by `owner` starts as: its parent is the
+ * top of `stack` when that belongs to the same step; start and end are set later. `length`
+ * is FRAME_LEN for timings, one less for bridged ranges (no F_RANGE). New reference. */
+static PyObject *
+new_frame(Py_ssize_t length, PyObject *name, PyObject *stack, PyObject *ctx, PyObject *state,
+          PyObject *attributes, PyObject *kind, PyObject *owner)
+{
+    Py_ssize_t depth = PyList_GET_SIZE(stack);
+    PyObject *parent = Py_None;
+    if (depth) {
+        PyObject *top = PyList_GET_ITEM(stack, depth - 1);
+        if (PyList_Check(top) && PyList_GET_SIZE(top) > F_CTX && PyList_GET_ITEM(top, F_CTX) == ctx)
+            parent = top;
+    }
+    PyObject *frame = PyList_New(length);
+    if (frame == NULL)
+        return NULL;
+    PyList_SET_ITEM(frame, F_NAME, Py_NewRef(name));
+    PyList_SET_ITEM(frame, 1, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, F_PARENT, Py_NewRef(parent));
+    PyList_SET_ITEM(frame, F_CTX, Py_NewRef(ctx));
+    PyList_SET_ITEM(frame, F_THREAD, Py_NewRef(state));
+    PyList_SET_ITEM(frame, F_ATTRS, Py_NewRef(attributes));
+    PyList_SET_ITEM(frame, F_START, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, F_END, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, 8, Py_NewRef(Py_None));
+    PyList_SET_ITEM(frame, F_CUDA, Py_NewRef(Py_None));
+    PyList_SET_ITEM(frame, F_KIND, Py_NewRef(kind));
+    PyList_SET_ITEM(frame, F_OWNER, Py_NewRef(owner));
+    if (length > F_RANGE)
+        PyList_SET_ITEM(frame, F_RANGE, Py_NewRef(Py_None));
+    return frame;
+}
+
 static PyObject *
 timing_enter(PyObject *module, PyObject *self)
 {
@@ -224,7 +260,7 @@ timing_enter(PyObject *module, PyObject *self)
     if (ctx == Py_None)
         return Py_NewRef(self);
     Py_INCREF(ctx);
-    PyObject *state = NULL, *stack = NULL, *frame = NULL, *name = NULL;
+    PyObject *state = NULL, *stack = NULL, *frame = NULL, *name = NULL, *opened = NULL;
     state = get_thread_state(1);
     if (state == NULL)
         goto fail;
@@ -235,10 +271,6 @@ timing_enter(PyObject *module, PyObject *self)
         PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: a thread's stack lost its base");
         goto fail;
     }
-    PyObject *top = PyList_GET_ITEM(stack, PyList_GET_SIZE(stack) - 1);
-    PyObject *parent = Py_None;
-    if (PyList_Check(top) && PyList_GET_SIZE(top) > F_CTX && PyList_GET_ITEM(top, F_CTX) == ctx)
-        parent = top;
     name = slot_get(&timing_name, self);
     if (name == NULL)
         goto fail;
@@ -246,30 +278,10 @@ timing_enter(PyObject *module, PyObject *self)
     if (attributes == NULL)
         goto fail;
     PyObject *kind = REC(KIND_TIMING);
-    if (kind == NULL) {
-        Py_DECREF(attributes);
-        goto fail;
-    }
-    frame = PyList_New(FRAME_LEN);
-    if (frame == NULL) {
-        Py_DECREF(attributes);
-        goto fail;
-    }
-    PyList_SET_ITEM(frame, F_NAME, Py_NewRef(name));
-    PyList_SET_ITEM(frame, 1, Py_NewRef(zero));
-    PyList_SET_ITEM(frame, F_PARENT, Py_NewRef(parent));
-    PyList_SET_ITEM(frame, F_CTX, ctx);
-    ctx = NULL; /* the frame holds it */
-    PyList_SET_ITEM(frame, F_THREAD, Py_NewRef(state));
-    PyList_SET_ITEM(frame, F_ATTRS, attributes);
-    PyList_SET_ITEM(frame, F_START, Py_NewRef(zero));
-    PyList_SET_ITEM(frame, F_END, Py_NewRef(zero));
-    PyList_SET_ITEM(frame, 8, Py_NewRef(Py_None));
-    PyList_SET_ITEM(frame, F_CUDA, Py_NewRef(Py_None));
-    PyList_SET_ITEM(frame, F_KIND, Py_NewRef(kind));
-    PyList_SET_ITEM(frame, F_OWNER, Py_NewRef(self));
-    PyList_SET_ITEM(frame, F_RANGE, Py_NewRef(Py_None));
-    if (PyList_Append(stack, frame) < 0)
+    if (kind != NULL)
+        frame = new_frame(FRAME_LEN, name, stack, ctx, state, attributes, kind, self);
+    Py_DECREF(attributes);
+    if (frame == NULL || PyList_Append(stack, frame) < 0)
         goto fail;
 
     PyObject *profiler = REC(torch_profiler_state);
@@ -301,18 +313,14 @@ timing_enter(PyObject *module, PyObject *self)
     PyObject *start = now();
     if (start == NULL || PyList_SetItem(frame, F_START, start) < 0)
         goto fail;
-    Py_DECREF(frame);
-    Py_DECREF(name);
-    Py_DECREF(stack);
-    Py_DECREF(state);
-    return Py_NewRef(self);
+    opened = Py_NewRef(self);
 fail:
-    Py_XDECREF(ctx);
+    Py_DECREF(ctx);
     Py_XDECREF(frame);
     Py_XDECREF(name);
     Py_XDECREF(stack);
     Py_XDECREF(state);
-    return NULL;
+    return opened;
 }
 
 /* Call `_recorder.<key>(args...)` and drop the result. */
@@ -418,6 +426,121 @@ timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (failed)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* ---- torch's record_function, bridged (`_recorder.bridged_methods`) ---- */
+
+#define RF_FRAME_LEN (FRAME_LEN - 1) /* no F_RANGE: the range is torch's own */
+
+/* `record_function.__enter__` as `bridge_enter(original_enter, self)`: torch's own enter
+ * first, then the range opens as in the Python bridge (a frame of the step on this thread's
+ * stack, below MAX_DEPTH, its start read last). */
+static PyObject *
+bridge_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bridge_enter(original_enter, self)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *self = args[1];
+    PyObject *result = PyObject_CallOneArg(args[0], self);
+    if (result == NULL)
+        return NULL;
+    PyObject *ctx = REC(current);
+    if (ctx == NULL) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    if (ctx == Py_None)
+        return result;
+    Py_INCREF(ctx);
+    PyObject *state = NULL, *stack = NULL, *frame = NULL, *name = NULL, *opened = NULL;
+    state = get_thread_state(1);
+    stack = state == NULL ? NULL : slot_get(&state_stack, state);
+    if (stack == NULL)
+        goto fail;
+    if (!PyList_Check(stack)) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: a thread's stack is no list");
+        goto fail;
+    }
+    name = PyObject_GetAttr(self, S(name));
+    PyObject *kind = name == NULL ? NULL : REC(KIND_RF);
+    PyObject *max_depth = kind == NULL ? NULL : REC(MAX_DEPTH);
+    if (max_depth == NULL)
+        goto fail;
+    Py_ssize_t limit = PyLong_AsSsize_t(max_depth);
+    if (limit == -1 && PyErr_Occurred())
+        goto fail;
+    frame = new_frame(RF_FRAME_LEN, name, stack, ctx, state, Py_None, kind, self);
+    if (frame == NULL || (PyList_GET_SIZE(stack) < limit && PyList_Append(stack, frame) < 0))
+        goto fail;
+    PyObject *start = now();
+    if (start == NULL || PyList_SetItem(frame, F_START, start) < 0)
+        goto fail;
+    opened = Py_NewRef(result);
+fail:
+    Py_DECREF(ctx);
+    Py_XDECREF(name);
+    Py_XDECREF(frame);
+    Py_XDECREF(stack);
+    Py_XDECREF(state);
+    Py_DECREF(result);
+    return opened;
+}
+
+/* `record_function.__exit__` as `bridge_exit(python_exit, original_exit, self, exc_type,
+ * exc, tb)`: the range on top of this thread's stack, closed without an exception, is ended
+ * and delivered here, then torch's own exit runs; every other case is the Python bridge's
+ * exit (which runs torch's exit too). */
+static PyObject *
+bridge_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "bridge_exit(python_exit, original_exit, self, exc_type, exc, tb)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *const *call = args + 2; /* self, exc_type, exc, tb */
+    PyObject *state = get_thread_state(0);
+    if (state == NULL)
+        return NULL;
+    if (state == Py_None) { /* this thread never recorded: nothing of ours to close */
+        Py_DECREF(state);
+        return PyObject_Vectorcall(args[1], call, 4, NULL);
+    }
+    PyObject *stack = slot_get(&state_stack, state);
+    if (stack == NULL) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    Py_ssize_t depth = PyList_Check(stack) ? PyList_GET_SIZE(stack) : 0;
+    PyObject *frame = depth ? PyList_GET_ITEM(stack, depth - 1) : NULL;
+    if (frame == NULL || !PyList_Check(frame) || PyList_GET_SIZE(frame) <= F_OWNER ||
+        PyList_GET_ITEM(frame, F_OWNER) != call[0] || call[1] != Py_None) {
+        /* not on top, or an exception: the Python exit */
+        Py_DECREF(stack);
+        Py_DECREF(state);
+        return PyObject_Vectorcall(args[0], call, 4, NULL);
+    }
+    PyObject *end = now(); /* read first, as the Python exit does */
+    Py_INCREF(frame);
+    int failed = end == NULL || PyList_SetSlice(stack, depth - 1, depth, NULL) < 0;
+    Py_DECREF(stack);
+    if (failed)
+        Py_XDECREF(end);
+    else /* the frame lets torch free the range object now, not on the builder */
+        failed = PyList_SetItem(frame, F_END, end) < 0 ||
+                 PyList_SetItem(frame, F_OWNER, Py_NewRef(Py_None)) < 0 ||
+                 deliver(frame, state) < 0;
+    Py_DECREF(frame);
+    Py_DECREF(state);
+    if (failed)
+        return NULL;
+    return PyObject_Vectorcall(args[1], call, 4, NULL);
 }
 
 /* ---- _quiet_steps.sample_out ---- */
@@ -897,6 +1020,10 @@ static PyMethodDef methods[] = {
     {"method", method, METH_O, "method(function): a class attribute that binds like a def"},
     {"timing_enter", timing_enter, METH_O, "Timing.__enter__"},
     {"timing_exit", (PyCFunction)(void (*)(void))timing_exit, METH_FASTCALL, "Timing.__exit__"},
+    {"bridge_enter", (PyCFunction)(void (*)(void))bridge_enter, METH_FASTCALL,
+     "record_function.__enter__ bridged: bridge_enter(original_enter, self)"},
+    {"bridge_exit", (PyCFunction)(void (*)(void))bridge_exit, METH_FASTCALL,
+     "record_function.__exit__ bridged: bridge_exit(python_exit, original_exit, self, ...)"},
     {"sample_out", (PyCFunction)(void (*)(void))sample_out, METH_FASTCALL,
      "_quiet_steps.sample_out(ctx, end_ns, state)"},
     {NULL, NULL, 0, NULL},

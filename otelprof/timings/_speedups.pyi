@@ -15,4 +15,13 @@ def timing_exit(
     exc: BaseException | None,
     tb: TracebackType | None,
 ) -> None: ...
+def bridge_enter(original_enter: Callable[[Any], Any], self: Any) -> Any: ...
+def bridge_exit(
+    python_exit: Callable[..., Any],
+    original_exit: Callable[..., Any],
+    self: Any,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> Any: ...
 def sample_out(ctx: Any, end_ns: int, state: Any) -> bool: ...
