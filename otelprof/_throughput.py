@@ -5,7 +5,7 @@ training process. `step_work()` records it on the running step's span (`otelprof
 `otelprof.tokens`, `otelprof.flops`, `otelprof.peak_flops`), so the report and Determined see
 it per step, and feeds metrics over a window of recent training steps:
 
-- `otelprof.train.samples`, `otelprof.train.tokens` (counters): work done so far;
+- `otelprof.train.samples`, `otelprof.train.tokens` (observable counters): work done so far;
 - `otelprof.train.throughput.samples` (`{sample}/s`), `otelprof.train.throughput.tokens`
   (`{token}/s`), `otelprof.train.mfu` (`1`, 0-1): Σwork / Σstep time over the last `window`
   training steps.
@@ -16,8 +16,8 @@ excluded, MFU = achieved FLOP/s / peak FLOP/s of one device. Unlike them, the fi
 (warm-up, compilation, set-up) is never in the window, and the per-step figures stay on the
 step spans, so no step's figure is averaged away.
 
-The training thread does a few additions per step; the gauges are computed by the metric
-reader's thread.
+The training thread does a few additions per step; the counters and gauges are read by the
+metric reader's thread (an SDK `Counter.add` per step cost the training thread several µs).
 """
 
 from __future__ import annotations
@@ -159,12 +159,12 @@ class _Tracker:
         self.engine = engine
         self.pending = [0.0, 0.0, 0.0]  # samples, tokens, flops of the running training step
         self.declared = [False, False, False]
+        self.totals = [0.0, 0.0]  # samples, tokens of every training step so far
         self.window: deque[tuple[int, float, float, float]] = deque(maxlen=window)
         self.peak: float | None = None
         self.peak_source = ""
         self._peak_logged = False
         self._remove = engine.add_step_listener(self.on_step)
-        self._counters: tuple[Any, Any] | None = None
         if meter_provider is not None:
             self._make_instruments(meter_provider)
 
@@ -173,10 +173,19 @@ class _Tracker:
 
         meter = meter_provider.get_meter("otelprof.throughput")
         attrs = {"otelprof.phase": rec.PHASE_TRAIN}
-        self._attrs = attrs
-        self._counters = (
-            meter.create_counter("otelprof.train.samples", "{sample}", "samples trained on"),
-            meter.create_counter("otelprof.train.tokens", "{token}", "tokens trained on"),
+
+        def total(index: int) -> Any:
+            def observe(_options: CallbackOptions) -> Iterable[Observation]:
+                declared = self.declared[index]
+                return [Observation(self.totals[index], attrs)] if declared else []
+
+            return observe
+
+        meter.create_observable_counter(
+            "otelprof.train.samples", [total(0)], "{sample}", "samples trained on"
+        )
+        meter.create_observable_counter(
+            "otelprof.train.tokens", [total(1)], "{token}", "tokens trained on"
         )
 
         def gauge(index: int) -> Any:
@@ -217,11 +226,8 @@ class _Tracker:
     def on_step(self, _step: int, train_ns: int, first: bool) -> None:
         samples, tokens, flops = self.pending
         self.pending = [0.0, 0.0, 0.0]
-        if self._counters is not None:
-            if self.declared[0]:
-                self._counters[0].add(samples, self._attrs)
-            if self.declared[1]:
-                self._counters[1].add(tokens, self._attrs)
+        self.totals = [self.totals[0] + samples, self.totals[1] + tokens]  # one swap: the
+        # reader's thread sees both totals of the same step
         if not first and train_ns > 0:  # the first step holds set-up and warm-up
             self.window.append((train_ns, samples, tokens, flops))
 

@@ -86,6 +86,43 @@ def test_step_work_lands_on_step_spans_and_window_metrics_exclude_warmup_and_val
     assert counted[-1].value == 8 * BATCH  # counters count every training step, not validation
 
 
+def test_steps_record_no_sdk_measurement_on_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The work counters are read by the metric reader's thread: an SDK `Counter.add` per
+    step (attribute checks, hashing, a lock, an aggregation) cost the training thread
+    several µs."""
+    import threading
+
+    from opentelemetry.sdk.metrics._internal import instrument
+
+    training_thread = threading.get_ident()
+    calls: list[str] = []
+    for cls in (instrument._Counter, instrument._UpDownCounter, instrument._Histogram):
+        for name in ("add", "record"):
+            original = getattr(cls, name, None)
+            if original is None:
+                continue
+
+            def spy(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                if threading.get_ident() == training_thread:
+                    calls.append(self.name)
+                return _original(self, *args, **kwargs)
+
+            monkeypatch.setattr(cls, name, spy)
+    run = _instrumented_run(tmp_path)
+    assert calls == []
+    counted = {
+        p.name: p.value
+        for p in sorted(read_points(run / "metrics.jsonl"), key=lambda p: p.time_ns)
+        if p.name in ("otelprof.train.samples", "otelprof.train.tokens")
+    }
+    assert counted == {
+        "otelprof.train.samples": 8 * BATCH,
+        "otelprof.train.tokens": 8 * BATCH * SEQ,
+    }
+
+
 def test_report_shows_throughput_and_mfu_per_phase(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
