@@ -432,14 +432,15 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
     ) -> Any:
         state = local.state
         if state is not None and state.stack:
-            end = pc()
             stack = state.stack
             frame: Any = stack[-1]
             if frame[11] is self:
+                end = pc()
                 stack.pop()
-            else:
+            else:  # forgotten (forget_ranges_above), closed twice, or opened while idle
                 frame = find_owned_frame(self)
                 if frame is not None:
+                    end = pc()
                     _remove(stack, frame)
             if frame is not None:
                 frame[7] = end

@@ -383,6 +383,23 @@ deliver(PyObject *frame, PyObject *state)
     return call_global(K__count_drop, NULL, 0);
 }
 
+/* Whether a frame on `stack` was opened by `owner`. A range with none (forgotten by
+ * `forget_ranges_above`, closed twice, or opened while nothing recorded) has nothing to
+ * close: the Python exits return at once for it, so the compiled ones do not call them. */
+static int
+owns_a_frame(PyObject *stack, PyObject *owner)
+{
+    if (!PyList_Check(stack))
+        return 1; /* the Python exit says what is wrong */
+    for (Py_ssize_t i = PyList_GET_SIZE(stack); i-- > 0;) {
+        PyObject *frame = PyList_GET_ITEM(stack, i);
+        if (PyList_Check(frame) && PyList_GET_SIZE(frame) > F_OWNER &&
+            PyList_GET_ITEM(frame, F_OWNER) == owner)
+            return 1;
+    }
+    return 0;
+}
+
 static PyObject *
 timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -411,8 +428,11 @@ timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyList_GET_ITEM(frame, F_OWNER) != self || args[1] != Py_None ||
         PyList_GET_ITEM(frame, F_CUDA) != Py_None || PyList_GET_ITEM(frame, F_RANGE) != Py_None) {
         /* not on top, an exception, CUDA events or a torch range: the Python exit */
+        int mine = owns_a_frame(stack, self);
         Py_DECREF(stack);
         Py_DECREF(state);
+        if (!mine)
+            Py_RETURN_NONE;
         PyObject *slow = REC(_py_timing_exit);
         return slow == NULL ? NULL : PyObject_Vectorcall(slow, args, 4, NULL);
     }
@@ -522,9 +542,10 @@ bridge_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (frame == NULL || !PyList_Check(frame) || PyList_GET_SIZE(frame) <= F_OWNER ||
         PyList_GET_ITEM(frame, F_OWNER) != call[0] || call[1] != Py_None) {
         /* not on top, or an exception: the Python exit */
+        int mine = owns_a_frame(stack, call[0]);
         Py_DECREF(stack);
         Py_DECREF(state);
-        return PyObject_Vectorcall(args[0], call, 4, NULL);
+        return PyObject_Vectorcall(args[mine ? 0 : 1], call, 4, NULL);
     }
     PyObject *end = now(); /* read first, as the Python exit does */
     Py_INCREF(frame);
