@@ -226,8 +226,8 @@ class _Tracker:
     def on_step(self, _step: int, train_ns: int, first: bool) -> None:
         samples, tokens, flops = self.pending
         self.pending = [0.0, 0.0, 0.0]
-        self.totals = [self.totals[0] + samples, self.totals[1] + tokens]  # one swap: the
-        # reader's thread sees both totals of the same step
+        # a new list, swapped in whole: the reader's thread sees both totals of the same step
+        self.totals = [self.totals[0] + samples, self.totals[1] + tokens]
         if not first and train_ns > 0:  # the first step holds set-up and warm-up
             self.window.append((train_ns, samples, tokens, flops))
 

@@ -547,7 +547,7 @@ bridge_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(state);
         return PyObject_Vectorcall(args[mine ? 0 : 1], call, 4, NULL);
     }
-    PyObject *end = now(); /* read first, as the Python exit does */
+    PyObject *end = now(); /* before the range leaves the stack, as in the Python exit */
     Py_INCREF(frame);
     int failed = end == NULL || PyList_SetSlice(stack, depth - 1, depth, NULL) < 0;
     Py_DECREF(stack);
