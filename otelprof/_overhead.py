@@ -32,36 +32,20 @@ def calibrate_range_cost(rounds: int = 5, n: int = 2000) -> float:
 
     Runs the real hot path with a private step context, then removes what it queued; call
     it before the span builder starts (the engine does, in `start()`)."""
-    saved, capacity, dropped = rec.current, rec.capacity, rec.dropped
-    in_items = rec.in_items
-    queued = len(rec.queue)
-    ctx = rec.StepContext(-1, None, time.perf_counter_ns())
     timing = rec.timing("otelprof.calibration")
     costs = []
     try:
-        rec.current = ctx
-        rec.capacity = queued + n + 1  # the append path, never the drop path
-        for _ in range(rounds):
-            start = time.perf_counter_ns()
-            for _ in range(n):
-                with timing:
-                    pass
-            costs.append((time.perf_counter_ns() - start) / n / 1e9)
-            _discard(ctx, queued)
-            rec.in_items = in_items
+        with rec.recorder.isolated(n) as discard:
+            for _ in range(rounds):
+                start = time.perf_counter_ns()
+                for _ in range(n):
+                    with timing:
+                        pass
+                costs.append((time.perf_counter_ns() - start) / n / 1e9)
+                discard()  # the ranges its step collected and chunks it queued
     finally:
-        rec.current, rec.capacity, rec.dropped = saved, capacity, dropped
-        _discard(ctx, queued)
-        rec.in_items = in_items
-        rec._timings_by_name.pop("otelprof.calibration", None)
+        rec.forget_timing("otelprof.calibration")
     return statistics.median(costs)
-
-
-def _discard(ctx: rec.StepContext, queued: int) -> None:
-    """Forget the calibration's ranges: those its step collected and chunks it queued."""
-    ctx.frames.clear()
-    while len(rec.queue) > queued:
-        rec.queue.pop()
 
 
 class _ThreadCpu:

@@ -278,7 +278,7 @@ def step_work(
     s = _check_amount("samples", samples)
     t = _check_amount("tokens", tokens)
     f = _check_amount("flops", flops)
-    ctx = rec.current
+    ctx = rec.recorder.current
     if ctx is not None:
         attrs = ctx.attrs
         if attrs is None:

@@ -70,9 +70,8 @@ class _Recording:
         self.patch = monkeypatch  # what a scenario changes beyond this is undone with it
         self.clock = _Clock()
         self.calls: list[tuple[Any, ...]] = []
-        self.queue: Any = type(rec.queue)()
+        self.queue: Any = type(rec.recorder.queue)()
         for name, value in {
-            "perf_counter_ns": self.clock,
             "queue": self.queue,
             "capacity": capacity,
             "chunk_size": rec.CHUNK,
@@ -80,21 +79,24 @@ class _Recording:
             "exhausted": 0,
             "in_items": 0,
             "out_items": 0,
-            "_local": rec._Local(),
             "torch_profiler_state": None,
             "cuda_timer": None,
         }.items():
-            monkeypatch.setattr(rec, name, value)
+            monkeypatch.setattr(rec.recorder, name, value)
+        monkeypatch.setattr(rec, "perf_counter_ns", self.clock)
+        monkeypatch.setattr(rec, "_local", rec._Local())
         monkeypatch.setattr(rec, "_timings_by_name", {})
         self.state = rec.thread_state()
         self.ctx = rec.StepContext(3, 1, self.clock.now)
-        monkeypatch.setattr(rec, "current", self.ctx)
+        monkeypatch.setattr(rec.recorder, "current", self.ctx)
 
     def torch_on(self) -> None:
         patch = self.patch
-        patch.setattr(rec, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True))
-        patch.setattr(rec, "torch_range_enter", self._range_enter)
-        patch.setattr(rec, "torch_range_exit", lambda handle: self.calls.append(handle))
+        patch.setattr(
+            rec.recorder, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True)
+        )
+        patch.setattr(rec.recorder, "torch_range_enter", self._range_enter)
+        patch.setattr(rec.recorder, "torch_range_exit", lambda handle: self.calls.append(handle))
 
     def _range_enter(self, name: str, _args: Any) -> tuple[str, str]:
         self.calls.append(("range", name))
@@ -114,7 +116,7 @@ class _Recording:
             def release(self, events: list[str]) -> None:
                 calls.append(("cuda.release", *events))
 
-        self.patch.setattr(rec, "cuda_timer", _Timer())
+        self.patch.setattr(rec.recorder, "cuda_timer", _Timer())
 
     def transcript(self) -> dict[str, Any]:
         """Everything the recorder left, with objects replaced by stable labels."""
@@ -156,9 +158,9 @@ class _Recording:
             "step frames": [frame(f) for f in self.ctx.frames],
             "queue": [item(entry) for entry in self.queue],
             "stack": [frame(f) for f in self.state.stack[1:]],
-            "dropped": rec.dropped,
-            "exhausted": rec.exhausted,
-            "in_items": rec.in_items,
+            "dropped": rec.recorder.dropped,
+            "exhausted": rec.recorder.exhausted,
+            "in_items": rec.recorder.in_items,
             "ctx": (self.ctx.error, self.ctx.kept, label(self.ctx.owner)),
             "calls": self.calls,
             "rows": self.state.rows,
@@ -210,7 +212,7 @@ def _another_thread(r: _Recording) -> None:
 
 
 def _chunks(r: _Recording) -> None:
-    rec.chunk_size = 3
+    rec.recorder.chunk_size = 3
     for _ in range(7):
         with rec.timing("many"):
             pass
@@ -224,7 +226,7 @@ def _drops(r: _Recording) -> None:
 
 
 def _nothing_records(r: _Recording) -> None:
-    rec.current = None
+    rec.recorder.current = None
     with rec.timing("idle"):
         pass
 
@@ -317,7 +319,7 @@ def _bridged_other_thread(r: _Recording) -> None:
 
 def _bridged_chunks_and_drops(r: _Recording) -> None:
     rf = _record_function(r)
-    rec.chunk_size = 3
+    rec.recorder.chunk_size = 3
     for _ in range(7):
         with rf("many"):
             pass
@@ -336,7 +338,7 @@ def _bridged_too_deep(r: _Recording) -> None:
 
 def _bridged_nothing_records(r: _Recording) -> None:
     rf = _record_function(r)
-    rec.current = None
+    rec.recorder.current = None
     with rf("idle"):
         pass
 
@@ -420,13 +422,13 @@ def test_compiled_ranges_read_the_same_clock_as_perf_counter_ns(
 def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
     """A finished step of `names` on the main thread, each range taking `ns`."""
     ctx = rec.StepContext(7, None, r.clock.now)
-    rec.current = ctx
+    rec.recorder.current = ctx
     for name in names:
-        frame = rec.begin_leaf(name)
+        frame = rec.recorder.begin_leaf(name)
         assert frame is not None
         frame[rec.F_END] = frame[rec.F_START] + ns
         frame[rec.F_CUDA] = [f"cuda {name}"]
-        rec.end_leaf(frame)
+        rec.recorder.end_leaf(frame)
         frame[rec.F_END] = frame[rec.F_START] + ns  # end_leaf read the clock again
     return ctx
 
@@ -501,15 +503,15 @@ def test_compiled_step_contexts_start_like_the_python_ones(
     assert rec.new_step_context(1, None, 0, False, "train").frames is not compiled["frames"]
 
 
-def test_compiled_ranges_follow_the_recorder_globals_as_they_change(
+def test_compiled_ranges_follow_the_recorder_fields_as_they_change(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    use("compiled")  # it caches module globals while their dict is unchanged
+    use("compiled")  # it reads the recorder's fields in place, module globals from a cache
     recording = _Recording(monkeypatch)
     first, second = recording.ctx, rec.StepContext(4, 1, 0)
     timed = rec.timing("timed")
     for ctx in (first, second, first, None, second):
-        rec.current = ctx
+        rec.recorder.current = ctx
         with timed:
             pass
     assert (len(first.frames), len(second.frames)) == (2, 2)

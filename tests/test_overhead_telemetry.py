@@ -20,7 +20,7 @@ def test_overhead_gauges_follow_the_ranges_recorded_and_calibration_leaves_no_tr
     engine = prof._timings
     try:
         assert 0 < engine.range_cost_s < 1e-3  # calibrated at start, plausible
-        assert len(rec.queue) == 0
+        assert len(rec.recorder.queue) == 0
         time.sleep(0.7)  # idle: no ranges
         idle_until = time.time_ns()
         deadline = time.monotonic() + 1.0

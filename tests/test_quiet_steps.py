@@ -222,7 +222,7 @@ def test_cuda_events_of_sampled_out_steps_are_reused(
     try:
         timer = CudaTimer(_Torch, events=True, sync=False)
         prof._timings._builder._cuda = timer
-        rec.cuda_timer = timer
+        rec.recorder.cuda_timer = timer
         _train(prof, clock, 200)  # on-thread decisions start at step 100
         prof._timings.flush()  # the builder has decided every step it was handed
         before = len(created)
@@ -233,6 +233,6 @@ def test_cuda_events_of_sampled_out_steps_are_reused(
         # 4 ranges x 2 events per step: without reuse 800 new events in 100 steps
         assert len(created) - before <= 16
     finally:
-        rec.cuda_timer = None
+        rec.recorder.cuda_timer = None
         prof.shutdown()
         _StandInEvent.completed = False

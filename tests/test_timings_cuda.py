@@ -114,11 +114,11 @@ def test_device_durations_wait_for_their_events_then_reach_the_span(tmp_path: Pa
     run = start_run(tmp_path)
     timer = CudaTimer(_StandInTorch, events=True, sync=False)
     run.engine._builder._cuda = timer
-    rec.cuda_timer = timer
+    rec.recorder.cuda_timer = timer
     _StandInEvent.completed = False
     with timing("pending_gpu"):
         pass
-    rec.cuda_timer = None
+    rec.recorder.cuda_timer = None
     run.engine.step()  # the step's ranges reach the builder with it
     run.engine._builder.drain(final=False)
     assert run.engine.stats()["cuda_pending"] == 1, "not built until the end event completes"

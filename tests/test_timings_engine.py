@@ -211,7 +211,7 @@ def test_a_forked_child_records_nothing(tmp_path: Path) -> None:
 
         with timing("child"), torch.profiler.record_function("child_rf"):
             pass
-        os._exit(0 if rec.current is None and len(rec.queue) == 0 else 1)
+        os._exit(0 if rec.recorder.current is None and len(rec.recorder.queue) == 0 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     names = {s.name for s in run.finish()}

@@ -104,16 +104,11 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _emit(name: str, op: str, start: int, end: int, ctx: Any, parent: Any, state: Any) -> None:
-    """Queue a finished range measured across threads (the recorder's frame layout)."""
+    """Queue a finished range measured across threads."""
     _add(op, end - start)
     if ctx is None:
         return
-    frame = [name, 0, parent, ctx, state, {ATTR_COLLECTIVE: op}, start, end, None, None,
-             rec.KIND_TIMING, None, None]  # fmt: skip
-    if len(rec.queue) < rec.capacity:
-        rec.queue.append(frame)
-    else:
-        rec._count_drop()
+    rec.recorder.enqueue_measured(name, {ATTR_COLLECTIVE: op}, start, end, ctx, parent, state)
 
 
 class HookState:
@@ -141,10 +136,7 @@ def timed_allreduce_hook(state: HookState, bucket: Any) -> Any:
     if not _enabled or not bucket.is_last():
         return future
     start = perf_counter_ns()
-    ctx = rec.current
-    thread = rec.thread_state()
-    top = thread.stack[-1]
-    parent = top if top[rec.F_CTX] is ctx else None
+    ctx, parent, thread = rec.recorder.position()
 
     def done(fut: Any) -> Any:
         with contextlib.suppress(Exception):  # telemetry never breaks training

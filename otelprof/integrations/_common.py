@@ -223,8 +223,8 @@ def record_work(samples: float | None, tokens: float | None, flops: float | None
 
 
 def stack_depth() -> int:
-    """Open ranges on this thread (the recorder's stack, base frame excluded)."""
-    return len(rec.thread_state().stack)
+    """Open ranges on this thread (the recorder's stack), plus one: its base frame."""
+    return rec.recorder.depth()
 
 
 def forget_ranges_above(depth: int) -> None:
@@ -232,9 +232,7 @@ def forget_ranges_above(depth: int) -> None:
     framework's own ranges that enclose what the integration times more precisely (torch's
     `Optimizer.step#...` around Lightning's closure, a framework profiler's `[Strategy]...`
     ranges). Their record_function exits then find nothing to close; torch still sees them."""
-    stack = rec.thread_state().stack
-    if depth >= 1 and len(stack) > depth:
-        del stack[depth:]
+    rec.recorder.forget_above(depth)
 
 
 def precision_of(setting: Any) -> str:

@@ -111,9 +111,9 @@ def instrument_wrapped_optimizer(wrapped: Any) -> list[Any]:
     torch_optimizer = unwrap_optimizer(wrapped)
 
     def forget_torch_range(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        stack = rec.thread_state().stack
-        if len(stack) > 1 and str(stack[-1][rec.F_NAME]).startswith("Optimizer.step#"):
-            common.forget_ranges_above(len(stack) - 1)
+        top = rec.recorder.top_name()
+        if top is not None and str(top).startswith("Optimizer.step#"):
+            common.forget_ranges_above(rec.recorder.depth() - 1)
 
     first = torch_optimizer.register_step_pre_hook(forget_torch_range)
     handle = otelprof.instrument_optimizer(torch_optimizer, OPTIMIZER_STEP)

@@ -139,7 +139,7 @@ class _OtelprofProfiler(Profiler):
             self._opt_depth = None
             frame, self._opt_frame = self._opt_frame, None
             if frame is not None:
-                rec.end_leaf(frame)
+                rec.recorder.end_leaf(frame)
             return
         if kind == _CHECKPOINT:
             if self._checkpoint:
@@ -155,7 +155,7 @@ class _OtelprofProfiler(Profiler):
         begins, so the optimizer_step span does."""
         if self._opt_depth is not None and self._opt_frame is None:
             common.forget_ranges_above(self._opt_depth)
-            self._opt_frame = rec.begin_leaf(OPTIMIZER_STEP)
+            self._opt_frame = rec.recorder.begin_leaf(OPTIMIZER_STEP)
 
     # ---- Lightning's interface ----
     def start(self, action_name: str) -> None:

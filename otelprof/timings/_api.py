@@ -257,13 +257,13 @@ def instrument_optimizer(optimizer: Any, name: str = OPTIMIZER_STEP) -> HookHand
         if _compiling():
             return
         started.clear()
-        frame = _rec.begin_leaf(name)
+        frame = _rec.recorder.begin_leaf(name)
         if frame is not None:
             started.append(frame)
 
     def post(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         if started and not _compiling():
-            _rec.end_leaf(started.pop())
+            _rec.recorder.end_leaf(started.pop())
 
     pre_handle = optimizer.register_step_pre_hook(pre)
     post_handle = optimizer.register_step_post_hook(post)

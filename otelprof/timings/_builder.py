@@ -25,6 +25,25 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from otelprof.export._spanlines import encode_span
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
+from otelprof.timings._frames import (
+    CHUNK_RANGES,
+    F_ATTRS,
+    F_CTX,
+    F_CUDA,
+    F_END,
+    F_ERROR,
+    F_KIND,
+    F_NAME,
+    F_PARENT,
+    F_SPAN,
+    F_START,
+    F_THREAD,
+    KIND_CHUNK,
+    KIND_ROWS,
+    KIND_STEP,
+    ROWS,
+    STEP_ENDED_ELSEWHERE,
+)
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
 from otelprof.timings._sampling import (
@@ -60,10 +79,10 @@ _Signature = tuple[list[list[int]], list[tuple[int, ...]]]
 MAX_SIGNATURES = 256
 """Distinct step layouts (phase, range names in close order) aggregated in bulk; steps of
 further layouts are aggregated range by range."""
-_get_name = itemgetter(rec.F_NAME)
-_get_start = itemgetter(rec.F_START)
-_get_end = itemgetter(rec.F_END)
-_get_error = itemgetter(rec.F_ERROR)
+_get_name = itemgetter(F_NAME)
+_get_start = itemgetter(F_START)
+_get_end = itemgetter(F_END)
+_get_error = itemgetter(F_ERROR)
 _get_last = itemgetter(-1)
 _get_step = itemgetter(-2)
 """A `_quiet_steps` row: range durations, the step's duration, the layout id."""
@@ -100,22 +119,22 @@ def _clean_attributes(attributes: dict[str, Any]) -> dict[str, Any]:
 def _span_id(frame: list[Any]) -> int:
     """Span ids are drawn here, lazily, so the hot path spends nothing on randomness (a
     step span's is its context's, which its ranges name as their parent)."""
-    span_id: int = frame[rec.F_SPAN]
+    span_id: int = frame[F_SPAN]
     if not span_id:
-        if frame[rec.F_KIND] is rec.KIND_STEP:
-            span_id = frame[rec.F_SPAN] = frame[rec.F_CTX].span_id
+        if frame[F_KIND] is KIND_STEP:
+            span_id = frame[F_SPAN] = frame[F_CTX].span_id
         else:
-            span_id = frame[rec.F_SPAN] = _getrandbits(64) or 1
+            span_id = frame[F_SPAN] = _getrandbits(64) or 1
     return span_id
 
 
 def _parent_id(frame: list[Any], ctx: rec.StepContext, kind: str) -> int:
-    if kind == rec.KIND_STEP:
+    if kind == KIND_STEP:
         return 0
-    parent = frame[rec.F_PARENT]
+    parent = frame[F_PARENT]
     if parent is None:
         return ctx.span_id
-    frame[rec.F_PARENT] = None  # drop the reference: the parent may be long-lived
+    frame[F_PARENT] = None  # drop the reference: the parent may be long-lived
     return _span_id(parent)
 
 
@@ -246,7 +265,7 @@ class SpanBuilder:
         if not self.sampler.keep_all:
             self._drain_sampling()
             return
-        queue = rec.queue
+        queue = rec.recorder.queue
         popleft = queue.popleft
         done = 0
         while True:
@@ -259,14 +278,14 @@ class SpanBuilder:
                 # hand the GIL over: a training thread coming back from torch (which
                 # releases it) would otherwise wait up to the 5 ms switch interval
                 time.sleep(YIELD_S)
-            kind = frame[rec.F_KIND]
-            if kind is rec.KIND_ROWS:
+            kind = frame[F_KIND]
+            if kind is KIND_ROWS:
                 self._rows(frame)
                 continue
-            if kind is rec.KIND_STEP or kind is rec.KIND_CHUNK:
+            if kind is KIND_STEP or kind is KIND_CHUNK:
                 for carried in self._take_carried(frame):
                     self._emit_or_hold(carried)
-                if kind is rec.KIND_CHUNK:
+                if kind is KIND_CHUNK:
                     continue
             self._emit_or_hold(frame)
 
@@ -276,15 +295,15 @@ class SpanBuilder:
         a per-histogram batch (folded in at the end, in C) and the frame to its step's
         buffer; no call, tuple or float per range. Everything else takes `_emit`. Measured
         at ~1 µs of builder CPU per range against ~3.3 µs through `_sample`."""
-        queue = rec.queue
+        queue = rec.recorder.queue
         popleft = queue.popleft
         sampler = self.sampler
         pending_of = sampler._pending
         stop = self._stop
         by_phase = self._raw_hists
-        step_kind = rec.KIND_STEP
-        chunk_kind = rec.KIND_CHUNK
-        rows_kind = rec.KIND_ROWS
+        step_kind = KIND_STEP
+        chunk_kind = KIND_CHUNK
+        rows_kind = KIND_ROWS
         cur_ctx: Any = None
         cur_buffer: list[Any] | None = None
         cur_durations: dict[str, list[int]] = {}
@@ -370,10 +389,10 @@ class SpanBuilder:
         """Steps sampled out on their own thread (`_quiet_steps`): each row's durations
         join its layout's rows (folded into the histograms in C at the end of the drain),
         its step duration the sampler's recent window."""
-        rows: list[tuple[int, ...]] = item[rec.F_ATTRS]
-        item[rec.F_ATTRS] = None
+        rows: list[tuple[int, ...]] = item[ROWS]
+        item[ROWS] = None
         spans = sum(map(len, rows)) - len(rows)
-        rec.out_items += spans
+        rec.recorder.took(spans)
         layout_of = _get_last
         first = rows[0][-1]
         if all(row[-1] == first for row in rows):
@@ -415,17 +434,17 @@ class SpanBuilder:
     def _take_carried(self, item: list[Any]) -> list[list[Any]]:
         """The ranges a step or chunk item carries, taken out of it (a step's `frames`
         would otherwise keep a reference cycle, step -> frames -> step, alive)."""
-        if item[rec.F_KIND] is rec.KIND_CHUNK:
-            frames: list[list[Any]] = item[rec.F_ATTRS]
-            item[rec.F_ATTRS] = None
+        if item[F_KIND] is KIND_CHUNK:
+            frames: list[list[Any]] = item[CHUNK_RANGES]
+            item[CHUNK_RANGES] = None
         else:
-            ctx: rec.StepContext = item[rec.F_CTX]
+            ctx: rec.StepContext = item[F_CTX]
             frames = ctx.frames
-            if item[rec.F_RANGE]:  # ended from another thread: look again next drain
+            if item[STEP_ENDED_ELSEWHERE]:  # ended from another thread: look again next drain
                 self._recheck.append((ctx, len(frames)))
             else:
                 ctx.frames = _NO_FRAMES
-        rec.out_items += len(frames)
+        rec.recorder.took(len(frames))
         return frames
 
     def _release_cuda(self, frames: list[list[Any]]) -> None:
@@ -434,8 +453,8 @@ class SpanBuilder:
             return
         release = self._cuda.release
         for frame in frames:
-            if frame[rec.F_CUDA] is not None:
-                release(frame[rec.F_CUDA])
+            if frame[F_CUDA] is not None:
+                release(frame[F_CUDA])
 
     def _signature_for(self, phase: str, root: str, names: tuple[str, ...]) -> _Signature | None:
         """The batches of a step layout: its ranges' histograms in close order, then the
@@ -467,17 +486,17 @@ class SpanBuilder:
             self._process_unit(item, frames)
         except Exception as error:
             self.failed += len(frames)
-            _log.debug("otelprof: could not sample step %r: %r", item[rec.F_NAME], error)
+            _log.debug("otelprof: could not sample step %r: %r", item[F_NAME], error)
 
     def _units_ready(self, frames: list[list[Any]]) -> bool:
         ready = self._cuda.ready
-        return all(ready(f[rec.F_CUDA]) for f in frames if f[rec.F_CUDA] is not None)
+        return all(ready(f[F_CUDA]) for f in frames if f[F_CUDA] is not None)
 
     def _process_unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """Aggregate a step's (or chunk's) ranges in bulk, add them to the step's trace
         buffer, and for a step item decide the step: a few C-level passes per step."""
-        ctx: rec.StepContext = item[rec.F_CTX]
-        is_chunk = item[rec.F_KIND] is rec.KIND_CHUNK
+        ctx: rec.StepContext = item[F_CTX]
+        is_chunk = item[F_KIND] is KIND_CHUNK
         n = len(frames)
         if n:
             self._aggregate_step(ctx.phase or DEFAULT_PHASE, frames)
@@ -524,11 +543,11 @@ class SpanBuilder:
             signature = by_layout[names] = (columns, [])
             self._signature_list.append(signature)
         if signature is not None:
-            signature[1].append(tuple([f[rec.F_END] - f[rec.F_START] for f in frames]))
+            signature[1].append(tuple([f[F_END] - f[F_START] for f in frames]))
             return
         for frame in frames:
-            durations = self._durations_in(frame[rec.F_NAME], phase)
-            durations.append(frame[rec.F_END] - frame[rec.F_START])
+            durations = self._durations_in(frame[F_NAME], phase)
+            durations.append(frame[F_END] - frame[F_START])
 
     def _durations_in(self, raw: str, phase: str) -> list[int]:
         by_raw = self._raw_hists.setdefault(phase, {})
@@ -555,7 +574,7 @@ class SpanBuilder:
 
     def _emit_or_hold(self, frame: list[Any]) -> None:
         """One frame the general way: held while its CUDA events run, else emitted."""
-        cuda = frame[rec.F_CUDA]
+        cuda = frame[F_CUDA]
         if cuda is not None and not self._cuda.ready(cuda):
             if len(self._pending) < self._max_pending:
                 self._pending.append(frame)
@@ -568,7 +587,7 @@ class SpanBuilder:
         self._resolve_units(final=final, deadline=deadline)
         while self._pending:
             frame = self._pending[0]
-            if self._cuda.ready(frame[rec.F_CUDA]):
+            if self._cuda.ready(frame[F_CUDA]):
                 self._pending.popleft()
                 self._emit(frame)
                 continue
@@ -578,7 +597,7 @@ class SpanBuilder:
                 # give up waiting: emit the rest with host durations only
                 while self._pending:
                     frame = self._pending.popleft()
-                    frame[rec.F_CUDA] = None
+                    frame[F_CUDA] = None
                     self.cuda_unresolved += 1
                     self._emit(frame)
                 return
@@ -596,8 +615,8 @@ class SpanBuilder:
                     time.sleep(0.001)
                     continue
                 for frame in frames:  # give up waiting: host durations only
-                    if frame[rec.F_CUDA] is not None and not self._cuda.ready(frame[rec.F_CUDA]):
-                        frame[rec.F_CUDA] = None
+                    if frame[F_CUDA] is not None and not self._cuda.ready(frame[F_CUDA]):
+                        frame[F_CUDA] = None
                         self.cuda_unresolved += 1
             units.popleft()
             processed = True
@@ -605,7 +624,7 @@ class SpanBuilder:
                 self._process_unit(item, frames)
             except Exception as error:
                 self.failed += len(frames)
-                _log.debug("otelprof: could not sample step %r: %r", item[rec.F_NAME], error)
+                _log.debug("otelprof: could not sample step %r: %r", item[F_NAME], error)
         if processed:
             self._fold_batches()
 
@@ -633,8 +652,8 @@ class SpanBuilder:
         return self._sinks, self._others
 
     def _emit(self, frame: list[Any]) -> None:
-        if frame[rec.F_KIND] == rec.KIND_STEP:
-            ctx: rec.StepContext = frame[rec.F_CTX]
+        if frame[F_KIND] == KIND_STEP:
+            ctx: rec.StepContext = frame[F_CTX]
             if ctx.drop_if_empty and not ctx.has_children:
                 return  # a step cut short by a phase change before any range: no step
         if not self.sampler.keep_all:
@@ -643,7 +662,7 @@ class SpanBuilder:
         fields = self._fields_or_none(frame)
         if fields is None:
             return
-        ctx = frame[rec.F_CTX]
+        ctx = frame[F_CTX]
         phase = fields[6].get(ATTR_PHASE) or getattr(ctx, "phase", None) or DEFAULT_PHASE
         hist = self.aggregates.add(fields[0], phase, (fields[5] - fields[4]) / 1e9)
         self._output(fields)
@@ -654,35 +673,35 @@ class SpanBuilder:
             return self.fields(frame)
         except Exception as error:
             self.failed += 1
-            _log.debug("otelprof: could not build span %r: %r", frame[rec.F_NAME], error)
+            _log.debug("otelprof: could not build span %r: %r", frame[F_NAME], error)
             return None
 
     def _sample(self, frame: list[Any]) -> None:
         """Sampling mode: aggregate the range from the frame alone and let the sampler
         buffer the frame; span fields are built only if its step is kept."""
         try:
-            ctx: rec.StepContext = frame[rec.F_CTX]
-            start, end = frame[rec.F_START], frame[rec.F_END]
-            is_step = frame[rec.F_KIND] == rec.KIND_STEP
+            ctx: rec.StepContext = frame[F_CTX]
+            start, end = frame[F_START], frame[F_END]
+            is_step = frame[F_KIND] == KIND_STEP
             if is_step:
                 if ctx.has_children and ctx.trim_start:
                     start = max(start, ctx.first_child_ns)
                 if ctx.has_children and ctx.trim_end:
                     end = min(end, ctx.last_child_ns)
-                name = frame[rec.F_NAME]
+                name = frame[F_NAME]
             else:
                 if not ctx.has_children or start < ctx.first_child_ns:
                     ctx.first_child_ns = start
                 if end > ctx.last_child_ns:
                     ctx.last_child_ns = end
                 ctx.has_children = True
-                name = self._exported_name(frame[rec.F_NAME])
+                name = self._exported_name(frame[F_NAME])
             seconds = (end - start) / 1e9
             self.aggregates.add(name, ctx.phase or DEFAULT_PHASE, seconds)
-            self.sampler.span(ctx, frame, is_step, seconds, frame[rec.F_ERROR] is not None, name)
+            self.sampler.span(ctx, frame, is_step, seconds, frame[F_ERROR] is not None, name)
         except Exception as error:
             self.failed += 1
-            _log.debug("otelprof: could not sample span %r: %r", frame[rec.F_NAME], error)
+            _log.debug("otelprof: could not sample span %r: %r", frame[F_NAME], error)
 
     def _exported_name(self, raw: str) -> str:
         """The name a range is exported under (bounded cardinality), without counting it:
@@ -743,14 +762,14 @@ class SpanBuilder:
     def fields(self, frame: list[Any]) -> tuple[Any, ...]:
         """One frame -> the span's fields (name, trace id, span id, parent id, start, end,
         attributes, error): ids, parent, step/epoch, thread, error, CUDA."""
-        ctx: rec.StepContext = frame[rec.F_CTX]
-        kind = frame[rec.F_KIND]
+        ctx: rec.StepContext = frame[F_CTX]
+        kind = frame[F_KIND]
         # few attributes: encoding each one is a large part of a span's export cost
         attributes: dict[str, Any] = {ATTR_STEP: ctx.step, ATTR_PHASE: ctx.phase}
         if ctx.epoch is not None:
             attributes[ATTR_EPOCH] = ctx.epoch
-        start_ns, end_ns = frame[rec.F_START], frame[rec.F_END]
-        if kind == rec.KIND_STEP:
+        start_ns, end_ns = frame[F_START], frame[F_END]
+        if kind == KIND_STEP:
             if ctx.has_children and ctx.trim_start:
                 start_ns = max(start_ns, ctx.first_child_ns)
             if ctx.has_children and ctx.trim_end:
@@ -760,27 +779,27 @@ class SpanBuilder:
                 ctx.first_child_ns = start_ns
             ctx.last_child_ns = max(ctx.last_child_ns, end_ns)
             ctx.has_children = True
-            thread = frame[rec.F_THREAD]
+            thread = frame[F_THREAD]
             attributes["thread.id"] = thread.ident
             if thread.name != "MainThread":
                 attributes["thread.name"] = thread.name
-        if frame[rec.F_ATTRS]:
-            attributes.update(_clean_attributes(frame[rec.F_ATTRS]))
-        cuda = frame[rec.F_CUDA]
+        if frame[F_ATTRS]:
+            attributes.update(_clean_attributes(frame[F_ATTRS]))
+        cuda = frame[F_CUDA]
         if cuda is not None:
             seconds = self._cuda.elapsed_s(cuda)
             if seconds is not None:
                 attributes[ATTR_CUDA_DURATION] = seconds
         to_wall = self._clock.to_wall
         return (
-            self.names.name(frame[rec.F_NAME], attributes),
+            self.names.name(frame[F_NAME], attributes),
             ctx.trace_id,
             _span_id(frame),
             _parent_id(frame, ctx, kind),
             to_wall(start_ns),
             to_wall(end_ns),
             attributes,
-            frame[rec.F_ERROR],
+            frame[F_ERROR],
         )
 
     def build(self, frame: list[Any]) -> ReadableSpan:

@@ -140,18 +140,13 @@ class TimingsEngine:
                 raise RuntimeError("another TimingsEngine is running; shut it down first")
             _active = self
             self._running = True
-        rec.dropped = 0
-        rec.exhausted = 0
-        rec.queue.clear()
-        rec.in_items = rec.out_items = 0
+        rec.recorder.start(self._settings.max_queued_spans)
         _quiet_steps.reset()
-        rec.capacity = self._settings.max_queued_spans
-        rec.chunk_size = max(1, min(rec.CHUNK, rec.capacity // 4))
         from otelprof._overhead import calibrate_range_cost
 
         # for the overhead gauge: what one range costs this thread (before the builder runs)
         self.range_cost_s = calibrate_range_cost()
-        rec.cuda_timer = self._cuda
+        rec.recorder.set_cuda_timer(self._cuda)
         self._set_torch_hooks()
         self._builder.start()
         if self._bridge is not None:
@@ -172,7 +167,7 @@ class TimingsEngine:
         timeout = self._settings.export_timeout_s if timeout_s is None else timeout_s
         end = perf_counter_ns()
         ctx = self._ctx
-        rec.current = None
+        rec.recorder.record(None)
         self._ctx = None
         try:
             _quiet_steps.publish({})
@@ -185,14 +180,10 @@ class TimingsEngine:
             self._builder.flush(timeout)
             if ctx is not None and (ctx.has_children or ctx.frames):
                 ctx.trim_end = True
-                rec.emit_step(ctx, end)
+                rec.recorder.emit_step(ctx, end)
             self._builder.stop(timeout)
         finally:
-            rec.capacity = 0
-            rec.cuda_timer = None
-            rec.torch_profiler_state = None
-            rec.torch_range_enter = None
-            rec.torch_range_exit = None
+            rec.recorder.stop()
             with _lock:
                 if _active is self:
                     _active = None
@@ -205,11 +196,12 @@ class TimingsEngine:
         try:
             end = perf_counter_ns()
             ctx = self._ctx
-            rec.current = None
+            recorder = rec.recorder
+            recorder.record(None)
             if ctx is not None:
                 state = ctx.owner  # decided here if the sampler is quiet, else queued
                 if state is None or not _quiet_steps.sample_out(ctx, end, state):
-                    rec.emit_step(ctx, end)
+                    recorder.emit_step(ctx, end)
                 self._stepping = state
             if self._phase != rec.PHASE_TRAIN:
                 # a batch of validation (etc.): its own trace, the training step stays
@@ -226,9 +218,8 @@ class TimingsEngine:
             self._step_from_start = False
             if self._kineto is None and self._schedule is None:  # the common case, inlined
                 start = self._step_start = perf_counter_ns()
-                rec.current = self._ctx = rec.new_step_context(
-                    self._step, self._epoch, start, False, self._phase
-                )
+                self._ctx = rec.new_step_context(self._step, self._epoch, start, False, self._phase)
+                recorder.record(self._ctx)
                 return
             if self._kineto is not None:
                 finished = self._window_step(ctx, end)
@@ -314,13 +305,13 @@ class TimingsEngine:
             elif phase == rec.PHASE_TRAIN:
                 self._train_t0 = end
             ctx = self._ctx
-            rec.current = None
+            rec.recorder.record(None)
             if ctx is not None:
                 ctx.trim_end = True
                 # an empty training step or trailing phase batch was no real one; a whole
                 # phase block without ranges (a checkpoint save) is still the phase's time
                 ctx.drop_if_empty = ctx.phase == rec.PHASE_TRAIN or not self._ctx_is_block
-                rec.emit_step(ctx, end)
+                rec.recorder.emit_step(ctx, end)
             self._begin_step(perf_counter_ns(), trim_start=True)
             self._ctx_is_block = phase != rec.PHASE_TRAIN
         except Exception as error:  # telemetry never breaks training
@@ -343,21 +334,21 @@ class TimingsEngine:
         if state is not None and state is self._stepping:
             _quiet_steps.hand_rows(state)  # steps sampled out on this thread so far
         if ctx is not None and ctx.owner is not None and ctx.owner is state:
-            rec.hand_off(ctx)  # the running step's ranges so far (only its thread may)
+            rec.recorder.hand_off(ctx)  # the running step's ranges so far (only its thread may)
         self._builder.flush(timeout_s)
 
     def stats(self) -> dict[str, int]:
         builder = self._builder
         stats = {
             "spans_recorded": builder.built + builder.job_spans,
-            "spans_dropped": rec.dropped + builder.failed,
-            "spans_queued": rec.queued_frames()
+            "spans_dropped": rec.recorder.dropped + builder.failed,
+            "spans_queued": rec.recorder.queued_frames()
             + sum(map(len, self._stepping.rows if self._stepping else ())),
             "steps": self._step,
             "cuda_pending": builder.pending_cuda(),
             "cuda_unresolved": builder.cuda_unresolved,
             "schedule_errors": self._schedule_errors,
-            "ranges_exhausted": rec.exhausted,
+            "ranges_exhausted": rec.recorder.exhausted,
             "span_names": len(builder.names.known),
             "span_names_folded": builder.names.folded,
             "bridge_installed": int(self._bridge is not None and self._bridge.installed),
@@ -395,7 +386,7 @@ class TimingsEngine:
             self._ctx = previous
         else:
             self._ctx = None
-        rec.current = self._ctx
+        rec.recorder.record(self._ctx)
 
     def _call_schedule(self, fn: Any, step: int) -> ScheduleAction:
         arg = self._batch_in_epoch if getattr(fn, "restarts_each_epoch", False) else step
@@ -474,11 +465,13 @@ class TimingsEngine:
         if torch is None:
             return
         try:
-            rec.torch_profiler_state = torch.autograd.profiler
-            rec.torch_range_enter = torch.ops.profiler._record_function_enter_new
-            rec.torch_range_exit = torch.ops.profiler._record_function_exit._RecordFunction
+            rec.recorder.set_torch_hooks(
+                torch.autograd.profiler,
+                torch.ops.profiler._record_function_enter_new,
+                torch.ops.profiler._record_function_exit._RecordFunction,
+            )
         except Exception:
-            rec.torch_profiler_state = None
+            rec.recorder.set_torch_hooks(None, None, None)
 
 
 def _version() -> str:

@@ -24,6 +24,7 @@ from operator import itemgetter
 from typing import Any
 
 from otelprof.timings import _recorder as rec
+from otelprof.timings._frames import F_CUDA, F_NAME
 from otelprof.timings._sampling import CAPTURE_STEPS
 
 ROWS_PER_ITEM = 64
@@ -41,7 +42,7 @@ layouts: dict[int, tuple[str, str, tuple[str, ...]]] = {}
 training thread before the first row of that layout is queued."""
 _layout_ids: dict[str, dict[tuple[str, ...], int]] = {}
 MAX_LAYOUTS = 256
-_get_name = itemgetter(rec.F_NAME)
+_get_name = itemgetter(F_NAME)
 
 
 def publish(quiet_by_phase: dict[str, list[float]]) -> None:
@@ -101,11 +102,11 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
     # a tuple of numbers: the collector untracks it, so rows waiting for the builder are
     # never promoted to the oldest generation (whose full collections stall the GIL)
     row = (*[f[7] - f[6] for f in frames], duration, layout)
-    cuda = rec.cuda_timer
+    cuda = rec.recorder.cuda_timer
     if cuda is not None:  # its CUDA events are reused by later ranges
         for frame in frames:
-            if frame[rec.F_CUDA] is not None:
-                cuda.release(frame[rec.F_CUDA])
+            if frame[F_CUDA] is not None:
+                cuda.release(frame[F_CUDA])
     ctx.owner = None  # ranges of it that close late are queued singly ...
     ctx.kept = False  # ... and counted as sampled out
     frames.clear()  # its ranges are freed now, on this thread (no cycle left to collect)
@@ -122,10 +123,7 @@ def hand_rows(state: rec.ThreadState) -> None:
     if not rows:
         return
     state.rows = []
-    item: list[Any] = [None] * 13
-    item[rec.F_ATTRS] = rows
-    item[rec.F_KIND] = rec.KIND_ROWS
-    rec._queue_item(item, sum(map(len, rows)) - len(rows))
+    rec.recorder.enqueue_rows(rows)
 
 
 def limits_for(

@@ -1,25 +1,27 @@
 """The hot path: what the training thread does per range — two timestamps and an append.
 
-A range becomes a *frame*, a small list (name, ids, step context, timestamps, error), pushed
-on a per-thread stack while open (so nested ranges find their parent). When it closes on the
-thread that runs the step (the one that calls `step()`), it is appended to its step's own
-list (`StepContext.frames`), and the whole step reaches the span builder as one queue item
-when the step ends: the builder then aggregates and samples a step in a few C-level passes
-instead of a Python loop per range, which is what keeps fast steps cheap. Ranges closed on
-other threads, or after their step ended, are queued one by one. A step longer than `CHUNK`
-ranges is handed over in chunks, so memory stays bounded without `step()` calls.
+A range becomes a *frame*, a small list (name, ids, step context, timestamps, error; the
+layouts per kind are in `_frames`), pushed on a per-thread stack while open (so nested
+ranges find their parent). When it closes on the thread that runs the step (the one that
+calls `step()`), it is appended to its step's own list (`StepContext.frames`), and the whole
+step reaches the span builder as one queue item when the step ends: the builder then
+aggregates and samples a step in a few C-level passes instead of a Python loop per range,
+which is what keeps fast steps cheap. Ranges closed on other threads, or after their step
+ended, are queued one by one. A step longer than `CHUNK` ranges is handed over in chunks,
+so memory stays bounded without `step()` calls.
 
 Nothing here builds OTel objects, does I/O or takes a lock (except to count a drop). The
 queue holds at most `capacity` frames, counting those inside step items; past it frames are
 dropped and counted; training never waits on telemetry.
 
-The recorder is process-wide (module globals, for the cheapest possible reads on the hot
-path); `TimingsEngine` is the only writer of that state.
+The recorder is process-wide: one `Recorder` object, `recorder`, whose fields (`__slots__`,
+read by offset from C) only its methods and the hot path here write; every other module
+goes through its methods (see `Recorder` for who calls what).
 
 `Timing.__enter__`/`__exit__`, the record_function bridge's and `StepContext()` also exist
 in C (`_speedups.c`, built at install when a C compiler is there, see `use_compiled`): the
-same frames from the same globals, uncommon cases handed back to the Python code here, which
-stays the reference.
+same frames from the same recorder, uncommon cases handed back to the Python code here,
+which stays the reference.
 """
 
 from __future__ import annotations
@@ -32,33 +34,62 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar
 
-# frame layout (a list, for cheap construction and in-place completion)
-F_NAME = 0
-F_SPAN = 1  # int span id; 0 until the builder assigns one (no randomness on the hot path)
-F_PARENT = 2  # the parent frame (a list), or None: the parent is the step span
-F_CTX = 3  # StepContext the range was opened in
-F_THREAD = 4  # ThreadState of the opening thread
-F_ATTRS = 5  # user attributes or None
-F_START = 6  # perf_counter_ns
-F_END = 7  # perf_counter_ns
-F_ERROR = 8  # (type name, message, stacktrace) or None
-F_CUDA = 9  # CUDA event pair or None
-F_KIND = 10  # source: KIND_* below
-F_OWNER = 11  # the object that opened it (record_function instance / timing)
-F_RANGE = 12  # timing frames only: the torch profiler range opened alongside, or None
+from otelprof.timings._frames import (
+    F_ATTRS,
+    F_CTX,
+    F_CUDA,
+    F_END,
+    F_ERROR,
+    F_KIND,
+    F_NAME,
+    F_OWNER,
+    F_PARENT,
+    F_RANGE,
+    F_SPAN,
+    F_START,
+    F_THREAD,
+    KIND_CHUNK,
+    KIND_RECORD_FUNCTION,
+    KIND_RF,
+    KIND_ROWS,
+    KIND_STEP,
+    KIND_TIMING,
+    LAYOUT,
+    Frame,
+    base_frame,
+    chunk_item,
+    leaf_frame,
+    measured_frame,
+    rows_item,
+    step_item,
+)
 
-KIND_RECORD_FUNCTION = KIND_RF = "record_function"
-KIND_TIMING = "timing"
-KIND_STEP = "step"
-KIND_CHUNK = "chunk"
-"""A queue item carrying `CHUNK` ranges of a step that is still running (in F_ATTRS)."""
-KIND_ROWS = "rows"
-"""A queue item carrying duration rows of steps sampled out on their own thread (F_ATTRS)."""
+__all__ = [  # the frame layout, re-exported for the recorder's readers
+    "F_ATTRS",
+    "F_CTX",
+    "F_CUDA",
+    "F_END",
+    "F_ERROR",
+    "F_KIND",
+    "F_NAME",
+    "F_OWNER",
+    "F_PARENT",
+    "F_RANGE",
+    "F_SPAN",
+    "F_START",
+    "F_THREAD",
+    "KIND_CHUNK",
+    "KIND_RECORD_FUNCTION",
+    "KIND_RF",
+    "KIND_ROWS",
+    "KIND_STEP",
+    "KIND_TIMING",
+]
 
 CHUNK = 512
 """Ranges a step collects on its thread before they are handed to the builder mid-step
@@ -158,7 +189,7 @@ class StepContext:
         return span_id
 
 
-_BASE_FRAME: list[Any] = [None] * 13
+_BASE_FRAME: Frame = base_frame()
 """Bottom of every thread's stack: belongs to no step (F_CTX None) and no owner."""
 
 
@@ -177,28 +208,13 @@ class ThreadState:
         self.hold = 0
         # The base frame is never popped: a list that empties and refills on every range
         # would be reallocated twice per range (CPython shrinks it at size 0).
-        self.stack: list[list[Any]] = [_BASE_FRAME]
+        self.stack: list[Frame] = [_BASE_FRAME]
 
 
 class _Local(threading.local):
     state: ThreadState | None = None
 
 
-# ---- process-wide recorder state; written only by TimingsEngine ----
-current: StepContext | None = None
-"""The recording step's context; None when nothing records (no engine, or a NONE/WARMUP step)."""
-queue: deque[list[Any]] = deque()
-capacity: int = 0
-"""Frames the queue may hold, those carried inside step and chunk items included."""
-in_items: int = 0
-"""Frames queued inside step/chunk items so far (written by the stepping thread)."""
-out_items: int = 0
-"""... and taken out by the builder (written by the builder thread only)."""
-chunk_size: int = CHUNK
-"""CHUNK, or a quarter of a smaller queue's capacity (set by the engine)."""
-dropped: int = 0
-exhausted: int = 0
-_drop_lock = threading.Lock()
 _local = _Local()
 _rng = random.Random()  # seeded from os.urandom
 _getrandbits = _rng.getrandbits
@@ -206,35 +222,287 @@ _getrandbits = _rng.getrandbits
 frameworks save and restore, e.g. Lightning around its sanity check) the global `random`
 state, which would repeat ids across steps, runs and ranks."""
 
-# Optional torch hooks for `timing()`, set by the engine when torch is importable.
-torch_profiler_state: Any = None
-"""torch.autograd.profiler: its `_is_profiler_enabled` flag is set by every Python-level torch
-profiler (torch.profiler.profile, autograd.profiler.profile, emit_nvtx/itt); a module
-attribute read is ~4x cheaper than torch.autograd._profiler_enabled()."""
-torch_range_enter: Callable[[str, str | None], Any] | None = None
-torch_range_exit: Callable[[Any], Any] | None = None
-cuda_timer: Any = None  # _cuda.CudaTimer while CUDA timing is on
-is_compiling: Callable[[], bool] | None = None
-"""torch.compiler.is_dynamo_compiling once torch is imported: inside a region torch.compile traces,
-`timing()` steps aside (a clock read or a thread-local there is a graph break)."""
+
+class Recorder:
+    """The process-wide recorder's state, and every operation on it.
+
+    One instance, `recorder`. Its fields are public to read; only its methods (and the hot
+    path in this module and in `_speedups.c`, which reads the fields by offset) write them.
+    Who calls what: the engine `start`s and `stop`s it, sets the recording step (`record`)
+    and emits steps (`emit_step`, `hand_off`); the span builder is the queue's only consumer
+    (`queue.popleft`, then `took`); `_quiet_steps` enqueues rows (`enqueue_rows`); whoever
+    measures a range itself enqueues it (`enqueue_measured`); integrations use `depth`,
+    `top_name` and `forget_above` on the calling thread's stack, and `begin_leaf`/`end_leaf`.
+    """
+
+    __slots__ = (
+        "_lock",
+        "capacity",
+        "chunk_size",
+        "cuda_timer",
+        "current",
+        "dropped",
+        "exhausted",
+        "in_items",
+        "out_items",
+        "queue",
+        "torch_profiler_state",
+        "torch_range_enter",
+        "torch_range_exit",
+    )
+
+    def __init__(self) -> None:
+        self.current: StepContext | None = None
+        """The recording step's context; None when nothing records (no engine, or a
+        NONE/WARMUP step)."""
+        self.queue: deque[Frame] = deque()
+        self.capacity = 0
+        """Frames the queue may hold, those carried inside step and chunk items included."""
+        self.in_items = 0
+        """Frames queued inside step/chunk/rows items so far (written by the stepping thread)."""
+        self.out_items = 0
+        """... and taken out by the builder (written by the builder thread only)."""
+        self.chunk_size = CHUNK
+        """CHUNK, or a quarter of a smaller queue's capacity."""
+        self.dropped = 0
+        self.exhausted = 0
+        self.cuda_timer: Any = None
+        """_cuda.CudaTimer while CUDA timing is on."""
+        # Optional torch hooks for `timing()`, set by the engine when torch is importable.
+        self.torch_profiler_state: Any = None
+        """torch.autograd.profiler: its `_is_profiler_enabled` flag is set by every
+        Python-level torch profiler (torch.profiler.profile, autograd.profiler.profile,
+        emit_nvtx/itt); a module attribute read is ~4x cheaper than
+        torch.autograd._profiler_enabled()."""
+        self.torch_range_enter: Callable[[str, str | None], Any] | None = None
+        self.torch_range_exit: Callable[[Any], Any] | None = None
+        self._lock = threading.Lock()  # counts only: the hot path takes no lock
+
+    # ---- lifecycle (the engine) ----
+    def start(self, capacity: int) -> None:
+        """An empty queue of `capacity` frames, counters at zero; nothing records yet."""
+        self.dropped = 0
+        self.exhausted = 0
+        self.queue.clear()
+        self.in_items = self.out_items = 0
+        self.capacity = capacity
+        self.chunk_size = max(1, min(CHUNK, capacity // 4))
+
+    def set_cuda_timer(self, timer: Any) -> None:
+        """Time ranges on the GPU too (a `_cuda.CudaTimer`), or not (None)."""
+        self.cuda_timer = timer
+
+    def set_torch_hooks(self, profiler_state: Any, range_enter: Any, range_exit: Any) -> None:
+        """torch's profiler flag and range functions (`timing()` opens torch ranges too)."""
+        self.torch_profiler_state = profiler_state
+        self.torch_range_enter = range_enter
+        self.torch_range_exit = range_exit
+
+    def stop(self) -> None:
+        """Record nothing more: no step, no room in the queue, no torch or CUDA hooks."""
+        self.current = None
+        self.capacity = 0
+        self.cuda_timer = None
+        self.set_torch_hooks(None, None, None)
+
+    def record(self, ctx: StepContext | None) -> None:
+        """Ranges opened from now on belong to step `ctx` (None: nothing records)."""
+        self.current = ctx
+
+    def _after_fork(self) -> None:
+        """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing
+        there, rather than filling a queue nobody drains."""
+        _rng.seed()  # a child must not repeat its parent's ids
+        self.current = None
+        self.capacity = 0
+        self.queue.clear()
+        self.in_items = self.out_items = 0
+        self._lock = threading.Lock()
+        state = _local.state
+        if state is not None:
+            state.rows = []
+
+    @contextlib.contextmanager
+    def isolated(self, room: int) -> Iterator[Callable[[], None]]:
+        """Record into a private step with room for `room` more frames (calibrating the
+        hot path); yields a function that forgets what was recorded so far. Every field is
+        restored afterwards and nothing recorded reaches the builder."""
+        saved, capacity, dropped, in_items = (
+            self.current,
+            self.capacity,
+            self.dropped,
+            self.in_items,
+        )
+        queued = len(self.queue)
+        ctx = StepContext(-1, None, perf_counter_ns())
+
+        def discard() -> None:
+            ctx.frames.clear()
+            while len(self.queue) > queued:
+                self.queue.pop()
+            self.in_items = in_items
+
+        self.current = ctx
+        self.capacity = queued + room + 1  # the append path, never the drop path
+        try:
+            yield discard
+        finally:
+            self.current, self.capacity, self.dropped = saved, capacity, dropped
+            discard()
+
+    # ---- counts ----
+    def count_drop(self, n: int = 1) -> None:
+        with self._lock:
+            self.dropped += n
+
+    def count_exhausted(self) -> None:
+        with self._lock:
+            self.exhausted += 1
+
+    def queued_frames(self) -> int:
+        """Frames waiting for the builder, single ones and those inside items."""
+        return len(self.queue) + max(0, self.in_items - self.out_items)
+
+    def took(self, n: int) -> None:
+        """The builder took `n` frames out of step, chunk or rows items (its thread only)."""
+        self.out_items += n
+
+    # ---- the queue ----
+    def _queue_item(self, item: Frame, carried: int) -> None:
+        """Queue a step, chunk or rows item carrying `carried` frames; past the capacity its
+        ranges are dropped and counted (a step item still goes if the step span alone fits)."""
+        queue = self.queue
+        queued = len(queue) + (self.in_items - self.out_items)
+        if queued + carried < self.capacity:
+            self.in_items += carried
+            queue.append(item)
+            return
+        if carried:
+            self.count_drop(carried)
+            if item[F_KIND] is KIND_STEP:
+                item[F_CTX].frames = []
+            else:
+                return
+        if queued < self.capacity:
+            queue.append(item)
+        else:
+            self.count_drop()
+
+    def enqueue(self, frame: Frame) -> None:
+        """Queue one finished range (or count it dropped when the queue is full)."""
+        if len(self.queue) < self.capacity:
+            self.queue.append(frame)
+        else:
+            self.count_drop()
+
+    def enqueue_measured(
+        self,
+        name: str,
+        attrs: dict[str, Any] | None,
+        start_ns: int,
+        end_ns: int,
+        ctx: StepContext,
+        parent: Frame | None,
+        state: ThreadState,
+    ) -> None:
+        """Queue a range measured by its caller (e.g. across threads: a DDP all-reduce from
+        its last bucket to its future's end); `ctx`, `parent` and `state` from `position`."""
+        self.enqueue(measured_frame(name, parent, ctx, state, attrs, start_ns, end_ns))
+
+    def enqueue_rows(self, rows: list[tuple[int, ...]]) -> None:
+        """Queue duration rows of steps sampled out on their thread (`_quiet_steps`)."""
+        self._queue_item(rows_item(rows), sum(map(len, rows)) - len(rows))
+
+    def hand_off(self, ctx: StepContext) -> None:
+        """Queue the ranges `ctx` collected so far (on its own thread: only it appends)."""
+        frames = ctx.frames
+        if not frames:
+            return
+        ctx.frames = []
+        self._queue_item(chunk_item(ctx, frames), len(frames))
+
+    def emit_step(self, ctx: StepContext, end_ns: int) -> None:
+        """Queue the step span (the root of the step's trace): `step` in training, else the
+        phase's name (`validation`, ...), so step statistics never include other phases.
+        The item carries the ranges the step collected (`ctx.frames`); from now on ranges
+        of this step that close late are queued singly. Ended from a thread other than the
+        step's own, the item says so (STEP_ENDED_ELSEWHERE), and the builder looks once
+        more for a range the step's thread was appending right then."""
+        owner = ctx.owner
+        ctx.owner = None
+        item = step_item(
+            STEP_SPAN if ctx.phase == PHASE_TRAIN else ctx.phase,
+            ctx,
+            thread_state(),
+            ctx.attrs,
+            ctx.start_ns,
+            end_ns,
+            owner is not None and owner is not _local.state,
+        )
+        self._queue_item(item, len(ctx.frames))
+
+    def deliver(self, frame: Frame, state: ThreadState) -> None:
+        """A closed range: to its step's own list on the step's thread, else the queue."""
+        ctx = frame[F_CTX]
+        if ctx.owner is state:
+            frames = ctx.frames
+            frames.append(frame)
+            if len(frames) >= self.chunk_size:
+                self.hand_off(ctx)
+        elif len(self.queue) < self.capacity:
+            self.queue.append(frame)
+        else:
+            self.count_drop()
+
+    # ---- the calling thread's ranges ----
+    def begin_leaf(self, name: str) -> Frame | None:
+        """Start a span that is never a parent (not pushed on the thread's stack), for
+        ranges whose end may never come, like an optimizer step that raises between its
+        hooks."""
+        ctx = self.current
+        if ctx is None:
+            return None
+        state = thread_state()
+        stack = state.stack
+        parent = stack[-1] if stack and stack[-1][F_CTX] is ctx else None
+        frame = leaf_frame(name, parent, ctx, state)
+        frame[F_START] = perf_counter_ns()
+        return frame
+
+    def end_leaf(self, frame: Frame) -> None:
+        frame[F_END] = perf_counter_ns()
+        self.deliver(frame, frame[F_THREAD])
+
+    def position(self) -> tuple[StepContext | None, Frame | None, ThreadState]:
+        """(recording step, innermost open range of it on this thread or None, this
+        thread's state): where a range measured by its caller belongs."""
+        ctx = self.current
+        state = thread_state()
+        top = state.stack[-1]
+        return ctx, (top if top[F_CTX] is ctx else None), state
+
+    def depth(self) -> int:
+        """Open ranges on this thread, plus one (the base frame)."""
+        return len(thread_state().stack)
+
+    def top_name(self) -> str | None:
+        """The name of the innermost open range on this thread (None: none is open)."""
+        stack = thread_state().stack
+        return stack[-1][F_NAME] if len(stack) > 1 else None
+
+    def forget_above(self, depth: int) -> None:
+        """Forget ranges opened on this thread above `depth` (a `depth()` value) without
+        emitting them; their exits then find nothing to close."""
+        stack = thread_state().stack
+        if depth >= 1 and len(stack) > depth:
+            del stack[depth:]
 
 
-def _stop_in_forked_child() -> None:
-    """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing there,
-    rather than filling a queue nobody drains."""
-    global current, capacity, in_items, out_items
-    _rng.seed()  # a child must not repeat its parent's ids
-    current = None
-    capacity = 0
-    queue.clear()
-    in_items = out_items = 0
-    state = _local.state
-    if state is not None:
-        state.rows = []
+recorder = Recorder()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_stop_in_forked_child)
+    os.register_at_fork(after_in_child=recorder._after_fork)
 
 
 def thread_state() -> ThreadState:
@@ -242,57 +510,6 @@ def thread_state() -> ThreadState:
     if state is None:
         state = _local.state = ThreadState()
     return state
-
-
-def _count_drop(n: int = 1) -> None:
-    global dropped
-    with _drop_lock:
-        dropped += n
-
-
-def queued_frames() -> int:
-    """Frames waiting for the builder, single ones and those inside step/chunk items."""
-    return len(queue) + max(0, in_items - out_items)
-
-
-def _queue_item(item: list[Any], carried: int) -> None:
-    """Queue a step or chunk item carrying `carried` frames; past the capacity its ranges
-    are dropped and counted (a step item still goes if the step span alone fits)."""
-    global in_items
-    queued = len(queue) + (in_items - out_items)
-    if queued + carried < capacity:
-        in_items += carried
-        queue.append(item)
-        return
-    if carried:
-        _count_drop(carried)
-        if item[F_KIND] is KIND_STEP:
-            item[F_CTX].frames = []
-        else:
-            return
-    if queued < capacity:
-        queue.append(item)
-    else:
-        _count_drop()
-
-
-def hand_off(ctx: StepContext) -> None:
-    """Queue the ranges `ctx` collected so far (on its own thread: only it appends to them)."""
-    frames = ctx.frames
-    if not frames:
-        return
-    ctx.frames = []
-    item: list[Any] = [None] * 13
-    item[F_CTX] = ctx
-    item[F_ATTRS] = frames
-    item[F_KIND] = KIND_CHUNK
-    _queue_item(item, len(frames))
-
-
-def _count_exhausted() -> None:
-    global exhausted
-    with _drop_lock:
-        exhausted += 1
 
 
 def describe_error(
@@ -306,45 +523,17 @@ def describe_error(
     return (f"{exc_type.__module__}.{exc_type.__qualname__}", str(exc), stack)
 
 
-def begin_leaf(name: str) -> list[Any] | None:
-    """Start a span that is never a parent (not pushed on the thread's stack), for ranges
-    whose end may never come, like an optimizer step that raises between its hooks."""
-    ctx = current
-    if ctx is None:
-        return None
-    state = thread_state()
-    stack = state.stack
-    parent = stack[-1] if stack and stack[-1][3] is ctx else None
-    frame = [name, 0, parent, ctx, state, None, 0, 0, None, None, KIND_TIMING, None, None]
-    frame[6] = perf_counter_ns()
-    return frame
-
-
-def end_leaf(frame: list[Any]) -> None:
-    frame[7] = perf_counter_ns()
-    ctx = frame[3]
-    if ctx.owner is frame[4]:
-        frames = ctx.frames
-        frames.append(frame)
-        if len(frames) >= chunk_size:
-            hand_off(ctx)
-    elif len(queue) < capacity:
-        queue.append(frame)
-    else:
-        _count_drop()
-
-
-def _remove(stack: list[list[Any]], frame: list[Any]) -> None:
+def _remove(stack: list[Frame], frame: Frame) -> None:
     with contextlib.suppress(ValueError):
         stack.remove(frame)
 
 
-def discard_frame(frame: list[Any]) -> None:
+def discard_frame(frame: Frame) -> None:
     """Forget an open frame without emitting it (e.g. the data loader's final, empty next())."""
     _remove(frame[F_THREAD].stack, frame)
 
 
-def find_owned_frame(owner: object) -> list[Any] | None:
+def find_owned_frame(owner: object) -> Frame | None:
     """The innermost open frame on this thread opened by `owner`, if any."""
     state = _local.state
     if state is None:
@@ -358,33 +547,6 @@ def find_owned_frame(owner: object) -> list[Any] | None:
             if frame[F_OWNER] is owner:
                 return frame
     return None
-
-
-def emit_step(ctx: StepContext, end_ns: int) -> None:
-    """Queue the step span (the root of the step's trace): `step` in training, else the
-    phase's name (`validation`, ...), so step statistics never include other phases. The
-    item carries the ranges the step collected (`ctx.frames`); from now on ranges of this
-    step that close late are queued singly. Ended from a thread other than the step's own,
-    the item says so (F_RANGE), and the builder looks once more for a range the step's
-    thread was appending right then."""
-    owner = ctx.owner
-    ctx.owner = None
-    frame = [
-        STEP_SPAN if ctx.phase == PHASE_TRAIN else ctx.phase,
-        0,  # the builder gives it ctx.span_id
-        0,
-        ctx,
-        thread_state(),
-        ctx.attrs,
-        ctx.start_ns,
-        end_ns,
-        None,
-        None,
-        KIND_STEP,
-        None,
-        owner is not None and owner is not _local.state,
-    ]
-    _queue_item(frame, len(ctx.frames))
 
 
 def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
@@ -407,17 +569,18 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
     local = _local
     pc = perf_counter_ns
     kind = KIND_RF
-    frames = queue
+    rec = recorder
 
     def __enter__(self: Any) -> Any:
         result = original_enter(self)
-        ctx = current
+        ctx = rec.current
         if ctx is not None:
             state = local.state
             if state is None:
                 state = thread_state()
             stack = state.stack
             parent = stack[-1] if stack and stack[-1][3] is ctx else None
+            # _frames.record_function_frame, inline (hot path)
             frame = [self.name, 0, parent, ctx, state, None, 0, 0, None, None, kind, self]
             if len(stack) < MAX_DEPTH:
                 stack.append(frame)
@@ -447,21 +610,21 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
                 frame[11] = None  # let torch free the range object now, not on the builder
                 if exc_type is not None and issubclass(exc_type, NOT_ERRORS):
                     if issubclass(exc_type, EXHAUSTED):
-                        _count_exhausted()
+                        rec.count_exhausted()
                         return original_exit(self, exc_type, exc, tb)
                 elif exc_type is not None:
                     frame[8] = describe_error(exc_type, exc, tb)
                     frame[3].error = True
                 ctx = frame[3]
-                if ctx.owner is state:
+                if ctx.owner is state:  # Recorder.deliver, inline (hot path)
                     own = ctx.frames
                     own.append(frame)
-                    if len(own) >= chunk_size:
-                        hand_off(ctx)
-                elif len(frames) < capacity:
-                    frames.append(frame)
+                    if len(own) >= rec.chunk_size:
+                        rec.hand_off(ctx)
+                elif len(rec.queue) < rec.capacity:
+                    rec.queue.append(frame)
                 else:
-                    _count_drop()
+                    rec.count_drop()
         return original_exit(self, exc_type, exc, tb)
 
     __enter__._otelprof_bridge = True  # type: ignore[attr-defined]
@@ -484,7 +647,8 @@ class Timing:
         self.attributes = attributes or None
 
     def __enter__(self) -> Timing:
-        ctx = current
+        rec = recorder
+        ctx = rec.current
         if ctx is None:
             return self
         state = _local.state
@@ -493,14 +657,15 @@ class Timing:
         stack = state.stack
         top = stack[-1]  # never empty: the base frame stays
         parent = top if top[3] is ctx else None
-        # the F_* layout with literal indices (hot path); F_RANGE only exists on timing frames
+        # _frames.timing_frame, inline with literal indices (hot path)
         frame = [self.name, 0, parent, ctx, state, self.attributes, 0, 0, None, None, KIND_TIMING,
                  self, None]  # fmt: skip
         stack.append(frame)
-        if torch_profiler_state is not None and torch_profiler_state._is_profiler_enabled:
+        profiler = rec.torch_profiler_state
+        if profiler is not None and profiler._is_profiler_enabled:
             frame[12] = _torch_range_enter(self.name)
-        if cuda_timer is not None:
-            frame[9] = cuda_timer.enter()
+        if rec.cuda_timer is not None:
+            frame[9] = rec.cuda_timer.enter()
         frame[6] = perf_counter_ns()
         return self
 
@@ -522,28 +687,29 @@ class Timing:
             if frame is None:
                 return
             _remove(stack, frame)
+        rec = recorder
         if frame[9] is not None:
-            cuda_timer.exit(frame[9])
+            rec.cuda_timer.exit(frame[9])
         frame[7] = perf_counter_ns()
         if exc_type is not None:
             if not issubclass(exc_type, NOT_ERRORS):
                 frame[8] = describe_error(exc_type, exc, tb)
                 frame[3].error = True
             elif issubclass(exc_type, EXHAUSTED):
-                _count_exhausted()
+                rec.count_exhausted()
                 if frame[12] is not None:
                     _torch_range_exit(frame[12])
                 return
         ctx = frame[3]
-        if ctx.owner is state:
+        if ctx.owner is state:  # Recorder.deliver, inline (hot path)
             frames = ctx.frames
             frames.append(frame)
-            if len(frames) >= chunk_size:
-                hand_off(ctx)
-        elif len(queue) < capacity:
-            queue.append(frame)
+            if len(frames) >= rec.chunk_size:
+                rec.hand_off(ctx)
+        elif len(rec.queue) < rec.capacity:
+            rec.queue.append(frame)
         else:
-            _count_drop()
+            rec.count_drop()
         if frame[12] is not None:
             _torch_range_exit(frame[12])
 
@@ -572,6 +738,10 @@ class Timing:
         return f"timing({self.name!r}{', ' if self.attributes else ''}{self.attributes or ''})"
 
 
+is_compiling: Callable[[], bool] | None = None
+"""torch.compiler.is_dynamo_compiling once torch is imported: inside a region torch.compile traces,
+`timing()` steps aside (a clock read or a thread-local there is a graph break)."""
+
 _timings_by_name: dict[str, Timing] = {}
 MAX_CACHED_NAMES = 4096
 
@@ -599,6 +769,11 @@ def timing(name: str, **attributes: Any) -> Timing:
     if not attributes and len(_timings_by_name) < MAX_CACHED_NAMES:
         _timings_by_name[name] = made
     return made
+
+
+def forget_timing(name: str) -> None:
+    """Drop `timing(name)`'s cached object (a name used once, e.g. by the calibration)."""
+    _timings_by_name.pop(name, None)
 
 
 class _Passthrough(Timing):
@@ -647,14 +822,14 @@ def _never() -> bool:
 
 def _torch_range_enter(name: str) -> Any:
     try:
-        return torch_range_enter(name, None)  # type: ignore[misc]
+        return recorder.torch_range_enter(name, None)  # type: ignore[misc]
     except Exception:
         return None
 
 
 def _torch_range_exit(handle: Any) -> None:
     with contextlib.suppress(Exception):
-        torch_range_exit(handle)  # type: ignore[misc]
+        recorder.torch_range_exit(handle)  # type: ignore[misc]
 
 
 # ---- the compiled hot path (`_speedups.c`): the same functions, without the interpreter ----
@@ -685,8 +860,9 @@ def use_compiled(on: bool) -> bool:
     """Run `Timing`'s enter/exit compiled (when built) or in Python; returns whether they
     run compiled now. (`timing()` stays Python: torch.compile traces it to step aside.)"""
     global compiled, new_step_context
-    if on and speedups is not None:
-        speedups.bind(globals(), StepContext(0, None, 0))  # new contexts start as its copies
+    if on and speedups is not None and getattr(speedups, "FRAME_LAYOUT", None) == LAYOUT:
+        # new contexts start as copies of the template; the recorder's fields are read by offset
+        speedups.bind(globals(), StepContext(0, None, 0), recorder)
         Timing.__enter__ = speedups.method(speedups.timing_enter)  # type: ignore[method-assign]
         Timing.__exit__ = speedups.method(speedups.timing_exit)  # type: ignore[method-assign]
         new_step_context = speedups.step_context

@@ -7,8 +7,9 @@
  * Why: at 0.3 ms steps the pure-Python versions of these few functions are most of what
  * profiling costs the training thread (about 1 us per range and 2-4 us per step on a slow
  * core). This module does exactly what the Python code in `_recorder.py` and
- * `_quiet_steps.py` does, building the same frame lists, reading the same module globals
- * (so the engine, tests and monkeypatching see one state), and hands every uncommon case
+ * `_quiet_steps.py` does, building the same frame lists (`_frames.py`), reading the same
+ * recorder fields (`_recorder.recorder`, by offset) and module globals (so the engine, tests
+ * and monkeypatching see one state), and hands every uncommon case
  * (an exception, a frame not on top of the stack, CUDA events, a torch profiler range, an
  * unseen name) to the Python implementation. Those stay the reference: both paths run the
  * same tests (tests/test_compiled_hot_path.py).
@@ -23,21 +24,26 @@
 #define Py_T_OBJECT_EX T_OBJECT_EX
 #endif
 
-/* frame layout: _recorder.F_* */
+/* frame layout: _frames.F_* (exported as FRAME_LAYOUT; _recorder uses this module only when
+ * it equals _frames.LAYOUT) */
 #define F_NAME 0
+#define F_SPAN 1
 #define F_PARENT 2
 #define F_CTX 3
 #define F_THREAD 4
 #define F_ATTRS 5
 #define F_START 6
 #define F_END 7
+#define F_ERROR 8
 #define F_CUDA 9
 #define F_KIND 10
 #define F_OWNER 11
 #define F_RANGE 12
-#define FRAME_LEN 13
+#define FRAME_LEN 13 /* _frames.TIMING_LEN */
+#define RF_FRAME_LEN 12 /* _frames.RF_LEN: no F_RANGE, the range is torch's own */
 
 static PyObject *rec_globals;   /* _recorder's module dict (bind()) */
+static PyObject *recorder;      /* _recorder.recorder (bind()): its fields are read by offset */
 static PyObject *quiet_globals; /* _quiet_steps's module dict (bind_quiet()) */
 static PyObject *zero;
 static PyObject *real_clock; /* time.perf_counter_ns */
@@ -50,7 +56,7 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(phase) X(quiet) X(start_ns) X(hold) X(kept) X(trim_start) X(error)                 \
     X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
     X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext) \
-    X(KIND_RF) X(MAX_DEPTH)
+    X(KIND_RF) X(MAX_DEPTH) X(count_drop)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -110,6 +116,22 @@ global(PyObject *globals, Cache *cache, int key)
 }
 
 #define REC(n) global(rec_globals, &rec_cache, K_##n)
+
+/* The recorder's state (a `Recorder`, whose __slots__ bind() found): read in place, no
+ * lookup at all. Borrowed, like REC(); NULL with an error set when the field is unset. */
+static Py_ssize_t field_offsets[K_COUNT];
+
+static PyObject *
+field(int key)
+{
+    PyObject *value = *(PyObject **)((char *)recorder + field_offsets[key]);
+    if (value == NULL)
+        PyErr_Format(PyExc_AttributeError, "otelprof._speedups: recorder.%U is unset", strings[key]);
+    return value;
+}
+
+#define FIELD(n) field(K_##n)
+#define RECORDER_FIELDS(X) X(current) X(queue) X(capacity) X(chunk_size) X(cuda_timer) X(torch_profiler_state)
 #define QUIET(n) global(quiet_globals, &quiet_cache, K_##n)
 
 static int
@@ -233,14 +255,14 @@ new_frame(Py_ssize_t length, PyObject *name, PyObject *stack, PyObject *ctx, PyO
     if (frame == NULL)
         return NULL;
     PyList_SET_ITEM(frame, F_NAME, Py_NewRef(name));
-    PyList_SET_ITEM(frame, 1, Py_NewRef(zero));
+    PyList_SET_ITEM(frame, F_SPAN, Py_NewRef(zero));
     PyList_SET_ITEM(frame, F_PARENT, Py_NewRef(parent));
     PyList_SET_ITEM(frame, F_CTX, Py_NewRef(ctx));
     PyList_SET_ITEM(frame, F_THREAD, Py_NewRef(state));
     PyList_SET_ITEM(frame, F_ATTRS, Py_NewRef(attributes));
     PyList_SET_ITEM(frame, F_START, Py_NewRef(zero));
     PyList_SET_ITEM(frame, F_END, Py_NewRef(zero));
-    PyList_SET_ITEM(frame, 8, Py_NewRef(Py_None));
+    PyList_SET_ITEM(frame, F_ERROR, Py_NewRef(Py_None));
     PyList_SET_ITEM(frame, F_CUDA, Py_NewRef(Py_None));
     PyList_SET_ITEM(frame, F_KIND, Py_NewRef(kind));
     PyList_SET_ITEM(frame, F_OWNER, Py_NewRef(owner));
@@ -254,7 +276,7 @@ timing_enter(PyObject *module, PyObject *self)
 {
     if (check_bound() < 0)
         return NULL;
-    PyObject *ctx = REC(current);
+    PyObject *ctx = FIELD(current);
     if (ctx == NULL)
         return NULL;
     if (ctx == Py_None)
@@ -284,7 +306,7 @@ timing_enter(PyObject *module, PyObject *self)
     if (frame == NULL || PyList_Append(stack, frame) < 0)
         goto fail;
 
-    PyObject *profiler = REC(torch_profiler_state);
+    PyObject *profiler = FIELD(torch_profiler_state);
     if (profiler == NULL)
         goto fail;
     if (profiler != Py_None) {
@@ -302,7 +324,7 @@ timing_enter(PyObject *module, PyObject *self)
                 goto fail;
         }
     }
-    PyObject *cuda = REC(cuda_timer);
+    PyObject *cuda = FIELD(cuda_timer);
     if (cuda == NULL)
         goto fail;
     if (cuda != Py_None) {
@@ -323,21 +345,20 @@ fail:
     return opened;
 }
 
-/* Call `_recorder.<key>(args...)` and drop the result. */
+/* Call `recorder.<key>(arg)` (no argument when `arg` is NULL) and drop the result. */
 static int
-call_global(int key, PyObject *const *args, size_t nargs)
+call_recorder(int key, PyObject *arg)
 {
-    PyObject *fn = global(rec_globals, &rec_cache, key);
-    if (fn == NULL)
-        return -1;
-    PyObject *result = PyObject_Vectorcall(fn, args, nargs, NULL);
+    PyObject *args[2] = {recorder, arg};
+    PyObject *result = PyObject_VectorcallMethod(strings[key], args, arg == NULL ? 1 : 2, NULL);
     if (result == NULL)
         return -1;
     Py_DECREF(result);
     return 0;
 }
 
-/* A closed frame goes to its step's own list on the step's thread, else to the queue. */
+/* `Recorder.deliver`: a closed frame goes to its step's own list on the step's thread, else
+ * to the queue. */
 static int
 deliver(PyObject *frame, PyObject *state)
 {
@@ -357,18 +378,18 @@ deliver(PyObject *frame, PyObject *state)
         }
         Py_ssize_t n = PyList_GET_SIZE(frames);
         Py_DECREF(frames);
-        PyObject *chunk = REC(chunk_size);
+        PyObject *chunk = FIELD(chunk_size);
         if (chunk == NULL)
             return -1;
         Py_ssize_t limit = PyLong_AsSsize_t(chunk);
         if (limit == -1 && PyErr_Occurred())
             return -1;
         if (n >= limit)
-            return call_global(K_hand_off, &ctx, 1);
+            return call_recorder(K_hand_off, ctx);
         return 0;
     }
-    PyObject *queue = REC(queue);
-    PyObject *capacity = queue == NULL ? NULL : REC(capacity);
+    PyObject *queue = FIELD(queue);
+    PyObject *capacity = queue == NULL ? NULL : FIELD(capacity);
     if (capacity == NULL)
         return -1;
     Py_ssize_t queued = PyObject_Length(queue);
@@ -380,7 +401,7 @@ deliver(PyObject *frame, PyObject *state)
         Py_XDECREF(done);
         return done == NULL ? -1 : 0;
     }
-    return call_global(K__count_drop, NULL, 0);
+    return call_recorder(K_count_drop, NULL);
 }
 
 /* Whether a frame on `stack` was opened by `owner`. A range with none (forgotten by
@@ -450,8 +471,6 @@ timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* ---- torch's record_function, bridged (`_recorder.bridged_methods`) ---- */
 
-#define RF_FRAME_LEN (FRAME_LEN - 1) /* no F_RANGE: the range is torch's own */
-
 /* `record_function.__enter__` as `bridge_enter(original_enter, self)`: torch's own enter
  * first, then the range opens as in the Python bridge (a frame of the step on this thread's
  * stack, below MAX_DEPTH, its start read last). */
@@ -468,7 +487,7 @@ bridge_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = PyObject_CallOneArg(args[0], self);
     if (result == NULL)
         return NULL;
-    PyObject *ctx = REC(current);
+    PyObject *ctx = FIELD(current);
     if (ctx == NULL) {
         Py_DECREF(result);
         return NULL;
@@ -804,7 +823,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     PyTuple_SET_ITEM(row, n + 1, id);
     if (atoms)
         PyObject_GC_UnTrack(row);
-    PyObject *cuda = REC(cuda_timer);
+    PyObject *cuda = FIELD(cuda_timer);
     if (cuda == NULL)
         goto done;
     if (cuda != Py_None) { /* its CUDA events are reused by later ranges */
@@ -987,8 +1006,8 @@ step_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "bind(globals(), template StepContext)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "bind(globals(), template StepContext, recorder)");
         return NULL;
     }
     PyObject *globals = args[0];
@@ -1009,7 +1028,24 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         slot_init(&state_stack, state, S(stack)) < 0 || slot_init(&ctx_owner, ctx, S(owner)) < 0 ||
         slot_init(&ctx_frames, ctx, S(frames)) < 0 || bind_step_context(ctx, args[1]) < 0)
         return NULL;
+    PyObject *rec = args[2];
+    Py_ssize_t offsets[K_COUNT];
+#define FIELD_OFFSET(n)                                                                   \
+    {                                                                                     \
+        Slot slot;                                                                        \
+        if (slot_init(&slot, (PyObject *)Py_TYPE(rec), S(n)) < 0)                         \
+            return NULL;                                                                  \
+        if (slot.type == NULL) {                                                          \
+            PyErr_SetString(PyExc_TypeError, "bind(): recorder." #n " is not a __slots__ field"); \
+            return NULL;                                                                  \
+        }                                                                                 \
+        offsets[K_##n] = slot.offset;                                                     \
+    }
+    RECORDER_FIELDS(FIELD_OFFSET)
+#undef FIELD_OFFSET
+    memcpy(field_offsets, offsets, sizeof offsets);
     memset(&rec_cache, 0, sizeof rec_cache);
+    Py_XSETREF(recorder, Py_NewRef(rec));
     Py_XSETREF(rec_globals, Py_NewRef(globals));
     Py_RETURN_NONE;
 }
@@ -1034,7 +1070,7 @@ method(PyObject *module, PyObject *function)
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
-     "bind(globals(), template) of otelprof.timings._recorder"},
+     "bind(globals(), template, recorder) of otelprof.timings._recorder"},
     {"step_context", (PyCFunction)(void (*)(void))step_context, METH_FASTCALL,
      "StepContext(step, epoch, start_ns, trim_start, phase), positional"},
     {"bind_quiet", bind_quiet, METH_O, "bind_quiet(globals()) of otelprof.timings._quiet_steps"},
@@ -1076,5 +1112,16 @@ PyInit__speedups(void)
     Py_XDECREF(time);
     if (zero == NULL || real_clock == NULL)
         return NULL;
-    return PyModule_Create(&speedups);
+    PyObject *module = PyModule_Create(&speedups);
+    PyObject *layout = module == NULL ? NULL : Py_BuildValue(
+        "{sisisisisisisisisisisisisisisi}", "F_NAME", F_NAME, "F_SPAN", F_SPAN, "F_PARENT",
+        F_PARENT, "F_CTX", F_CTX, "F_THREAD", F_THREAD, "F_ATTRS", F_ATTRS, "F_START", F_START,
+        "F_END", F_END, "F_ERROR", F_ERROR, "F_CUDA", F_CUDA, "F_KIND", F_KIND, "F_OWNER", F_OWNER,
+        "F_RANGE", F_RANGE, "RF_LEN", RF_FRAME_LEN, "TIMING_LEN", FRAME_LEN);
+    if (layout == NULL || PyModule_AddObject(module, "FRAME_LAYOUT", layout) < 0) {
+        Py_XDECREF(layout);
+        Py_XDECREF(module);
+        return NULL;
+    }
+    return module;
 }

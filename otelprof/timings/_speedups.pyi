@@ -2,7 +2,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-def bind(globals: dict[str, Any], template: Any) -> None: ...
+FRAME_LAYOUT: dict[str, int]
+
+def bind(globals: dict[str, Any], template: Any, recorder: Any) -> None: ...
 def step_context(
     step: int, epoch: int | None, start_ns: int, trim_start: bool, phase: str
 ) -> Any: ...
