@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from otelprof.timings import _frames as fr
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 
@@ -140,18 +141,18 @@ class _Recording:
             return repr(obj)
 
         def frame(f: list[Any]) -> tuple[Any, ...]:
-            error = f[rec.F_ERROR]
+            error = f[fr.F_ERROR]
             shown = [label(f)]
-            shown += [label(v) for i, v in enumerate(f) if i not in (rec.F_ERROR, rec.F_ATTRS)]
+            shown += [label(v) for i, v in enumerate(f) if i not in (fr.F_ERROR, fr.F_ATTRS)]
             shown.append(error[:2] if error else None)  # the stack's text names the caller
-            shown.append(repr(f[rec.F_ATTRS]))
+            shown.append(repr(f[fr.F_ATTRS]))
             return tuple(shown)
 
         def item(entry: list[Any]) -> Any:
-            if entry[rec.F_KIND] == rec.KIND_CHUNK:
-                return ("chunk", label(entry[rec.F_CTX]), [frame(f) for f in entry[rec.F_ATTRS]])
-            if entry[rec.F_KIND] == rec.KIND_ROWS:
-                return ("rows", entry[rec.F_ATTRS])
+            if entry[fr.F_KIND] == fr.KIND_CHUNK:
+                return ("chunk", label(entry[fr.F_CTX]), [frame(f) for f in entry[fr.CHUNK_RANGES]])
+            if entry[fr.F_KIND] == fr.KIND_ROWS:
+                return ("rows", entry[fr.ROWS])
             return frame(entry)
 
         return {
@@ -416,7 +417,7 @@ def test_compiled_ranges_read_the_same_clock_as_perf_counter_ns(
             pass
         after = time.perf_counter_ns()
         (frame,) = recording.ctx.frames
-    assert before <= frame[rec.F_START] <= frame[rec.F_END] <= after
+    assert before <= frame[fr.F_START] <= frame[fr.F_END] <= after
 
 
 def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
@@ -426,10 +427,10 @@ def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
     for name in names:
         frame = rec.recorder.begin_leaf(name)
         assert frame is not None
-        frame[rec.F_END] = frame[rec.F_START] + ns
-        frame[rec.F_CUDA] = [f"cuda {name}"]
+        frame[fr.F_END] = frame[fr.F_START] + ns
+        frame[fr.F_CUDA] = [f"cuda {name}"]
         rec.recorder.end_leaf(frame)
-        frame[rec.F_END] = frame[rec.F_START] + ns  # end_leaf read the clock again
+        frame[fr.F_END] = frame[fr.F_START] + ns  # end_leaf read the clock again
     return ctx
 
 
@@ -518,4 +519,4 @@ def test_compiled_ranges_follow_the_recorder_fields_as_they_change(
     rec.perf_counter_ns = lambda: 42
     with timed:
         pass
-    assert second.frames[-1][rec.F_START] == second.frames[-1][rec.F_END] == 42
+    assert second.frames[-1][fr.F_START] == second.frames[-1][fr.F_END] == 42
