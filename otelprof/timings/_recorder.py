@@ -40,23 +40,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from otelprof.timings._frames import (
-    F_ATTRS,
     F_CTX,
-    F_CUDA,
     F_END,
-    F_ERROR,
     F_KIND,
     F_NAME,
     F_OWNER,
-    F_PARENT,
-    F_RANGE,
-    F_SPAN,
     F_START,
     F_THREAD,
-    KIND_CHUNK,
-    KIND_RECORD_FUNCTION,
     KIND_RF,
-    KIND_ROWS,
     KIND_STEP,
     KIND_TIMING,
     LAYOUT,
@@ -68,28 +59,6 @@ from otelprof.timings._frames import (
     rows_item,
     step_item,
 )
-
-__all__ = [  # the frame layout, re-exported for the recorder's readers
-    "F_ATTRS",
-    "F_CTX",
-    "F_CUDA",
-    "F_END",
-    "F_ERROR",
-    "F_KIND",
-    "F_NAME",
-    "F_OWNER",
-    "F_PARENT",
-    "F_RANGE",
-    "F_SPAN",
-    "F_START",
-    "F_THREAD",
-    "KIND_CHUNK",
-    "KIND_RECORD_FUNCTION",
-    "KIND_RF",
-    "KIND_ROWS",
-    "KIND_STEP",
-    "KIND_TIMING",
-]
 
 CHUNK = 512
 """Ranges a step collects on its thread before they are handed to the builder mid-step
