@@ -44,6 +44,9 @@ class ExportPipelines:
     """What the providers are built from, plus how to stop what the providers do not own."""
 
     span_processors: list[SpanProcessor] = field(default_factory=list)
+    frame_sinks: dict[SpanProcessor, SpanLineWriter] = field(default_factory=dict)
+    """processor -> the writer the span builder encodes recorded ranges into, for the
+    processors that have one (the trace file)."""
     metric_readers: list[MetricReader] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
@@ -111,17 +114,18 @@ def _metric_reader(
 
 
 class _FileSpanProcessor(CountingBatchSpanProcessor):
-    """The trace file's processor. Its writer is the span builder's `frame_sink` (recorded
-    ranges skip the SDK), and `force_flush()` also writes the spans the writer holds (the
-    SDK's batch processor does not flush its exporter)."""
+    """The trace file's processor. Its writer is also the span builder's frame sink
+    (recorded ranges skip the SDK: `ExportPipelines.frame_sinks`), and `force_flush()` also
+    writes the spans the writer holds (the SDK's batch processor does not flush its
+    exporter)."""
 
     def __init__(self, writer: SpanLineWriter, counters: ExportCounters, **kwargs: Any) -> None:
         super().__init__("files", SpanLineExporter(writer), counters, **kwargs)
-        self.frame_sink = writer
+        self._writer = writer
 
     def force_flush(self, timeout_millis: int | None = None) -> bool:
         ok = super().force_flush(timeout_millis)
-        self.frame_sink.flush()
+        self._writer.flush()
         return ok
 
 
@@ -164,7 +168,7 @@ def _add_files(
     )
     if settings.timings:
         # Recorded ranges skip the SDK: the span builder encodes them straight into the
-        # writer (`frame_sink`); SDK spans (users', Kineto's) reach it through the batch
+        # writer (a frame sink); SDK spans (users', Kineto's) reach it through the batch
         # processor, so the file keeps one writer.
         writer = SpanLineWriter(
             pipelines.files["traces"],
@@ -181,6 +185,7 @@ def _add_files(
             schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
         )
         pipelines.span_processors.append(processor)
+        pipelines.frame_sinks[processor] = writer
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
         metric_exporter.on_export.append(writer.flush_due)

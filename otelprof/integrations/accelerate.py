@@ -28,7 +28,6 @@ from typing import Any
 import otelprof
 from otelprof import _throughput
 from otelprof.integrations import _common as common
-from otelprof.timings import _engine
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
     DATALOADER_NEXT,
@@ -152,7 +151,7 @@ class _Instrumentation:
         if (
             self.work.counts_flops
             and wanted == rec.PHASE_TRAIN
-            and _engine._active is not None
+            and _timings_running()
             and not self.counting
         ):
             self.counting = True
@@ -292,3 +291,9 @@ def instrument_accelerator(
 
     inst.undo.insert(0, restore)
     return HookHandle(inst.remove)
+
+
+def _timings_running() -> bool:
+    """Whether a profiler runs with timings (FLOP counting feeds its MFU only)."""
+    profiler = otelprof.active_profiler()
+    return profiler is not None and profiler._timings is not None

@@ -28,17 +28,9 @@ Training = Callable[[], "tuple[int, str] | None"]
 TRAIN = "train"
 
 
-def active_training() -> tuple[int, str] | None:
-    """The running otelprof profiler's step count and phase (None when none runs)."""
-    try:
-        from otelprof.timings import _engine
-
-        engine = _engine._active
-        if engine is None:
-            return None
-        return int(engine.step_number), str(engine.phase)
-    except Exception:
-        return None
+def no_training() -> tuple[int, str] | None:
+    """Without a training loop to read (no timings): no per-step or per-phase figures."""
+    return None
 
 
 class GpuStepMetrics:
@@ -46,7 +38,7 @@ class GpuStepMetrics:
 
     def __init__(self, sample: Callable[[], list[Reading]], training: Training | None) -> None:
         self._sample = sample
-        self._training = training or active_training
+        self._training = training or no_training
         self._energy: dict[tuple[Any, ...], float] = {}  # GPU -> last hw.energy (J)
         self._window: tuple[int, int, str] | None = None  # (time ns, steps, phase)
         self._idle: dict[tuple[Any, ...], float] = {}  # (GPU attrs, phase) -> idle seconds

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
 
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
@@ -41,6 +41,7 @@ from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
 from otelprof.timings._sampling import KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
+from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _lock = threading.Lock()
@@ -80,13 +81,16 @@ class TimingsEngine:
 
     def __init__(
         self,
-        tracer_provider: TracerProvider,
+        targets: SpanTargets,
+        resource: Resource,
         settings: Settings,
         *,
         builder_interval_s: float = 0.2,
     ) -> None:
-        """`builder_interval_s`: how often the builder thread turns recorded ranges into
-        spans (a burst of ranges is built in one go, off the training thread)."""
+        """`targets`: the tracer provider's active span processor and `resource` its
+        resource: where built spans go. `builder_interval_s`: how often the builder thread
+        turns recorded ranges into spans (a burst of ranges is built in one go, off the
+        training thread)."""
         self._settings = settings
         self._clock = Clock()
         self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
@@ -94,7 +98,8 @@ class TimingsEngine:
             self._torch = _import_torch()
         self._cuda = self._make_cuda_timer()
         self._builder = SpanBuilder(
-            tracer_provider,
+            targets,
+            resource,
             self._clock,
             interval_s=builder_interval_s,
             cuda_timer=self._cuda,
@@ -262,6 +267,11 @@ class TimingsEngine:
     @property
     def step_number(self) -> int:
         return self._step
+
+    @property
+    def running(self) -> bool:
+        """Between `start()` and `shutdown()`."""
+        return self._running
 
     def add_step_listener(self, listener: Callable[[int, int, bool], None]) -> Callable[[], None]:
         """Call `listener(step, train_ns, first)` on the training thread at each training
