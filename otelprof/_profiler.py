@@ -29,6 +29,17 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from otelprof._run_end import DeferredSigterm, EndRecord, RunEndWatcher
+from otelprof._schema import (
+    ATTR_ATTEMPT,
+    ATTR_LOCAL_RANK,
+    ATTR_RANK,
+    ATTR_REASON,
+    ATTR_SOURCE,
+    ATTR_WORLD_SIZE,
+    PHASE_TRAIN,
+    SCOPE,
+    TELEMETRY_DROPPED,
+)
 from otelprof._throughput import ThroughputTracker
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
@@ -40,7 +51,7 @@ _log = logging.getLogger("otelprof")
 _lock = threading.RLock()
 _active: Profiler | None = None
 
-SCOPE_NAME = "otelprof"
+SCOPE_NAME = SCOPE
 
 
 def _version() -> str:
@@ -63,10 +74,10 @@ class _Identity:
         """The ranks came from a process group and are final."""
         self.resource: Resource = build_resource(settings, env)
         attrs = self.resource.attributes
-        self.world_size = _int_attribute(attrs.get("otelprof.world_size"), 1)
-        self.rank = _int_attribute(attrs.get("otelprof.rank"), 0)
-        self.local_rank = _int_attribute(attrs.get("otelprof.local_rank"), 0)
-        attempt = attrs.get("otelprof.attempt")
+        self.world_size = _int_attribute(attrs.get(ATTR_WORLD_SIZE), 1)
+        self.rank = _int_attribute(attrs.get(ATTR_RANK), 0)
+        self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
+        attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
 
     def file_names(self) -> tuple[str, str]:
@@ -287,10 +298,10 @@ class _Session:
                 if not _is_loss(key) or key == "dropped_total":
                     continue
                 source, _, reason = key.partition(".")
-                yield Observation(value, {"otelprof.source": source, "otelprof.reason": reason})
+                yield Observation(value, {ATTR_SOURCE: source, ATTR_REASON: reason})
 
         self._meter.create_observable_counter(
-            "otelprof.telemetry.dropped",
+            TELEMETRY_DROPPED,
             callbacks=[observe],
             unit="{item}",
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
@@ -425,7 +436,7 @@ class Profiler:
             from otelprof.timings._engine import check_phase
 
             check_phase(phase)
-            return "train"
+            return PHASE_TRAIN
         return timings.set_phase(phase)
 
     def timing(self, name: str, **attributes: Any) -> Any:

@@ -30,14 +30,19 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from otelprof.timings import _recorder as rec
+from otelprof._schema import (
+    ATTR_PHASE,
+    PHASE_TRAIN,
+    THROUGHPUT_SCOPE,
+    TRAIN_MFU,
+    TRAIN_SAMPLES,
+    TRAIN_THROUGHPUT_SAMPLES,
+    TRAIN_THROUGHPUT_TOKENS,
+    TRAIN_TOKENS,
+)
 
 _log = logging.getLogger("otelprof")
 
-ATTR_SAMPLES = "otelprof.samples"
-ATTR_TOKENS = "otelprof.tokens"
-ATTR_FLOPS = "otelprof.flops"
-ATTR_PEAK_FLOPS = "otelprof.peak_flops"
 PEAK_FLOPS_ENV = "OTELPROF_PEAK_FLOPS"
 DEFAULT_WINDOW = 100
 
@@ -169,8 +174,8 @@ class ThroughputTracker:
     def _make_instruments(self, meter_provider: Any) -> None:
         from opentelemetry.metrics import CallbackOptions, Observation
 
-        meter = meter_provider.get_meter("otelprof.throughput")
-        attrs = {"otelprof.phase": rec.PHASE_TRAIN}
+        meter = meter_provider.get_meter(THROUGHPUT_SCOPE)
+        attrs = {ATTR_PHASE: PHASE_TRAIN}
 
         def total(index: int) -> Any:
             def observe(_options: CallbackOptions) -> Iterable[Observation]:
@@ -179,12 +184,8 @@ class ThroughputTracker:
 
             return observe
 
-        meter.create_observable_counter(
-            "otelprof.train.samples", [total(0)], "{sample}", "samples trained on"
-        )
-        meter.create_observable_counter(
-            "otelprof.train.tokens", [total(1)], "{token}", "tokens trained on"
-        )
+        meter.create_observable_counter(TRAIN_SAMPLES, [total(0)], "{sample}", "samples trained on")
+        meter.create_observable_counter(TRAIN_TOKENS, [total(1)], "{token}", "tokens trained on")
 
         def gauge(index: int) -> Any:
             def observe(_options: CallbackOptions) -> Iterable[Observation]:
@@ -194,19 +195,19 @@ class ThroughputTracker:
             return observe
 
         meter.create_observable_gauge(
-            "otelprof.train.throughput.samples",
+            TRAIN_THROUGHPUT_SAMPLES,
             [gauge(0)],
             "{sample}/s",
             "samples per second of training-step time, over the last steps",
         )
         meter.create_observable_gauge(
-            "otelprof.train.throughput.tokens",
+            TRAIN_THROUGHPUT_TOKENS,
             [gauge(1)],
             "{token}/s",
             "tokens per second of training-step time, over the last steps",
         )
         meter.create_observable_gauge(
-            "otelprof.train.mfu",
+            TRAIN_MFU,
             [gauge(3)],
             "1",
             "model FLOP utilization: achieved FLOP/s over one device's peak, last steps",

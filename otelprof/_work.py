@@ -7,13 +7,8 @@ the throughput figures themselves are the run's `ThroughputTracker` (`_throughpu
 from __future__ import annotations
 
 from otelprof import _profiler
-from otelprof._throughput import (
-    ATTR_FLOPS,
-    ATTR_PEAK_FLOPS,
-    ATTR_SAMPLES,
-    ATTR_TOKENS,
-    _check_amount,
-)
+from otelprof._schema import ATTR_FLOPS, ATTR_PEAK_FLOPS, ATTR_SAMPLES, ATTR_TOKENS
+from otelprof._throughput import _check_amount
 from otelprof.timings import _recorder as rec
 
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
+from otelprof._schema import ATTR_COLLECTIVE, DDP_SPAN
+from otelprof._schema import COLLECTIVE_SPAN_PREFIX as SPAN_PREFIX
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -53,9 +55,6 @@ COLLECTIVES = (
     "barrier",
     "monitored_barrier",
 )
-ATTR_COLLECTIVE = "otelprof.collective"
-DDP_SPAN = "ddp.allreduce"
-SPAN_PREFIX = "dist."
 
 # op -> [nanoseconds, calls]; written from the training thread and DDP's comm threads
 # (dict/list updates under the GIL), read by the metric callback.

@@ -8,8 +8,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otelprof._distributed import collectives
 from otelprof._distributed.identity import InitProcessGroupHook
-
-COLLECTIVE_METRIC = "otelprof.collective.duration"
+from otelprof._schema import COLLECTIVE_DURATION as COLLECTIVE_METRIC
 
 
 class DistributedHooks:

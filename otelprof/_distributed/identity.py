@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from otelprof._distributed import ranks
+from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import ENVIRONMENT
 
 _log = logging.getLogger("otelprof")
 
 _INIT = "init_process_group"
-RANK_KEYS = ("otelprof.rank", "otelprof.local_rank", "otelprof.world_size", "otelprof.attempt")
+RANK_KEYS = (ATTR_RANK, ATTR_LOCAL_RANK, ATTR_WORLD_SIZE, ATTR_ATTEMPT)
 
 
 def run_id_explicit(options: Mapping[str, Any], env: Mapping[str, str]) -> bool:
@@ -65,9 +66,9 @@ def resolve(
 def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     """Whether the ranks in `env` differ from those a resource was built with."""
     for key, variable in (
-        ("otelprof.rank", "RANK"),
-        ("otelprof.local_rank", "LOCAL_RANK"),
-        ("otelprof.world_size", "WORLD_SIZE"),
+        (ATTR_RANK, "RANK"),
+        (ATTR_LOCAL_RANK, "LOCAL_RANK"),
+        (ATTR_WORLD_SIZE, "WORLD_SIZE"),
     ):
         if str(resource.get(key)) != env.get(variable):
             return True

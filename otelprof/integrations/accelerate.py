@@ -27,6 +27,7 @@ from typing import Any
 
 import otelprof
 from otelprof import _throughput
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -39,8 +40,6 @@ from otelprof.timings._api import (
     unwrap_optimizer,
 )
 
-FORWARD = "forward"
-BACKWARD = "backward"
 _AUTO_PHASES = (rec.PHASE_TRAIN, rec.PHASE_VALIDATION)
 
 _patch_lock = threading.Lock()

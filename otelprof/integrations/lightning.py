@@ -35,6 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -46,10 +47,8 @@ from otelprof.timings._api import (
 
 _log = logging.getLogger("otelprof")
 
-FORWARD = "forward"
 PHASE_TEST = "test"
 PHASE_PREDICT = "predict"
-BACKWARD = "backward"
 ZERO_GRAD = "zero_grad"
 
 # Lightning profiler action names (suffix after the class name) -> otelprof timing names

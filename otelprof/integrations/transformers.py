@@ -26,13 +26,11 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 import otelprof
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import STEP_LR_SCHEDULERS
-
-FORWARD = "forward"
-BACKWARD = "backward"
 
 _lock = threading.Lock()
 _active: list[OtelprofTrainerCallback] = []  # callbacks whose Trainer is training

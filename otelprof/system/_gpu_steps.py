@@ -19,13 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE
+from otelprof._schema import PHASE_TRAIN as TRAIN
+
 from . import names
 from ._common import Reading
 
 Training = Callable[[], "tuple[int, str] | None"]
 """(training steps completed, current phase), or None when no profiler is running."""
-
-TRAIN = "train"
 
 
 def no_training() -> tuple[int, str] | None:
@@ -83,7 +84,7 @@ class GpuStepMetrics:
                 attrs = {
                     names.HW_ID: r.attributes.get(names.HW_ID, ""),
                     names.GPU_INDEX: r.attributes.get(names.GPU_INDEX, -1),
-                    names.PHASE: phase,
+                    ATTR_PHASE: phase,
                 }
                 key = tuple(sorted(attrs.items()))
                 idle = (1.0 - min(1.0, max(0.0, r.value))) * seconds

@@ -13,17 +13,19 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from otelprof._schema import (
+    DATALOADER_NEXT,
+    FROM_DEVICE,
+    OPTIMIZER_STEP,
+    REDUCE_METRICS,
+    STEP_LR_SCHEDULERS,
+    TO_DEVICE,
+    TRAIN_BATCH,
+)
 from otelprof.timings import _engine
 from otelprof.timings import _recorder as _rec
 from otelprof.timings._recorder import Timing, timing
 
-DATALOADER_NEXT = "dataloader_next"
-TO_DEVICE = "to_device"
-FROM_DEVICE = "from_device"
-TRAIN_BATCH = "train_batch"
-STEP_LR_SCHEDULERS = "step_lr_schedulers"
-REDUCE_METRICS = "reduce_metrics"
-OPTIMIZER_STEP = "optimizer_step"
 DETERMINED_TIMINGS = (
     DATALOADER_NEXT,
     TO_DEVICE,

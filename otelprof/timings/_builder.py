@@ -23,13 +23,14 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
+from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof.export._spanlines import encode_span
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
 from otelprof.timings._sampling import (
-    DEFAULT_PHASE,
     MAX_BUFFERED,
     Aggregates,
     DurationHistogram,
@@ -48,12 +49,6 @@ YIELD_EVERY = 64
 YIELD_S = 50e-6
 """The builder sleeps this long every YIELD_EVERY frames (about 0.1 ms of its work), so the
 training thread never waits long for the GIL behind a burst of span building."""
-
-ATTR_STEP = "otelprof.step"
-ATTR_EPOCH = "otelprof.epoch"
-ATTR_PHASE = "otelprof.phase"
-ATTR_SOURCE = "otelprof.source"
-ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
 
 
 _Batch = tuple[DurationHistogram, list[int]]

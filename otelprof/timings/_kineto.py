@@ -20,15 +20,9 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
 from otelprof.timings import _recorder as rec
-from otelprof.timings._builder import (
-    ATTR_EPOCH,
-    ATTR_PHASE,
-    ATTR_SOURCE,
-    ATTR_STEP,
-    Clock,
-    SpanBuilder,
-)
+from otelprof.timings._builder import Clock, SpanBuilder
 from otelprof.timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
