@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from otelprof._distributed import ranks
+from otelprof._patch import Patches
 from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import ENVIRONMENT
 
@@ -165,7 +166,7 @@ class InitProcessGroupHook:
 
     def __init__(self, callback: Callable[[], None]) -> None:
         self._callback = callback
-        self._patched: list[tuple[Any, Any]] = []
+        self._patches = Patches()
 
     def install(self) -> None:
         if "torch" not in sys.modules:
@@ -188,10 +189,7 @@ class InitProcessGroupHook:
 
         for module in (dist, dist.distributed_c10d):
             if getattr(module, _INIT, None) is original:
-                self._patched.append((module, original))
-                setattr(module, _INIT, init_process_group)
+                self._patches.patch(module, _INIT, init_process_group)
 
     def remove(self) -> None:
-        while self._patched:
-            module, original = self._patched.pop()
-            setattr(module, _INIT, original)
+        self._patches.restore()

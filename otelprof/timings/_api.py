@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from otelprof._patch import Patch
 from otelprof._schema import (
     DATALOADER_NEXT,
     FROM_DEVICE,
@@ -287,23 +288,12 @@ def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> H
             f"instrument_lr_scheduler needs an object with a step() method, "
             f"got {type(scheduler).__name__}"
         )
-    had_own = "step" in vars(scheduler)
-    own = vars(scheduler).get("step")
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         with timing(name):
             return original(*args, **kwargs)
 
-    scheduler.step = timed_step
-
-    def remove() -> None:
-        if vars(scheduler).get("step") is timed_step:
-            if had_own:
-                scheduler.step = own
-            else:
-                del scheduler.step
-
-    return HookHandle(remove)
+    return HookHandle(Patch(scheduler, "step", timed_step).restore)
 
 
 def train_batch(**attributes: Any) -> Timing:

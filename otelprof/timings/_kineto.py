@@ -20,6 +20,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from otelprof._patch import Patch
 from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
 from otelprof.timings import _recorder as rec
 from otelprof.timings._builder import Clock, SpanBuilder
@@ -71,7 +72,7 @@ class KinetoSession:
         self._transitioning = False  # inside our own calls into torch's profiler
         self._disabled = False
         self._warned = False
-        self._patched: tuple[Any, Any] | None = None
+        self._patched: Patch | None = None
 
     def _torch_action(self, _step: int) -> Any:
         return self._torch.profiler.ProfilerAction[self._next.name]
@@ -168,16 +169,12 @@ class KinetoSession:
                 session._yield_to_foreign()
             return original(profile, *args, **kwargs)
 
-        _prepare_trace._otelprof_kineto_guard = True  # type: ignore[attr-defined]
-        cls._prepare_trace = _prepare_trace
-        self._patched = (cls, original)
+        self._patched = Patch(cls, "_prepare_trace", _prepare_trace)
 
     def _unpatch_foreign_start(self) -> None:
         patched, self._patched = self._patched, None
         if patched is not None:
-            cls, original = patched
-            if getattr(cls._prepare_trace, "_otelprof_kineto_guard", False):
-                cls._prepare_trace = original
+            patched.restore()
 
     def _yield_to_foreign(self) -> None:
         """Another profiler starts during our window: close ours (trace kept), then stand down."""
