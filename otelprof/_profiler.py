@@ -261,9 +261,12 @@ class _Session:
     def _start_timings(self) -> Any:
         if not self.settings.timings:
             return None
+        from otelprof._overhead import calibrate_range_cost
         from otelprof.timings import TimingsEngine
 
-        engine = TimingsEngine(self.span_targets, self.resource, self.settings)
+        engine = TimingsEngine(
+            self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
+        )
         engine.start()
         from otelprof.export._aggregates import AggregateMetrics
 

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
-from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
+from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter, encode_span
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -44,7 +44,7 @@ class ExportPipelines:
     """What the providers are built from, plus how to stop what the providers do not own."""
 
     span_processors: list[SpanProcessor] = field(default_factory=list)
-    frame_sinks: dict[SpanProcessor, SpanLineWriter] = field(default_factory=dict)
+    frame_sinks: dict[SpanProcessor, TraceFileSink] = field(default_factory=dict)
     """processor -> the writer the span builder encodes recorded ranges into, for the
     processors that have one (the trace file)."""
     metric_readers: list[MetricReader] = field(default_factory=list)
@@ -111,6 +111,16 @@ def _metric_reader(
         export_interval_millis=settings.interval_s * 1000,
         export_timeout_millis=settings.export_timeout_s * 1000,
     )
+
+
+class TraceFileSink:
+    """The trace file's writer as the span builder's frame sink: spans encoded as OTLP JSON
+    straight from their fields, no SDK objects (see otelprof/timings/_targets.py)."""
+
+    encode_span = staticmethod(encode_span)
+
+    def __init__(self, writer: SpanLineWriter) -> None:
+        self.write = writer.write
 
 
 class _FileSpanProcessor(CountingBatchSpanProcessor):
@@ -185,7 +195,7 @@ def _add_files(
             schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
         )
         pipelines.span_processors.append(processor)
-        pipelines.frame_sinks[processor] = writer
+        pipelines.frame_sinks[processor] = TraceFileSink(writer)
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
         metric_exporter.on_export.append(writer.flush_due)

@@ -25,7 +25,6 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
-from otelprof.export._spanlines import encode_span
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
@@ -683,7 +682,7 @@ class SpanBuilder:
         targets = self._targets
         try:
             if targets.frame_sinks:
-                self._encoded.append(encode_span(*fields))
+                self._encoded.append(targets.encode_span(*fields))  # type: ignore[misc]
                 if len(self._encoded) >= 4096:
                     self._write_encoded()
             others = targets.span_processors

@@ -86,12 +86,15 @@ class TimingsEngine:
         settings: Settings,
         *,
         builder_interval_s: float = 0.2,
+        calibrate: Callable[[], float] | None = None,
     ) -> None:
         """`targets`: the tracer provider's active span processor and `resource` its
         resource: where built spans go. `builder_interval_s`: how often the builder thread
         turns recorded ranges into spans (a burst of ranges is built in one go, off the
-        training thread)."""
+        training thread). `calibrate`: measures what one range costs the thread that opens
+        it, run by `start()` before the builder thread starts (`range_cost_s`)."""
         self._settings = settings
+        self._calibrate = calibrate
         self._clock = Clock()
         self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
         if self._torch is None and settings.cuda_events:
@@ -124,7 +127,7 @@ class TimingsEngine:
         self.kineto_captures = 0
         self._builder.sampler.on_anomaly = self._on_anomaly
         self._schedule_errors = 0
-        self.range_cost_s = 0.0  # one timing() range on the opening thread, set by start()
+        self.range_cost_s = 0.0  # one timing() range on the opening thread (`calibrate`)
         self._step_from_start = True  # the current step began at start(), not at step()
         self._phase = rec.PHASE_TRAIN
         self._ctx_is_block = False  # the current context began when its phase was entered
@@ -152,10 +155,9 @@ class TimingsEngine:
         _quiet_steps.reset()
         rec.capacity = self._settings.max_queued_spans
         rec.chunk_size = max(1, min(rec.CHUNK, rec.capacity // 4))
-        from otelprof._overhead import calibrate_range_cost
-
-        # for the overhead gauge: what one range costs this thread (before the builder runs)
-        self.range_cost_s = calibrate_range_cost()
+        if self._calibrate is not None:
+            # for the overhead gauge: what one range costs this thread (before the builder runs)
+            self.range_cost_s = self._calibrate()
         rec.cuda_timer = self._cuda
         self._set_torch_hooks()
         self._builder.start()

@@ -9,14 +9,18 @@ file) gets them already encoded from the builder, the others get ReadableSpans.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from opentelemetry.sdk.trace import SpanProcessor, SynchronousMultiSpanProcessor
 
 
 class FrameSink(Protocol):
-    """Takes spans the builder encoded as OTLP JSON (one string per span)."""
+    """Takes spans the builder encoded with the sink's own `encode_span` (one string per
+    span: OTLP JSON for the trace file), so the timings layer knows no file format."""
+
+    encode_span: Callable[..., str]
+    """(name, trace id, span id, parent id, start, end, attributes, error) -> one span."""
 
     def write(self, resource: Any, scope: Any, spans: Sequence[str]) -> bool: ...
 
@@ -32,6 +36,8 @@ class SpanTargets(SynchronousMultiSpanProcessor):
     def __init__(self) -> None:
         super().__init__()
         self.frame_sinks: tuple[FrameSink, ...] = ()
+        self.encode_span: Callable[..., str] | None = None
+        """The frame sinks' encoding (they share one; the builder encodes each span once)."""
         self.span_processors: tuple[SpanProcessor, ...] = ()
         """The processors the builder hands ReadableSpans (those without a frame sink)."""
 
@@ -42,6 +48,9 @@ class SpanTargets(SynchronousMultiSpanProcessor):
         super().add_span_processor(span_processor)
         with self._lock:
             if frame_sink is not None:
+                if self.frame_sinks and frame_sink.encode_span is not self.encode_span:
+                    raise ValueError("frame sinks of one provider must share their encoding")
+                self.encode_span = frame_sink.encode_span
                 self.frame_sinks += (frame_sink,)
             else:
                 self.span_processors += (span_processor,)
