@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
+from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Histogram,

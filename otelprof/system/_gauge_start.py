@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from otelprof._otel_compat import GAUGE_ENCODERS
 from otelprof._patch import Patch
 
-_PROTO = "opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder"
-_JSON = "opentelemetry.exporter.otlp.json.common._internal.metrics_encoder"
+(_PROTO, _PROTO_ENCODE), (_JSON, _JSON_ENCODE) = GAUGE_ENCODERS
 
 _lock = threading.Lock()
 _users = 0
@@ -52,8 +52,8 @@ def _json_encode_gauge_point(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 _TARGETS = (
-    (_PROTO, "_encode_metric", _proto_encode_metric),
-    (_JSON, "_encode_gauge_data_point", _json_encode_gauge_point),
+    (_PROTO, _PROTO_ENCODE, _proto_encode_metric),
+    (_JSON, _JSON_ENCODE, _json_encode_gauge_point),
 )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 
+from otelprof import _torch_compat
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
@@ -485,12 +486,10 @@ class TimingsEngine:
         torch = self._torch
         if torch is None:
             return
-        try:
-            rec.torch_profiler_state = torch.autograd.profiler
-            rec.torch_range_enter = torch.ops.profiler._record_function_enter_new
-            rec.torch_range_exit = torch.ops.profiler._record_function_exit._RecordFunction
-        except Exception:
-            rec.torch_profiler_state = None
+        ops = _torch_compat.record_function_ops(torch)
+        rec.torch_profiler_state = _torch_compat.profiler_state(torch) if ops else None
+        if ops is not None:
+            rec.torch_range_enter, rec.torch_range_exit = ops
 
 
 def _version() -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from otelprof import _torch_compat
 from otelprof._patch import Patch
 from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
 from otelprof.timings import _recorder as rec
@@ -80,11 +81,7 @@ class KinetoSession:
     def _another_profiler_active(self) -> bool:
         if self._ours:
             return False
-        try:
-            autograd = self._torch.autograd
-            return bool(autograd.profiler._is_profiler_enabled or autograd._profiler_enabled())
-        except Exception:
-            return True  # cannot tell: do not risk a second profiler
+        return _torch_compat.profiler_enabled(self._torch)
 
     def _admit(self, action: ScheduleAction) -> ScheduleAction:
         """The action torch gets: NONE when Kineto is off or another profiler is active."""
@@ -160,8 +157,10 @@ class KinetoSession:
 
     def _patch_foreign_start(self) -> None:
         """See a program's own profiler start: it must not run beside one of our windows."""
-        cls = self._torch.autograd.profiler.profile
-        original = cls._prepare_trace
+        cls = _torch_compat.profile_class(self._torch)
+        if cls is None:
+            return  # this torch starts its profiler another way: the guard is off
+        original = getattr(cls, _torch_compat.PROFILE_START)
         session = self
 
         def _prepare_trace(profile: Any, *args: Any, **kwargs: Any) -> Any:
@@ -169,7 +168,7 @@ class KinetoSession:
                 session._yield_to_foreign()
             return original(profile, *args, **kwargs)
 
-        self._patched = Patch(cls, "_prepare_trace", _prepare_trace)
+        self._patched = Patch(cls, _torch_compat.PROFILE_START, _prepare_trace)
 
     def _unpatch_foreign_start(self) -> None:
         patched, self._patched = self._patched, None
