@@ -13,7 +13,8 @@ Prometheus endpoint. Importing otelprof never imports torch by itself.
 """
 
 from otelprof._profiler import Profiler, active_profiler, instrument, uninstrument
-from otelprof._throughput import set_peak_flops, step_work
+from otelprof._throughput import set_peak_flops
+from otelprof._work import step_work
 from otelprof.config import ConfigError, Settings
 from otelprof.timings import (
     HookHandle,

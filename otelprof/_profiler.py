@@ -1,8 +1,13 @@
-"""The Profiler: builds the OTel providers, wires sources to exporters, owns the lifecycle.
+"""The Profiler: the composition root that builds every part of a run and owns its lifecycle.
 
 Sources (system gauges, timing spans) never know about exporters and exporters never
-sample; this module is the only place both are visible. Everything after `instrument()`
-returns runs on background threads, and nothing here lets an exception reach training code.
+sample; this module is the only place both are visible. It computes the run's identity
+once (`_Identity`), builds the parts in dependency order and hands each its collaborators
+(`_Session`); a new identity (a process group that appeared after `instrument()`) ends the
+session and starts a new one. Everything after `instrument()` returns runs on background
+threads, and nothing here lets an exception reach training code. Only the public functions
+(`instrument`, `uninstrument`, `active_profiler`, and those of `otelprof._work`) read the
+running profiler; parts are handed what they need.
 """
 
 from __future__ import annotations
@@ -13,25 +18,40 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
 from otelprof._run_end import DeferredSigterm, EndRecord, RunEndWatcher
+from otelprof._schema import (
+    ATTR_ATTEMPT,
+    ATTR_LOCAL_RANK,
+    ATTR_RANK,
+    ATTR_REASON,
+    ATTR_SOURCE,
+    ATTR_WORLD_SIZE,
+    PHASE_TRAIN,
+    SCOPE,
+    TELEMETRY_DROPPED,
+)
+from otelprof._throughput import ThroughputTracker
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
+from otelprof.export.wiring import file_names, file_suffix
 from otelprof.resource import build_resource
+from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _lock = threading.RLock()
 _active: Profiler | None = None
 
-SCOPE_NAME = "otelprof"
+SCOPE_NAME = SCOPE
 
 
 def _version() -> str:
@@ -43,58 +63,92 @@ def _version() -> str:
         return "0"
 
 
-class Profiler:
-    """A running otelprof session. Use `otelprof.instrument()` to get one.
+class _Identity:
+    """Who this process is in its job, computed once per session: the settings and the
+    environment they came from, the resource, and the ranks that name its files."""
 
-    Also a context manager: leaving the `with` block shuts it down.
+    def __init__(self, settings: Settings, env: dict[str, str], settled: bool) -> None:
+        self.settings = settings
+        self.env = env
+        self.settled = settled
+        """The ranks came from a process group and are final."""
+        self.resource: Resource = build_resource(settings, env)
+        attrs = self.resource.attributes
+        self.world_size = _int_attribute(attrs.get(ATTR_WORLD_SIZE), 1)
+        self.rank = _int_attribute(attrs.get(ATTR_RANK), 0)
+        self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
+        attempt = attrs.get(ATTR_ATTEMPT)
+        self.attempt = attempt if isinstance(attempt, int) else None
+
+    def file_names(self) -> tuple[str, str]:
+        """(metrics, traces) file names of this process (detached mode)."""
+        return file_names(self.world_size, self.rank, self.attempt)
+
+    def run_info_path(self) -> Path:
+        return (
+            self.settings.run_dir
+            / f"run{file_suffix(self.world_size, self.rank, self.attempt)}.json"
+        )
+
+
+class _Session:
+    """One identity's parts, built in dependency order and shut down once.
+
+    Exporters first (they make the files and endpoints), then the providers over them, then
+    the sources: system metrics, the timings engine, distributed hooks, self-telemetry. Each
+    part gets its collaborators here; none looks another up.
     """
 
     def __init__(
         self,
-        settings: Settings,
+        identity: _Identity,
         *,
-        env: dict[str, str] | None = None,
-        options: dict[str, Any] | None = None,
-        settled: bool = False,
+        end_run: Callable[[EndRecord], None],
+        on_new_identity: Callable[[], None],
     ) -> None:
-        """`env`/`options`: what the settings were resolved from (ranks of a process group
-        included); `settled`: the ranks came from a process group and are final."""
-        self.settings = settings
-        self._env = dict(os.environ) if env is None else env
-        self._options = dict(options or {})
-        self._settled = settled
-        self.resource = build_resource(settings, self._env)
-        self._counters = ExportCounters()
-        self._shutdown_done = False
+        """`end_run`: what a run end (exit, exception, SIGTERM) calls to shut the run down;
+        `on_new_identity`: what a process group appearing later calls."""
+        self.identity = identity
+        settings = self.settings = identity.settings
+        self.resource = identity.resource
+        self.counters = ExportCounters()
+        self._closed = False
         self._started_ns = time.time_ns()
-        attrs = self.resource.attributes
-        world_size = _int_attribute(attrs.get("otelprof.world_size"), 1)
-        rank = _int_attribute(attrs.get("otelprof.rank"), 0)
-        attempt = attrs.get("otelprof.attempt")
-        self._pipelines = build_pipelines(
+        self.pipelines = build_pipelines(
             settings,
-            self._counters,
-            world_size=world_size,
-            rank=rank,
-            attempt=attempt if isinstance(attempt, int) else None,
-            local_rank=_int_attribute(attrs.get("otelprof.local_rank"), 0),
+            self.counters,
+            world_size=identity.world_size,
+            rank=identity.rank,
+            attempt=identity.attempt,
+            local_rank=identity.local_rank,
         )
         self.meter_provider = MeterProvider(
-            resource=self.resource, metric_readers=self._pipelines.metric_readers
+            resource=self.resource, metric_readers=self.pipelines.metric_readers
         )
-        self.tracer_provider = TracerProvider(resource=self.resource)
-        for processor in self._pipelines.span_processors:
-            self.tracer_provider.add_span_processor(processor)
+        # the builder hands recorded ranges to these, encoded for the trace file's writer
+        self.span_targets = SpanTargets()
+        for processor in self.pipelines.span_processors:
+            self.span_targets.add_span_processor(
+                processor, self.pipelines.frame_sinks.get(processor)
+            )
+        self.tracer_provider = TracerProvider(
+            resource=self.resource, active_span_processor=self.span_targets
+        )
         self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
-        self._system = _degrade("system metrics", self._start_system_metrics)
-        self._timings = _degrade("timings", self._start_timings)
-        self._distributed = _degrade("distributed hooks", self._start_distributed)
+        self._throughput: ThroughputTracker | None = None
+        self._aggregate_metrics: Any = None
+        self.timings: Any = None
+        self.system = _degrade("system metrics", self._start_system_metrics)
+        self.timings = _degrade("timings", self._start_timings)
+        self.distributed = _degrade(
+            "distributed hooks", lambda: self._start_distributed(on_new_identity)
+        )
         self._register_self_telemetry()
-        if self._timings is not None:  # what profiling costs, in the same dashboards
+        if self.timings is not None:  # what profiling costs, in the same dashboards
             from otelprof._overhead import OverheadGauges
 
             self._overhead = _degrade(
-                "overhead gauges", lambda: OverheadGauges(self._meter, self._timings)
+                "overhead gauges", lambda: OverheadGauges(self._meter, self.timings)
             )
         self._end: EndRecord | None = None
         if settings.detached:
@@ -105,98 +159,59 @@ class Profiler:
                 settings.run_dir,
                 settings.run_dir,
             )
-        self._run_end = RunEndWatcher(self._shutdown, self._mark_end, settings.export_timeout_s)
-        _degrade("run-end recording", self._run_end.install)
-
-    # -- public -------------------------------------------------------------------------
+        self.run_end = RunEndWatcher(end_run, self._mark_end, settings.export_timeout_s)
+        _degrade("run-end recording", self.run_end.install)
 
     @property
-    def run_dir(self) -> Path | None:
-        """Directory of this run's OTLP JSON Lines files (detached mode), else None."""
-        return self.settings.run_dir if self.settings.detached else None
+    def closed(self) -> bool:
+        return self._closed
 
-    @property
-    def files(self) -> dict[str, Path]:
-        """{"metrics": path, "traces": path} of the detached-mode files."""
-        return dict(self._pipelines.files)
-
-    @property
-    def prometheus_port(self) -> int | None:
-        """The port the Prometheus /metrics endpoint listens on (pull mode), else None."""
-        return self._pipelines.prometheus_port
-
-    def step(self) -> None:
-        """Mark a training-step boundary (like `torch.profiler.profile.step()`)."""
-        if self._timings is not None:
-            self._timings.step()
-
-    def set_epoch(self, epoch: int | None) -> None:
-        """Tag the following steps' spans with `otelprof.epoch`."""
-        if self._timings is not None:
-            self._timings.set_epoch(epoch)
-
-    def set_phase(self, phase: str) -> str:
-        """Enter a phase ("train", "validation", "checkpoint"); returns the previous one
-        (see `otelprof.phase`)."""
-        if self._timings is None:
-            from otelprof.timings._engine import check_phase
-
-            check_phase(phase)
-            return "train"
-        return self._timings.set_phase(phase)
-
-    def timing(self, name: str, **attributes: Any) -> Any:
-        """A timing span around a block or function (see `otelprof.timing`)."""
-        if self._timings is None:
-            return contextlib.nullcontext()
-        return self._timings.timing(name, **attributes)
+    def throughput(self) -> ThroughputTracker | None:
+        """This run's throughput tracker, made on first use (a step listener costs every
+        step something, so none is added before `step_work()` is called)."""
+        tracker = self._throughput
+        if tracker is not None or self.timings is None:
+            return tracker
+        with _lock:
+            if self._throughput is None:
+                self._throughput = ThroughputTracker(self.timings, self.meter_provider)
+            return self._throughput
 
     def stats(self) -> dict[str, int]:
-        """Counts of what was exported, dropped or failed, per exporter and per source.
-
-        `dropped_total` sums every item lost anywhere (queue full, failed export,
-        recorder overflow), so a single number tells whether the data is complete.
-        """
-        counts = self._counters.snapshot()
-        if self._timings is not None:
+        counts = self.counters.snapshot()
+        if self.timings is not None:
             with contextlib.suppress(Exception):
-                for key, value in self._timings.stats().items():
+                for key, value in self.timings.stats().items():
                     counts[f"timings.{key}"] = int(value)
         counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
         return counts
 
-    def shutdown(self) -> None:
-        """Flush every exporter and stop every thread; idempotent, never raises."""
-        self._shutdown(self._run_end.end_record("shutdown"))
-
-    def _shutdown(self, end: EndRecord) -> None:
-        global _active
+    def shutdown(self, end: EndRecord) -> None:
+        """Record how the run ended, flush every exporter and stop every thread; once."""
         with _lock:
-            if self._shutdown_done:
+            if self._closed:
                 return
-            self._shutdown_done = True
-            if _active is self:
-                _active = None
+            self._closed = True
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
         with contextlib.suppress(Exception):
             self._mark_end(end)
         with contextlib.suppress(Exception):
-            self._run_end.uninstall()
+            self.run_end.uninstall()
         # Flushing gets one export timeout in all; exports still retrying after that (a
         # collector that is down) are abandoned and what they held is counted as dropped.
-        watchdog = threading.Timer(self.settings.export_timeout_s, self._pipelines.abandon_exports)
+        watchdog = threading.Timer(self.settings.export_timeout_s, self.pipelines.abandon_exports)
         watchdog.daemon = True
         watchdog.start()
         steps: list[tuple[str, Any]] = [
-            ("distributed hooks", self._distributed.remove if self._distributed else None),
-            ("timings", self._timings.shutdown if self._timings else None),
-            ("timing histograms", self._final_aggregates if self._timings else None),
+            ("distributed hooks", self.distributed.remove if self.distributed else None),
+            ("timings", self.timings.shutdown if self.timings else None),
+            ("timing histograms", self._final_aggregates if self.timings else None),
             ("traces", self.tracer_provider.shutdown),
-            ("system metrics final sample", self._system.final_sample if self._system else None),
+            ("system metrics final sample", self.system.final_sample if self.system else None),
             ("metrics", self.meter_provider.shutdown),
-            ("system metrics", self._system.close if self._system else None),
-            ("exporter resources", self._pipelines.close),
+            ("system metrics", self.system.close if self.system else None),
+            ("exporter resources", self.pipelines.close),
         ]
         with DeferredSigterm():  # a launcher's SIGTERM now would lose the held lines
             for what, action in steps:
@@ -215,18 +230,7 @@ class Profiler:
             lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
             _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
 
-    def __enter__(self) -> Profiler:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._shutdown(self._run_end.end_record("context exit", exc))
-
-    # -- wiring -------------------------------------------------------------------------
+    # -- parts --------------------------------------------------------------------------
 
     def _start_system_metrics(self) -> Any:
         from otelprof.system import SystemMetricsSettings, register_system_metrics
@@ -243,21 +247,33 @@ class Profiler:
                 process_metrics=s.process_metrics,
                 torch_cuda_memory=s.process_metrics,
             ),
+            training=self._training_progress,
         )
+
+    def _training_progress(self) -> tuple[int, str] | None:
+        """(training steps completed, phase) for the GPU per-step metrics, while the timings
+        engine runs (read off the training thread, never written)."""
+        engine = self.timings
+        if engine is None or not engine.running:
+            return None
+        return int(engine.step_number), str(engine.phase)
 
     def _start_timings(self) -> Any:
         if not self.settings.timings:
             return None
+        from otelprof._overhead import calibrate_range_cost
         from otelprof.timings import TimingsEngine
 
-        engine = TimingsEngine(self.tracer_provider, self.settings)
+        engine = TimingsEngine(
+            self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
+        )
         engine.start()
         from otelprof.export._aggregates import AggregateMetrics
 
         # every range's duration, as histograms in every metrics export (traces are sampled)
         self._aggregate_metrics = AggregateMetrics(engine.aggregates, self.resource, _version())
-        self._counters.add_metric_extra(self._aggregate_metrics.merge)
-        registry = self._pipelines.prometheus_registry
+        self.counters.add_metric_extra(self._aggregate_metrics.merge)
+        registry = self.pipelines.prometheus_registry
         if registry is not None:  # and on the pull endpoint, at each scrape
             from otelprof.export._prom_histograms import register
 
@@ -267,48 +283,15 @@ class Profiler:
             )
         return engine
 
-    def _start_distributed(self) -> Any:
+    def _start_distributed(self, on_new_identity: Callable[[], None]) -> Any:
         from otelprof._distributed.hooks import DistributedHooks
 
-        return DistributedHooks.start(self, self._meter)
-
-    def _reidentify(self) -> None:
-        """A process group appeared after `instrument()`: restart under its ranks (see
-        otelprof/_distributed/identity.py) if they differ from the ones this run started with."""
-        global _active
-        from otelprof._distributed import identity
-
-        if self._settled or self._shutdown_done:
-            return
-        env, options, settled = identity.resolve(self._options, self._env)
-        same_run = options.get("run_id", self.settings.run_id) == self.settings.run_id
-        if not settled or (same_run and not identity.differs(self.resource.attributes, env)):
-            self._settled = settled
-            return
-        _log.info("otelprof: process group found; restarting as rank %s of %s",
-                  env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
-        old_files = dict(self._pipelines.files)
-        self.shutdown()
-        settings = Settings.from_options(env=env, **options)
-        resource = build_resource(settings, env)
-        world = _int_attribute(resource.attributes.get("otelprof.world_size"), 1)
-        rank = _int_attribute(resource.attributes.get("otelprof.rank"), 0)
-        attempt = resource.attributes.get("otelprof.attempt")
-        if settings.detached:
-            from otelprof.export.wiring import file_names
-
-            metrics, traces = file_names(world, rank, attempt if isinstance(attempt, int) else None)
-            new_files = {"metrics": settings.run_dir / metrics, "traces": settings.run_dir / traces}
-            identity.relocate(old_files, new_files, resource.attributes)
-        with _lock:
-            self.__init__(settings, env=env, options=self._options, settled=True)  # type: ignore[misc]
-            _active = self
+        return DistributedHooks.start(self._meter, on_new_identity)
 
     def _final_aggregates(self) -> None:
         """The builder has drained: the last metrics export carries the final histograms."""
-        aggregate_metrics = getattr(self, "_aggregate_metrics", None)
-        if aggregate_metrics is not None:
-            aggregate_metrics.final = True
+        if self._aggregate_metrics is not None:
+            self._aggregate_metrics.final = True
 
     def _register_self_telemetry(self) -> None:
         """Expose drops as a metric too, so they show up wherever the data goes."""
@@ -318,10 +301,10 @@ class Profiler:
                 if not _is_loss(key) or key == "dropped_total":
                     continue
                 source, _, reason = key.partition(".")
-                yield Observation(value, {"otelprof.source": source, "otelprof.reason": reason})
+                yield Observation(value, {ATTR_SOURCE: source, ATTR_REASON: reason})
 
         self._meter.create_observable_counter(
-            "otelprof.telemetry.dropped",
+            TELEMETRY_DROPPED,
             callbacks=[observe],
             unit="{item}",
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
@@ -341,51 +324,151 @@ class Profiler:
             "resource": {k: v for k, v in self.resource.attributes.items()},
             "interval_s": s.interval_s,
             "endpoint": s.endpoint,
-            "files": {k: p.name for k, p in self._pipelines.files.items()},
+            "files": {k: p.name for k, p in self.pipelines.files.items()},
         }
-        if isinstance(self.resource.attributes.get("otelprof.attempt"), int):
-            info["attempt"] = self.resource.attributes["otelprof.attempt"]  # elastic restart
+        if self.identity.attempt is not None:
+            info["attempt"] = self.identity.attempt  # elastic restart
         if self._end is not None:
             info["end"] = self._end
         if stats is not None:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
-        from otelprof.export.wiring import file_suffix
-
-        res = info["resource"]
-        attempt = res.get("otelprof.attempt")
-        suffix = file_suffix(
-            _int_attribute(res.get("otelprof.world_size"), 1),
-            _int_attribute(res.get("otelprof.rank"), 0),
-            attempt if isinstance(attempt, int) else None,
-        )
-        path = s.run_dir / f"run{suffix}.json"
+        path = self.identity.run_info_path()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
         tmp.replace(path)
 
 
-class _BorrowedProfiler(Profiler):
-    """The running profiler as seen by a nested or repeated `instrument()` call.
+class Profiler:
+    """A running otelprof session. Use `otelprof.instrument()` to get one.
 
-    Everything is the running profiler's, except that leaving a `with` block or calling
-    `shutdown()` does not tear down a profiler this caller did not create (a callback, a
-    library that calls `instrument()` itself). `otelprof.uninstrument()` still stops it.
+    Also a context manager: leaving the `with` block shuts it down. A nested or repeated
+    `instrument()` returns a handle that shares the running profiler's session but does not
+    own it: its `shutdown()` and `with` exit leave the profiler running.
     """
 
-    def __init__(self, owner: Profiler) -> None:
-        # Profiler.__init__ is skipped on purpose: every attribute is the owner's.
-        object.__setattr__(self, "_owner", owner)
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        options: dict[str, Any] | None = None,
+        settled: bool = False,
+        _owner: Profiler | None = None,
+    ) -> None:
+        """`env`/`options`: what the settings were resolved from (ranks of a process group
+        included); `settled`: the ranks came from a process group and are final.
+        `_owner`: make a borrowed handle on that running profiler instead."""
+        if _owner is not None:
+            self._owner: Profiler = _owner._owner
+            return
+        if settings is None:
+            raise TypeError("Profiler needs settings; use otelprof.instrument()")
+        self._owner = self
+        self._options = dict(options or {})
+        self._current = self._new_session(
+            _Identity(settings, dict(os.environ) if env is None else env, settled)
+        )
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(object.__getattribute__(self, "_owner"), name)
+    def _new_session(self, identity: _Identity) -> _Session:
+        return _Session(identity, end_run=self._end_run, on_new_identity=self._new_identity)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(object.__getattribute__(self, "_owner"), name, value)
+    @property
+    def _session(self) -> _Session:
+        return self._owner._current
+
+    @property
+    def _borrowed(self) -> bool:
+        return self._owner is not self
+
+    # -- public -------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        """The resolved configuration of this run."""
+        return self._session.settings
+
+    @property
+    def resource(self) -> Resource:
+        """The OTel resource every metric and span of this run carries."""
+        return self._session.resource
+
+    @property
+    def tracer_provider(self) -> TracerProvider:
+        """The SDK tracer provider, to add your own spans to the same pipeline."""
+        return self._session.tracer_provider
+
+    @property
+    def meter_provider(self) -> MeterProvider:
+        """The SDK meter provider, to add your own instruments to the same pipeline."""
+        return self._session.meter_provider
+
+    @property
+    def run_dir(self) -> Path | None:
+        """Directory of this run's OTLP JSON Lines files (detached mode), else None."""
+        s = self.settings
+        return s.run_dir if s.detached else None
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """{"metrics": path, "traces": path} of the detached-mode files."""
+        return dict(self._session.pipelines.files)
+
+    @property
+    def prometheus_port(self) -> int | None:
+        """The port the Prometheus /metrics endpoint listens on (pull mode), else None."""
+        return self._session.pipelines.prometheus_port
+
+    def step(self) -> None:
+        """Mark a training-step boundary (like `torch.profiler.profile.step()`)."""
+        timings = self._session.timings
+        if timings is not None:
+            timings.step()
+
+    def set_epoch(self, epoch: int | None) -> None:
+        """Tag the following steps' spans with `otelprof.epoch`."""
+        timings = self._session.timings
+        if timings is not None:
+            timings.set_epoch(epoch)
+
+    def set_phase(self, phase: str) -> str:
+        """Enter a phase ("train", "validation", "checkpoint"); returns the previous one
+        (see `otelprof.phase`)."""
+        timings = self._session.timings
+        if timings is None:
+            from otelprof.timings._engine import check_phase
+
+            check_phase(phase)
+            return PHASE_TRAIN
+        return timings.set_phase(phase)
+
+    def timing(self, name: str, **attributes: Any) -> Any:
+        """A timing span around a block or function (see `otelprof.timing`)."""
+        timings = self._session.timings
+        if timings is None:
+            return contextlib.nullcontext()
+        return timings.timing(name, **attributes)
+
+    def stats(self) -> dict[str, int]:
+        """Counts of what was exported, dropped or failed, per exporter and per source.
+
+        `dropped_total` sums every item lost anywhere (queue full, failed export,
+        recorder overflow), so a single number tells whether the data is complete.
+        """
+        return self._session.stats()
 
     def shutdown(self) -> None:
-        """No-op: the profiler belongs to the `instrument()` call that created it."""
-        _log.debug("otelprof: shutdown() of a nested instrument() ignored; the outer one owns it")
+        """Flush every exporter and stop every thread; idempotent, never raises. A
+        borrowed handle's does nothing: the profiler belongs to the call that created it."""
+        if self._borrowed:
+            _log.debug(
+                "otelprof: shutdown() of a nested instrument() ignored; the outer one owns it"
+            )
+            return
+        self._end_run(self._session.run_end.end_record("shutdown"))
+
+    def __enter__(self) -> Profiler:
+        return self
 
     def __exit__(
         self,
@@ -393,10 +476,63 @@ class _BorrowedProfiler(Profiler):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.shutdown()
+        if self._borrowed:
+            self.shutdown()
+            return
+        self._end_run(self._session.run_end.end_record("context exit", exc))
 
     def __repr__(self) -> str:
-        return f"<otelprof profiler {self.settings.run_id} (nested instrument())>"
+        if self._borrowed:
+            return f"<otelprof profiler {self.settings.run_id} (nested instrument())>"
+        return object.__repr__(self)
+
+    # -- internal -----------------------------------------------------------------------
+
+    @property
+    def _timings(self) -> Any:
+        """The timings engine (None without timings); tests and integrations look at it."""
+        return self._session.timings
+
+    @property
+    def _distributed(self) -> Any:
+        return self._session.distributed
+
+    def _end_run(self, end: EndRecord) -> None:
+        """Shut the current session down and stop being the active profiler."""
+        global _active
+        with _lock:
+            if _active is self and not self._session.closed:
+                _active = None
+        self._session.shutdown(end)
+
+    def _new_identity(self) -> None:
+        """A process group appeared after `instrument()`: restart under its ranks (see
+        otelprof/_distributed/identity.py) if they differ from the ones this run started with."""
+        global _active
+        from otelprof._distributed import identity
+
+        session = self._session
+        old = session.identity
+        if old.settled or session.closed:
+            return
+        env, options, settled = identity.resolve(self._options, old.env)
+        same_run = options.get("run_id", old.settings.run_id) == old.settings.run_id
+        if not settled or (same_run and not identity.differs(old.resource.attributes, env)):
+            old.settled = settled
+            return
+        _log.info("otelprof: process group found; restarting as rank %s of %s",
+                  env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
+        old_files = dict(session.pipelines.files)
+        self.shutdown()
+        new = _Identity(Settings.from_options(env=env, **options), env, settled=True)
+        if new.settings.detached:
+            metrics, traces = new.file_names()
+            run_dir = new.settings.run_dir
+            new_files = {"metrics": run_dir / metrics, "traces": run_dir / traces}
+            identity.relocate(old_files, new_files, new.resource.attributes)
+        with _lock:
+            self._current = self._new_session(new)
+            _active = self
 
 
 def _degrade(what: str, start: Any) -> Any:
@@ -431,7 +567,7 @@ def instrument(**options: Any) -> Profiler:
                     "otelprof: instrument() called again while running; options %s ignored",
                     sorted(options),
                 )
-            return _BorrowedProfiler(_active)
+            return Profiler(_owner=_active)
         from otelprof._distributed.identity import resolve
 
         env, resolved, settled = resolve(options)

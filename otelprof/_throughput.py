@@ -30,15 +30,19 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from otelprof.timings import _engine
-from otelprof.timings import _recorder as rec
+from otelprof._schema import (
+    ATTR_PHASE,
+    PHASE_TRAIN,
+    THROUGHPUT_SCOPE,
+    TRAIN_MFU,
+    TRAIN_SAMPLES,
+    TRAIN_THROUGHPUT_SAMPLES,
+    TRAIN_THROUGHPUT_TOKENS,
+    TRAIN_TOKENS,
+)
 
 _log = logging.getLogger("otelprof")
 
-ATTR_SAMPLES = "otelprof.samples"
-ATTR_TOKENS = "otelprof.tokens"
-ATTR_FLOPS = "otelprof.flops"
-ATTR_PEAK_FLOPS = "otelprof.peak_flops"
 PEAK_FLOPS_ENV = "OTELPROF_PEAK_FLOPS"
 DEFAULT_WINDOW = 100
 
@@ -107,27 +111,25 @@ def parse_peak(value: Any, source: str) -> float:
 _lock = threading.Lock()
 _declared_peak: float | None = None
 _precision = "16-bit"
-_tracker: _Tracker | None = None
+_peak_generation = 0  # bumped when the declared peak or precision changes
 
 
 def set_peak_flops(flops_per_s: float | None) -> None:
     """Declare one device's peak FLOP/s for MFU (e.g. 312e12 for an A100 in bf16); None goes
     back to `OTELPROF_PEAK_FLOPS`, then to the table of common GPUs."""
-    global _declared_peak
+    global _declared_peak, _peak_generation
     _declared_peak = None if flops_per_s is None else parse_peak(flops_per_s, "set_peak_flops")
-    if _tracker is not None:
-        _tracker._peak_logged = False  # resolved again at the next step_work(flops=...)
+    _peak_generation += 1  # resolved again at the next step_work(flops=...)
 
 
 def set_precision(precision: str) -> None:
     """Which column of the peak table applies ("16-bit" or "32-bit"); set by integrations
     from the framework's precision setting."""
-    global _precision
+    global _precision, _peak_generation
     if precision not in _PRECISIONS:
         raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
     _precision = precision
-    if _tracker is not None:
-        _tracker._peak_logged = False
+    _peak_generation += 1
 
 
 def resolve_peak_flops() -> tuple[float | None, str]:
@@ -152,8 +154,9 @@ def resolve_peak_flops() -> tuple[float | None, str]:
     return None, "no GPU (declare the peak with set_peak_flops or OTELPROF_PEAK_FLOPS)"
 
 
-class _Tracker:
-    """Work per step on the training thread; window figures for the gauges."""
+class ThroughputTracker:
+    """Work per step on the training thread; window figures for the gauges. The Profiler
+    owns one per run, made at the first `step_work()`."""
 
     def __init__(self, engine: Any, meter_provider: Any, window: int = DEFAULT_WINDOW) -> None:
         self.engine = engine
@@ -163,7 +166,7 @@ class _Tracker:
         self.window: deque[tuple[int, float, float, float]] = deque(maxlen=window)
         self.peak: float | None = None
         self.peak_source = ""
-        self._peak_logged = False
+        self._peak_generation = -1  # the `_peak_generation` `peak` was resolved under
         self._remove = engine.add_step_listener(self.on_step)
         if meter_provider is not None:
             self._make_instruments(meter_provider)
@@ -171,8 +174,8 @@ class _Tracker:
     def _make_instruments(self, meter_provider: Any) -> None:
         from opentelemetry.metrics import CallbackOptions, Observation
 
-        meter = meter_provider.get_meter("otelprof.throughput")
-        attrs = {"otelprof.phase": rec.PHASE_TRAIN}
+        meter = meter_provider.get_meter(THROUGHPUT_SCOPE)
+        attrs = {ATTR_PHASE: PHASE_TRAIN}
 
         def total(index: int) -> Any:
             def observe(_options: CallbackOptions) -> Iterable[Observation]:
@@ -181,12 +184,8 @@ class _Tracker:
 
             return observe
 
-        meter.create_observable_counter(
-            "otelprof.train.samples", [total(0)], "{sample}", "samples trained on"
-        )
-        meter.create_observable_counter(
-            "otelprof.train.tokens", [total(1)], "{token}", "tokens trained on"
-        )
+        meter.create_observable_counter(TRAIN_SAMPLES, [total(0)], "{sample}", "samples trained on")
+        meter.create_observable_counter(TRAIN_TOKENS, [total(1)], "{token}", "tokens trained on")
 
         def gauge(index: int) -> Any:
             def observe(_options: CallbackOptions) -> Iterable[Observation]:
@@ -196,19 +195,19 @@ class _Tracker:
             return observe
 
         meter.create_observable_gauge(
-            "otelprof.train.throughput.samples",
+            TRAIN_THROUGHPUT_SAMPLES,
             [gauge(0)],
             "{sample}/s",
             "samples per second of training-step time, over the last steps",
         )
         meter.create_observable_gauge(
-            "otelprof.train.throughput.tokens",
+            TRAIN_THROUGHPUT_TOKENS,
             [gauge(1)],
             "{token}/s",
             "tokens per second of training-step time, over the last steps",
         )
         meter.create_observable_gauge(
-            "otelprof.train.mfu",
+            TRAIN_MFU,
             [gauge(3)],
             "1",
             "model FLOP utilization: achieved FLOP/s over one device's peak, last steps",
@@ -216,6 +215,16 @@ class _Tracker:
 
     def close(self) -> None:
         self._remove()
+
+    def resolve_peak(self) -> float | None:
+        """The peak FLOP/s, resolved again after `set_peak_flops`/`set_precision` (a
+        missing peak is logged once per resolution)."""
+        if self._peak_generation != _peak_generation:
+            self._peak_generation = _peak_generation
+            self.peak, self.peak_source = resolve_peak_flops()
+            if self.peak is None:
+                _log.warning("otelprof: no MFU: %s", self.peak_source)
+        return self.peak
 
     def add(self, samples: float | None, tokens: float | None, flops: float | None) -> None:
         for i, value in enumerate((samples, tokens, flops)):
@@ -244,59 +253,3 @@ class _Tracker:
         if not self.declared[index]:
             return None
         return sum(s[index + 1] for s in steps) / seconds
-
-
-def _current_tracker() -> _Tracker | None:
-    """The tracker of the running profiler, made on first use (None when none runs)."""
-    global _tracker
-    engine = _engine._active
-    if engine is None:
-        return None
-    tracker = _tracker
-    if tracker is not None and tracker.engine is engine:
-        return tracker
-    with _lock:
-        if _tracker is not None and _tracker.engine is engine:
-            return _tracker
-        if _tracker is not None:
-            _tracker.close()
-        from otelprof._profiler import active_profiler
-
-        prof = active_profiler()
-        provider = getattr(prof, "meter_provider", None) if prof is not None else None
-        _tracker = _Tracker(engine, provider)
-        return _tracker
-
-
-def step_work(
-    samples: float | None = None, tokens: float | None = None, flops: float | None = None
-) -> None:
-    """Declare work done in the current step (adds up over calls, e.g. micro-batches):
-    `samples` (batch size), `tokens`, and the step's `flops` (forward + backward). Feeds
-    samples/s, tokens/s and MFU; no-op when no profiler runs. Raises ValueError on a
-    negative or non-numeric amount."""
-    s = _check_amount("samples", samples)
-    t = _check_amount("tokens", tokens)
-    f = _check_amount("flops", flops)
-    ctx = rec.recorder.current
-    if ctx is not None:
-        attrs = ctx.attrs
-        if attrs is None:
-            attrs = ctx.attrs = {}
-        for key, value in ((ATTR_SAMPLES, s), (ATTR_TOKENS, t), (ATTR_FLOPS, f)):
-            if value is not None:
-                attrs[key] = attrs.get(key, 0.0) + value
-    tracker = _current_tracker()
-    if tracker is None:
-        return
-    if f is not None:
-        if not tracker._peak_logged:
-            tracker.peak, tracker.peak_source = resolve_peak_flops()
-            tracker._peak_logged = True
-            if tracker.peak is None:
-                _log.warning("otelprof: no MFU: %s", tracker.peak_source)
-        if ctx is not None and tracker.peak is not None:
-            ctx.attrs[ATTR_PEAK_FLOPS] = tracker.peak  # type: ignore[index]
-    engine = _engine._active
-    if engine is not None and engine.phase == rec.PHASE_TRAIN:
-        tracker.add(s, t, f)

@@ -13,15 +13,16 @@ from collections.abc import Mapping
 
 from opentelemetry.sdk.resources import Resource
 
+from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import Settings
 
 # environment variable -> (resource attribute, is integer)
 _RANK_ENV = {
-    "RANK": ("otelprof.rank", True),
-    "LOCAL_RANK": ("otelprof.local_rank", True),
-    "WORLD_SIZE": ("otelprof.world_size", True),
+    "RANK": (ATTR_RANK, True),
+    "LOCAL_RANK": (ATTR_LOCAL_RANK, True),
+    "WORLD_SIZE": (ATTR_WORLD_SIZE, True),
     # which restart of an elastic job (torchrun --max-restarts): attempts are kept apart
-    "TORCHELASTIC_RESTART_COUNT": ("otelprof.attempt", True),
+    "TORCHELASTIC_RESTART_COUNT": (ATTR_ATTEMPT, True),
 }
 _DETERMINED_ENV = {
     "DET_EXPERIMENT_ID": ("determined.experiment.id", True),
@@ -49,9 +50,9 @@ def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
     Single-process runs get rank 0 of world size 1 so queries can always group by rank.
     """
     attributes: dict[str, str | int] = {
-        "otelprof.rank": 0,
-        "otelprof.local_rank": 0,
-        "otelprof.world_size": 1,
+        ATTR_RANK: 0,
+        ATTR_LOCAL_RANK: 0,
+        ATTR_WORLD_SIZE: 1,
     }
     for variable, (key, integer) in {**_RANK_ENV, **_DETERMINED_ENV}.items():
         value = env.get(variable)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
 
 import otelprof
 from otelprof.export._spanlines import SpanLineWriter, encode_span
 from otelprof.export.counters import ExportCounters
 from otelprof.timings._builder import Clock, SpanBuilder
+from otelprof.timings._targets import SpanTargets
 from tests.otlp_files import read_lines, read_spans
 
 
@@ -40,7 +40,7 @@ def test_the_span_encoder_caches_short_attribute_values_but_not_stack_traces() -
 
 
 def test_encoded_spans_equal_the_sdk_exporters_json_for_every_field_kind() -> None:
-    builder = SpanBuilder(TracerProvider(resource=Resource({"service.name": "t"})), Clock())
+    builder = SpanBuilder(SpanTargets(), Resource({"service.name": "t"}), Clock())
     cases = [
         ("step", 1 << 100, 0xABC, 0, 10, 20, {"otelprof.step": 3}, None),
         (

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from otelprof.config import Settings
 from otelprof.timings import TimingsEngine
+from otelprof.timings._targets import SpanTargets
 from tests.otlp_files import Span, read_spans
 
 
@@ -37,11 +38,13 @@ class TimingsRun:
 def start_run(tmp_path: Path, start: bool = True, **options: Any) -> TimingsRun:
     settings = Settings.from_options(output_dir=str(tmp_path), run_id="run", env={}, **options)
     path = tmp_path / "traces.jsonl"
+    targets = SpanTargets()  # as the Profiler builds it: the provider's active processor
     provider = TracerProvider(
-        resource=Resource.create({"service.name": "timings-test", "otelprof.rank": 3})
+        resource=Resource.create({"service.name": "timings-test", "otelprof.rank": 3}),
+        active_span_processor=targets,
     )
     provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(str(path))))
-    engine = TimingsEngine(provider, settings)
+    engine = TimingsEngine(targets, provider.resource, settings)
     if start:
         engine.start()
     return TimingsRun(engine, provider, path, settings)

@@ -30,6 +30,9 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
+from otelprof._patch import Patches
+from otelprof._schema import ATTR_COLLECTIVE, DDP_SPAN
+from otelprof._schema import COLLECTIVE_SPAN_PREFIX as SPAN_PREFIX
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -53,9 +56,6 @@ COLLECTIVES = (
     "barrier",
     "monitored_barrier",
 )
-ATTR_COLLECTIVE = "otelprof.collective"
-DDP_SPAN = "ddp.allreduce"
-SPAN_PREFIX = "dist."
 
 # op -> [nanoseconds, calls]; written from the training thread and DDP's comm threads
 # (dict/list updates under the GIL), read by the metric callback.
@@ -150,7 +150,7 @@ class CollectiveTiming:
     """Patches torch.distributed's collectives and DDP; `remove()` restores them exactly."""
 
     def __init__(self) -> None:
-        self._patched: list[tuple[Any, str, Any]] = []
+        self._patches = Patches()
 
     def install(self) -> None:
         global _enabled
@@ -168,13 +168,9 @@ class CollectiveTiming:
             wrapper = _timed(name, original)
             for module in (dist, c10d):
                 if getattr(module, name, None) is original:
-                    self._patch(module, name, wrapper)
+                    self._patches.patch(module, name, wrapper)
         self._patch_ddp()
         _enabled = True
-
-    def _patch(self, owner: Any, name: str, value: Any) -> None:
-        self._patched.append((owner, name, owner.__dict__.get(name, getattr(owner, name))))
-        setattr(owner, name, value)
 
     def _patch_ddp(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -187,7 +183,7 @@ class CollectiveTiming:
                 _register_hook(self)
             return original(self, *args, **kwargs)
 
-        self._patch(DDP, "forward", forward)
+        self._patches.patch(DDP, "forward", forward)
         original_register = DDP.__dict__["register_comm_hook"]
 
         @functools.wraps(original_register)
@@ -201,14 +197,12 @@ class CollectiveTiming:
             ours.user = (state, hook)
             return None
 
-        self._patch(DDP, "register_comm_hook", register_comm_hook)
+        self._patches.patch(DDP, "register_comm_hook", register_comm_hook)
 
     def remove(self) -> None:
         global _enabled
         _enabled = False
-        while self._patched:
-            owner, name, value = self._patched.pop()
-            setattr(owner, name, value)
+        self._patches.restore()
 
 
 def _register_hook(model: Any) -> None:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otelprof._distributed import collectives
 from otelprof._distributed.identity import InitProcessGroupHook
-
-COLLECTIVE_METRIC = "otelprof.collective.duration"
+from otelprof._schema import COLLECTIVE_DURATION as COLLECTIVE_METRIC
 
 
 class DistributedHooks:
@@ -21,9 +19,11 @@ class DistributedHooks:
         self._init = init
 
     @classmethod
-    def start(cls, profiler: Any, meter: Meter) -> DistributedHooks:
+    def start(cls, meter: Meter, on_new_identity: Callable[[], None]) -> DistributedHooks:
+        """Install the hooks; `on_new_identity` is called after a process group is set up
+        (the Profiler restarts under its ranks if they differ)."""
         timing = collectives.CollectiveTiming()
-        init = InitProcessGroupHook(profiler._reidentify)
+        init = InitProcessGroupHook(on_new_identity)
         hooks = cls(timing, init)
         try:
             timing.install()

@@ -26,12 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from otelprof._distributed import ranks
+from otelprof._patch import Patches
+from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import ENVIRONMENT
 
 _log = logging.getLogger("otelprof")
 
 _INIT = "init_process_group"
-RANK_KEYS = ("otelprof.rank", "otelprof.local_rank", "otelprof.world_size", "otelprof.attempt")
+RANK_KEYS = (ATTR_RANK, ATTR_LOCAL_RANK, ATTR_WORLD_SIZE, ATTR_ATTEMPT)
 
 
 def run_id_explicit(options: Mapping[str, Any], env: Mapping[str, str]) -> bool:
@@ -65,9 +67,9 @@ def resolve(
 def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     """Whether the ranks in `env` differ from those a resource was built with."""
     for key, variable in (
-        ("otelprof.rank", "RANK"),
-        ("otelprof.local_rank", "LOCAL_RANK"),
-        ("otelprof.world_size", "WORLD_SIZE"),
+        (ATTR_RANK, "RANK"),
+        (ATTR_LOCAL_RANK, "LOCAL_RANK"),
+        (ATTR_WORLD_SIZE, "WORLD_SIZE"),
     ):
         if str(resource.get(key)) != env.get(variable):
             return True
@@ -164,7 +166,7 @@ class InitProcessGroupHook:
 
     def __init__(self, callback: Callable[[], None]) -> None:
         self._callback = callback
-        self._patched: list[tuple[Any, Any]] = []
+        self._patches = Patches()
 
     def install(self) -> None:
         if "torch" not in sys.modules:
@@ -187,10 +189,7 @@ class InitProcessGroupHook:
 
         for module in (dist, dist.distributed_c10d):
             if getattr(module, _INIT, None) is original:
-                self._patched.append((module, original))
-                setattr(module, _INIT, init_process_group)
+                self._patches.patch(module, _INIT, init_process_group)
 
     def remove(self) -> None:
-        while self._patched:
-            module, original = self._patched.pop()
-            setattr(module, _INIT, original)
+        self._patches.restore()

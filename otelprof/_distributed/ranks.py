@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from otelprof import _torch_compat
+
 _log = logging.getLogger("otelprof")
 
 STORE_PREFIX = "otelprof"
@@ -71,10 +73,7 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def _store(dist: Any) -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
+    return _torch_compat.default_store(dist)
 
 
 def _wait(store: Any, keys: list[str], timeout_s: float) -> bool:

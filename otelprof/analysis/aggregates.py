@@ -17,11 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE, ATTR_TIMING, PHASE_TRAIN, STEP_SPAN
 from otelprof.analysis.quantiles import DurationStats
-
-METRIC_NAME = "otelprof.timing.duration"
-ATTR_TIMING = "otelprof.timing"
-ATTR_PHASE = "otelprof.phase"
 
 
 @dataclass(slots=True)
@@ -49,7 +46,7 @@ def parse_point(dp: dict[str, Any], attrs: dict[str, Any], resource: Any) -> His
     count = int(dp.get("count", 0))
     return HistRec(
         timing=str(attrs[ATTR_TIMING]),
-        phase=str(attrs.get(ATTR_PHASE) or "train"),
+        phase=str(attrs.get(ATTR_PHASE) or PHASE_TRAIN),
         time_ns=int(dp["timeUnixNano"]),
         count=count,
         sum=float(dp.get("sum", 0.0)),
@@ -125,7 +122,7 @@ def apply(summary: Any, recs: Sequence[HistRec], timing_key: Any, timing_agg: An
     by_key: dict[str, list[HistRec]] = {}
     steps_by_rank: dict[Any, list[HistRec]] = {}
     for rec in points:
-        if rec.timing == "step" and rec.phase == "train":
+        if rec.timing == STEP_SPAN and rec.phase == PHASE_TRAIN:
             by_key.setdefault("\0step", []).append(rec)
             steps_by_rank.setdefault(rec.resource, []).append(rec)
         else:

@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE as PHASE_ATTR
+from otelprof._schema import ATTR_SAMPLES as SAMPLES_ATTR
+from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
+from otelprof._schema import STEP_SPAN
 from otelprof.analysis.reader import PointRec, ReadStats, SpanRec, Warn, iter_records
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary
 
-STEP_SPAN = "step"
-PHASE_ATTR = "otelprof.phase"
-SAMPLES_ATTR = "otelprof.samples"
-DEFAULT_PHASE = "train"
 UTILIZATION = "hw.gpu.utilization"
 ENERGY = "hw.energy"
 POWER = "hw.power"

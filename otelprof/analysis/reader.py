@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from otelprof.analysis.aggregates import METRIC_NAME as HIST_METRIC
+from otelprof._schema import TIMING_HISTOGRAM as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist
 

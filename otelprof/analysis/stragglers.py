@@ -26,11 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from otelprof._schema import ATTR_COLLECTIVE, STEP_SPAN
 from otelprof.analysis.reader import Resource, SpanRec
 
-ATTR_COLLECTIVE = "otelprof.collective"
 UNTIMED = "(untimed)"
-STEP_SPAN = "step"
 MIN_WAIT_GAP_S = 1e-3
 MIN_WAIT_GAP_SHARE = 0.05
 _WINDOW_STEPS = 64  # open (rank, step) groups kept per rank

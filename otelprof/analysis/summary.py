@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.quantiles import DurationStats
@@ -28,14 +30,11 @@ from otelprof.analysis.reader import (
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
 
-STEP_SPAN = "step"
-PHASE_ATTR = "otelprof.phase"
-
 
 def timing_key(name: str, phase: Any) -> str:
     """Timings are keyed by (name, phase): `forward` in training, `forward (validation)`
     in another phase, so validation never mixes into the training rows."""
-    if phase is None or phase == "train" or phase == name:
+    if phase is None or phase in (PHASE_TRAIN, name):
         return name
     return f"{name} ({phase})"
 
@@ -311,7 +310,7 @@ def _scope_of(point: PointRec) -> str:
 
 def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
     """Whether a span belongs to a step in [A, B) (spans without a step number stay)."""
-    number = rec.attr("otelprof.step")
+    number = rec.attr(ATTR_STEP)
     if not isinstance(number, int):
         return True
     low, high = steps
@@ -375,8 +374,8 @@ def summarize(
                 step.add(dur_s)
                 rank.steps.add(dur_s)
                 rank.step_series.add(start / 1e9, dur_s)
-                phases.step(rec.attr("otelprof.epoch"), start, end)
-                if rec.attr("otelprof.step") == 0:
+                phases.step(rec.attr(ATTR_EPOCH), start, end)
+                if rec.attr(ATTR_STEP) == 0:
                     step0.append(dur_s)
             name = rec.name
             if not is_step:

@@ -21,6 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otelprof._schema import (
+    ATTR_FLOPS,
+    ATTR_SAMPLES,
+    ATTR_STEP,
+    ATTR_TOKENS,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    TRAIN_SAMPLES,
+    TRAIN_TOKENS,
+)
+from otelprof._schema import ATTR_PEAK_FLOPS as PEAK_ATTR
+from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.reader import (
     PointRec,
@@ -33,11 +45,8 @@ from otelprof.analysis.reader import (
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary
 
-STEP_SPAN = "step"
-PHASE_ATTR = "otelprof.phase"
-WORK_ATTRS = ("otelprof.samples", "otelprof.tokens", "otelprof.flops")
-PEAK_ATTR = "otelprof.peak_flops"
-COUNTERS = {"otelprof.train.samples": "samples", "otelprof.train.tokens": "tokens"}
+WORK_ATTRS = (ATTR_SAMPLES, ATTR_TOKENS, ATTR_FLOPS)
+COUNTERS = {TRAIN_SAMPLES: "samples", TRAIN_TOKENS: "tokens"}
 
 
 @dataclass
@@ -83,7 +92,7 @@ def analyze(
     counters: dict[tuple[Resource, str], tuple[int, float]] = {}  # latest (time, total)
     for rec in iter_all_records(files, warn, ReadStats()):
         if isinstance(rec, HistRec):
-            if rec.timing == STEP_SPAN and rec.phase == "train":
+            if rec.timing == STEP_SPAN and rec.phase == PHASE_TRAIN:
                 seen = step_hists.get(rec.resource)
                 if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
                     step_hists[rec.resource] = rec
@@ -93,7 +102,7 @@ def analyze(
             if (
                 what
                 and rec.kind == "sum"
-                and dict(rec.attributes).get(PHASE_ATTR, "train") == ("train")
+                and dict(rec.attributes).get(PHASE_ATTR, PHASE_TRAIN) == PHASE_TRAIN
             ):
                 key = (rec.resource, what)
                 if rec.time_ns >= counters.get(key, (0, 0.0))[0]:
@@ -101,17 +110,17 @@ def analyze(
             continue
         if not isinstance(rec, SpanRec) or rec.parent_span_id:
             continue
-        if rec.name == STEP_SPAN and (rec.attr(PHASE_ATTR) or "train") == "train":
+        if rec.name == STEP_SPAN and (rec.attr(PHASE_ATTR) or PHASE_TRAIN) == PHASE_TRAIN:
             kept_steps[rec.resource] = kept_steps.get(rec.resource, 0) + 1
         phase = rec.attr(PHASE_ATTR)
-        number = rec.attr("otelprof.step")
+        number = rec.attr(ATTR_STEP)
         if steps is not None and isinstance(number, int):
             low, high = steps
             if (low is not None and number < low) or (high is not None and number >= high):
                 continue
         if rec.name == STEP_SPAN:
-            phase = phase or "train"
-            if phase == "train" and number == 0 and steps is None:
+            phase = phase or PHASE_TRAIN
+            if phase == PHASE_TRAIN and number == 0 and steps is None:
                 continue
         elif not phase or phase != rec.name:
             continue  # a root span that is no phase's batch
@@ -134,7 +143,7 @@ def analyze(
     for (phase, _resource), acc in accs.items():
         by_phase.setdefault(phase, []).append(acc)
     out = []
-    for phase, group in sorted(by_phase.items(), key=lambda kv: (kv[0] != "train", kv[0])):
+    for phase, group in sorted(by_phase.items(), key=lambda kv: (kv[0] != PHASE_TRAIN, kv[0])):
 
         def rate(name: str, group: list[_Acc] = group) -> float | None:
             values = [getattr(a, name) / a.seconds for a in group if getattr(a, name) is not None]
@@ -153,7 +162,7 @@ def analyze(
                 flops_per_s=rate("flops"),
                 mfu=sum(mfus) / len(mfus) if mfus else None,
                 peak_flops=max(peaks) if peaks else None,
-                from_aggregates=sampled and phase == "train",
+                from_aggregates=sampled and phase == PHASE_TRAIN,
             )
         )
     return out
@@ -169,7 +178,7 @@ def _from_aggregates(
     histogram; True if any was replaced."""
     replaced = False
     for resource, hist in step_hists.items():
-        acc = accs.get(("train", resource))
+        acc = accs.get((PHASE_TRAIN, resource))
         if acc is None or hist.count <= kept_steps.get(resource, 0) or hist.sum <= 0:
             continue  # all steps were kept (exact spans stay), or no work was recorded
         flops_rate = acc.flops / acc.seconds if acc.flops is not None and acc.seconds else None

@@ -21,13 +21,24 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from otelprof._schema import (
+    ATTR_PHASE,
+    ATTR_RANK,
+    ATTR_STEP,
+    ATTR_TIMING,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    TIMING_HISTOGRAM,
+    TRAIN_MFU,
+    TRAIN_THROUGHPUT_SAMPLES,
+    TRAIN_THROUGHPUT_TOKENS,
+)
+
 # Resource attributes that route data to a trial (set by otelprof.resource from DET_* env).
 ATTR_TRIAL_ID = "determined.trial.id"
 ATTR_RUN_ID = "determined.trial.run_id"
 ATTR_AGENT_ID = "determined.agent.id"
 ATTR_HOST_NAME = "host.name"
-ATTR_STEP = "otelprof.step"
-ATTR_PHASE = "otelprof.phase"
 # DET_STEPS_COMPLETED of a resumed trial: otelprof's steps count on from there.
 ATTR_STEPS_OFFSET = "determined.trial.steps_completed"
 # otelprof.step() calls per Determined batch (micro-batches per optimizer step).
@@ -35,12 +46,8 @@ ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
 # Set by a process that posts to Determined itself (instrument(determined=True)): the
 # bridge leaves its data alone, so one trial's group has exactly one producer.
 ATTR_DIRECT = "otelprof.determined.direct"
-ATTR_RANK = "otelprof.rank"
 # otelprof's per-(timing, phase) duration histograms, aggregated in process from every
 # recorded range (otelprof.timings._sampling): exact whatever the trace sampling kept.
-TIMING_HISTOGRAM = "otelprof.timing.duration"
-ATTR_TIMING = "otelprof.timing"
-STEP_SPAN = "step"  # the training root span: its histogram counts the steps
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
@@ -176,13 +183,13 @@ GAUGE_RULES: dict[str, _GaugeRule] = {
         TIMINGS_GROUP, "gpu_energy_per_step_j", units={"J": 1.0, "": 1.0}
     ),
     # throughput and MFU over the last training steps (otelprof/_throughput.py)
-    "otelprof.train.throughput.samples": _GaugeRule(
+    TRAIN_THROUGHPUT_SAMPLES: _GaugeRule(
         TIMINGS_GROUP, "samples_per_second", units={"{sample}/s": 1.0, "": 1.0}
     ),
-    "otelprof.train.throughput.tokens": _GaugeRule(
+    TRAIN_THROUGHPUT_TOKENS: _GaugeRule(
         TIMINGS_GROUP, "tokens_per_second", units={"{token}/s": 1.0, "": 1.0}
     ),
-    "otelprof.train.mfu": _GaugeRule(TIMINGS_GROUP, "mfu", units={"1": 1.0, "": 1.0}),
+    TRAIN_MFU: _GaugeRule(TIMINGS_GROUP, "mfu", units={"1": 1.0, "": 1.0}),
     "hw.gpu.utilization": _GaugeRule("gpu", "gpu_util", units=_UTIL_UNITS, per_gpu=True),
     "hw.gpu.memory.free": _GaugeRule("gpu", "gpu_free_memory", units=_BYTES, per_gpu=True),
     "system.network.throughput": _GaugeRule(
@@ -314,7 +321,7 @@ def phase_timing_name(name: str, phase: Any) -> str:
     """Timings outside training keep their own keys (`forward` of validation batches is
     `forward_validation`; a phase's root span is the phase's name), so validation never
     folds into the training timings."""
-    if not phase or phase == "train" or phase == name:
+    if not phase or phase in (PHASE_TRAIN, name):
         return timing_name(name)
     return timing_name(f"{timing_name(name)} {phase}")
 
@@ -407,7 +414,7 @@ def _map_histogram(
     for point in points:
         point_attrs = attributes_dict(point.attributes)
         timing = point_attrs.get(ATTR_TIMING)
-        phase = point_attrs.get(ATTR_PHASE) or "train"
+        phase = point_attrs.get(ATTR_PHASE) or PHASE_TRAIN
         count, total = int(point.count), float(point.sum)
         if not isinstance(timing, str) or not timing:
             out.reject(1, f"metric {TIMING_HISTOGRAM} point has no {ATTR_TIMING} attribute")
@@ -426,7 +433,7 @@ def _map_histogram(
                 int(point.start_time_unix_nano),
                 int(point.time_unix_nano),
                 temporality == _CUMULATIVE,
-                timing == STEP_SPAN and phase == "train",
+                timing == STEP_SPAN and phase == PHASE_TRAIN,
                 -1 if offset is None else offset,
                 per_batch,
             )

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
+from opentelemetry.sdk.metrics import Exemplar
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     Histogram,
@@ -31,7 +31,9 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from otelprof.timings._sampling import ATTR_PHASE, ATTR_TIMING, BOUNDS, METRIC_NAME
+from otelprof._schema import ATTR_PHASE, ATTR_TIMING, TIMINGS_SCOPE
+from otelprof._schema import TIMING_HISTOGRAM as METRIC_NAME
+from otelprof.timings._sampling import BOUNDS
 
 EXPORT_EVERY_S = 30.0
 """Seconds between the histograms in the detached metrics file: a ~10 KB point set (61
@@ -46,7 +48,7 @@ class AggregateMetrics:
     def __init__(self, aggregates: Any, resource: Any, version: str = "0") -> None:
         self._aggregates = aggregates
         self._resource = resource
-        self._scope = InstrumentationScope("otelprof.timings", version)
+        self._scope = InstrumentationScope(TIMINGS_SCOPE, version)
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
         self.final = False

@@ -25,12 +25,12 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.samples import Exemplar
 from prometheus_client.utils import floatToGoString
 
+from otelprof._schema import TIMING_HISTOGRAM_PROMETHEUS as PROM_NAME
+from otelprof._schema import TIMINGS_SCOPE as SCOPE_NAME
 from otelprof.timings._sampling import BOUNDS
 
 _log = logging.getLogger("otelprof.export")
 
-PROM_NAME = "otelprof_timing_duration_seconds"
-SCOPE_NAME = "otelprof.timings"
 DOCUMENTATION = (
     "Durations of every recorded timing range, per timing name and phase "
     "(exact count/sum/min/max; traces are sampled, these are not)"

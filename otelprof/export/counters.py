@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
+from otelprof._otel_compat import count_span_queue_drops
 from otelprof.system._stamps import apply_read_times
 
 _log = logging.getLogger("otelprof.export")
@@ -249,22 +250,6 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
         self._shutdown_inner_once(timeout_millis=timeout_millis, **kwargs)
 
 
-class _DropCountingMetrics:
-    """Stands in for the SDK's processor self-metrics to see its queue-full decisions."""
-
-    def __init__(self, inner: Any, name: str, counters: ExportCounters) -> None:
-        self._inner = inner
-        self._name = name
-        self._counters = counters
-
-    def drop_items(self, count: int, error_type: str = "queue_full") -> None:
-        self._counters.add(f"{self._name}.spans_dropped_{error_type}", count)
-        self._inner.drop_items(count, error_type)
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._inner, attribute)
-
-
 class CountingBatchSpanProcessor(BatchSpanProcessor):
     """The SDK's BatchSpanProcessor, with its queue-full drops counted per exporter."""
 
@@ -272,6 +257,8 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         self, name: str, exporter: SpanExporter, counters: ExportCounters, **kwargs: Any
     ) -> None:
         super().__init__(exporter, **kwargs)
-        processor = self._batch_processor
-        # The SDK reports drops only to its optional self-metrics; intercept them there.
-        processor._metrics = _DropCountingMetrics(processor._metrics, name, counters)
+
+        def on_drop(count: int, reason: str) -> None:
+            counters.add(f"{name}.spans_dropped_{reason}", count)
+
+        count_span_queue_drops(self, on_drop)

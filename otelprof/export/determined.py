@@ -24,6 +24,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otelprof._schema import ATTR_LOCAL_RANK, ATTR_RANK
 from otelprof.determined.client import ConfigError, Credentials, DeterminedClient
 from otelprof.determined.mapping import Route
 from otelprof.determined.pipeline import Pipeline
@@ -148,7 +149,7 @@ class DeterminedMetricExporter(MetricExporter):
             kept = [
                 rm
                 for rm in metrics_data.resource_metrics
-                if _rank_is_zero(rm.resource.attributes, "otelprof.local_rank")
+                if _rank_is_zero(rm.resource.attributes, ATTR_LOCAL_RANK)
             ]
             if kept:
                 self.pipeline.ingest_metrics(encode_metrics(MetricsData(resource_metrics=kept)))
@@ -187,7 +188,7 @@ class DeterminedSpanExporter(SpanExporter):
             kept = [
                 s
                 for s in spans
-                if s.resource is None or _rank_is_zero(s.resource.attributes, "otelprof.rank")
+                if s.resource is None or _rank_is_zero(s.resource.attributes, ATTR_RANK)
             ]
             if kept:
                 self.pipeline.ingest_traces(encode_spans(kept))

@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace import SpanProcessor
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
-from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
+from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter, encode_span
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -44,6 +44,9 @@ class ExportPipelines:
     """What the providers are built from, plus how to stop what the providers do not own."""
 
     span_processors: list[SpanProcessor] = field(default_factory=list)
+    frame_sinks: dict[SpanProcessor, TraceFileSink] = field(default_factory=dict)
+    """processor -> the writer the span builder encodes recorded ranges into, for the
+    processors that have one (the trace file)."""
     metric_readers: list[MetricReader] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
@@ -110,18 +113,29 @@ def _metric_reader(
     )
 
 
+class TraceFileSink:
+    """The trace file's writer as the span builder's frame sink: spans encoded as OTLP JSON
+    straight from their fields, no SDK objects (see otelprof/timings/_targets.py)."""
+
+    encode_span = staticmethod(encode_span)
+
+    def __init__(self, writer: SpanLineWriter) -> None:
+        self.write = writer.write
+
+
 class _FileSpanProcessor(CountingBatchSpanProcessor):
-    """The trace file's processor. Its writer is the span builder's `frame_sink` (recorded
-    ranges skip the SDK), and `force_flush()` also writes the spans the writer holds (the
-    SDK's batch processor does not flush its exporter)."""
+    """The trace file's processor. Its writer is also the span builder's frame sink
+    (recorded ranges skip the SDK: `ExportPipelines.frame_sinks`), and `force_flush()` also
+    writes the spans the writer holds (the SDK's batch processor does not flush its
+    exporter)."""
 
     def __init__(self, writer: SpanLineWriter, counters: ExportCounters, **kwargs: Any) -> None:
         super().__init__("files", SpanLineExporter(writer), counters, **kwargs)
-        self.frame_sink = writer
+        self._writer = writer
 
     def force_flush(self, timeout_millis: int | None = None) -> bool:
         ok = super().force_flush(timeout_millis)
-        self.frame_sink.flush()
+        self._writer.flush()
         return ok
 
 
@@ -164,7 +178,7 @@ def _add_files(
     )
     if settings.timings:
         # Recorded ranges skip the SDK: the span builder encodes them straight into the
-        # writer (`frame_sink`); SDK spans (users', Kineto's) reach it through the batch
+        # writer (a frame sink); SDK spans (users', Kineto's) reach it through the batch
         # processor, so the file keeps one writer.
         writer = SpanLineWriter(
             pipelines.files["traces"],
@@ -181,6 +195,7 @@ def _add_files(
             schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
         )
         pipelines.span_processors.append(processor)
+        pipelines.frame_sinks[processor] = TraceFileSink(writer)
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
         metric_exporter.on_export.append(writer.flush_due)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from otelprof import _throughput
+from otelprof._work import step_work
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -219,7 +220,7 @@ class CallbackOptions:
 
 
 def record_work(samples: float | None, tokens: float | None, flops: float | None) -> None:
-    _throughput.step_work(samples=samples, tokens=tokens, flops=flops)
+    step_work(samples=samples, tokens=tokens, flops=flops)
 
 
 def stack_depth() -> int:

@@ -27,8 +27,9 @@ from typing import Any
 
 import otelprof
 from otelprof import _throughput
+from otelprof._patch import Patch, Patches
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
-from otelprof.timings import _engine
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
     DATALOADER_NEXT,
@@ -40,14 +41,12 @@ from otelprof.timings._api import (
     unwrap_optimizer,
 )
 
-FORWARD = "forward"
-BACKWARD = "backward"
 _AUTO_PHASES = (rec.PHASE_TRAIN, rec.PHASE_VALIDATION)
 
 _patch_lock = threading.Lock()
-_patched: dict[type, Any] = {}  # DataLoader class -> its original __iter__
+_patched: dict[type, Patch] = {}  # DataLoader class -> its __iter__ patch
 _loaders: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_send_original: Any = None
+_send_patch: Patch | None = None
 _send_users = 0
 
 
@@ -75,31 +74,32 @@ def register_loader(loader: Any, hooks: Any) -> Any:
     inside), calling `hooks.before_batch()` / `hooks.after_batch(batch)` around each fetch.
     The class's `__iter__` is patched (DataLoaderAdapter fakes `__class__`, so the instance
     cannot be given a subclass) and acts only on registered loaders. Returns the undo."""
-    global _send_original, _send_users
+    global _send_patch, _send_users
     import accelerate.data_loader as data_loader
 
     cls = type(loader)
     with _patch_lock:
         if cls not in _patched and "__iter__" in vars(cls):
-            _patched[cls] = vars(cls)["__iter__"]
-            cls.__iter__ = _timed_iter(_patched[cls])
+            _patched[cls] = Patch(cls, "__iter__", _timed_iter(vars(cls)["__iter__"]))
         _loaders[loader] = hooks
         if _send_users == 0:
-            _send_original = data_loader.send_to_device
-            data_loader.send_to_device = _timed_send(_send_original)
+            _send_patch = Patch(
+                data_loader, "send_to_device", _timed_send(data_loader.send_to_device)
+            )
         _send_users += 1
 
     def undo() -> None:
-        global _send_users
+        global _send_users, _send_patch
         with _patch_lock:
             _loaders.pop(loader, None)
             _send_users -= 1
-            if _send_users == 0:
-                data_loader.send_to_device = _send_original
+            if _send_users == 0 and _send_patch is not None:
+                _send_patch.restore()
+                _send_patch = None
             if not any(type(other) is cls for other in _loaders):
-                original = _patched.pop(cls, None)
-                if original is not None:
-                    cls.__iter__ = original
+                patch = _patched.pop(cls, None)
+                if patch is not None:
+                    patch.restore()
 
     return undo
 
@@ -152,7 +152,7 @@ class _Instrumentation:
         if (
             self.work.counts_flops
             and wanted == rec.PHASE_TRAIN
-            and _engine._active is not None
+            and _timings_running()
             and not self.counting
         ):
             self.counting = True
@@ -282,13 +282,14 @@ def instrument_accelerator(
         with otelprof.timing(BACKWARD):
             return original_backward(*args, **kwargs)
 
-    accelerator.prepare = prepare
-    accelerator.backward = backward
-
-    def restore() -> None:
-        for name, wrapper in (("prepare", prepare), ("backward", backward)):
-            if vars(accelerator).get(name) is wrapper:
-                delattr(accelerator, name)
-
-    inst.undo.insert(0, restore)
+    patches = Patches()
+    patches.patch(accelerator, "prepare", prepare)
+    patches.patch(accelerator, "backward", backward)
+    inst.undo.insert(0, patches.restore)
     return HookHandle(inst.remove)
+
+
+def _timings_running() -> bool:
+    """Whether a profiler runs with timings (FLOP counting feeds its MFU only)."""
+    profiler = otelprof.active_profiler()
+    return profiler is not None and profiler._timings is not None

@@ -35,6 +35,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
+from otelprof._patch import Patch
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -46,10 +48,8 @@ from otelprof.timings._api import (
 
 _log = logging.getLogger("otelprof")
 
-FORWARD = "forward"
 PHASE_TEST = "test"
 PHASE_PREDICT = "predict"
-BACKWARD = "backward"
 ZERO_GRAD = "zero_grad"
 
 # Lightning profiler action names (suffix after the class name) -> otelprof timing names
@@ -239,6 +239,7 @@ class OtelprofCallback(Callback):
         self.work = self.options.work
         self._handle: Any = None
         self._profiler: _OtelprofProfiler | None = None
+        self._profiler_patch: Patch | None = None
         self._trainer: Any = None
         self._phases: list[str] = []
 
@@ -259,16 +260,14 @@ class OtelprofCallback(Callback):
         if not isinstance(inner, _OtelprofProfiler):
             self._profiler = _OtelprofProfiler(inner)
             self._trainer = trainer
-            setattr(trainer, "profiler", self._profiler)  # noqa: B010 - untyped attribute
+            self._profiler_patch = Patch(trainer, "profiler", self._profiler)
 
     @common.safe
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.work.counter.abandon()
-        wrapper = self._profiler
-        if wrapper is not None:
-            inner = wrapper.inner
-            if getattr(trainer, "profiler", None) is wrapper:
-                setattr(trainer, "profiler", inner)  # noqa: B010
+        patch, self._profiler_patch = self._profiler_patch, None
+        if patch is not None:
+            patch.restore()
         self._profiler = None
         handle, self._handle = self._handle, None
         if handle is not None:

@@ -26,17 +26,16 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 import otelprof
+from otelprof._patch import Patches
+from otelprof._schema import BACKWARD, FORWARD
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import STEP_LR_SCHEDULERS
 
-FORWARD = "forward"
-BACKWARD = "backward"
-
 _lock = threading.Lock()
 _active: list[OtelprofTrainerCallback] = []  # callbacks whose Trainer is training
-_originals: dict[tuple[type, str], Any] = {}
+_installed = Patches()  # what _install() patched
 
 
 def _ours(trainer: Any) -> OtelprofTrainerCallback | None:
@@ -130,14 +129,11 @@ def _install() -> None:
                 name,
             )
             continue
-        _originals[(cls, name)] = original
-        setattr(cls, name, wrap(original))
+        _installed.patch(cls, name, wrap(original))
 
 
 def _uninstall() -> None:
-    for (cls, name), original in list(_originals.items()):
-        setattr(cls, name, original)
-    _originals.clear()
+    _installed.restore()
 
 
 class _LoaderHooks:

@@ -18,12 +18,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-_PROTO = "opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder"
-_JSON = "opentelemetry.exporter.otlp.json.common._internal.metrics_encoder"
+from otelprof._otel_compat import GAUGE_ENCODERS
+from otelprof._patch import Patch
+
+(_PROTO, _PROTO_ENCODE), (_JSON, _JSON_ENCODE) = GAUGE_ENCODERS
 
 _lock = threading.Lock()
 _users = 0
-_originals: dict[str, tuple[Any, str, Callable[..., Any]]] = {}
+_patches: dict[str, Patch] = {}
 
 
 def _proto_encode_metric(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -50,8 +52,8 @@ def _json_encode_gauge_point(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 _TARGETS = (
-    (_PROTO, "_encode_metric", _proto_encode_metric),
-    (_JSON, "_encode_gauge_data_point", _json_encode_gauge_point),
+    (_PROTO, _PROTO_ENCODE, _proto_encode_metric),
+    (_JSON, _JSON_ENCODE, _json_encode_gauge_point),
 )
 
 
@@ -61,14 +63,13 @@ def install() -> None:
     with _lock:
         _users += 1
         for module_name, attribute, wrap in _TARGETS:
-            if module_name in _originals:
+            if module_name in _patches:
                 continue
             module = sys.modules.get(module_name)
             original = getattr(module, attribute, None)
             if module is None or original is None:
                 continue  # exporter not in use, or an SDK that no longer has the function
-            _originals[module_name] = (module, attribute, original)
-            setattr(module, attribute, wrap(original))
+            _patches[module_name] = Patch(module, attribute, wrap(original))
 
 
 def uninstall() -> None:
@@ -78,6 +79,6 @@ def uninstall() -> None:
         _users = max(0, _users - 1)
         if _users:
             return
-        for module, attribute, original in _originals.values():
-            setattr(module, attribute, original)
-        _originals.clear()
+        for patch in _patches.values():
+            patch.restore()
+        _patches.clear()

@@ -30,21 +30,33 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import names
-from ._common import LogOnce, Reading
+from ._common import Attributes, LogOnce, Reading
 from ._stamps import Baseline
 
-if TYPE_CHECKING:
-    from .gpu import GpuDevice
+
+class GpuDevice(Protocol):
+    """What the performance sampler reads and keeps of a GPU (`gpu.GpuDevice` is one)."""
+
+    handle: Any
+    parent: Any
+    uuid: str
+    last_samples_us: dict[int, int]
+    perf: PerfState
+
+    @property
+    def attributes(self) -> Attributes: ...
+
 
 SOURCE_GPM = "gpm"
 SOURCE_NVML = "nvml"
 UINT_MAX = 0xFFFFFFFF  # field-value scope: summed over every NVLink
 MIB = 2**20
 
-Query = Callable[["GpuDevice", str, Callable[[], Any]], Any]
+Query = Callable[[Any, str, Callable[[], Any]], Any]
+"""(device, metric, read) -> the value, or None once the driver refuses the metric."""
 
 
 @dataclass(frozen=True)

@@ -19,26 +19,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE
+from otelprof._schema import PHASE_TRAIN as TRAIN
+
 from . import names
 from ._common import Reading
 
 Training = Callable[[], "tuple[int, str] | None"]
 """(training steps completed, current phase), or None when no profiler is running."""
 
-TRAIN = "train"
 
-
-def active_training() -> tuple[int, str] | None:
-    """The running otelprof profiler's step count and phase (None when none runs)."""
-    try:
-        from otelprof.timings import _engine
-
-        engine = _engine._active
-        if engine is None:
-            return None
-        return int(engine.step_number), str(engine.phase)
-    except Exception:
-        return None
+def no_training() -> tuple[int, str] | None:
+    """Without a training loop to read (no timings): no per-step or per-phase figures."""
+    return None
 
 
 class GpuStepMetrics:
@@ -46,7 +39,7 @@ class GpuStepMetrics:
 
     def __init__(self, sample: Callable[[], list[Reading]], training: Training | None) -> None:
         self._sample = sample
-        self._training = training or active_training
+        self._training = training or no_training
         self._energy: dict[tuple[Any, ...], float] = {}  # GPU -> last hw.energy (J)
         self._window: tuple[int, int, str] | None = None  # (time ns, steps, phase)
         self._idle: dict[tuple[Any, ...], float] = {}  # (GPU attrs, phase) -> idle seconds
@@ -91,7 +84,7 @@ class GpuStepMetrics:
                 attrs = {
                     names.HW_ID: r.attributes.get(names.HW_ID, ""),
                     names.GPU_INDEX: r.attributes.get(names.GPU_INDEX, -1),
-                    names.PHASE: phase,
+                    ATTR_PHASE: phase,
                 }
                 key = tuple(sorted(attrs.items()))
                 idle = (1.0 - min(1.0, max(0.0, r.value))) * seconds

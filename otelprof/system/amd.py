@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Any, TypeVar
 
 from . import names
 from ._common import LogOnce, Reading, logger
+from ._gpu_query import QueryPolicy
 from ._stamps import Clock
 from .gpu import GpuIdentity, _ProcessTree, parse_visible_devices
 
@@ -73,6 +73,7 @@ class AmdGpuSampler:
         self._amdsmi = amdsmi
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
+        self._queries = QueryPolicy("AMD SMI", self._log, _refusal, _describe, "amd-")
         self._clock: Callable[[], int] = clock or Clock()
         self._pids = _ProcessTree(os.getpid() if pid is None else pid)
         self._initialized = False
@@ -230,33 +231,16 @@ class AmdGpuSampler:
         return None
 
     def _query(self, device: AmdDevice, metric: str, call: Callable[[], T]) -> T | None:
-        if metric in device.refused:
-            return None
-        try:
-            return call()
-        except Exception as exc:
-            code = _code(exc)
-            if code in _PERMANENT:
-                device.refused.add(metric)
-                self._log(
-                    f"amd-refused:{device.uuid}:{metric}",
-                    logging.INFO,
-                    "GPU %s: AMD SMI refuses %s (status %s); that series is omitted",
-                    device.uuid,
-                    metric,
-                    code,
-                )
-            else:
-                self._log(
-                    f"amd-failed:{device.uuid}:{metric}:{type(exc).__name__}",
-                    logging.WARNING,
-                    "GPU %s: reading %s failed (%s: %s); omitted while it fails",
-                    device.uuid,
-                    metric,
-                    type(exc).__name__,
-                    exc,
-                )
-            return None
+        return self._queries.query(device, metric, call)
+
+
+def _refusal(exc: Exception) -> str | None:
+    code = _code(exc)
+    return f"status {code}" if code in _PERMANENT else None
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _code(exc: BaseException) -> int | None:

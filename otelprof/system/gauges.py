@@ -185,8 +185,8 @@ def register_system_metrics(
 
     `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi and
     os.environ (tests use fakes for hardware this machine lacks). `training` returns
-    (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (default: the
-    running profiler's). `clock` is a `_stamps.Clock`, or a function
+    (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (the Profiler
+    passes its timings engine's; default: none). `clock` is a `_stamps.Clock`, or a function
     returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 from . import names
 from ._common import Attributes, LogOnce, Reading, logger
 from ._gpu_perf import GpuPerf, PerfState
+from ._gpu_query import QueryPolicy
 from ._stamps import Clock
 
 T = TypeVar("T")
@@ -115,6 +116,7 @@ class GpuSampler:
         self._nvml = nvml
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
+        self._queries = QueryPolicy("NVML", self._log, self._refusal, _describe)
         self._initialized = False
         self._clock: Callable[[], int] = clock or Clock()
         self._pids = _ProcessTree(os.getpid() if pid is None else pid)
@@ -342,7 +344,7 @@ class GpuSampler:
                 code = getattr(exc, "value", None)
                 if code == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
                     pass  # no sample newer than the last one: use the running average
-                elif self._refusal(exc):
+                elif self._refusal(exc) is not None:
                     device.use_samples = False
                     self._log(
                         f"samples:{device.uuid}",
@@ -360,26 +362,9 @@ class GpuSampler:
         return (None if rates is None else float(rates.gpu) / 100.0), False
 
     def _query(self, device: GpuDevice, metric: str, call: Callable[[], T]) -> T | None:
-        if metric in device.refused:
-            return None
-        try:
-            return call()
-        except Exception as exc:
-            if self._refusal(exc):
-                device.refused.add(metric)
-                self._log(
-                    f"refused:{device.uuid}:{metric}",
-                    logging.INFO,
-                    "GPU %s: NVML refuses %s (%s); that series is omitted",
-                    device.uuid,
-                    metric,
-                    _describe(exc),
-                )
-            else:
-                self._transient(device, metric, exc)
-            return None
+        return self._queries.query(device, metric, call)
 
-    def _refusal(self, exc: Exception) -> bool:
+    def _refusal(self, exc: Exception) -> str | None:
         """Errors that will not go away by asking again: the series is dropped for good."""
         nvml = self._nvml
         permanent = {
@@ -388,17 +373,12 @@ class GpuSampler:
             getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2),
             getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13),
         }
-        return isinstance(exc, nvml.NVMLError) and getattr(exc, "value", None) in permanent
+        if isinstance(exc, nvml.NVMLError) and getattr(exc, "value", None) in permanent:
+            return _describe(exc)
+        return None
 
     def _transient(self, device: GpuDevice, metric: str, exc: Exception) -> None:
-        self._log(
-            f"failed:{device.uuid}:{metric}:{type(exc).__name__}",
-            logging.WARNING,
-            "GPU %s: reading %s failed (%s); omitted while it fails",
-            device.uuid,
-            metric,
-            _describe(exc),
-        )
+        self._queries.transient(device, metric, exc)
 
 
 def _sample_value(value_type: int, sample: Any) -> float:

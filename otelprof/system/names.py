@@ -131,7 +131,6 @@ ALL = HOST + GPU + PROCESS + TORCH
 HW_ID = "hw.id"
 HW_TYPE = "hw.type"
 GPU_INDEX = "gpu.index"
-PHASE = "otelprof.phase"
 GPU_SOURCE = "otelprof.gpu.source"  # "gpm" or "nvml": where a performance value came from
 NETWORK_DIRECTION = "network.io.direction"
 DISK_DIRECTION = "disk.io.direction"

@@ -6,6 +6,13 @@ them into ReadableSpans for the provider's span processors (`_builder`). `Timing
 and optional Kineto windows (`_kineto`). Importing this package never imports torch.
 """
 
+from otelprof._schema import (
+    ATTR_CUDA_DURATION,
+    ATTR_EPOCH,
+    ATTR_PHASE,
+    ATTR_SOURCE,
+    ATTR_STEP,
+)
 from otelprof.timings._api import (
     DATALOADER_NEXT,
     DETERMINED_TIMINGS,
@@ -28,13 +35,6 @@ from otelprof.timings._api import (
     timed_dataloader,
     to_device,
     train_batch,
-)
-from otelprof.timings._builder import (
-    ATTR_CUDA_DURATION,
-    ATTR_EPOCH,
-    ATTR_PHASE,
-    ATTR_SOURCE,
-    ATTR_STEP,
 )
 from otelprof.timings._engine import TimingsEngine
 from otelprof.timings._recorder import (

@@ -13,17 +13,20 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
+from otelprof._patch import Patch
+from otelprof._schema import (
+    DATALOADER_NEXT,
+    FROM_DEVICE,
+    OPTIMIZER_STEP,
+    REDUCE_METRICS,
+    STEP_LR_SCHEDULERS,
+    TO_DEVICE,
+    TRAIN_BATCH,
+)
 from otelprof.timings import _engine
 from otelprof.timings import _recorder as _rec
 from otelprof.timings._recorder import Timing, timing
 
-DATALOADER_NEXT = "dataloader_next"
-TO_DEVICE = "to_device"
-FROM_DEVICE = "from_device"
-TRAIN_BATCH = "train_batch"
-STEP_LR_SCHEDULERS = "step_lr_schedulers"
-REDUCE_METRICS = "reduce_metrics"
-OPTIMIZER_STEP = "optimizer_step"
 DETERMINED_TIMINGS = (
     DATALOADER_NEXT,
     TO_DEVICE,
@@ -285,23 +288,12 @@ def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> H
             f"instrument_lr_scheduler needs an object with a step() method, "
             f"got {type(scheduler).__name__}"
         )
-    had_own = "step" in vars(scheduler)
-    own = vars(scheduler).get("step")
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
         with timing(name):
             return original(*args, **kwargs)
 
-    scheduler.step = timed_step
-
-    def remove() -> None:
-        if vars(scheduler).get("step") is timed_step:
-            if had_own:
-                scheduler.step = own
-            else:
-                del scheduler.step
-
-    return HookHandle(remove)
+    return HookHandle(Patch(scheduler, "step", timed_step).restore)
 
 
 def train_batch(**attributes: Any) -> Timing:

@@ -13,11 +13,11 @@ import importlib
 import logging
 from typing import Any
 
+from otelprof._patch import Patches
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 _METHODS = ("__enter__", "__exit__")
-_MISSING = object()
 
 
 def record_function_classes() -> list[type]:
@@ -39,8 +39,7 @@ class Bridge:
 
     def __init__(self) -> None:
         self._classes = record_function_classes()
-        self._saved: dict[type, dict[str, Any]] = {}
-        self._installed: dict[type, dict[str, Any]] = {}
+        self._installed: dict[type, Patches] = {}
 
     @property
     def installed(self) -> bool:
@@ -49,32 +48,17 @@ class Bridge:
     def install(self) -> None:
         for cls in self._classes:
             target: Any = cls
-            saved = {name: cls.__dict__.get(name, _MISSING) for name in _METHODS}
             if any(getattr(getattr(cls, n), "_otelprof_bridge", False) for n in _METHODS):
                 raise RuntimeError(
                     f"{cls.__module__}.{cls.__qualname__} is already bridged by another "
                     "otelprof engine; shut that one down first"
                 )
             enter, exit_ = rec.bridged_methods(target.__enter__, target.__exit__)
-            self._saved[cls] = saved
-            target.__enter__ = enter
-            target.__exit__ = exit_
-            self._installed[cls] = {"__enter__": enter, "__exit__": exit_}
+            patches = self._installed[cls] = Patches()
+            patches.patch(cls, "__enter__", enter)
+            patches.patch(cls, "__exit__", exit_)
 
     def uninstall(self) -> None:
         """Restore each class attribute exactly (or leave a later patch in place, warning)."""
-        for cls, ours in list(self._installed.items()):
-            saved = self._saved[cls]
-            for name in _METHODS:
-                if cls.__dict__.get(name) is not ours[name]:
-                    _log.warning(
-                        "otelprof: %s.%s was re-patched by someone else; leaving it",
-                        cls.__qualname__,
-                        name,
-                    )
-                    continue
-                if saved[name] is _MISSING:
-                    delattr(cls, name)
-                else:
-                    setattr(cls, name, saved[name])
-            del self._installed[cls]
+        for cls in list(self._installed):
+            self._installed.pop(cls).restore()

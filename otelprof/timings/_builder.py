@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterable
 from operator import itemgetter
 from typing import Any
 
-from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from otelprof.export._spanlines import encode_span
+from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
+from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._frames import (
@@ -47,13 +49,13 @@ from otelprof.timings._frames import (
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
 from otelprof.timings._sampling import (
-    DEFAULT_PHASE,
     MAX_BUFFERED,
     Aggregates,
     DurationHistogram,
     TraceSampler,
     _Pending,
 )
+from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -65,12 +67,6 @@ YIELD_EVERY = 64
 YIELD_S = 50e-6
 """The builder sleeps this long every YIELD_EVERY frames (about 0.1 ms of its work), so the
 training thread never waits long for the GIL behind a burst of span building."""
-
-ATTR_STEP = "otelprof.step"
-ATTR_EPOCH = "otelprof.epoch"
-ATTR_PHASE = "otelprof.phase"
-ATTR_SOURCE = "otelprof.source"
-ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
 
 
 _Batch = tuple[DurationHistogram, list[int]]
@@ -143,7 +139,8 @@ class SpanBuilder:
 
     def __init__(
         self,
-        tracer_provider: TracerProvider,
+        targets: SpanTargets,
+        resource: Resource,
         clock: Clock,
         *,
         interval_s: float = 0.2,
@@ -152,16 +149,12 @@ class SpanBuilder:
         version: str = "0",
         trace_budget: float = math.inf,
     ) -> None:
-        """`trace_budget`: spans per second of step traces kept (see `_sampling`); every
-        range still goes into the duration histograms (`aggregates`)."""
-        processor = getattr(tracer_provider, "_active_span_processor", None)
-        if processor is None or not hasattr(processor, "on_end"):
-            raise TypeError(
-                "TimingsEngine needs an opentelemetry.sdk.trace.TracerProvider, got "
-                f"{type(tracer_provider).__name__}"
-            )
-        self._processor = processor
-        self._resource = tracer_provider.resource
+        """`targets`: the tracer provider's active span processor (see `_targets`);
+        `resource`: the provider's. `trace_budget`: spans per second of step traces kept
+        (see `_sampling`); every range still goes into the duration histograms
+        (`aggregates`)."""
+        self._targets = targets
+        self._resource = resource
         self._scope = InstrumentationScope("otelprof", version)
         self._clock = clock
         self._interval_s = interval_s
@@ -178,9 +171,6 @@ class SpanBuilder:
         self.cuda_unresolved = 0
         self.job_spans = 0
         self.steps_on_thread = 0  # steps sampled out on their own thread (`_quiet_steps`)
-        self._procs_seen: Any = None
-        self._sinks: list[Any] = []
-        self._others: list[Any] = []
         self._encoded: list[str] = []
         self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
         self.aggregates = Aggregates()
@@ -638,19 +628,6 @@ class SpanBuilder:
             except Exception as error:
                 _log.warning("otelprof: span job failed: %r", error)
 
-    def _targets(self) -> tuple[list[Any], list[Any]]:
-        """(frame sinks, SDK processors) among the provider's processors, re-read when a
-        processor is added: a sink (detached files) takes encoded spans without SDK objects,
-        the others (OTLP, Determined, users') get ReadableSpans."""
-        procs = getattr(self._processor, "_span_processors", None)
-        if procs is None:
-            return [], [self._processor]
-        if procs is not self._procs_seen:
-            self._procs_seen = procs
-            self._sinks = [p.frame_sink for p in procs if getattr(p, "frame_sink", None)]
-            self._others = [p for p in procs if not getattr(p, "frame_sink", None)]
-        return self._sinks, self._others
-
     def _emit(self, frame: list[Any]) -> None:
         if frame[F_KIND] == KIND_STEP:
             ctx: rec.StepContext = frame[F_CTX]
@@ -721,12 +698,13 @@ class SpanBuilder:
             hist = self.aggregates.histograms.get((fields[0], phase))
             if hist is not None:
                 hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
-        sinks, others = self._targets()
+        targets = self._targets
         try:
-            if sinks:
-                self._encoded.append(encode_span(*fields))
+            if targets.frame_sinks:
+                self._encoded.append(targets.encode_span(*fields))  # type: ignore[misc]
                 if len(self._encoded) >= 4096:
                     self._write_encoded()
+            others = targets.span_processors
             if others:
                 span = self.make_span(*fields)
                 for processor in others:
@@ -745,7 +723,7 @@ class SpanBuilder:
         if not self._encoded:
             return
         encoded, self._encoded = self._encoded, []
-        for sink in self._sinks:
+        for sink in self._targets.frame_sinks:
             try:
                 sink.write(self._resource, self._scope, encoded)
             except Exception as error:
@@ -754,7 +732,7 @@ class SpanBuilder:
 
     def _hand_over(self, span: ReadableSpan) -> None:
         try:
-            self._processor.on_end(span)
+            self._targets.on_end(span)
         except Exception as error:
             self.failed += 1
             _log.debug("otelprof: span processor raised %r", error)

@@ -32,8 +32,9 @@ from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
 
+from otelprof import _torch_compat
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
@@ -41,6 +42,7 @@ from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
 from otelprof.timings._sampling import KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
+from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _lock = threading.Lock()
@@ -80,21 +82,28 @@ class TimingsEngine:
 
     def __init__(
         self,
-        tracer_provider: TracerProvider,
+        targets: SpanTargets,
+        resource: Resource,
         settings: Settings,
         *,
         builder_interval_s: float = 0.2,
+        calibrate: Callable[[], float] | None = None,
     ) -> None:
-        """`builder_interval_s`: how often the builder thread turns recorded ranges into
-        spans (a burst of ranges is built in one go, off the training thread)."""
+        """`targets`: the tracer provider's active span processor and `resource` its
+        resource: where built spans go. `builder_interval_s`: how often the builder thread
+        turns recorded ranges into spans (a burst of ranges is built in one go, off the
+        training thread). `calibrate`: measures what one range costs the thread that opens
+        it, run by `start()` before the builder thread starts (`range_cost_s`)."""
         self._settings = settings
+        self._calibrate = calibrate
         self._clock = Clock()
         self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
         if self._torch is None and settings.cuda_events:
             self._torch = _import_torch()
         self._cuda = self._make_cuda_timer()
         self._builder = SpanBuilder(
-            tracer_provider,
+            targets,
+            resource,
             self._clock,
             interval_s=builder_interval_s,
             cuda_timer=self._cuda,
@@ -119,7 +128,7 @@ class TimingsEngine:
         self.kineto_captures = 0
         self._builder.sampler.on_anomaly = self._on_anomaly
         self._schedule_errors = 0
-        self.range_cost_s = 0.0  # one timing() range on the opening thread, set by start()
+        self.range_cost_s = 0.0  # one timing() range on the opening thread (`calibrate`)
         self._step_from_start = True  # the current step began at start(), not at step()
         self._phase = rec.PHASE_TRAIN
         self._ctx_is_block = False  # the current context began when its phase was entered
@@ -142,10 +151,9 @@ class TimingsEngine:
             self._running = True
         rec.recorder.start(self._settings.max_queued_spans)
         _quiet_steps.reset()
-        from otelprof._overhead import calibrate_range_cost
-
-        # for the overhead gauge: what one range costs this thread (before the builder runs)
-        self.range_cost_s = calibrate_range_cost()
+        if self._calibrate is not None:
+            # for the overhead gauge: what one range costs this thread (before the builder runs)
+            self.range_cost_s = self._calibrate()
         rec.recorder.set_cuda_timer(self._cuda)
         self._set_torch_hooks()
         self._builder.start()
@@ -253,6 +261,11 @@ class TimingsEngine:
     @property
     def step_number(self) -> int:
         return self._step
+
+    @property
+    def running(self) -> bool:
+        """Between `start()` and `shutdown()`."""
+        return self._running
 
     def add_step_listener(self, listener: Callable[[int, int, bool], None]) -> Callable[[], None]:
         """Call `listener(step, train_ns, first)` on the training thread at each training
@@ -464,14 +477,11 @@ class TimingsEngine:
         torch = self._torch
         if torch is None:
             return
-        try:
-            rec.recorder.set_torch_hooks(
-                torch.autograd.profiler,
-                torch.ops.profiler._record_function_enter_new,
-                torch.ops.profiler._record_function_exit._RecordFunction,
-            )
-        except Exception:
+        ops = _torch_compat.record_function_ops(torch)
+        if ops is None:
             rec.recorder.set_torch_hooks(None, None, None)
+        else:
+            rec.recorder.set_torch_hooks(_torch_compat.profiler_state(torch), *ops)
 
 
 def _version() -> str:

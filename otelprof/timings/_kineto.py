@@ -20,15 +20,11 @@ from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 
+from otelprof import _torch_compat
+from otelprof._patch import Patch
+from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
 from otelprof.timings import _recorder as rec
-from otelprof.timings._builder import (
-    ATTR_EPOCH,
-    ATTR_PHASE,
-    ATTR_SOURCE,
-    ATTR_STEP,
-    Clock,
-    SpanBuilder,
-)
+from otelprof.timings._builder import Clock, SpanBuilder
 from otelprof.timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
@@ -77,7 +73,7 @@ class KinetoSession:
         self._transitioning = False  # inside our own calls into torch's profiler
         self._disabled = False
         self._warned = False
-        self._patched: tuple[Any, Any] | None = None
+        self._patched: Patch | None = None
 
     def _torch_action(self, _step: int) -> Any:
         return self._torch.profiler.ProfilerAction[self._next.name]
@@ -85,11 +81,7 @@ class KinetoSession:
     def _another_profiler_active(self) -> bool:
         if self._ours:
             return False
-        try:
-            autograd = self._torch.autograd
-            return bool(autograd.profiler._is_profiler_enabled or autograd._profiler_enabled())
-        except Exception:
-            return True  # cannot tell: do not risk a second profiler
+        return _torch_compat.profiler_enabled(self._torch)
 
     def _admit(self, action: ScheduleAction) -> ScheduleAction:
         """The action torch gets: NONE when Kineto is off or another profiler is active."""
@@ -165,8 +157,10 @@ class KinetoSession:
 
     def _patch_foreign_start(self) -> None:
         """See a program's own profiler start: it must not run beside one of our windows."""
-        cls = self._torch.autograd.profiler.profile
-        original = cls._prepare_trace
+        cls = _torch_compat.profile_class(self._torch)
+        if cls is None:
+            return  # this torch starts its profiler another way: the guard is off
+        original = getattr(cls, _torch_compat.PROFILE_START)
         session = self
 
         def _prepare_trace(profile: Any, *args: Any, **kwargs: Any) -> Any:
@@ -174,16 +168,12 @@ class KinetoSession:
                 session._yield_to_foreign()
             return original(profile, *args, **kwargs)
 
-        _prepare_trace._otelprof_kineto_guard = True  # type: ignore[attr-defined]
-        cls._prepare_trace = _prepare_trace
-        self._patched = (cls, original)
+        self._patched = Patch(cls, _torch_compat.PROFILE_START, _prepare_trace)
 
     def _unpatch_foreign_start(self) -> None:
         patched, self._patched = self._patched, None
         if patched is not None:
-            cls, original = patched
-            if getattr(cls._prepare_trace, "_otelprof_kineto_guard", False):
-                cls._prepare_trace = original
+            patched.restore()
 
     def _yield_to_foreign(self) -> None:
         """Another profiler starts during our window: close ours (trace kept), then stand down."""

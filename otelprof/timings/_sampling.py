@@ -32,12 +32,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-ATTR_PHASE = "otelprof.phase"
-ATTR_SAMPLED = "otelprof.sampled"
-ATTR_ANOMALY_RATIO = "otelprof.anomaly.ratio"
-DEFAULT_PHASE = "train"
-METRIC_NAME = "otelprof.timing.duration"
-ATTR_TIMING = "otelprof.timing"
+from otelprof._schema import ATTR_ANOMALY_RATIO, ATTR_SAMPLED
 
 BOUNDS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 2) for i in range(61))
 """Histogram bucket bounds in seconds: 1 µs to ~1 ks, a factor √2 apart (percentiles read

@@ -1,0 +1,74 @@
+"""Every monkeypatch otelprof makes, with one restore rule.
+
+`instrument()`/`uninstrument()` restore everything they patch: a `Patch` remembers what the
+owner (a class, a module, an object) held under the name itself, so `restore()` puts back
+exactly that, deleting the attribute again when it was inherited or absent. If someone
+patched the same attribute after us (another profiler, a test's mock, a library), restoring
+ours would remove theirs: the later patch is left in place and a warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+_log = logging.getLogger("otelprof")
+_MISSING = object()
+
+
+def _own(owner: Any, name: str) -> Any:
+    """What `owner` itself holds under `name` (not what it inherits), or _MISSING."""
+    return getattr(owner, "__dict__", {}).get(name, _MISSING)
+
+
+class Patch:
+    """`owner.name` replaced by `replacement` until `restore()`."""
+
+    __slots__ = ("_saved", "name", "owner", "replacement")
+
+    def __init__(self, owner: Any, name: str, replacement: Any) -> None:
+        self.owner = owner
+        self.name = name
+        self.replacement = replacement
+        self._saved = _own(owner, name)
+        setattr(owner, name, replacement)
+
+    @property
+    def active(self) -> bool:
+        """Whether our replacement is still what the owner holds."""
+        return _own(self.owner, self.name) is self.replacement
+
+    def restore(self) -> bool:
+        """Put back what was there; False (and a warning) if a later patch is left in place."""
+        if not self.active:
+            owner = getattr(self.owner, "__qualname__", None) or getattr(
+                self.owner, "__name__", type(self.owner).__qualname__
+            )
+            _log.warning(
+                "otelprof: %s.%s was re-patched by someone else; leaving it", owner, self.name
+            )
+            return False
+        if self._saved is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self._saved)
+        return True
+
+
+class Patches:
+    """Patches made together, restored together in reverse order."""
+
+    def __init__(self) -> None:
+        self._patches: list[Patch] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._patches)
+
+    def patch(self, owner: Any, name: str, replacement: Any) -> Patch:
+        patch = Patch(owner, name, replacement)
+        self._patches.append(patch)
+        return patch
+
+    def restore(self) -> None:
+        while self._patches:
+            self._patches.pop().restore()

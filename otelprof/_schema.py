@@ -1,0 +1,72 @@
+"""The telemetry schema: every attribute key, span name, phase name and instrument name that
+otelprof writes and its readers (report, Determined bridge, dashboards' tests) look for.
+
+One place, so a name is changed (or checked) once: the files, the OTLP exports and the
+analysis of a run all agree because they import these. This module imports nothing; any
+layer may use it. System metric instruments are described with their units in
+`otelprof/system/names.py`, which takes its shared keys from here.
+"""
+
+from __future__ import annotations
+
+# ---- resource attributes: who wrote the telemetry ----
+ATTR_RANK = "otelprof.rank"
+ATTR_LOCAL_RANK = "otelprof.local_rank"
+ATTR_WORLD_SIZE = "otelprof.world_size"
+ATTR_ATTEMPT = "otelprof.attempt"
+
+# ---- span attributes ----
+ATTR_STEP = "otelprof.step"
+ATTR_EPOCH = "otelprof.epoch"
+ATTR_PHASE = "otelprof.phase"
+ATTR_SOURCE = "otelprof.source"
+ATTR_REASON = "otelprof.reason"
+ATTR_CUDA_DURATION = "otelprof.cuda.duration_s"
+ATTR_TIMING = "otelprof.timing"
+ATTR_SAMPLED = "otelprof.sampled"
+ATTR_ANOMALY_RATIO = "otelprof.anomaly.ratio"
+ATTR_COLLECTIVE = "otelprof.collective"
+# a step's work (`step_work()`), on its span
+ATTR_SAMPLES = "otelprof.samples"
+ATTR_TOKENS = "otelprof.tokens"
+ATTR_FLOPS = "otelprof.flops"
+ATTR_PEAK_FLOPS = "otelprof.peak_flops"
+
+# ---- phases (`otelprof.phase`) ----
+PHASE_TRAIN = "train"
+"""The default phase, and the only one whose steps are training steps."""
+PHASE_VALIDATION = "validation"
+PHASE_CHECKPOINT = "checkpoint"
+
+# ---- span names ----
+STEP_SPAN = "step"
+"""The root span of a training step's trace (other phases' roots are named after them)."""
+FORWARD = "forward"
+BACKWARD = "backward"
+DDP_SPAN = "ddp.allreduce"
+COLLECTIVE_SPAN_PREFIX = "dist."
+# Determined's PyTorchTrial timing names
+DATALOADER_NEXT = "dataloader_next"
+TO_DEVICE = "to_device"
+FROM_DEVICE = "from_device"
+TRAIN_BATCH = "train_batch"
+STEP_LR_SCHEDULERS = "step_lr_schedulers"
+REDUCE_METRICS = "reduce_metrics"
+OPTIMIZER_STEP = "optimizer_step"
+
+# ---- instruments and scopes ----
+SCOPE = "otelprof"
+TIMINGS_SCOPE = "otelprof.timings"
+"""The scope of the timing histograms."""
+TIMING_HISTOGRAM = "otelprof.timing.duration"
+"""Every range's duration, per (timing, phase), in every metrics export."""
+TIMING_HISTOGRAM_PROMETHEUS = "otelprof_timing_duration_seconds"
+"""`TIMING_HISTOGRAM` as the collector's Prometheus exporter names it (unit suffix added)."""
+TELEMETRY_DROPPED = "otelprof.telemetry.dropped"
+COLLECTIVE_DURATION = "otelprof.collective.duration"
+THROUGHPUT_SCOPE = "otelprof.throughput"
+TRAIN_SAMPLES = "otelprof.train.samples"
+TRAIN_TOKENS = "otelprof.train.tokens"
+TRAIN_THROUGHPUT_SAMPLES = "otelprof.train.throughput.samples"
+TRAIN_THROUGHPUT_TOKENS = "otelprof.train.throughput.tokens"
+TRAIN_MFU = "otelprof.train.mfu"

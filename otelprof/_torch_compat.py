@@ -1,0 +1,60 @@
+"""Every use of PyTorch's private parts, in one place (never imports torch by itself).
+
+Each function takes the `torch` (or `torch.distributed`) module the caller already has and
+names the version it was checked against; where the private part is gone it returns None
+or a safe answer, and the caller degrades (no torch.profiler ranges inside otelprof's,
+no Kineto window, a run id not agreed through the store) rather than failing. The hot path
+reads `torch.autograd.profiler._is_profiler_enabled` itself (one attribute read per range,
+`timings/_recorder.py`); the module it reads it from comes from `profiler_state` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CHECKED = "2.5-2.9"
+"""The torch versions these private parts were checked against."""
+
+PROFILE_START = "_prepare_trace"
+"""The method of `torch.autograd.profiler.profile` every profiler start goes through."""
+
+
+def profiler_state(torch: Any) -> Any:
+    """The module whose `_is_profiler_enabled` flag every Python-level torch profiler sets,
+    or None when this torch has no such flag."""
+    module = getattr(getattr(torch, "autograd", None), "profiler", None)
+    return module if hasattr(module, "_is_profiler_enabled") else None
+
+
+def record_function_ops(torch: Any) -> tuple[Any, Any] | None:
+    """(enter, exit) ops that open and close a torch.profiler range without a
+    `record_function` object, or None when this torch lacks them."""
+    try:
+        ops = torch.ops.profiler
+        return ops._record_function_enter_new, ops._record_function_exit._RecordFunction
+    except Exception:
+        return None
+
+
+def profiler_enabled(torch: Any) -> bool:
+    """Whether any torch profiler (Python or C++ side) is running now; True when this torch
+    cannot tell (never risk a second profiler)."""
+    try:
+        autograd = torch.autograd
+        return bool(autograd.profiler._is_profiler_enabled or autograd._profiler_enabled())
+    except Exception:
+        return True
+
+
+def profile_class(torch: Any) -> Any:
+    """`torch.autograd.profiler.profile` if it still starts through `PROFILE_START`."""
+    cls = getattr(getattr(getattr(torch, "autograd", None), "profiler", None), "profile", None)
+    return cls if callable(getattr(cls, PROFILE_START, None)) else None
+
+
+def default_store(dist: Any) -> Any:
+    """The default process group's key-value store, or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
