@@ -29,8 +29,22 @@ Warn = Callable[[str], None]
 _KINDS = {"resourceSpans": "traces", "resourceMetrics": "metrics", "resourceLogs": "logs"}
 
 
+MALFORMED = (AttributeError, KeyError, TypeError, ValueError, OverflowError, RecursionError)
+"""What decoding a damaged item can raise: wrong types, missing keys, `inf` where an integer
+belongs, nesting deeper than the interpreter recurses. Each is a skipped item, never a crash."""
+
+
 class RunDirError(Exception):
     """The path given is not a readable run directory."""
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    """`value` when it is a JSON array (a missing one is empty); else TypeError naming it."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a list")
+    return value
 
 
 @dataclass(frozen=True)
@@ -65,11 +79,22 @@ def _looks_like_run(path: Path) -> bool:
     return any(path.glob("run*.json")) or any(_run_files(path))
 
 
-def _run_files(path: Path) -> list[Path]:
-    """OTLP JSON Lines files of a run directory, plain or gzip'd (`*.jsonl.gz`)."""
-    return sorted(
-        p for pattern in ("*.jsonl", "*.jsonl.gz") for p in path.glob(pattern) if p.is_file()
-    )
+def _run_files(path: Path, warn: Warn | None = None) -> list[Path]:
+    """OTLP JSON Lines files of a run directory, plain or gzip'd (`*.jsonl.gz`); a symbolic
+    link that leads nowhere (dangling, or looping back to itself) is named, not skipped
+    silently."""
+    found = []
+    for pattern in ("*.jsonl", "*.jsonl.gz"):
+        for p in path.glob(pattern):
+            try:
+                if p.is_file():
+                    found.append(p)
+                elif p.is_symlink() and warn:
+                    warn(f"{p}: symbolic link to no readable file (dangling or a loop); skipped")
+            except OSError as exc:  # ELOOP and the like on some Pythons
+                if warn:
+                    warn(f"{p}: cannot be read ({exc}); skipped")
+    return sorted(found)
 
 
 def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
@@ -96,7 +121,7 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                 f"and no run.json{hint}"
             )
         dirs.append(path)
-        files.extend(_run_files(path))
+        files.extend(_run_files(path, warn))
         for info_path in sorted(path.glob("run*.json")):  # run.json, run.rank<N>.json
             try:
                 info = json.loads(info_path.read_text(encoding="utf-8"))
@@ -215,6 +240,10 @@ def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[
                     continue
                 try:
                     body = json.loads(raw)
+                except RecursionError:
+                    stats.bad_lines += 1
+                    warn(f"{path}:{number}: line nested too deeply to read; skipped")
+                    continue
                 except ValueError as exc:
                     stats.bad_lines += 1
                     if not raw.endswith(b"\n"):
@@ -244,21 +273,47 @@ def any_value(value: Any) -> Any:
     if kind == "stringValue":
         return raw
     if kind == "intValue":
+        if isinstance(raw, float | bool):
+            raise ValueError(f"intValue {raw!r} is not an integer")
         return int(raw)
     if kind == "doubleValue":
+        if isinstance(raw, bool | list | dict):
+            raise ValueError(f"doubleValue {raw!r} is not a number")
         return float(raw)
     if kind == "boolValue":
         return bool(raw)
     if kind == "arrayValue":
-        return [any_value(v) for v in raw.get("values", [])]
+        return [any_value(v) for v in _list(raw.get("values"), "arrayValue.values")]
     if kind == "kvlistValue":
-        return {kv["key"]: any_value(kv.get("value")) for kv in raw.get("values", [])}
+        pairs = _list(raw.get("values"), "kvlistValue.values")
+        return {_key(kv): any_value(kv.get("value")) for kv in pairs}
     return raw  # bytesValue stays base64 text
 
 
+def _key(item: Any) -> str:
+    key = item["key"]
+    if not isinstance(key, str):
+        raise TypeError(f"attribute key {key!r} is not a string")
+    return key
+
+
 def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Decode an OTLP JSON attribute list into a dict."""
-    return {item["key"]: any_value(item.get("value")) for item in items or ()}
+    """Decode an OTLP JSON attribute list into a dict (raises one of `MALFORMED` if damaged)."""
+    return {_key(item): any_value(item.get("value")) for item in _list(items, "attributes")}
+
+
+def _check_attributes(items: Any) -> None:
+    """Raise one of `MALFORMED` if `attributes(items)` would; cheaper (the reading hot path
+    keeps span attributes raw until asked for)."""
+    if type(items) is not list:
+        _list(items, "attributes")
+        return
+    for item in items:
+        if type(item) is not dict or type(item.get("key")) is not str:
+            _key(item)  # raises, naming what is wrong
+        value = item.get("value")
+        if type(value) is not dict or len(value) != 1 or "stringValue" not in value:
+            any_value(value)
 
 
 def attribute(items: list[dict[str, Any]] | None, key: str) -> Any:
@@ -308,6 +363,8 @@ class _ResourceCache:
         self._by_attrs: dict[tuple[tuple[str, Any], ...], Resource] = {}
 
     def get(self, raw: dict[str, Any] | None) -> Resource:
+        if raw is not None and not isinstance(raw, dict):
+            raise TypeError(f"resource is a {type(raw).__name__}, not an object")
         decoded = attributes((raw or {}).get("attributes"))
         key = tuple(sorted((k, _hashable(v)) for k, v in decoded.items()))
         res = self._by_attrs.get(key)
@@ -374,8 +431,8 @@ def _scopes_by_resource(
     for entry in line.body[f"resource{signal}"]:
         try:
             resource = cache.get(entry.get("resource"))
-            scopes = entry.get(f"scope{signal}") or []
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
+        except MALFORMED as exc:
             stats.skipped_items += 1
             warn(
                 f"{line.path}:{line.number}: malformed resource skipped "
@@ -389,13 +446,21 @@ def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -
     where = f"{line.path}:{line.number}"
     for resource, scopes in _scopes_by_resource(line, "Spans", cache, warn, stats):
         for ss in scopes:
-            for s in ss.get("spans") or () if isinstance(ss, dict) else ():
+            try:
+                spans = _list(ss.get("spans"), "spans")
+            except MALFORMED as exc:
+                stats.skipped_items += 1
+                warn(f"{where}: malformed scope skipped ({type(exc).__name__}: {exc})")
+                continue
+            for s in spans:
                 try:
                     parent = s.get("parentSpanId") or ""
                     if not (_is_id(s["traceId"], 32) and _is_id(s["spanId"], 16)) or (
                         parent and not _is_id(parent, 16)
                     ):
                         raise ValueError("trace/span ids are not 32/16 hex digits")
+                    raw_attributes = s.get("attributes") or []
+                    _check_attributes(raw_attributes)  # damaged: skip the span here, not later
                     rec = SpanRec(
                         name=str(s["name"]),
                         trace_id=s["traceId"],
@@ -403,11 +468,11 @@ def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -
                         parent_span_id=parent,
                         start_ns=int(s["startTimeUnixNano"]),
                         end_ns=int(s["endTimeUnixNano"]),
-                        raw_attributes=s.get("attributes") or [],
+                        raw_attributes=raw_attributes,
                         resource=resource,
                         status_code=int((s.get("status") or {}).get("code", 0) or 0),
                     )
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                except MALFORMED as exc:
                     stats.skipped_items += 1
                     warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
                     continue
@@ -421,7 +486,13 @@ def _points_of(
     where = f"{line.path}:{line.number}"
     for resource, scopes in _scopes_by_resource(line, "Metrics", cache, warn, stats):
         for sm in scopes:
-            for metric in sm.get("metrics") or () if isinstance(sm, dict) else ():
+            try:
+                metrics = _list(sm.get("metrics"), "metrics")
+            except MALFORMED as exc:
+                stats.skipped_items += 1
+                warn(f"{where}: malformed scope skipped ({type(exc).__name__}: {exc})")
+                continue
+            for metric in metrics:
                 try:
                     name = str(metric["name"])
                     unit = str(metric.get("unit", ""))
@@ -435,8 +506,8 @@ def _points_of(
                         continue
                     else:
                         continue  # other histograms/summaries: not hardware gauges
-                    dps = data.get("dataPoints") or []
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    dps = _list(data.get("dataPoints"), "dataPoints")
+                except MALFORMED as exc:
                     stats.skipped_items += 1
                     warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
                     continue
@@ -458,7 +529,7 @@ def _points_of(
                             else (),
                             resource=resource,
                         )
-                    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                    except MALFORMED as exc:
                         stats.skipped_items += 1
                         warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
                         continue
@@ -469,10 +540,16 @@ def _points_of(
 def _histograms_of(
     metric: dict[str, Any], resource: Resource, where: str, warn: Warn, stats: ReadStats
 ) -> Iterator[HistRec]:
-    for dp in metric["histogram"].get("dataPoints") or ():
+    try:
+        points = _list(metric["histogram"].get("dataPoints"), "dataPoints")
+    except MALFORMED as exc:
+        stats.skipped_items += 1
+        warn(f"{where}: malformed histogram {HIST_METRIC} skipped ({exc!r})")
+        return
+    for dp in points:
         try:
             yield parse_hist(dp, attributes(dp.get("attributes")), resource)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        except MALFORMED as exc:
             stats.skipped_items += 1
             warn(f"{where}: malformed histogram point of {HIST_METRIC} skipped ({exc!r})")
 
