@@ -270,7 +270,9 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     the endpoint is left out and training goes on, never an exception from `instrument()`.
     """
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
+
+    from otelprof.export._prom_server import BoundedMetricsServer
 
     port = settings.prometheus_port or 0
     if port:
@@ -280,7 +282,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
         return
     registry = CollectorRegistry()
     try:
-        server, thread = start_http_server(port, addr=settings.prometheus_host, registry=registry)
+        server = BoundedMetricsServer(settings.prometheus_host, port, registry)
     except OSError as error:
         _log.warning(
             "otelprof: cannot serve Prometheus metrics on %s:%d (%s); continuing without the "
@@ -295,12 +297,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     pipelines.prometheus_registry = registry
     pipelines.metric_readers.append(reader)
 
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    pipelines.closers.append(stop)
+    pipelines.closers.append(server.shutdown)
 
 
 def _add_determined(
