@@ -54,6 +54,7 @@ def _run_all(run: Path, sink: OtlpSink, capsys: pytest.CaptureFixture[str]) -> s
     codes = [
         cli_main(["report", str(run)]),
         cli_main(["report", "--json", str(run)]),
+        cli_main(["report", str(run), "--html", str(run.parent / "report.html")]),
         cli_main(["trace", str(run), "-o", str(run.parent / "trace.json")]),
         cli_main(["replay", str(run), "--endpoint", sink.endpoint, "--timeout", "5"]),
     ]
@@ -251,3 +252,38 @@ def test_truncated_and_gzip_damaged_files_never_crash_a_reader(
     (run / "metrics.jsonl.gz").write_bytes(bytes(packed))
     err = _run_all(run, sink, capsys)
     assert str(run / "metrics.jsonl.gz") in err or "metrics" in err
+
+
+def _run_json(run: Path) -> dict[str, Any]:
+    info = {
+        "run_id": "r", "started_unix_nano": 1, "finished_unix_nano": 2,
+        "resource": {"otelprof.rank": 0, "otelprof.world_size": 2, "host.name": "h"},
+        "interval_s": 1.0, "endpoint": None, "files": {"metrics": "metrics.jsonl"},
+        "end": {"how": "clean"}, "stats": {"files.spans_dropped": 1, "dropped_total": 1},
+    }  # fmt: skip
+    path = run / "run.json"
+    if path.exists() and path.read_text().strip():
+        info.update(json.loads(path.read_text()))
+    return info
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_run_json_with_wrong_types_never_crashes_a_reader(
+    tmp_path: Path,
+    base_run: Path,
+    sink: OtlpSink,
+    capsys: pytest.CaptureFixture[str],
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    run = _copy(base_run, tmp_path / "run")
+    info = _run_json(run)
+    paths = list(_paths(info))
+    for where in rng.sample(paths, k=min(4, len(paths))):
+        try:
+            _set(info, where, rng.choice(WRONG))
+        except (KeyError, IndexError, TypeError):
+            continue
+    (run / "run.json").write_text(json.dumps(info))
+    (run / "run.rank1.json").write_text(json.dumps(rng.choice(WRONG)))
+    _run_all(run, sink, capsys)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import os
 import sys
 import zlib
@@ -70,7 +71,7 @@ class RunFiles:
         starts = []
         for info in self.run_info:
             for key in ("started_unix_nano", "start_time_unix_nano"):
-                with contextlib.suppress(KeyError, TypeError, ValueError):
+                with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError):
                     starts.append(int(info[key]))
         return min(starts) if starts else None
 
@@ -130,10 +131,44 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                     warn(f"{info_path}: unreadable ({exc}); ignored")
                 continue
             if isinstance(info, dict):
-                infos.append(info)
+                infos.append(_checked_run_info(info, info_path, warn))
             elif warn:
                 warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
+
+
+_RUN_INFO_FIELDS: dict[str, tuple[type, ...]] = {
+    "run_id": (str,),
+    "started_unix_nano": (int,),
+    "start_time_unix_nano": (int,),
+    "finished_unix_nano": (int,),
+    "attempt": (int,),
+    "interval_s": (int, float),
+    "end": (dict,),
+    "stats": (dict,),
+    "resource": (dict,),
+    "files": (dict,),
+}
+"""The run.json fields the report reads, and their JSON types (anything else is ignored)."""
+
+
+def _checked_run_info(info: dict[str, Any], path: Path, warn: Warn | None) -> dict[str, Any]:
+    """`info` without the fields of a wrong type (a damaged run.json), each named once."""
+    kept = dict(info)
+    for key, types in _RUN_INFO_FIELDS.items():
+        value = kept.get(key)
+        if key not in kept or value is None:
+            continue
+        bad = isinstance(value, bool) or not isinstance(value, types)
+        if not bad and isinstance(value, float):
+            bad = not math.isfinite(value)
+        if key == "stats" and not bad and isinstance(value, dict):
+            bad = not all(isinstance(n, int) and not isinstance(n, bool) for n in value.values())
+        if bad:
+            del kept[key]
+            if warn:
+                warn(f"{path}: field {key!r} holds {value!r:.60}, not a valid value; ignored")
+    return kept
 
 
 def latest_run(output_dir: str | Path | None = None) -> Path:
