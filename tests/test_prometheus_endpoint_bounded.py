@@ -19,6 +19,13 @@ from otelprof.export._prom_server import MAX_CONNECTIONS, WORKERS
 IDLE = 200
 
 
+def _pull_only() -> otelprof.Profiler:
+    return otelprof.instrument(
+        detached=False, prometheus_port=0, host_metrics=False, process_metrics=False,
+        gpus="none", interval=0.2,
+    )  # fmt: skip
+
+
 def _scrape(port: int) -> tuple[int, float]:
     started = time.monotonic()
     response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10.0)
@@ -26,10 +33,7 @@ def _scrape(port: int) -> tuple[int, float]:
 
 
 def test_idle_connections_add_no_threads_and_scrapes_are_still_answered() -> None:
-    with otelprof.instrument(
-        detached=False, prometheus_port=0, host_metrics=False, process_metrics=False,
-        gpus="none", interval=0.2,
-    ) as prof:  # fmt: skip
+    with _pull_only() as prof:
         port = prof.prometheus_port
         assert port
         status, _ = _scrape(port)  # the workers exist from here on
@@ -53,10 +57,7 @@ def test_idle_connections_add_no_threads_and_scrapes_are_still_answered() -> Non
 
 
 def test_connections_past_the_cap_close_the_longest_idle_ones() -> None:
-    with otelprof.instrument(
-        detached=False, prometheus_port=0, host_metrics=False, process_metrics=False,
-        gpus="none", interval=0.2,
-    ) as prof:  # fmt: skip
+    with _pull_only() as prof:
         port = prof.prometheus_port
         assert port
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 8)]

@@ -477,99 +477,100 @@ def _scopes_by_resource(
         yield resource, scopes
 
 
-def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
-    where = f"{line.path}:{line.number}"
-    for resource, scopes in _scopes_by_resource(line, "Spans", cache, warn, stats):
-        for ss in scopes:
+def _items_of(
+    line: Line, signal: str, key: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
+) -> Iterator[tuple[Resource, Any]]:
+    """(resource, item) for every span or metric of a line; a malformed scope is skipped."""
+    for resource, scopes in _scopes_by_resource(line, signal, cache, warn, stats):
+        for scope in scopes:
             try:
-                spans = _list(ss.get("spans"), "spans")
+                items = _list(scope.get(key), key)
             except MALFORMED as exc:
                 stats.skipped_items += 1
-                warn(f"{where}: malformed scope skipped ({type(exc).__name__}: {exc})")
+                warn(
+                    f"{line.path}:{line.number}: malformed scope skipped "
+                    f"({type(exc).__name__}: {exc})"
+                )
                 continue
-            for s in spans:
-                try:
-                    parent = s.get("parentSpanId") or ""
-                    if not (_is_id(s["traceId"], 32) and _is_id(s["spanId"], 16)) or (
-                        parent and not _is_id(parent, 16)
-                    ):
-                        raise ValueError("trace/span ids are not 32/16 hex digits")
-                    raw_attributes = s.get("attributes") or []
-                    _check_attributes(raw_attributes)  # damaged: skip the span here, not later
-                    rec = SpanRec(
-                        name=str(s["name"]),
-                        trace_id=s["traceId"],
-                        span_id=s["spanId"],
-                        parent_span_id=parent,
-                        start_ns=int(s["startTimeUnixNano"]),
-                        end_ns=int(s["endTimeUnixNano"]),
-                        raw_attributes=raw_attributes,
-                        resource=resource,
-                        status_code=int((s.get("status") or {}).get("code", 0) or 0),
-                    )
-                except MALFORMED as exc:
-                    stats.skipped_items += 1
-                    warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
-                    continue
-                stats.spans += 1
-                yield rec
+            for item in items:
+                yield resource, item
+
+
+def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
+    where = f"{line.path}:{line.number}"
+    for resource, s in _items_of(line, "Spans", "spans", cache, warn, stats):
+        try:
+            parent = s.get("parentSpanId") or ""
+            if not (_is_id(s["traceId"], 32) and _is_id(s["spanId"], 16)) or (
+                parent and not _is_id(parent, 16)
+            ):
+                raise ValueError("trace/span ids are not 32/16 hex digits")
+            raw_attributes = s.get("attributes") or []
+            _check_attributes(raw_attributes)  # damaged: skip the span here, not later
+            rec = SpanRec(
+                name=str(s["name"]),
+                trace_id=s["traceId"],
+                span_id=s["spanId"],
+                parent_span_id=parent,
+                start_ns=int(s["startTimeUnixNano"]),
+                end_ns=int(s["endTimeUnixNano"]),
+                raw_attributes=raw_attributes,
+                resource=resource,
+                status_code=int((s.get("status") or {}).get("code", 0) or 0),
+            )
+        except MALFORMED as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
+            continue
+        stats.spans += 1
+        yield rec
 
 
 def _points_of(
     line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats, histograms: bool = False
 ) -> Iterator[PointRec | HistRec]:
     where = f"{line.path}:{line.number}"
-    for resource, scopes in _scopes_by_resource(line, "Metrics", cache, warn, stats):
-        for sm in scopes:
+    for resource, metric in _items_of(line, "Metrics", "metrics", cache, warn, stats):
+        try:
+            name = str(metric["name"])
+            unit = str(metric.get("unit", ""))
+            if "gauge" in metric:
+                kind, data, mono = "gauge", metric["gauge"], False
+            elif "sum" in metric:
+                kind, data = "sum", metric["sum"]
+                mono = bool(data.get("isMonotonic", False))
+            elif histograms and name == HIST_METRIC and "histogram" in metric:
+                yield from _histograms_of(metric, resource, where, warn, stats)
+                continue
+            else:
+                continue  # other histograms/summaries: not hardware gauges
+            dps = _list(data.get("dataPoints"), "dataPoints")
+        except MALFORMED as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
+            continue
+        for dp in dps:
             try:
-                metrics = _list(sm.get("metrics"), "metrics")
+                raw = dp["asDouble"] if "asDouble" in dp else dp["asInt"]
+                attrs = dp.get("attributes")
+                rec = PointRec(
+                    name=name,
+                    unit=unit,
+                    kind=kind,
+                    monotonic=mono,
+                    time_ns=int(dp["timeUnixNano"]),
+                    value=float(raw),
+                    attributes=tuple((k, _hashable(v)) for k, v in attributes(attrs).items())
+                    if attrs
+                    else (),
+                    resource=resource,
+                )
             except MALFORMED as exc:
                 stats.skipped_items += 1
-                warn(f"{where}: malformed scope skipped ({type(exc).__name__}: {exc})")
+                warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
                 continue
-            for metric in metrics:
-                try:
-                    name = str(metric["name"])
-                    unit = str(metric.get("unit", ""))
-                    if "gauge" in metric:
-                        kind, data, mono = "gauge", metric["gauge"], False
-                    elif "sum" in metric:
-                        kind, data = "sum", metric["sum"]
-                        mono = bool(data.get("isMonotonic", False))
-                    elif histograms and name == HIST_METRIC and "histogram" in metric:
-                        yield from _histograms_of(metric, resource, where, warn, stats)
-                        continue
-                    else:
-                        continue  # other histograms/summaries: not hardware gauges
-                    dps = _list(data.get("dataPoints"), "dataPoints")
-                except MALFORMED as exc:
-                    stats.skipped_items += 1
-                    warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
-                    continue
-                for dp in dps:
-                    try:
-                        raw = dp["asDouble"] if "asDouble" in dp else dp["asInt"]
-                        attrs = dp.get("attributes")
-                        rec = PointRec(
-                            name=name,
-                            unit=unit,
-                            kind=kind,
-                            monotonic=mono,
-                            time_ns=int(dp["timeUnixNano"]),
-                            value=float(raw),
-                            attributes=tuple(
-                                (k, _hashable(v)) for k, v in attributes(attrs).items()
-                            )
-                            if attrs
-                            else (),
-                            resource=resource,
-                        )
-                    except MALFORMED as exc:
-                        stats.skipped_items += 1
-                        warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
-                        continue
-                    stats.points += 1
-                    yield rec
+            stats.points += 1
+            yield rec
 
 
 def _histograms_of(
