@@ -473,7 +473,7 @@ def _source(
     name: str, declared: Option, options: Mapping[str, Any], env: Mapping[str, str]
 ) -> _Source | None:
     """The raw value that wins: a keyword (two spellings of one option are refused), else the
-    first set variable (a lower-priority variable set to something else is logged)."""
+    first set variable (a lower-priority variable set to something else is warned about)."""
     given = [k for k in (name, *declared.aliases) if options.get(k) not in (None, "")]
     if len(given) > 1:
         raise ConfigError(
@@ -484,7 +484,7 @@ def _source(
     set_vars = [v for v in declared.env if env.get(v)]
     for other in set_vars[1:]:
         if env[other] != env[set_vars[0]]:
-            _log.info(
+            _log.warning(
                 "otelprof: %s=%r wins over %s=%r (option %r)",
                 set_vars[0], env[set_vars[0]], other, env[other], name,
             )  # fmt: skip

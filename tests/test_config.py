@@ -266,11 +266,11 @@ def test_valid_edge_values_are_kept_exactly(tmp_path: Path) -> None:
     assert settings(tmp_path, detached=False, prometheus_port=0).prometheus_port == 0
 
 
-def test_a_lower_priority_variable_that_loses_is_logged(
+def test_a_lower_priority_variable_that_loses_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     env = {"OTELPROF_SERVICE_NAME": "a", "OTEL_SERVICE_NAME": "b"}
-    with caplog.at_level("INFO", logger="otelprof"):
+    with caplog.at_level("WARNING", logger="otelprof"):
         assert settings(tmp_path, env=env).service_name == "a"
     assert "OTELPROF_SERVICE_NAME='a' wins over OTEL_SERVICE_NAME='b'" in caplog.text
 
@@ -283,3 +283,17 @@ def test_every_option_is_declared_once_with_its_variables() -> None:
     assert set(OPTIONS) == {f.name for f in fields(Settings)} == set(ENVIRONMENT)
     assert ENVIRONMENT["run_id"] == ("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID")
     assert OPTIONS["interval_s"].aliases == ("interval",)
+
+
+def test_instrument_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -> None:
+    import otelprof
+
+    for options in (
+        {"interval": math.inf},
+        {"export_timeout": math.inf},
+        {"max_queued_spans": 1.5},
+    ):
+        with pytest.raises(ConfigError):
+            otelprof.instrument(output_dir=tmp_path, **options)
+        assert otelprof.active_profiler() is None
+    assert not any(tmp_path.iterdir())
