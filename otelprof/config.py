@@ -267,6 +267,8 @@ def directory(src: _Source) -> Path:
     path = Path(_text_of(src, "a path")).expanduser()
     if not str(path):
         raise src.error("expected a directory path")
+    if any(len(os.fsencode(part)) > NAME_MAX for part in path.parts):
+        raise src.error(f"a directory name in it is longer than {NAME_MAX} bytes")
     return path
 
 
@@ -570,13 +572,19 @@ def _check_writable(settings: Settings, env: Mapping[str, str], options: Mapping
     except (OSError, ValueError):
         pass
     existing = target
-    while not existing.exists():
-        if existing.is_symlink():  # dangling link
-            raise ConfigError(f"{where}: {str(existing)!r} is a dangling symbolic link")
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if not existing.is_dir():
+    try:
+        while not existing.exists():
+            if existing.is_symlink():  # dangling link
+                raise ConfigError(f"{where}: {str(existing)!r} is a dangling symbolic link")
+            if existing.parent == existing:
+                break
+            existing = existing.parent
+        usable = existing.is_dir()
+    except OSError as error:
+        raise ConfigError(
+            f"{where}: output directory {str(target)!r} cannot be checked ({error.strerror})"
+        ) from None
+    if not usable:
         raise ConfigError(
             f"{where}: output directory {str(target)!r} is not writable "
             f"({str(existing)!r} is not a directory)"

@@ -135,6 +135,7 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", math.inf, "expected an integer"),
     ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", 70000, "must be between 0 and 65535"),
     ("output_dir", "OTELPROF_OUTPUT_DIR", "runs\x00x", "contains a NUL byte"),
+    ("output_dir", "OTELPROF_OUTPUT_DIR", "d" * 300 + "/runs", "longer than 255 bytes"),
     ("run_id", "OTELPROF_RUN_ID", "run\x00x", "contains a NUL byte"),
     ("run_id", "OTELPROF_RUN_ID", "r" * 300, "longer than 255 bytes"),
     ("run_id", "TORCHELASTIC_RUN_ID", "r" * 300, "longer than 255 bytes"),
