@@ -615,8 +615,3 @@ def torchelastic_run_id(run_id: str) -> str:
         return f"torchrun-{started}-{socket.gethostname()}-{agent.pid}"
     except Exception:
         return f"torchrun-{socket.gethostname()}-{os.getppid()}"
-
-
-def normalize_endpoint(name: str, raw: Any) -> tuple[str, bool | None]:
-    """Accept `http(s)://host:port` or `host:port`; return (host:port, scheme-implied insecure)."""
-    return endpoint(_Source(f"option {name!r}", raw, from_env=False))
