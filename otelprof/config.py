@@ -75,7 +75,6 @@ class Option:
     parse: Parser
     aliases: tuple[str, ...] = ()
     derive: Default | None = None
-    keyword_only: bool = False
 
 
 def opt(
@@ -460,7 +459,7 @@ def _resolve_one(
             return declared.derive(values, env)
         return f.default_factory() if f.default is MISSING else f.default
     value = declared.parse(src)
-    if name == "endpoint":
+    if name == "endpoint":  # (host:port, insecure implied by its scheme) for `insecure`
         value, values["_scheme_insecure"] = value
     implied = values.get("_scheme_insecure")
     if name == "insecure" and implied is not None and value != implied:
@@ -471,12 +470,17 @@ def _resolve_one(
     return value
 
 
+def _given(value: Any) -> bool:
+    """None and "" leave an option to its variables and default, as if it were not passed."""
+    return value is not None and not (isinstance(value, str) and value == "")
+
+
 def _source(
     name: str, declared: Option, options: Mapping[str, Any], env: Mapping[str, str]
 ) -> _Source | None:
     """The raw value that wins: a keyword (two spellings of one option are refused), else the
     first set variable (a lower-priority variable set to something else is warned about)."""
-    given = [k for k in (name, *declared.aliases) if options.get(k) not in (None, "")]
+    given = [k for k in (name, *declared.aliases) if _given(options.get(k))]
     if len(given) > 1:
         raise ConfigError(
             f"options {given[0]!r} and {given[1]!r} are the same option; give only one"
