@@ -569,9 +569,11 @@ def instrument(**options: Any) -> Profiler:
                 )
             return Profiler(_owner=_active)
         from otelprof._distributed.identity import resolve
+        from otelprof.export.wiring import refuse_reused_run
 
         env, resolved, settled = resolve(options)
         settings = Settings.from_options(env=env, **resolved)
+        refuse_reused_run(settings, env)
         _active = Profiler(settings, env=env, options=options, settled=settled)
         return _active
 

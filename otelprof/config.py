@@ -1,27 +1,43 @@
 """Settings from keyword arguments and the environment, validated once before anything starts.
 
-Keywords win over `OTELPROF_*` variables, which win over the standard `OTEL_*` ones. Every
-problem is reported as a `ConfigError` naming the option and what was wrong with it, so a
-typo never silently turns a profiled run into an unprofiled one.
+Every option is declared once, as a field of `Settings` made by `option()`: its environment
+variables, its parser (which also checks the value) and its default. Resolution and
+validation both walk those declarations, so an option cannot be resolved one way and checked
+another. Keywords win over `OTELPROF_*` variables, which win over the standard `OTEL_*` ones.
+Every problem is a `ConfigError` naming the option or variable the value came from, so a typo
+never silently turns a profiled run into an unprofiled one, and nothing (no directory, no
+thread) is created before every value has been checked.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import re
-import tempfile
+import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
+_log = logging.getLogger("otelprof")
+
 MIN_INTERVAL_S = 0.1
+MAX_INTERVAL_S = 3600.0
+"""Longer periods overflow the SDK's reader thread wait (`interval=1e10` killed it) and
+would leave a run without a single sample anyway."""
 DEFAULT_INTERVAL_S = 1.0
 """Default collection interval: Determined's own profiler samples every second, and 1 s keeps
 sampling well under 0.5% of one core while still resolving step-scale dips."""
+MAX_EXPORT_TIMEOUT_S = 3600.0
+"""`shutdown()` waits up to the export timeout; an infinite one never returns (and
+`export_timeout=inf` overflowed the SDK's timers)."""
+NAME_MAX = 255
+"""Longest file name (bytes) Linux file systems take: the run id is a directory name."""
 
 GpuSelection = Literal["visible", "all", "none"]
 
@@ -31,36 +47,369 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Everything `instrument()` needs, resolved and validated."""
+class _Source:
+    """Where a raw value came from, for error messages: a keyword or an environment variable."""
 
-    service_name: str = "otelprof"
-    endpoint: str | None = None
-    insecure: bool = True
-    headers: Mapping[str, str] = field(default_factory=dict)
-    detached: bool = True
-    output_dir: Path = Path("otelprof-runs")
-    run_id: str = ""
-    prometheus_port: int | None = None
-    prometheus_host: str = "127.0.0.1"
-    interval_s: float = DEFAULT_INTERVAL_S
-    host_metrics: bool = True
-    gpus: GpuSelection = "visible"
-    process_metrics: bool = True
-    timings: bool = True
-    record_function: bool = True
-    schedule: Callable[[int], Any] | None = None
-    kineto: bool = False
-    cuda_events: bool = True
-    sync_cuda: bool = False
-    max_queued_spans: int = 65536
-    resource_attributes: Mapping[str, str] = field(default_factory=dict)
-    determined: bool = False
-    export_timeout_s: float = 10.0
-    trace_budget: float = 10.0
-    compress: bool = False
-    max_trace_bytes: int | None = 1 << 30
-    max_metrics_bytes: int | None = 1 << 30
+    where: str
+    value: Any
+    from_env: bool
+
+    def error(self, problem: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {problem}, got {self.value!r}")
+
+
+Parser = Callable[[_Source], Any]
+Default = Callable[[dict[str, Any], Mapping[str, str]], Any]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: environment variables (priority order), keyword aliases, parser, default.
+
+    `parse` turns a raw value (a keyword's value, or a variable's string) into the typed value
+    and raises `ConfigError` for anything it cannot use. `derive`, when set, computes the
+    default from the options resolved before this one (fields are resolved in order).
+    """
+
+    env: tuple[str, ...]
+    parse: Parser
+    aliases: tuple[str, ...] = ()
+    derive: Default | None = None
+
+
+def opt(
+    *,
+    env: tuple[str, ...] = (),
+    parse: Parser,
+    aliases: tuple[str, ...] = (),
+    derive: Default | None = None,
+) -> dict[str, Option]:
+    """A `Settings` field's metadata: its `Option` declaration."""
+    return {"option": Option(env=env, parse=parse, aliases=aliases, derive=derive)}
+
+
+# ---- parsers: each takes a `_Source` and returns the typed value or raises ConfigError ----
+
+
+def _text_of(src: _Source, what: str = "a string") -> str:
+    value = src.value
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise src.error(f"expected {what}")
+    if "\x00" in value:
+        raise src.error("contains a NUL byte")
+    return value
+
+
+def text(src: _Source) -> str:
+    return _text_of(src)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def boolean(src: _Source) -> bool:
+    if src.from_env:
+        word = src.value.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise src.error("expected true/false")
+    if isinstance(src.value, bool):
+        return src.value
+    raise src.error("expected a bool")
+
+
+def number(
+    low: float, high: float = math.inf, *, allow_inf: bool = False, low_open: bool = False
+) -> Parser:
+    """A float in [low, high] (`(low, high]` with low_open); inf only where it means 'no limit'."""
+
+    def parse(src: _Source) -> float:
+        raw = src.value
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise src.error("expected a number")
+        try:
+            value = float(raw.strip() if isinstance(raw, str) else raw)
+        except (ValueError, OverflowError):
+            raise src.error("expected a number") from None
+        if math.isnan(value) or (math.isinf(value) and not allow_inf):
+            raise src.error("expected a finite number")
+        if value == math.inf and allow_inf:
+            return value
+        too_low = value <= low if low_open else value < low
+        if too_low or value > high:
+            low_text = f"> {low:g}" if low_open else f">= {low:g}"
+            high_text = f" and <= {high:g}" if high != math.inf else ""
+            raise src.error(f"must be {low_text}{high_text}")
+        return value
+
+    return parse
+
+
+def integer(low: int, high: int | None = None, hint: str = "") -> Parser:
+    """An integer in [low, high]; `1.5`, `inf` and `true` are refused, never rounded."""
+
+    def parse(src: _Source) -> int:
+        raw = src.value
+        if isinstance(raw, str):
+            if not re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+                raise src.error("expected an integer")
+            value = int(raw)
+        elif isinstance(raw, int) and not isinstance(raw, bool):
+            value = raw
+        elif isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
+            value = int(raw)
+        else:
+            raise src.error("expected an integer")
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
+            raise src.error(f"must be {bound}{hint}")
+        return value
+
+    return parse
+
+
+def choice(*words: str) -> Parser:
+    def parse(src: _Source) -> str:
+        word = _text_of(src).strip().lower()
+        if word not in words:
+            raise src.error(
+                "expected " + ", ".join(repr(w) for w in words[:-1]) + f" or {words[-1]!r}"
+            )
+        return word
+
+    return parse
+
+
+def _pairs(src: _Source) -> dict[str, str]:
+    """`k=v,k2=v2` (the OTEL_* format, values URL-decoded) or a mapping of strings."""
+    if isinstance(src.value, Mapping):
+        out = {}
+        for key, value in src.value.items():
+            if not isinstance(key, str) or not key.strip():
+                raise src.error(f"key {key!r} is not a non-empty string")
+            if not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise src.error(f"value of {key!r} is not a string")
+            out[key] = str(value)
+    else:
+        out = {}
+        for item in filter(None, (part.strip() for part in _text_of(src, "a mapping").split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise src.error(f"malformed entry {item!r}, expected key=value")
+            out[key.strip()] = unquote(value.strip())
+    for key, value in out.items():
+        if "\x00" in key or "\x00" in value:
+            raise src.error(f"entry {key!r} contains a NUL byte")
+    return out
+
+
+def attributes(src: _Source) -> dict[str, str]:
+    return _pairs(src)
+
+
+_METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
+_PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+
+
+def grpc_headers(src: _Source) -> dict[str, str]:
+    """gRPC metadata: keys lowercased as the OTel SDK does for OTEL_EXPORTER_OTLP_HEADERS (gRPC
+    refuses capitals: every export failed with `Invalid metadata`), then checked against
+    gRPC's rules, so a header that cannot be sent is refused before anything starts."""
+    out: dict[str, str] = {}
+    for key, value in _pairs(src).items():
+        name = key.strip().lower()
+        if not _METADATA_KEY.fullmatch(name):
+            raise src.error(f"header {key!r}: gRPC metadata keys are 0-9 a-z _ . - only")
+        if name.startswith("grpc-"):
+            raise src.error(f"header {key!r}: 'grpc-' keys are reserved by gRPC")
+        if not name.endswith("-bin") and not _PRINTABLE_ASCII.fullmatch(value):
+            raise src.error(f"header {key!r}: gRPC metadata values are printable ASCII only")
+        if name in out:
+            raise src.error(f"header {key!r} given twice (keys are case-insensitive)")
+        out[name] = value
+    return out
+
+
+_OTLP_PORT = 4317
+
+
+def endpoint(src: _Source) -> tuple[str, bool | None]:
+    """`http(s)://host:port` or `host:port` -> (host:port, insecure implied by the scheme)."""
+    given = _text_of(src).strip()
+    url = given if "://" in given else f"//{given}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as error:
+        raise src.error(f"malformed endpoint ({error}), expected http://host:port") from None
+    if "://" in given and parts.scheme not in ("http", "https", "grpc", "grpcs"):
+        raise src.error(f"unsupported scheme {parts.scheme!r}")
+    if not parts.hostname:
+        raise src.error("malformed endpoint, no host; expected http://host:port")
+    if parts.username is not None or parts.password is not None:
+        raise src.error("user info in an endpoint is never sent; put credentials in `headers`")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise src.error("OTLP gRPC endpoints take no path, query or fragment")
+    if "://" not in given and port is None:
+        raise src.error("malformed endpoint, expected http://host:port or host:port")
+    if port == 0:
+        raise src.error("port 0 is not a collector's port")
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    scheme_insecure = parts.scheme in ("http", "grpc") if parts.scheme else None
+    return f"{host}:{port or _OTLP_PORT}", scheme_insecure
+
+
+def directory(src: _Source) -> Path:
+    path = Path(_text_of(src, "a path")).expanduser()
+    if not str(path):
+        raise src.error("expected a directory path")
+    if any(len(os.fsencode(part)) > NAME_MAX for part in path.parts):
+        raise src.error(f"a directory name in it is longer than {NAME_MAX} bytes")
+    return path
+
+
+def run_name(src: _Source) -> str:
+    name = _text_of(src).strip()
+    if "/" in name or name in (".", ".."):
+        raise src.error("not a usable name for the run directory")
+    if len(os.fsencode(name)) > NAME_MAX:
+        raise src.error(f"longer than {NAME_MAX} bytes, the longest directory name")
+    if src.where == "environment variable TORCHELASTIC_RUN_ID":
+        return torchelastic_run_id(name)
+    return name
+
+
+def schedule_function(src: _Source) -> Callable[[int], Any]:
+    if src.from_env or not callable(src.value):
+        raise src.error("expected a callable step -> action")
+    return src.value
+
+
+# ---- defaults derived from other options ----
+
+
+def _scheme_insecure(values: dict[str, Any], _env: Mapping[str, str]) -> bool:
+    implied = values.get("_scheme_insecure")
+    return True if implied is None else bool(implied)
+
+
+def _no_endpoint(values: dict[str, Any], _env: Mapping[str, str]) -> bool:
+    return values["endpoint"] is None
+
+
+def _local_rank_zero(_values: dict[str, Any], env: Mapping[str, str]) -> bool:
+    return launcher_int(env, "LOCAL_RANK", 0) == 0
+
+
+def _new_run_id(_values: dict[str, Any], _env: Mapping[str, str]) -> str:
+    return _default_run_id()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `instrument()` needs, resolved and validated. Each field is one option."""
+
+    service_name: str = field(
+        default="otelprof",
+        metadata=opt(env=("OTELPROF_SERVICE_NAME", "OTEL_SERVICE_NAME"), parse=text),
+    )
+    endpoint: str | None = field(
+        default=None,
+        metadata=opt(env=("OTELPROF_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"), parse=endpoint),
+    )
+    insecure: bool = field(
+        default=True,
+        metadata=opt(
+            env=("OTELPROF_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"),
+            parse=boolean,
+            derive=_scheme_insecure,
+        ),
+    )
+    headers: Mapping[str, str] = field(
+        default_factory=dict, metadata=opt(env=("OTEL_EXPORTER_OTLP_HEADERS",), parse=grpc_headers)
+    )
+    detached: bool = field(
+        default=True, metadata=opt(env=("OTELPROF_DETACHED",), parse=boolean, derive=_no_endpoint)
+    )
+    output_dir: Path = field(
+        default=Path("otelprof-runs"), metadata=opt(env=("OTELPROF_OUTPUT_DIR",), parse=directory)
+    )
+    run_id: str = field(
+        default="",
+        metadata=opt(
+            env=("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID"), parse=run_name, derive=_new_run_id
+        ),
+    )
+    prometheus_port: int | None = field(
+        default=None, metadata=opt(env=("OTELPROF_PROMETHEUS_PORT",), parse=integer(0, 65535))
+    )
+    prometheus_host: str = field(
+        default="127.0.0.1", metadata=opt(env=("OTELPROF_PROMETHEUS_HOST",), parse=text)
+    )
+    interval_s: float = field(
+        default=DEFAULT_INTERVAL_S,
+        metadata=opt(
+            env=("OTELPROF_INTERVAL",),
+            parse=number(MIN_INTERVAL_S, MAX_INTERVAL_S),
+            aliases=("interval",),
+        ),
+    )
+    host_metrics: bool = field(
+        default=True,
+        metadata=opt(env=("OTELPROF_HOST_METRICS",), parse=boolean, derive=_local_rank_zero),
+    )
+    gpus: GpuSelection = field(
+        default="visible",
+        metadata=opt(env=("OTELPROF_GPUS",), parse=choice("visible", "all", "none")),
+    )
+    process_metrics: bool = field(
+        default=True, metadata=opt(env=("OTELPROF_PROCESS_METRICS",), parse=boolean)
+    )
+    timings: bool = field(default=True, metadata=opt(env=("OTELPROF_TIMINGS",), parse=boolean))
+    record_function: bool = field(
+        default=True, metadata=opt(env=("OTELPROF_RECORD_FUNCTION",), parse=boolean)
+    )
+    schedule: Callable[[int], Any] | None = field(
+        default=None, metadata=opt(parse=schedule_function)
+    )
+    kineto: bool = field(default=False, metadata=opt(env=("OTELPROF_KINETO",), parse=boolean))
+    cuda_events: bool = field(
+        default=True, metadata=opt(env=("OTELPROF_CUDA_EVENTS",), parse=boolean)
+    )
+    sync_cuda: bool = field(default=False, metadata=opt(env=("OTELPROF_SYNC_CUDA",), parse=boolean))
+    max_queued_spans: int = field(
+        default=65536,
+        metadata=opt(env=("OTELPROF_MAX_QUEUED_SPANS",), parse=integer(1, 1 << 30)),
+    )
+    resource_attributes: Mapping[str, str] = field(
+        default_factory=dict, metadata=opt(env=("OTEL_RESOURCE_ATTRIBUTES",), parse=attributes)
+    )
+    determined: bool = field(
+        default=False, metadata=opt(env=("OTELPROF_DETERMINED",), parse=boolean)
+    )
+    export_timeout_s: float = field(
+        default=10.0,
+        metadata=opt(
+            env=("OTELPROF_EXPORT_TIMEOUT",),
+            parse=number(0, MAX_EXPORT_TIMEOUT_S, low_open=True),
+            aliases=("export_timeout",),
+        ),
+    )
+    trace_budget: float = field(
+        default=10.0, metadata=opt(env=("OTELPROF_TRACE_BUDGET",), parse=number(0, allow_inf=True))
+    )
+    compress: bool = field(default=False, metadata=opt(env=("OTELPROF_COMPRESS",), parse=boolean))
+    max_trace_bytes: int | None = field(
+        default=1 << 30,
+        metadata=opt(env=("OTELPROF_MAX_TRACE_BYTES",), parse=integer(0, hint=" (0 = no cap)")),
+    )
+    max_metrics_bytes: int | None = field(
+        default=1 << 30,
+        metadata=opt(env=("OTELPROF_MAX_METRICS_BYTES",), parse=integer(0, hint=" (0 = no cap)")),
+    )
 
     @property
     def run_dir(self) -> Path:
@@ -68,7 +417,9 @@ class Settings:
 
     @classmethod
     def from_options(cls, env: Mapping[str, str] | None = None, **options: Any) -> Settings:
-        """Resolve keywords + environment into validated settings (raises ConfigError)."""
+        """Resolve keywords + environment into validated settings (raises ConfigError).
+
+        Creates nothing: the run directory is made when the file exporters start."""
         env = os.environ if env is None else env
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
@@ -76,165 +427,177 @@ class Settings:
                 f"unknown option(s) {', '.join(map(repr, unknown))}; "
                 f"valid options: {', '.join(sorted(_OPTION_NAMES))}"
             )
-        resolved = {name: _resolve(name, options, env) for name in _OPTION_NAMES}
-        return _validate(resolved, env)
+        check_launcher(env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            values[f.name] = _resolve_one(f.name, f.metadata["option"], f, options, env, values)
+        values.pop("_scheme_insecure", None)
+        for name in ("max_trace_bytes", "max_metrics_bytes"):
+            values[name] = values[name] or None  # 0 = no cap
+        settings = cls(**values)
+        _check_combination(settings, env, options)
+        return settings
 
 
-def _opt(name: str, options: Mapping[str, Any], env: Mapping[str, str], *env_names: str) -> Any:
-    if name in options and options[name] is not None:
-        return options[name]
-    for env_name in env_names:
-        value = env.get(env_name)
-        if value is not None and value != "":
-            return _FromEnv(env_name, value)
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings)}
+ENVIRONMENT: dict[str, tuple[str, ...]] = {name: o.env for name, o in OPTIONS.items()}
+"""option name -> environment variables consulted, in priority order"""
+_OPTION_NAMES = frozenset(OPTIONS) | {a for o in OPTIONS.values() for a in o.aliases}
+
+
+def _resolve_one(
+    name: str,
+    declared: Option,
+    f: Any,
+    options: Mapping[str, Any],
+    env: Mapping[str, str],
+    values: dict[str, Any],
+) -> Any:
+    src = _source(name, declared, options, env)
+    if src is None:
+        if declared.derive is not None:
+            return declared.derive(values, env)
+        return f.default_factory() if f.default is MISSING else f.default
+    value = declared.parse(src)
+    if name == "endpoint":  # (host:port, insecure implied by its scheme) for `insecure`
+        value, values["_scheme_insecure"] = value
+    implied = values.get("_scheme_insecure")
+    if name == "insecure" and implied is not None and value != implied:
+        raise src.error(
+            f"contradicts the scheme of the endpoint ({'plaintext' if implied else 'TLS'} for "
+            f"{values['endpoint']!r}); give one of them"
+        )
+    return value
+
+
+def _given(value: Any) -> bool:
+    """None and "" leave an option to its variables and default, as if it were not passed."""
+    return value is not None and not (isinstance(value, str) and value == "")
+
+
+def _source(
+    name: str, declared: Option, options: Mapping[str, Any], env: Mapping[str, str]
+) -> _Source | None:
+    """The raw value that wins: a keyword (two spellings of one option are refused), else the
+    first set variable (a lower-priority variable set to something else is warned about)."""
+    given = [k for k in (name, *declared.aliases) if _given(options.get(k))]
+    if len(given) > 1:
+        raise ConfigError(
+            f"options {given[0]!r} and {given[1]!r} are the same option; give only one"
+        )
+    if given:
+        return _Source(f"option {given[0]!r}", options[given[0]], from_env=False)
+    set_vars = [v for v in declared.env if env.get(v)]
+    for other in set_vars[1:]:
+        if env[other] != env[set_vars[0]]:
+            _log.warning(
+                "otelprof: %s=%r wins over %s=%r (option %r)",
+                set_vars[0], env[set_vars[0]], other, env[other], name,
+            )  # fmt: skip
+    if set_vars:
+        return _Source(f"environment variable {set_vars[0]}", env[set_vars[0]], from_env=True)
     return None
 
 
-@dataclass(frozen=True)
-class _FromEnv:
-    """A raw string from the environment, remembered with its variable for error messages."""
-
-    variable: str
-    value: str
+_LAUNCHER_INTS = {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "TORCHELASTIC_RESTART_COUNT": 0}
+"""Launcher variables otelprof reads (torchrun, DeepSpeed, Determined) and their minimum."""
 
 
-# option name -> environment variables consulted, in priority order
-ENVIRONMENT: dict[str, tuple[str, ...]] = {
-    "service_name": ("OTELPROF_SERVICE_NAME", "OTEL_SERVICE_NAME"),
-    "endpoint": (
-        "OTELPROF_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_ENDPOINT",
-    ),
-    "insecure": ("OTELPROF_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"),
-    "headers": ("OTEL_EXPORTER_OTLP_HEADERS",),
-    "detached": ("OTELPROF_DETACHED",),
-    "output_dir": ("OTELPROF_OUTPUT_DIR",),
-    "run_id": ("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID"),
-    "prometheus_port": ("OTELPROF_PROMETHEUS_PORT",),
-    "prometheus_host": ("OTELPROF_PROMETHEUS_HOST",),
-    "interval_s": ("OTELPROF_INTERVAL",),
-    "host_metrics": ("OTELPROF_HOST_METRICS",),
-    "gpus": ("OTELPROF_GPUS",),
-    "process_metrics": ("OTELPROF_PROCESS_METRICS",),
-    "timings": ("OTELPROF_TIMINGS",),
-    "record_function": ("OTELPROF_RECORD_FUNCTION",),
-    "schedule": (),
-    "kineto": ("OTELPROF_KINETO",),
-    "cuda_events": ("OTELPROF_CUDA_EVENTS",),
-    "sync_cuda": ("OTELPROF_SYNC_CUDA",),
-    "max_queued_spans": ("OTELPROF_MAX_QUEUED_SPANS",),
-    "resource_attributes": ("OTEL_RESOURCE_ATTRIBUTES",),
-    "determined": ("OTELPROF_DETERMINED",),
-    "export_timeout_s": ("OTELPROF_EXPORT_TIMEOUT",),
-    "trace_budget": ("OTELPROF_TRACE_BUDGET",),
-    "compress": ("OTELPROF_COMPRESS",),
-    "max_trace_bytes": ("OTELPROF_MAX_TRACE_BYTES",),
-    "max_metrics_bytes": ("OTELPROF_MAX_METRICS_BYTES",),
-}
-# `interval` is accepted as the friendly keyword for interval_s.
-_ALIASES = {"interval": "interval_s", "export_timeout": "export_timeout_s"}
-_OPTION_NAMES = frozenset({f.name for f in fields(Settings)} | set(_ALIASES))
+def launcher_int(env: Mapping[str, str], variable: str, default: int) -> int:
+    """A launcher's rank variable as an int (`check_launcher` has refused bad ones)."""
+    text_value = env.get(variable, "").strip()
+    return int(text_value) if text_value else default
 
 
-def _resolve(name: str, options: Mapping[str, Any], env: Mapping[str, str]) -> Any:
-    if name in _ALIASES:
-        return None
-    merged = dict(options)
-    for alias, target in _ALIASES.items():
-        if alias in options and target not in options:
-            merged[target] = options[alias]
-    return _opt(name, merged, env, *ENVIRONMENT[name])
-
-
-def _where(name: str, raw: Any) -> str:
-    if isinstance(raw, _FromEnv):
-        return f"environment variable {raw.variable}"
-    return f"option {name!r}"
-
-
-def _as_bool(name: str, raw: Any, default: bool) -> bool:
-    if raw is None:
-        return default
-    if isinstance(raw, _FromEnv):
-        text = raw.value.strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{_where(name, raw)}: expected true/false, got {raw.value!r}")
-    if isinstance(raw, bool):
-        return raw
-    raise ConfigError(f"{_where(name, raw)}: expected a bool, got {raw!r}")
-
-
-def _as_number(name: str, raw: Any, kind: type, default: Any) -> Any:
-    if raw is None:
-        return default
-    value = raw.value if isinstance(raw, _FromEnv) else raw
-    if isinstance(value, bool):
-        raise ConfigError(f"{_where(name, raw)}: expected a number, got {value!r}")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{_where(name, raw)}: expected a number, got {value!r}") from None
-
-
-def _as_str(raw: Any) -> str | None:
-    if raw is None:
-        return None
-    return raw.value if isinstance(raw, _FromEnv) else str(raw)
-
-
-def _as_mapping(name: str, raw: Any) -> dict[str, str]:
-    """`k=v,k2=v2` (the OTEL_* format) or a mapping."""
-    if raw is None:
-        return {}
-    if isinstance(raw, Mapping):
-        return {str(k): str(v) for k, v in raw.items()}
-    text = raw.value if isinstance(raw, _FromEnv) else raw
-    if not isinstance(text, str):
-        raise ConfigError(f"{_where(name, raw)}: expected a mapping or 'k=v,...', got {text!r}")
-    out: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{_where(name, raw)}: malformed entry {item!r}, expected key=value")
-        out[key.strip()] = unquote(value.strip())
-    return out
-
-
-_HOST_PORT = re.compile(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")
-
-
-def normalize_endpoint(name: str, raw: Any) -> tuple[str, bool | None]:
-    """Accept `http(s)://host:port` or `host:port`; return (host:port, scheme-implied insecure)."""
-    text = (_as_str(raw) or "").strip()
-    where = _where(name, raw)
-    if "://" in text:
-        parts = urlsplit(text)
-        if parts.scheme not in ("http", "https", "grpc", "grpcs"):
-            raise ConfigError(f"{where}: unsupported scheme {parts.scheme!r} in {text!r}")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ConfigError(f"{where}: bad port in {text!r}") from None
-        if not parts.hostname:
-            raise ConfigError(f"{where}: no host in {text!r}")
-        if parts.path not in ("", "/"):
+def check_launcher(env: Mapping[str, str]) -> None:
+    """Rank variables are whole numbers in range; `LOCAL_RANK=abc` is a ConfigError, not a
+    ValueError from deep inside, nor a silent rank 0."""
+    for variable, low in _LAUNCHER_INTS.items():
+        value = env.get(variable, "")
+        if value.strip() == "":
+            continue
+        src = _Source(f"environment variable {variable} (set by the launcher)", value, True)
+        integer(low, 1 << 31)(src)
+    world = launcher_int(env, "WORLD_SIZE", 1)
+    for variable in ("RANK", "LOCAL_RANK"):
+        if launcher_int(env, variable, 0) >= world and env.get("WORLD_SIZE", "").strip():
             raise ConfigError(
-                f"{where}: OTLP gRPC endpoints take no path, got {parts.path!r} in {text!r}"
+                f"environment variable {variable}={env[variable]!r} is not below "
+                f"WORLD_SIZE={env['WORLD_SIZE']!r}"
             )
-        port = port or 4317
-        if not 0 < port < 65536:
-            raise ConfigError(f"{where}: port out of range in {text!r}")
-        host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
-        return f"{host}:{port}", parts.scheme in ("http", "grpc")
-    if not _HOST_PORT.match(text):
-        raise ConfigError(f"{where}: malformed endpoint {text!r}, expected http://host:port")
-    port = int(text.rsplit(":", 1)[1])
-    if not 0 < port < 65536:
-        raise ConfigError(f"{where}: port out of range in {text!r}")
-    return text, None
+
+
+_COMPRESSION_VARIABLES = (
+    "OTEL_EXPORTER_OTLP_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+    "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
+)
+
+
+def _check_combination(
+    settings: Settings, env: Mapping[str, str], options: Mapping[str, Any]
+) -> None:
+    """Rules that involve several options, or variables the OTel exporters read themselves."""
+    if settings.endpoint is not None:
+        for variable in _COMPRESSION_VARIABLES:
+            value = env.get(variable)
+            if value is not None and value.strip().lower() != "gzip":
+                raise ConfigError(
+                    f"environment variable {variable}: the OTLP gRPC exporter takes 'gzip' "
+                    f"(or the variable unset), got {value!r}"
+                )
+    collects = settings.timings or settings.host_metrics or settings.process_metrics
+    collects = collects or settings.gpus != "none"
+    destination = (
+        settings.detached or settings.endpoint or settings.determined
+    ) or settings.prometheus_port is not None
+    if collects and not destination:
+        where = "option 'detached'" if "detached" in options else "OTELPROF_DETACHED"
+        raise ConfigError(
+            f"{where} is false and there is no endpoint, Prometheus port or Determined master: "
+            "everything collected would be discarded; set `endpoint` or leave `detached` on"
+        )
+    if settings.detached:
+        _check_writable(settings, env, options)
+
+
+def _check_writable(settings: Settings, env: Mapping[str, str], options: Mapping[str, Any]) -> None:
+    """The run directory can be made (or exists, as a writable directory), without making it."""
+    target = settings.run_dir
+    if "output_dir" in options:
+        where = "option 'output_dir'"
+    elif env.get("OTELPROF_OUTPUT_DIR"):
+        where = "environment variable OTELPROF_OUTPUT_DIR"
+    else:
+        where = "default output directory"
+    try:
+        if len(os.fsencode(os.path.abspath(target))) >= os.pathconf("/", "PC_PATH_MAX"):
+            raise ConfigError(f"{where}: run directory path {str(target)!r} is too long")
+    except (OSError, ValueError):
+        pass
+    existing = target
+    try:
+        while not existing.exists():
+            if existing.is_symlink():  # dangling link
+                raise ConfigError(f"{where}: {str(existing)!r} is a dangling symbolic link")
+            if existing.parent == existing:
+                break
+            existing = existing.parent
+        usable = existing.is_dir()
+    except OSError as error:
+        raise ConfigError(
+            f"{where}: output directory {str(target)!r} cannot be checked ({error.strerror})"
+        ) from None
+    if not usable:
+        raise ConfigError(
+            f"{where}: output directory {str(target)!r} is not writable "
+            f"({str(existing)!r} is not a directory)"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{where}: output directory {str(target)!r} is not writable "
+            f"(no write permission on {str(existing)!r})"
+        )
 
 
 def _default_run_id() -> str:
@@ -242,116 +605,17 @@ def _default_run_id() -> str:
     return f"{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-def _check_writable(directory: Path, raw: Any) -> None:
+def torchelastic_run_id(run_id: str) -> str:
+    """torchrun's run id, unless it is its default "none" (every job without --rdzv-id): then
+    one id per launcher process, the agent that starts every rank and restart attempt of a
+    node (its pid and start time), so jobs do not share a directory and attempts do."""
+    if run_id != "none":
+        return run_id
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".otelprof-probe-"):
-            pass
-    except OSError as error:
-        where = _where("output_dir", raw) if raw is not None else "default output directory"
-        raise ConfigError(
-            f"{where}: output directory {str(directory)!r} is not writable ({error.strerror})"
-        ) from None
+        import psutil
 
-
-def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
-    values: dict[str, Any] = {}
-    values["service_name"] = _as_str(raw["service_name"]) or "otelprof"
-
-    endpoint = None
-    scheme_insecure = None
-    if raw["endpoint"] is not None:
-        endpoint, scheme_insecure = normalize_endpoint("endpoint", raw["endpoint"])
-    values["endpoint"] = endpoint
-    default_insecure = True if scheme_insecure is None else scheme_insecure
-    values["insecure"] = _as_bool("insecure", raw["insecure"], default_insecure)
-    values["headers"] = _as_mapping("headers", raw["headers"])
-    values["detached"] = _as_bool("detached", raw["detached"], endpoint is None)
-
-    interval = _as_number("interval_s", raw["interval_s"], float, DEFAULT_INTERVAL_S)
-    if not interval > 0:
-        raise ConfigError(
-            f"{_where('interval', raw['interval_s'])}: interval must be positive, got {interval}"
-        )
-    if interval < MIN_INTERVAL_S:
-        raise ConfigError(
-            f"{_where('interval', raw['interval_s'])}: interval must be at least "
-            f"{MIN_INTERVAL_S} s, got {interval}"
-        )
-    values["interval_s"] = interval
-
-    port = _as_number("prometheus_port", raw["prometheus_port"], int, None)
-    if port is not None and not 0 <= port < 65536:
-        raise ConfigError(f"{_where('prometheus_port', raw['prometheus_port'])}: bad port {port}")
-    values["prometheus_port"] = port
-    values["prometheus_host"] = _as_str(raw["prometheus_host"]) or "127.0.0.1"
-
-    local_rank = int(env.get("LOCAL_RANK", "0") or 0)
-    values["host_metrics"] = _as_bool("host_metrics", raw["host_metrics"], local_rank == 0)
-    gpus = (_as_str(raw["gpus"]) or "visible").strip().lower()
-    if gpus not in ("visible", "all", "none"):
-        raise ConfigError(
-            f"{_where('gpus', raw['gpus'])}: expected 'visible', 'all' or 'none', got {gpus!r}"
-        )
-    values["gpus"] = gpus
-    for name, default in (
-        ("process_metrics", True),
-        ("timings", True),
-        ("record_function", True),
-        ("kineto", False),
-        ("cuda_events", True),
-        ("sync_cuda", False),
-        ("determined", False),
-    ):
-        values[name] = _as_bool(name, raw[name], default)
-
-    schedule = raw["schedule"]
-    if schedule is not None and not callable(schedule):
-        raise ConfigError(
-            f"option 'schedule': expected a callable step -> action, got {schedule!r}"
-        )
-    values["schedule"] = schedule
-
-    queued = _as_number("max_queued_spans", raw["max_queued_spans"], int, 65536)
-    if queued < 1:
-        raise ConfigError(f"{_where('max_queued_spans', raw['max_queued_spans'])}: must be >= 1")
-    values["max_queued_spans"] = queued
-    timeout = _as_number("export_timeout_s", raw["export_timeout_s"], float, 10.0)
-    if not timeout > 0:
-        raise ConfigError(f"{_where('export_timeout', raw['export_timeout_s'])}: must be > 0")
-    values["export_timeout_s"] = timeout
-    budget = _as_number("trace_budget", raw["trace_budget"], float, 10.0)
-    if not budget >= 0:  # also refuses NaN
-        raise ConfigError(
-            f"{_where('trace_budget', raw['trace_budget'])}: must be >= 0 spans per second "
-            "(inf keeps every step's trace)"
-        )
-    values["trace_budget"] = budget
-    values["compress"] = _as_bool("compress", raw["compress"], False)
-    cap = _as_number("max_trace_bytes", raw["max_trace_bytes"], int, 1 << 30)
-    if cap < 0:
-        raise ConfigError(
-            f"{_where('max_trace_bytes', raw['max_trace_bytes'])}: must be >= 0 (0 = no cap)"
-        )
-    values["max_trace_bytes"] = cap or None
-    cap = _as_number("max_metrics_bytes", raw["max_metrics_bytes"], int, 1 << 30)
-    if cap < 0:
-        raise ConfigError(
-            f"{_where('max_metrics_bytes', raw['max_metrics_bytes'])}: must be >= 0 (0 = no cap)"
-        )
-    values["max_metrics_bytes"] = cap or None
-    values["resource_attributes"] = _as_mapping("resource_attributes", raw["resource_attributes"])
-
-    run_id = _as_str(raw["run_id"]) or _default_run_id()
-    if isinstance(raw["run_id"], _FromEnv) and raw["run_id"].variable == "TORCHELASTIC_RUN_ID":
-        from otelprof._distributed.ranks import torchelastic_run_id
-
-        run_id = torchelastic_run_id(run_id)
-    if "/" in run_id or run_id in (".", ".."):
-        raise ConfigError(f"{_where('run_id', raw['run_id'])}: not a usable name: {run_id!r}")
-    values["run_id"] = run_id
-    output_dir = Path(_as_str(raw["output_dir"]) or "otelprof-runs").expanduser()
-    values["output_dir"] = output_dir
-    if values["detached"]:
-        _check_writable(output_dir / run_id, raw["output_dir"])
-    return Settings(**values)
+        agent = psutil.Process(os.getppid())
+        started = time.strftime("%Y%m%d-%H%M%S", time.gmtime(agent.create_time()))
+        return f"torchrun-{started}-{socket.gethostname()}-{agent.pid}"
+    except Exception:
+        return f"torchrun-{socket.gethostname()}-{os.getppid()}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ def test_defaults_are_detached_with_one_second_interval(tmp_path: Path) -> None:
     assert s.endpoint is None
     assert s.interval_s == DEFAULT_INTERVAL_S == 1.0
     assert s.run_dir.parent == tmp_path
-    assert s.run_dir.is_dir()
+    assert not s.run_dir.exists()  # validation creates nothing
 
 
 def test_endpoint_from_standard_otel_variable_switches_to_attached(tmp_path: Path) -> None:
@@ -69,13 +70,17 @@ def test_host_metrics_default_to_local_rank_zero_only(tmp_path: Path) -> None:
     ("options", "env", "message"),
     [
         ({"intervall": 1}, {}, "unknown option(s) 'intervall'"),
-        ({"interval": 0}, {}, "interval must be positive"),
-        ({"interval": -1}, {}, "interval must be positive"),
-        ({"interval": 0.05}, {}, "at least 0.1 s"),
+        ({"interval": 0}, {}, "must be >= 0.1"),
+        ({"interval": -1}, {}, "must be >= 0.1"),
+        ({"interval": 0.05}, {}, "must be >= 0.1"),
         ({}, {"OTELPROF_INTERVAL": "fast"}, "OTELPROF_INTERVAL: expected a number, got 'fast'"),
-        ({"endpoint": "localhost"}, {}, "malformed endpoint 'localhost'"),
+        (
+            {"endpoint": "localhost"},
+            {},
+            "malformed endpoint, expected http://host:port or host:port, got 'localhost'",
+        ),
         ({"endpoint": "ftp://host:1"}, {}, "unsupported scheme 'ftp'"),
-        ({"endpoint": "http://host:70000"}, {}, "bad port"),
+        ({"endpoint": "http://host:70000"}, {}, "malformed endpoint (Port out of range"),
         ({"endpoint": "http://host:4317/v1/traces"}, {}, "take no path"),
         ({}, {"OTEL_EXPORTER_OTLP_ENDPOINT": "::nonsense"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
         ({"gpus": "some"}, {}, "expected 'visible', 'all' or 'none'"),
@@ -104,3 +109,192 @@ def test_output_directory_is_not_touched_in_attached_only_mode(tmp_path: Path) -
     target = tmp_path / "never-created"
     Settings.from_options(env={}, endpoint="http://127.0.0.1:4317", output_dir=target)
     assert not target.exists()
+
+
+# Every option with wrong values, given as a keyword and as its environment variable: each is
+# a ConfigError naming the option or variable the value came from, never a raw exception, a
+# silent rounding or a value that breaks later (interval=inf turned system metrics off,
+# interval=1e10 killed the metric reader, export_timeout=inf overflowed at shutdown).
+WRONG_VALUES: list[tuple[str, str, object, str]] = [
+    # (keyword, environment variable, wrong value, what the message says)
+    ("interval", "OTELPROF_INTERVAL", math.inf, "expected a finite number"),
+    ("interval", "OTELPROF_INTERVAL", math.nan, "expected a finite number"),
+    ("interval", "OTELPROF_INTERVAL", 1e10, "must be >= 0.1 and <= 3600"),
+    ("interval", "OTELPROF_INTERVAL", 0.05, "must be >= 0.1"),
+    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", math.inf, "expected a finite number"),
+    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", 1e12, "must be > 0 and <= 3600"),
+    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", math.nan, "expected a finite number"),
+    ("trace_budget", "OTELPROF_TRACE_BUDGET", math.nan, "expected a finite number"),
+    ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1.5, "expected an integer"),
+    ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", math.inf, "expected an integer"),
+    ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1 << 40, "must be between 1 and"),
+    ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", 1.5, "expected an integer"),
+    ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", math.inf, "expected an integer"),
+    ("max_metrics_bytes", "OTELPROF_MAX_METRICS_BYTES", 2.5, "expected an integer"),
+    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", 9464.5, "expected an integer"),
+    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", math.inf, "expected an integer"),
+    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", 70000, "must be between 0 and 65535"),
+    ("output_dir", "OTELPROF_OUTPUT_DIR", "runs\x00x", "contains a NUL byte"),
+    ("output_dir", "OTELPROF_OUTPUT_DIR", "d" * 300 + "/runs", "longer than 255 bytes"),
+    ("run_id", "OTELPROF_RUN_ID", "run\x00x", "contains a NUL byte"),
+    ("run_id", "OTELPROF_RUN_ID", "r" * 300, "longer than 255 bytes"),
+    ("run_id", "TORCHELASTIC_RUN_ID", "r" * 300, "longer than 255 bytes"),
+    ("service_name", "OTELPROF_SERVICE_NAME", "svc\x00", "contains a NUL byte"),
+    ("prometheus_host", "OTELPROF_PROMETHEUS_HOST", "h\x00", "contains a NUL byte"),
+    ("endpoint", "OTELPROF_ENDPOINT", "http://[::1", "malformed endpoint"),
+    ("endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1:4317", "malformed endpoint"),
+    ("endpoint", "OTELPROF_ENDPOINT", "http://collector:0", "port 0"),
+    ("endpoint", "OTELPROF_ENDPOINT", "collector:0", "port 0"),
+    ("endpoint", "OTELPROF_ENDPOINT", "http://me:secret@collector:4317", "user info"),
+    ("endpoint", "OTELPROF_ENDPOINT", "http://collector:4317?x=1", "no path, query"),
+    ("headers", "OTEL_EXPORTER_OTLP_HEADERS", "bad key=1", "metadata keys are 0-9 a-z"),
+    ("headers", "OTEL_EXPORTER_OTLP_HEADERS", "grpc-timeout=1", "reserved by gRPC"),
+    ("headers", "OTEL_EXPORTER_OTLP_HEADERS", "x=caf%C3%A9", "printable ASCII"),
+    ("headers", "OTEL_EXPORTER_OTLP_HEADERS", "A=1,a=2", "given twice"),
+    ("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES", "team=a%00b", "NUL byte"),
+    ("gpus", "OTELPROF_GPUS", "\x00", "contains a NUL byte"),
+]
+
+
+def _wrong_value_cases() -> list[tuple[dict[str, object], dict[str, str], str]]:
+    cases = []
+    for keyword, variable, value, message in WRONG_VALUES:
+        kw_value: object = value
+        if keyword in ("headers", "resource_attributes"):  # the same entries, as a mapping
+            entries = [item.split("=", 1) for item in str(value).split(",")]
+            decoded = [(k, v.replace("%00", "\x00").replace("%C3%A9", "é")) for k, v in entries]
+            kw_value = dict(decoded) if len(decoded) == len(dict(decoded)) else None
+        if kw_value is not None:
+            cases.append(({keyword: kw_value}, {}, f"option {keyword!r}: |{message}"))
+        text = repr(value) if isinstance(value, float) else str(value)
+        text = {"inf": "inf", "nan": "nan"}.get(text, text)
+        cases.append(({}, {variable: text}, f"environment variable {variable}: |{message}"))
+    return cases
+
+
+@pytest.mark.parametrize(("options", "env", "message"), _wrong_value_cases())
+def test_every_option_with_a_wrong_value_is_a_config_error_naming_its_source(
+    tmp_path: Path, options: dict[str, object], env: dict[str, str], message: str
+) -> None:
+    if "OTELPROF_OUTPUT_DIR" in env:
+        options["output_dir"] = None  # unset: the variable is the value
+    with pytest.raises(ConfigError) as raised:
+        settings(tmp_path, env=env, **options)
+    where, _, what = message.partition("|")
+    assert str(raised.value).startswith(where)
+    assert what in str(raised.value)
+    assert not any(tmp_path.iterdir()), "validation created something"
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "message"),
+    [
+        # launcher variables: a ConfigError, not a ValueError from inside or a silent rank 0
+        ({}, {"LOCAL_RANK": "abc"}, "environment variable LOCAL_RANK (set by the launcher)"),
+        ({}, {"LOCAL_RANK": "1.5"}, "LOCAL_RANK (set by the launcher): expected an integer"),
+        ({}, {"RANK": "-1"}, "RANK (set by the launcher): must be between 0"),
+        ({}, {"WORLD_SIZE": "0"}, "WORLD_SIZE (set by the launcher): must be between 1"),
+        ({}, {"RANK": "4", "WORLD_SIZE": "4"}, "RANK='4' is not below WORLD_SIZE='4'"),
+        ({}, {"TORCHELASTIC_RESTART_COUNT": "x"}, "TORCHELASTIC_RESTART_COUNT"),
+        # compression the OTLP exporter would refuse at start (raw exception today)
+        (
+            {"endpoint": "http://127.0.0.1:4317"},
+            {"OTEL_EXPORTER_OTLP_COMPRESSION": "brotli"},
+            "environment variable OTEL_EXPORTER_OTLP_COMPRESSION: the OTLP gRPC exporter takes",
+        ),
+        (
+            {"endpoint": "http://127.0.0.1:4317"},
+            {"OTEL_EXPORTER_OTLP_METRICS_COMPRESSION": "zstd"},
+            "OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
+        ),
+        # contradictions: no silent winner
+        ({"detached": False}, {}, "option 'detached' is false and there is no endpoint"),
+        ({}, {"OTELPROF_DETACHED": "0"}, "OTELPROF_DETACHED is false and there is no endpoint"),
+        ({"interval": 1.0, "interval_s": 2.0}, {}, "are the same option; give only one"),
+        ({"export_timeout": 1, "export_timeout_s": 2}, {}, "are the same option"),
+        (
+            {"endpoint": "https://collector:4317", "insecure": True},
+            {},
+            "option 'insecure': contradicts the scheme of the endpoint",
+        ),
+        (
+            {},
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_INSECURE": "0"},
+            "environment variable OTEL_EXPORTER_OTLP_INSECURE: contradicts the scheme",
+        ),
+        # keyword-only options and keyword types
+        ({"service_name": 5}, {}, "option 'service_name': expected a string"),
+    ],
+)
+def test_launcher_variables_compression_and_contradictions_are_refused(
+    tmp_path: Path, options: dict[str, object], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        settings(tmp_path, env=env, **options)
+    assert message in str(raised.value)
+
+
+def test_a_too_long_run_id_is_blamed_on_the_run_id_not_the_output_directory(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        settings(tmp_path, env={"OTELPROF_RUN_ID": "x" * 256, "OTELPROF_OUTPUT_DIR": "runs"})
+    assert str(raised.value).startswith("environment variable OTELPROF_RUN_ID:")
+    assert "OUTPUT_DIR" not in str(raised.value)
+
+
+def test_header_keys_are_lowercased_as_the_sdk_does_so_grpc_accepts_them(tmp_path: Path) -> None:
+    s = settings(tmp_path, headers={"Authorization": "Bearer x"}, endpoint="http://c:4317")
+    assert s.headers == {"authorization": "Bearer x"}
+    env = {"OTEL_EXPORTER_OTLP_HEADERS": "X-Team=vision"}
+    assert settings(tmp_path, env=env).headers == {"x-team": "vision"}
+
+
+def test_endpoints_ipv6_and_default_port(tmp_path: Path) -> None:
+    assert settings(tmp_path, endpoint="http://[::1]:4317").endpoint == "[::1]:4317"
+    assert settings(tmp_path, endpoint="[::1]:4318").endpoint == "[::1]:4318"
+    assert settings(tmp_path, endpoint="https://collector").endpoint == "collector:4317"
+
+
+def test_valid_edge_values_are_kept_exactly(tmp_path: Path) -> None:
+    s = settings(tmp_path, trace_budget=math.inf, max_queued_spans=2.0, interval=3600)
+    assert (s.trace_budget, s.max_queued_spans, s.interval_s) == (math.inf, 2, 3600.0)
+    assert settings(tmp_path, env={"OTELPROF_TRACE_BUDGET": "inf"}).trace_budget == math.inf
+    # nothing collected and nowhere to send it is not a contradiction (the A/A benchmark)
+    nothing = {"timings": False, "host_metrics": False, "process_metrics": False, "gpus": "none"}
+    assert settings(tmp_path, detached=False, **nothing).detached is False
+    # pull-only: Prometheus is a destination
+    assert settings(tmp_path, detached=False, prometheus_port=0).prometheus_port == 0
+
+
+def test_a_lower_priority_variable_that_loses_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"OTELPROF_SERVICE_NAME": "a", "OTEL_SERVICE_NAME": "b"}
+    with caplog.at_level("WARNING", logger="otelprof"):
+        assert settings(tmp_path, env=env).service_name == "a"
+    assert "OTELPROF_SERVICE_NAME='a' wins over OTEL_SERVICE_NAME='b'" in caplog.text
+
+
+def test_every_option_is_declared_once_with_its_variables() -> None:
+    from dataclasses import fields
+
+    from otelprof.config import ENVIRONMENT, OPTIONS
+
+    assert set(OPTIONS) == {f.name for f in fields(Settings)} == set(ENVIRONMENT)
+    assert ENVIRONMENT["run_id"] == ("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID")
+    assert OPTIONS["interval_s"].aliases == ("interval",)
+
+
+def test_instrument_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -> None:
+    import otelprof
+
+    for options in (
+        {"interval": math.inf},
+        {"export_timeout": math.inf},
+        {"max_queued_spans": 1.5},
+    ):
+        with pytest.raises(ConfigError):
+            otelprof.instrument(output_dir=tmp_path, **options)
+        assert otelprof.active_profiler() is None
+    assert not any(tmp_path.iterdir())

@@ -246,9 +246,9 @@ def test_max_metrics_bytes_defaults_to_one_gib_and_zero_means_no_cap() -> None:
     ("env", "options", "message"),
     [
         ({VAR: "-1"}, {}, f"environment variable {VAR}: must be >= 0 (0 = no cap)"),
-        ({VAR: "lots"}, {}, f"environment variable {VAR}: expected a number"),
+        ({VAR: "lots"}, {}, f"environment variable {VAR}: expected an integer"),
         ({}, {"max_metrics_bytes": -5}, "option 'max_metrics_bytes': must be >= 0 (0 = no cap)"),
-        ({}, {"max_metrics_bytes": True}, "option 'max_metrics_bytes': expected a number"),
+        ({}, {"max_metrics_bytes": True}, "option 'max_metrics_bytes': expected an integer"),
     ],
 )
 def test_a_bad_max_metrics_bytes_is_refused_naming_the_setting(

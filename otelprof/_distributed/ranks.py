@@ -168,21 +168,3 @@ def attempt(env: Mapping[str, str] | None = None) -> int | None:
     """Which restart of an elastic job this process belongs to (torchelastic), if any."""
     env = os.environ if env is None else env
     return _int(env, "TORCHELASTIC_RESTART_COUNT")
-
-
-def torchelastic_run_id(run_id: str) -> str:
-    """torchrun's run id, unless it is its default "none" (every job without --rdzv-id): then
-    one id per launcher process, the agent that starts every rank and restart attempt of a
-    node (its pid and start time), so jobs do not share a directory and attempts do."""
-    if run_id != "none":
-        return run_id
-    import time
-
-    try:
-        import psutil
-
-        agent = psutil.Process(os.getppid())
-        started = time.strftime("%Y%m%d-%H%M%S", time.gmtime(agent.create_time()))
-        return f"torchrun-{started}-{socket.gethostname()}-{agent.pid}"
-    except Exception:
-        return f"torchrun-{socket.gethostname()}-{os.getppid()}"

@@ -46,12 +46,11 @@ def _first_timestamp(path: Path) -> int | None:
     try:
         with open_lines(path) as handle:
             for raw in handle:
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    continue
                 found: list[int] = []
-                _collect_times(body, found)
+                try:
+                    _collect_times(json.loads(raw), found)
+                except (ValueError, RecursionError):
+                    continue  # the reading pass names the damaged line
                 return min(found) if found else None
     except (OSError, EOFError, zlib.error):
         return None
@@ -63,7 +62,7 @@ def _collect_times(node: Any, out: list[int]) -> None:
         for key, value in node.items():
             # spans' starts and points' times; not metric start times (the process start)
             if key == "timeUnixNano" or (key == "startTimeUnixNano" and "endTimeUnixNano" in node):
-                with contextlib.suppress(TypeError, ValueError):
+                with contextlib.suppress(TypeError, ValueError, OverflowError):
                     out.append(int(value))
             elif isinstance(value, (dict, list)):
                 _collect_times(value, out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
+import math
 import os
 import sys
 import zlib
@@ -29,8 +30,22 @@ Warn = Callable[[str], None]
 _KINDS = {"resourceSpans": "traces", "resourceMetrics": "metrics", "resourceLogs": "logs"}
 
 
+MALFORMED = (AttributeError, KeyError, TypeError, ValueError, OverflowError, RecursionError)
+"""What decoding a damaged item can raise: wrong types, missing keys, `inf` where an integer
+belongs, nesting deeper than the interpreter recurses. Each is a skipped item, never a crash."""
+
+
 class RunDirError(Exception):
     """The path given is not a readable run directory."""
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    """`value` when it is a JSON array (a missing one is empty); else TypeError naming it."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a list")
+    return value
 
 
 @dataclass(frozen=True)
@@ -56,7 +71,7 @@ class RunFiles:
         starts = []
         for info in self.run_info:
             for key in ("started_unix_nano", "start_time_unix_nano"):
-                with contextlib.suppress(KeyError, TypeError, ValueError):
+                with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError):
                     starts.append(int(info[key]))
         return min(starts) if starts else None
 
@@ -65,11 +80,22 @@ def _looks_like_run(path: Path) -> bool:
     return any(path.glob("run*.json")) or any(_run_files(path))
 
 
-def _run_files(path: Path) -> list[Path]:
-    """OTLP JSON Lines files of a run directory, plain or gzip'd (`*.jsonl.gz`)."""
-    return sorted(
-        p for pattern in ("*.jsonl", "*.jsonl.gz") for p in path.glob(pattern) if p.is_file()
-    )
+def _run_files(path: Path, warn: Warn | None = None) -> list[Path]:
+    """OTLP JSON Lines files of a run directory, plain or gzip'd (`*.jsonl.gz`); a symbolic
+    link that leads nowhere (dangling, or looping back to itself) is named, not skipped
+    silently."""
+    found = []
+    for pattern in ("*.jsonl", "*.jsonl.gz"):
+        for p in path.glob(pattern):
+            try:
+                if p.is_file():
+                    found.append(p)
+                elif p.is_symlink() and warn:
+                    warn(f"{p}: symbolic link to no readable file (dangling or a loop); skipped")
+            except OSError as exc:  # ELOOP and the like on some Pythons
+                if warn:
+                    warn(f"{p}: cannot be read ({exc}); skipped")
+    return sorted(found)
 
 
 def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
@@ -96,7 +122,7 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                 f"and no run.json{hint}"
             )
         dirs.append(path)
-        files.extend(_run_files(path))
+        files.extend(_run_files(path, warn))
         for info_path in sorted(path.glob("run*.json")):  # run.json, run.rank<N>.json
             try:
                 info = json.loads(info_path.read_text(encoding="utf-8"))
@@ -105,10 +131,44 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                     warn(f"{info_path}: unreadable ({exc}); ignored")
                 continue
             if isinstance(info, dict):
-                infos.append(info)
+                infos.append(_checked_run_info(info, info_path, warn))
             elif warn:
                 warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
+
+
+_RUN_INFO_FIELDS: dict[str, tuple[type, ...]] = {
+    "run_id": (str,),
+    "started_unix_nano": (int,),
+    "start_time_unix_nano": (int,),
+    "finished_unix_nano": (int,),
+    "attempt": (int,),
+    "interval_s": (int, float),
+    "end": (dict,),
+    "stats": (dict,),
+    "resource": (dict,),
+    "files": (dict,),
+}
+"""The run.json fields the report reads, and their JSON types (anything else is ignored)."""
+
+
+def _checked_run_info(info: dict[str, Any], path: Path, warn: Warn | None) -> dict[str, Any]:
+    """`info` without the fields of a wrong type (a damaged run.json), each named once."""
+    kept = dict(info)
+    for key, types in _RUN_INFO_FIELDS.items():
+        value = kept.get(key)
+        if key not in kept or value is None:
+            continue
+        bad = isinstance(value, bool) or not isinstance(value, types)
+        if not bad and isinstance(value, float):
+            bad = not math.isfinite(value)
+        if key == "stats" and not bad and isinstance(value, dict):
+            bad = not all(isinstance(n, int) and not isinstance(n, bool) for n in value.values())
+        if bad:
+            del kept[key]
+            if warn:
+                warn(f"{path}: field {key!r} holds {value!r:.60}, not a valid value; ignored")
+    return kept
 
 
 def latest_run(output_dir: str | Path | None = None) -> Path:
@@ -215,6 +275,10 @@ def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[
                     continue
                 try:
                     body = json.loads(raw)
+                except RecursionError:
+                    stats.bad_lines += 1
+                    warn(f"{path}:{number}: line nested too deeply to read; skipped")
+                    continue
                 except ValueError as exc:
                     stats.bad_lines += 1
                     if not raw.endswith(b"\n"):
@@ -244,21 +308,47 @@ def any_value(value: Any) -> Any:
     if kind == "stringValue":
         return raw
     if kind == "intValue":
+        if isinstance(raw, float | bool):
+            raise ValueError(f"intValue {raw!r} is not an integer")
         return int(raw)
     if kind == "doubleValue":
+        if isinstance(raw, bool | list | dict):
+            raise ValueError(f"doubleValue {raw!r} is not a number")
         return float(raw)
     if kind == "boolValue":
         return bool(raw)
     if kind == "arrayValue":
-        return [any_value(v) for v in raw.get("values", [])]
+        return [any_value(v) for v in _list(raw.get("values"), "arrayValue.values")]
     if kind == "kvlistValue":
-        return {kv["key"]: any_value(kv.get("value")) for kv in raw.get("values", [])}
+        pairs = _list(raw.get("values"), "kvlistValue.values")
+        return {_key(kv): any_value(kv.get("value")) for kv in pairs}
     return raw  # bytesValue stays base64 text
 
 
+def _key(item: Any) -> str:
+    key = item["key"]
+    if not isinstance(key, str):
+        raise TypeError(f"attribute key {key!r} is not a string")
+    return key
+
+
 def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """Decode an OTLP JSON attribute list into a dict."""
-    return {item["key"]: any_value(item.get("value")) for item in items or ()}
+    """Decode an OTLP JSON attribute list into a dict (raises one of `MALFORMED` if damaged)."""
+    return {_key(item): any_value(item.get("value")) for item in _list(items, "attributes")}
+
+
+def _check_attributes(items: Any) -> None:
+    """Raise one of `MALFORMED` if `attributes(items)` would; cheaper (the reading hot path
+    keeps span attributes raw until asked for)."""
+    if type(items) is not list:
+        _list(items, "attributes")
+        return
+    for item in items:
+        if type(item) is not dict or type(item.get("key")) is not str:
+            _key(item)  # raises, naming what is wrong
+        value = item.get("value")
+        if type(value) is not dict or len(value) != 1 or "stringValue" not in value:
+            any_value(value)
 
 
 def attribute(items: list[dict[str, Any]] | None, key: str) -> Any:
@@ -308,6 +398,8 @@ class _ResourceCache:
         self._by_attrs: dict[tuple[tuple[str, Any], ...], Resource] = {}
 
     def get(self, raw: dict[str, Any] | None) -> Resource:
+        if raw is not None and not isinstance(raw, dict):
+            raise TypeError(f"resource is a {type(raw).__name__}, not an object")
         decoded = attributes((raw or {}).get("attributes"))
         key = tuple(sorted((k, _hashable(v)) for k, v in decoded.items()))
         res = self._by_attrs.get(key)
@@ -374,8 +466,8 @@ def _scopes_by_resource(
     for entry in line.body[f"resource{signal}"]:
         try:
             resource = cache.get(entry.get("resource"))
-            scopes = entry.get(f"scope{signal}") or []
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
+        except MALFORMED as exc:
             stats.skipped_items += 1
             warn(
                 f"{line.path}:{line.number}: malformed resource skipped "
@@ -385,94 +477,115 @@ def _scopes_by_resource(
         yield resource, scopes
 
 
+def _items_of(
+    line: Line, signal: str, key: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
+) -> Iterator[tuple[Resource, Any]]:
+    """(resource, item) for every span or metric of a line; a malformed scope is skipped."""
+    for resource, scopes in _scopes_by_resource(line, signal, cache, warn, stats):
+        for scope in scopes:
+            try:
+                items = _list(scope.get(key), key)
+            except MALFORMED as exc:
+                stats.skipped_items += 1
+                warn(
+                    f"{line.path}:{line.number}: malformed scope skipped "
+                    f"({type(exc).__name__}: {exc})"
+                )
+                continue
+            for item in items:
+                yield resource, item
+
+
 def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -> Iterator[SpanRec]:
     where = f"{line.path}:{line.number}"
-    for resource, scopes in _scopes_by_resource(line, "Spans", cache, warn, stats):
-        for ss in scopes:
-            for s in ss.get("spans") or () if isinstance(ss, dict) else ():
-                try:
-                    parent = s.get("parentSpanId") or ""
-                    if not (_is_id(s["traceId"], 32) and _is_id(s["spanId"], 16)) or (
-                        parent and not _is_id(parent, 16)
-                    ):
-                        raise ValueError("trace/span ids are not 32/16 hex digits")
-                    rec = SpanRec(
-                        name=str(s["name"]),
-                        trace_id=s["traceId"],
-                        span_id=s["spanId"],
-                        parent_span_id=parent,
-                        start_ns=int(s["startTimeUnixNano"]),
-                        end_ns=int(s["endTimeUnixNano"]),
-                        raw_attributes=s.get("attributes") or [],
-                        resource=resource,
-                        status_code=int((s.get("status") or {}).get("code", 0) or 0),
-                    )
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:
-                    stats.skipped_items += 1
-                    warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
-                    continue
-                stats.spans += 1
-                yield rec
+    for resource, s in _items_of(line, "Spans", "spans", cache, warn, stats):
+        try:
+            parent = s.get("parentSpanId") or ""
+            if not (_is_id(s["traceId"], 32) and _is_id(s["spanId"], 16)) or (
+                parent and not _is_id(parent, 16)
+            ):
+                raise ValueError("trace/span ids are not 32/16 hex digits")
+            raw_attributes = s.get("attributes") or []
+            _check_attributes(raw_attributes)  # damaged: skip the span here, not later
+            rec = SpanRec(
+                name=str(s["name"]),
+                trace_id=s["traceId"],
+                span_id=s["spanId"],
+                parent_span_id=parent,
+                start_ns=int(s["startTimeUnixNano"]),
+                end_ns=int(s["endTimeUnixNano"]),
+                raw_attributes=raw_attributes,
+                resource=resource,
+                status_code=int((s.get("status") or {}).get("code", 0) or 0),
+            )
+        except MALFORMED as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
+            continue
+        stats.spans += 1
+        yield rec
 
 
 def _points_of(
     line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats, histograms: bool = False
 ) -> Iterator[PointRec | HistRec]:
     where = f"{line.path}:{line.number}"
-    for resource, scopes in _scopes_by_resource(line, "Metrics", cache, warn, stats):
-        for sm in scopes:
-            for metric in sm.get("metrics") or () if isinstance(sm, dict) else ():
-                try:
-                    name = str(metric["name"])
-                    unit = str(metric.get("unit", ""))
-                    if "gauge" in metric:
-                        kind, data, mono = "gauge", metric["gauge"], False
-                    elif "sum" in metric:
-                        kind, data = "sum", metric["sum"]
-                        mono = bool(data.get("isMonotonic", False))
-                    elif histograms and name == HIST_METRIC and "histogram" in metric:
-                        yield from _histograms_of(metric, resource, where, warn, stats)
-                        continue
-                    else:
-                        continue  # other histograms/summaries: not hardware gauges
-                    dps = data.get("dataPoints") or []
-                except (AttributeError, KeyError, TypeError, ValueError) as exc:
-                    stats.skipped_items += 1
-                    warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
-                    continue
-                for dp in dps:
-                    try:
-                        raw = dp["asDouble"] if "asDouble" in dp else dp["asInt"]
-                        attrs = dp.get("attributes")
-                        rec = PointRec(
-                            name=name,
-                            unit=unit,
-                            kind=kind,
-                            monotonic=mono,
-                            time_ns=int(dp["timeUnixNano"]),
-                            value=float(raw),
-                            attributes=tuple(
-                                (k, _hashable(v)) for k, v in attributes(attrs).items()
-                            )
-                            if attrs
-                            else (),
-                            resource=resource,
-                        )
-                    except (AttributeError, KeyError, TypeError, ValueError) as exc:
-                        stats.skipped_items += 1
-                        warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
-                        continue
-                    stats.points += 1
-                    yield rec
+    for resource, metric in _items_of(line, "Metrics", "metrics", cache, warn, stats):
+        try:
+            name = str(metric["name"])
+            unit = str(metric.get("unit", ""))
+            if "gauge" in metric:
+                kind, data, mono = "gauge", metric["gauge"], False
+            elif "sum" in metric:
+                kind, data = "sum", metric["sum"]
+                mono = bool(data.get("isMonotonic", False))
+            elif histograms and name == HIST_METRIC and "histogram" in metric:
+                yield from _histograms_of(metric, resource, where, warn, stats)
+                continue
+            else:
+                continue  # other histograms/summaries: not hardware gauges
+            dps = _list(data.get("dataPoints"), "dataPoints")
+        except MALFORMED as exc:
+            stats.skipped_items += 1
+            warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
+            continue
+        for dp in dps:
+            try:
+                raw = dp["asDouble"] if "asDouble" in dp else dp["asInt"]
+                attrs = dp.get("attributes")
+                rec = PointRec(
+                    name=name,
+                    unit=unit,
+                    kind=kind,
+                    monotonic=mono,
+                    time_ns=int(dp["timeUnixNano"]),
+                    value=float(raw),
+                    attributes=tuple((k, _hashable(v)) for k, v in attributes(attrs).items())
+                    if attrs
+                    else (),
+                    resource=resource,
+                )
+            except MALFORMED as exc:
+                stats.skipped_items += 1
+                warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
+                continue
+            stats.points += 1
+            yield rec
 
 
 def _histograms_of(
     metric: dict[str, Any], resource: Resource, where: str, warn: Warn, stats: ReadStats
 ) -> Iterator[HistRec]:
-    for dp in metric["histogram"].get("dataPoints") or ():
+    try:
+        points = _list(metric["histogram"].get("dataPoints"), "dataPoints")
+    except MALFORMED as exc:
+        stats.skipped_items += 1
+        warn(f"{where}: malformed histogram {HIST_METRIC} skipped ({exc!r})")
+        return
+    for dp in points:
         try:
             yield parse_hist(dp, attributes(dp.get("attributes")), resource)
-        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        except MALFORMED as exc:
             stats.skipped_items += 1
             warn(f"{where}: malformed histogram point of {HIST_METRIC} skipped ({exc!r})")
 

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from otelprof.analysis.reader import ReadStats, RunFiles, Warn, iter_lines
+from otelprof.analysis.reader import MALFORMED, ReadStats, RunFiles, Warn, iter_lines
 
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
 _TIME_KEYS = frozenset(
@@ -142,7 +142,7 @@ def _max_time(node: Any) -> int:
     if isinstance(node, dict):
         for key, value in node.items():
             if key in _TIME_KEYS:
-                with contextlib.suppress(TypeError, ValueError):
+                with contextlib.suppress(TypeError, ValueError, OverflowError):
                     best = max(best, int(value))
             elif isinstance(value, (dict, list)):
                 best = max(best, _max_time(value))
@@ -278,7 +278,8 @@ def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
         newest = 0
         for line in iter_lines(files.jsonl, lambda _msg: None, ReadStats()):
             if line.kind in kinds:
-                newest = max(newest, _max_time(line.body))
+                with contextlib.suppress(*MALFORMED):  # the sending pass names the line
+                    newest = max(newest, _max_time(line.body))
         if newest:
             result.shift_ns = time.time_ns() - newest
     target, tls = _target(options.endpoint, options.tls)
@@ -321,7 +322,7 @@ def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
                     else metrics_service_pb2.ExportMetricsServiceRequest(),
                     ignore_unknown_fields=True,
                 )
-            except (json_format.ParseError, ValueError, TypeError) as exc:
+            except (json_format.ParseError, *MALFORMED) as exc:
                 result.skipped_lines += 1
                 warn(f"{line.path}:{line.number}: not a valid OTLP request ({exc}); skipped")
                 continue

@@ -7,8 +7,9 @@ wrapped so its failures are counted (`ExportCounters`) and never reach training 
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,62 @@ def file_names(world_size: int, rank: int, attempt: int | None = None) -> tuple[
     """(metrics, traces) file names of one process of a job."""
     suffix = file_suffix(world_size, rank, attempt)
     return f"metrics{suffix}.jsonl", f"traces{suffix}.jsonl"
+
+
+def refuse_reused_run(settings: Settings, env: Mapping[str, str]) -> None:
+    """A `run_id` whose directory already holds this process's files of another run is a
+    ConfigError, so a new run never appends to a finished run's files nor rewrites its
+    run.json. "Another run": its run.json says it finished, or the process that wrote it (on
+    this host) is gone. Ranks of one job that share files before their ranks are known are
+    alive and unfinished, so they pass."""
+    from otelprof.config import ConfigError
+    from otelprof.resource import detect_attributes
+
+    if not settings.detached:
+        return
+    ids = detect_attributes(env)
+    attempt = ids.get("otelprof.attempt")
+    suffix = file_suffix(
+        int(ids["otelprof.world_size"]),
+        int(ids["otelprof.rank"]),
+        attempt if isinstance(attempt, int) else None,
+    )
+    info_path = settings.run_dir / f"run{suffix}.json"
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError):
+        info = {}  # unreadable: not ours to overwrite either
+    if isinstance(info, dict) and "finished_unix_nano" not in info and _writer_alive(info):
+        return
+    raise ConfigError(
+        f"run_id {settings.run_id!r}: {str(settings.run_dir)!r} already holds a run "
+        f"({info_path.name}); a new run never writes into another's files: choose another "
+        "run_id (or leave it unset for a fresh one), or move that run away"
+    )
+
+
+def _writer_alive(info: dict[str, Any]) -> bool:
+    """Whether the process that wrote a run.json still runs (other hosts: assume it does)."""
+    import socket
+
+    import psutil
+
+    resource = info.get("resource")
+    if not isinstance(resource, dict):
+        return False
+    pid = resource.get("process.pid")
+    if resource.get("host.name") not in (None, socket.gethostname()):
+        return True
+    if not isinstance(pid, int) or not psutil.pid_exists(pid):
+        return False
+    started = info.get("started_unix_nano")
+    try:  # a recycled pid started after the run did
+        created_ns = int(psutil.Process(pid).create_time() * 1e9)
+    except psutil.Error:
+        return False
+    return not isinstance(started, int) or created_ns <= started + 1_000_000_000
 
 
 def _span_processor(
@@ -228,7 +285,9 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     the endpoint is left out and training goes on, never an exception from `instrument()`.
     """
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
+
+    from otelprof.export._prom_server import BoundedMetricsServer
 
     port = settings.prometheus_port or 0
     if port:
@@ -238,7 +297,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
         return
     registry = CollectorRegistry()
     try:
-        server, thread = start_http_server(port, addr=settings.prometheus_host, registry=registry)
+        server = BoundedMetricsServer(settings.prometheus_host, port, registry)
     except OSError as error:
         _log.warning(
             "otelprof: cannot serve Prometheus metrics on %s:%d (%s); continuing without the "
@@ -253,12 +312,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     pipelines.prometheus_registry = registry
     pipelines.metric_readers.append(reader)
 
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    pipelines.closers.append(stop)
+    pipelines.closers.append(server.shutdown)
 
 
 def _add_determined(
