@@ -25,7 +25,12 @@ from otelprof.determined.client import Credentials, DeterminedClient, Outcome
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.spool import DiskSpool, MemorySpool
 from tests.determined_contract import DeterminedContractServer
-from tests.determined_feed import OtlpClient, seed_metrics_request, trial_resource
+from tests.determined_feed import (
+    OtlpClient,
+    seed_metrics_request,
+    trial_resource,
+    write_token_file,
+)
 
 T0 = 1_760_000_000_000_000_000
 AGENT = "agent-1"
@@ -332,6 +337,7 @@ def test_the_bridge_process_serves_its_own_metrics_with_refusals_and_deliveries(
     bridge = subprocess.Popen(
         [sys.executable, "-m", "otelprof", "determined-bridge", "--listen", "127.0.0.1:0",
          "--master", master.url, "--token-file", str(tmp_path / "token"),
+         "--ingest-tokens", str(write_token_file(tmp_path / "ingest")),
          "--spool-dir", str(tmp_path / "spool"), "--report-interval", "0.2",
          "--metrics-port", "0", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

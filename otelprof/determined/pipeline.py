@@ -43,6 +43,7 @@ class Pipeline:
         delivery_workers: int = 4,
         max_unknown_attempts: int = 5,
         skip_direct: bool = False,
+        max_steps_per_s: float = 10_000.0,
     ) -> None:
         """`skip_direct`: the bridge's setting; leave out data of processes that post to
         Determined themselves (resource attribute otelprof.determined.direct)."""
@@ -52,7 +53,12 @@ class Pipeline:
         self.spool = spool
         self.window_s = window_s
         self.route = route or Route()
-        self.aggregator = WindowAggregator(timings_group=timings_group, max_trials=max_trials)
+        self.aggregator = WindowAggregator(
+            timings_group=timings_group,
+            max_trials=max_trials,
+            max_steps_per_s=max_steps_per_s,
+            window_s=window_s,
+        )
         self.deliverer = Deliverer(
             spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
         )
@@ -187,6 +193,11 @@ class Pipeline:
             "skipped_direct": self.skipped_direct,
             "timings_unsafe_steps": a.timings_unsafe,
             "invalid_values": a.invalid_values,
+            "dropped_agents": a.dropped_agents,
+            "dropped_series": a.dropped_series,
+            "steps_clamped": a.steps_clamped,
+            "spool_damaged_files": s.damaged_files,
+            "spool_damaged_lines": s.damaged_lines,
             "spooled": s.reports_spooled,
             "spool_dropped": s.reports_dropped,
             "journal_overflow": s.journal_overflow,
