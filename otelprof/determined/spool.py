@@ -496,12 +496,18 @@ class DiskSpool(_SpoolBase):
         except OSError as exc:  # e.g. a directory: the batch is resent from its start
             self._set_aside(path, exc)
             return acked, inflight
+        bad = 0
         for line in lines:
-            with contextlib.suppress(ValueError):
+            try:
                 if line.startswith(b"i"):
                     inflight.add(int(line[1:]))
                 else:
                     acked.add(int(line))
+            except ValueError:
+                bad += 1  # a line cut short by a crash, or garbage: that index is resent
+        if bad:
+            self.stats.damaged_lines += bad
+            log.warning("Determined spool: skipped %d damaged lines of %s", bad, path.name)
         return acked, inflight
 
     def _replay(self, path: Path, out: Recovered) -> None:
