@@ -237,8 +237,17 @@ class _SpoolBase:
 class MemorySpool(_SpoolBase):
     """Bounded in-memory queue with the spool interface (in-process exporter default)."""
 
-    def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_refused: int = 1000) -> None:
+    def __init__(
+        self,
+        max_bytes: int = 64 * 1024 * 1024,
+        max_refused: int = 1000,
+        refused_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """`refused_path`: also append refused reports there (owner-only JSON Lines, e.g.
+        the run directory's determined-refused.jsonl, read by `otelprof report`)."""
         self.max_bytes = max_bytes
+        self.refused_path = None if refused_path is None else Path(refused_path)
+        self._refused_file_bytes = 0
         self.stats = SpoolStats()
         self._lock = threading.Lock()
         self._batches = {}
@@ -267,7 +276,25 @@ class MemorySpool(_SpoolBase):
     def _keep_refused(self, entry: dict[str, Any]) -> bool:
         full = len(self._refused) == self._refused.maxlen
         self._refused.append(entry)  # the oldest refused one goes when full
+        if self.refused_path is not None:
+            return self._append_refused(entry)
         return not full
+
+    def _append_refused(self, entry: dict[str, Any]) -> bool:
+        assert self.refused_path is not None
+        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+        if self._refused_file_bytes + len(line) > max(self.max_bytes // 8, 1 << 20):
+            return False
+        try:
+            private.make_dir(self.refused_path.parent)
+            with private.open_append(self.refused_path) as fh:
+                fh.write(line)
+        except OSError as exc:
+            log.error("Determined: cannot keep a refused report in %s: %s", self.refused_path,
+                      exc)  # fmt: skip
+            return False
+        self._refused_file_bytes += len(line)
+        return True
 
     def refused_reports(self) -> list[dict[str, Any]]:
         """The refused reports kept, oldest first: {time, status, message, report}."""

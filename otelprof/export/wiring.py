@@ -249,9 +249,12 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
 def _add_determined(
     pipelines: ExportPipelines, settings: Settings, counters: ExportCounters
 ) -> None:
-    from otelprof.export.determined import DeterminedMetricExporter
+    from otelprof.export.determined import REFUSED_FILE, DeterminedMetricExporter
 
-    exporter = DeterminedMetricExporter.from_environment()
+    exporter = DeterminedMetricExporter.from_environment(
+        export_timeout_s=settings.export_timeout_s,
+        refused_path=str(settings.run_dir / REFUSED_FILE),
+    )
     counters.add_source(exporter.pipeline.delivery_counts)
     pipelines.metric_readers.append(
         _metric_reader(pipelines, "determined", exporter, settings, counters)
