@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import otelprof
+from otelprof.cli import main as otelprof_main
 from otelprof.determined.aggregate import Report, build_body
 from otelprof.determined.client import Credentials, DeterminedClient
 from otelprof.determined.pipeline import Pipeline
@@ -79,20 +80,28 @@ def test_shutdown_keeps_the_export_timeout_when_answers_are_lost_and_counts_them
 
 
 def test_what_the_master_refused_is_kept_in_the_run_directory(
-    master: DeterminedContractServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    master: DeterminedContractServer,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     set_trial_env(monkeypatch, master, run_id="2")  # the master's run id is 1: refused
     with otelprof.instrument(
-        determined=True, detached=False, interval=0.2, output_dir=str(tmp_path)
+        determined=True, detached=True, interval=0.2, output_dir=str(tmp_path)
     ) as prof:
         for _ in range(5):
             prof.step()
         time.sleep(0.6)
     assert prof.stats()["determined.reports_failed_refused_by_master"] >= 1
-    kept = tmp_path / prof.settings.run_id / "determined-refused.jsonl"
+    run_dir = tmp_path / prof.settings.run_id
+    kept = run_dir / "determined-refused.jsonl"
     entries = [json.loads(line) for line in kept.read_text().splitlines()]
     assert entries and all("invalid run id" in e["message"] for e in entries)
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600
+    capsys.readouterr()
+    assert otelprof_main(["report", str(run_dir)]) == 0
+    report = capsys.readouterr().out
+    assert "refused by the Determined master" in report and "invalid run id" in report
 
 
 def test_withheld_timing_windows_are_counted_as_dropped(
