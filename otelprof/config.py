@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
+from otelprof import _private_files
+
 MIN_INTERVAL_S = 0.1
 DEFAULT_INTERVAL_S = 1.0
 """Default collection interval: Determined's own profiler samples every second, and 1 s keeps
@@ -61,6 +63,7 @@ class Settings:
     compress: bool = False
     max_trace_bytes: int | None = 1 << 30
     max_metrics_bytes: int | None = 1 << 30
+    shared_run_dir: bool = False  # run directory 0750 (group-readable) instead of 0700
 
     @property
     def run_dir(self) -> Path:
@@ -130,6 +133,7 @@ ENVIRONMENT: dict[str, tuple[str, ...]] = {
     "compress": ("OTELPROF_COMPRESS",),
     "max_trace_bytes": ("OTELPROF_MAX_TRACE_BYTES",),
     "max_metrics_bytes": ("OTELPROF_MAX_METRICS_BYTES",),
+    "shared_run_dir": ("OTELPROF_SHARED_RUN_DIR",),
 }
 # `interval` is accepted as the friendly keyword for interval_s.
 _ALIASES = {"interval": "interval_s", "export_timeout": "export_timeout_s"}
@@ -242,9 +246,10 @@ def _default_run_id() -> str:
     return f"{stamp}-{uuid.uuid4().hex[:6]}"
 
 
-def _check_writable(directory: Path, raw: Any) -> None:
+def _check_writable(directory: Path, raw: Any, shared: bool = False) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        # owner-only (group-readable when shared): a run holds one user's data
+        _private_files.make_dir(directory, shared)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".otelprof-probe-"):
             pass
     except OSError as error:
@@ -302,6 +307,7 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
         ("cuda_events", True),
         ("sync_cuda", False),
         ("determined", False),
+        ("shared_run_dir", False),
     ):
         values[name] = _as_bool(name, raw[name], default)
 
@@ -353,5 +359,5 @@ def _validate(raw: dict[str, Any], env: Mapping[str, str]) -> Settings:
     output_dir = Path(_as_str(raw["output_dir"]) or "otelprof-runs").expanduser()
     values["output_dir"] = output_dir
     if values["detached"]:
-        _check_writable(output_dir / run_id, raw["output_dir"])
+        _check_writable(output_dir / run_id, raw["output_dir"], values["shared_run_dir"])
     return Settings(**values)

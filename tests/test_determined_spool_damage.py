@@ -158,3 +158,19 @@ def test_an_existing_spool_directory_open_to_others_is_tightened(tmp_path: Path)
     os.chmod(tmp_path / "spool", 0o755)
     DiskSpool(tmp_path / "spool")
     assert stat.S_IMODE((tmp_path / "spool").stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize(("shared", "mode"), [(False, 0o700), (True, 0o750)])
+def test_the_run_directory_is_owner_only_unless_shared(
+    tmp_path: Path, shared: bool, mode: int
+) -> None:
+    from otelprof.config import Settings
+
+    old = os.umask(0o022)
+    try:
+        settings = Settings.from_options(
+            env={}, output_dir=str(tmp_path), run_id="r1", shared_run_dir=shared
+        )
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(settings.run_dir.stat().st_mode) == mode

@@ -25,7 +25,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -34,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 from otelprof.config import ConfigError
-from otelprof.determined.private import check_secret_file
 
 log = logging.getLogger("otelprof.determined")
 
@@ -70,6 +71,21 @@ class Scope:
                 raise ConfigError(f"{where}: scope {word!r} is not trial=ID, experiment=ID or *")
             (trials if kind == "trial" else experiments).add(int(value))
         return cls(frozenset(trials), frozenset(experiments), everything)
+
+
+def check_secret_file(path: str | os.PathLike[str], what: str) -> None:
+    """Refuse a secret file that others can read or write (like ssh with a private key)."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{what} file {path} is not a regular file")
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"{what} file {path} has mode {stat.S_IMODE(info.st_mode):04o}: it is open to "
+            f"other users; run `chmod 600 {path}` (secrets must be readable by their owner only)"
+        )
 
 
 def _digest(token: str) -> bytes:

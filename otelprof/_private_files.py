@@ -1,22 +1,18 @@
 """Files holding a user's data are the user's alone: owner-only directories and files.
 
-Reports, refused bodies and journaled samples carry a job's measurements; on a shared
-training node every other user could read them from 0755/0644 files made under the usual
-umask. Everything the bridge and the in-process exporter write goes through here:
-directories 0700 and files 0600, unless the operator asks for a shared directory
-(`--shared-spool`: group-readable, 0750/0640). Secret files (tokens, passwords) readable by
-anyone but their owner are refused, as ssh refuses such a private key.
+Run data, reports, refused bodies and journaled samples carry a job's measurements; on a
+shared training node every other user could read them from 0755/0644 files made under the
+usual umask. Run directories and everything the Determined bridge and exporter write go
+through here: directories 0700 and files 0600, unless the operator asks for a shared
+directory (`shared_run_dir=True`, the bridge's `--shared-spool`: group-readable, 0750/0640).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from pathlib import Path
 from typing import IO
-
-from otelprof.config import ConfigError
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
@@ -50,19 +46,3 @@ def open_new(path: str | os.PathLike[str], shared: bool = False) -> IO[bytes]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, file_mode(shared))
     os.fchmod(fd, file_mode(shared))  # an older file of that name may have kept its mode
     return os.fdopen(fd, "wb")
-
-
-def check_secret_file(path: str | os.PathLike[str], what: str) -> None:
-    """Refuse a secret file that others can read or write (like ssh with a private key)."""
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{what} file {path} is not a regular file")
-    loose = info.st_mode & 0o077
-    if loose:
-        raise ConfigError(
-            f"{what} file {path} has mode {stat.S_IMODE(info.st_mode):04o}: it is open to "
-            f"other users; run `chmod 600 {path}` (secrets must be readable by their owner only)"
-        )
