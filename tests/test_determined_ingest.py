@@ -372,3 +372,33 @@ def test_a_producer_sets_its_token_through_otel_exporter_otlp_headers(
     rows = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
     assert [r["totalBatches"] for r in rows] == [3]
     assert available_series(master.url, master.token, 42) == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "no --ingest-tokens"),
+        (["--ingest-tokens", "{loose}"], "chmod 600"),
+        (["--ingest-tokens", "{tokens}", "--listen", "0.0.0.0:0"], "without TLS"),
+        (["--ingest-tokens", "{tokens}", "--tls-cert", "c.pem"], "both --tls-cert and --tls-key"),
+    ],
+)
+def test_the_bridge_command_refuses_to_start_open_to_anyone(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    extra: list[str],
+    message: str,
+) -> None:
+    from otelprof.cli import main as otelprof_main
+
+    monkeypatch.delenv("OTELPROF_BRIDGE_INGEST_TOKENS", raising=False)
+    tokens = write_token_file(tmp_path / "tokens")
+    loose = write_token_file(tmp_path / "loose")
+    loose.chmod(0o644)
+    (tmp_path / "token").write_text("master-token")
+    argv = ["determined-bridge", "--master", "http://127.0.0.1:9", "--token-file",
+            str(tmp_path / "token"), "--spool-dir", str(tmp_path / "spool")]  # fmt: skip
+    argv += [a.format(tokens=tokens, loose=loose) for a in extra]
+    assert otelprof_main(argv) == 2
+    assert message in capsys.readouterr().err
