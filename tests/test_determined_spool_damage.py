@@ -174,3 +174,17 @@ def test_the_run_directory_is_owner_only_unless_shared(
     finally:
         os.umask(old)
     assert stat.S_IMODE(settings.run_dir.stat().st_mode) == mode
+
+
+def test_a_master_token_file_others_can_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otelprof.determined.client import _read_secret_file
+
+    path = tmp_path / "token"
+    path.write_text("secret-token\n")
+    path.chmod(0o644)
+    with caplog.at_level("WARNING", logger="otelprof.determined"):
+        assert _read_secret_file(str(path), "token") == "secret-token"
+    assert "readable by other users" in caplog.text and "chmod 600" in caplog.text
+    assert "secret-token" not in caplog.text

@@ -185,6 +185,8 @@ class ScopeChecker:
             raise NotKnownYet(f"cannot ask the master which experiment trial {trial} is in: "
                               f"{exc}") from None  # fmt: skip
         self.lookups += 1
+        if experiment is None:
+            return None  # no such trial (yet): asked again next time, not remembered
         with self._lock:
             self._cache[trial] = experiment
             while len(self._cache) > self.max_cached:
