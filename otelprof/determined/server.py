@@ -107,6 +107,11 @@ class _Receiver:
         self.limits = limits
         self.stats = IngestStats()
         self.admission = _Admission(limits)
+        self._stats_lock = threading.Lock()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:  # worker threads refuse at once: no count may be lost
+            setattr(self.stats, name, getattr(self.stats, name) + n)
 
     def export(
         self,
@@ -118,7 +123,7 @@ class _Receiver:
     ) -> Extracted:
         found = self.tokens.scope_of(context.invocation_metadata())
         if found is None:
-            self.stats.unauthenticated += 1
+            self._count("unauthenticated")
             _abort(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -126,7 +131,7 @@ class _Receiver:
                 "(OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)",
             )
         if len(raw) > self.limits.max_request_bytes:
-            self.stats.too_large += 1
+            self._count("too_large")
             _abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -136,7 +141,7 @@ class _Receiver:
         credential, scope = found
         refusal = self.admission.enter(credential, len(raw))
         if refusal is not None:
-            self.stats.throttled += 1
+            self._count("throttled")
             _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
         try:
             message = _parse(cls, raw, context)
@@ -167,7 +172,7 @@ class _Receiver:
             try:
                 allowed = self.scopes.allows(scope, trial)
             except NotKnownYet as exc:
-                self.stats.unverified += 1
+                self._count("unverified")
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
             if allowed:
                 kept.append(resource)
@@ -176,11 +181,11 @@ class _Receiver:
                 trials.add(trial)
         if not trials:
             return message, None
-        self.stats.forbidden_points += refused
+        self._count("forbidden_points", refused)
         why = (f"this token may write into {scope.describe()}, not into trial(s) "
                f"{', '.join(map(str, sorted(trials)))}")  # fmt: skip
         if not kept:
-            self.stats.forbidden_requests += 1
+            self._count("forbidden_requests")
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         allowed_only = type(message)()
         getattr(allowed_only, field_name).extend(kept)
