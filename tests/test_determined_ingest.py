@@ -224,27 +224,32 @@ def test_a_hundred_thousand_agent_ids_in_one_trial_stay_bounded_and_do_not_delay
 ) -> None:
     otlp = bridge.client(EXPERIMENT_7_TOKEN)
     t = time.time_ns()
-    for start in range(0, 100_000, 5000):
+    template = metrics_pb2.ResourceMetrics(
+        resource=Resource(attributes=[kv(k, v) for k, v in trial_resource(44).items()]),
+        scope_metrics=[
+            metrics_pb2.ScopeMetrics(
+                metrics=[
+                    metrics_pb2.Metric(
+                        name="system.cpu.utilization",
+                        unit="1",
+                        gauge=metrics_pb2.Gauge(
+                            data_points=[
+                                metrics_pb2.NumberDataPoint(time_unix_nano=t, as_double=0.5)
+                            ]
+                        ),
+                    )
+                ]
+            )
+        ],
+    )
+    agent_attr = [a.key for a in template.resource.attributes].index("determined.agent.id")
+    for start in range(0, 100_000, 10_000):
         request = metrics_service_pb2.ExportMetricsServiceRequest()
-        for agent in range(start, start + 5000):
-            gauge = metrics_pb2.Metric(
-                name="system.cpu.utilization",
-                unit="1",
-                gauge=metrics_pb2.Gauge(
-                    data_points=[metrics_pb2.NumberDataPoint(time_unix_nano=t, as_double=0.5)]
-                ),
-            )
-            request.resource_metrics.append(
-                metrics_pb2.ResourceMetrics(
-                    resource=Resource(
-                        attributes=[
-                            kv(k, v) for k, v in trial_resource(44, agent=f"a{agent}").items()
-                        ]
-                    ),
-                    scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[gauge])],
-                )
-            )
-        otlp.send_metrics(request, timeout=60)
+        for agent in range(start, start + 10_000):
+            resource = request.resource_metrics.add()
+            resource.CopyFrom(template)
+            resource.resource.attributes[agent_attr].value.string_value = f"a{agent}"
+        otlp.send_metrics(request, timeout=120)
     otlp.send_metrics(seed_metrics_request(trial_resource(42)))
     bridge.report_now()
     stats = bridge.server.stats()

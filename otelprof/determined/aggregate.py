@@ -161,7 +161,9 @@ class WindowAggregator:
         state.last_seen = self.window
         return state
 
-    def add_gauges(self, samples: list[GaugeSample]) -> None:
+    def add_gauges(self, samples: list[GaugeSample]) -> list[GaugeSample]:
+        """Add samples to the window; returns those taken (not over a per-trial limit)."""
+        taken = []
         for s in samples:
             state = self._trial(s.trial_id, s.run_id)
             if state is None:
@@ -171,6 +173,7 @@ class WindowAggregator:
                     self.stats.dropped_agents += 1
                     continue
                 state.agents.add(s.agent)
+            taken.append(s)
             if s.group == self.timings_group:  # e.g. GPU energy per step: rides with timings
                 tacc = state.timing_gauges.setdefault(s.key, [0.0, 0])
                 tacc[0] += s.value
@@ -183,6 +186,7 @@ class WindowAggregator:
                 acc[0] += s.value
                 acc[1] += 1
                 acc[2] = max(acc[2], s.time_ns)
+        return taken
 
     def histogram_deltas(self, points: list[HistogramPoint]) -> list[TimingSample]:
         """Timing samples (seconds and calls since the previous point) from histogram points.

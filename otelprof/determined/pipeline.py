@@ -117,9 +117,11 @@ class Pipeline:
             timings = extracted.timings
             if extracted.histograms:  # exact timings; journaled as deltas like span sums
                 timings = timings + self.aggregator.histogram_deltas(extracted.histograms)
-            self.spool.journal(self.aggregator.window, extracted.gauges, timings)
-            self.aggregator.add_gauges(extracted.gauges)
+            # Journaled before the request is answered (both under this lock), and only
+            # what the window took: a flood over the per-trial limits costs no disk.
+            gauges = self.aggregator.add_gauges(extracted.gauges)
             self.aggregator.add_timings(timings)
+            self.spool.journal(self.aggregator.window, gauges, timings)
             self.rejected_points += extracted.rejected
             self.skipped_direct += extracted.skipped_direct
         for message in extracted.errors:
