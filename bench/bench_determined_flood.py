@@ -12,6 +12,7 @@ latency, its reports stored by the master per second, the flood's requests refus
 reason), and the bridge's peak resident memory. The ratios flooded/alone are the figures.
 
     .venv/bin/python bench/bench_determined_flood.py [--seconds 8] [--pairs 2]
+        [--bridge-repo ../main-copy]   # the bridge of another checkout, for a before/after
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def _master(conn: Connection, runs: int) -> None:
         else:
             break
     server.stop()
+
+
+def _has_ingest_tokens(repo: Path) -> bool:
+    """Whether the bridge under test takes ingest tokens (an older checkout does not)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "otelprof", "determined-bridge", "--help"],
+        capture_output=True, text=True, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    return "--ingest-tokens" in out.stdout
 
 
 def _free_port() -> int:
@@ -155,12 +165,14 @@ def _run(
         work / "ingest", [f"{HEALTHY_TOKEN} trial={trial}", f"{FLOOD_TOKEN} trial={trial + 1}"]
     )
     port = _free_port()
+    ingest = ["--ingest-tokens", str(tokens)] if _has_ingest_tokens(args.bridge_repo) else []
     bridge = subprocess.Popen(
         [sys.executable, "-m", "otelprof", "determined-bridge", "--listen", f"127.0.0.1:{port}",
-         "--master", url, "--token-file", str(work / "token"), "--ingest-tokens", str(tokens),
+         "--master", url, "--token-file", str(work / "token"), *ingest,
          "--spool-dir", str(work / "spool"), "--report-interval", "1", "--log-level", "WARNING",
          "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=args.bridge_repo,
+        env={**os.environ, "PYTHONPATH": str(args.bridge_repo)},
     )  # fmt: skip
     assert bridge.stdout is not None
     line = bridge.stdout.readline().decode()
@@ -235,13 +247,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument(
+        "--bridge-repo",
+        type=Path,
+        default=REPO,
+        help="checkout whose bridge runs (e.g. a copy of main, for a before/after)",
+    )
     args = parser.parse_args()
     parent, child = mp.Pipe()
     master = mp.Process(target=_master, args=(child, args.pairs), daemon=True)
     master.start()
     url, token = parent.recv()
     print(f"machine: {os.cpu_count()} CPUs ({cpu_model()}), Python {platform.python_version()}")
-    print(f"load before: {os.getloadavg()}")
+    print(f"bridge from: {args.bridge_repo.name}, load before: {os.getloadavg()}")
     results: dict[str, list[dict[str, float]]] = {"alone": [], "flooded": []}
     trial = 1
     for _ in range(args.pairs):
