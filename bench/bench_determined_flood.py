@@ -118,14 +118,14 @@ def _agents_request(trial: int, first: int, count: int) -> Any:
     return request
 
 
-def _flood(port: int, trial: int, stop: Any, out: Any) -> None:
-    """7 threads of 4 MB requests and one of 100,000 agent ids, until `stop`."""
+def _flood(port: int, trial: int, flood_mb: float, stop: Any, out: Any) -> None:
+    """7 threads of `flood_mb` requests and one of 100,000 agent ids, until `stop`."""
     answers: dict[str, int] = {}
     lock = threading.Lock()
 
     def big() -> None:
         client = OtlpClient(port, token=FLOOD_TOKEN)
-        request = _big_request(trial, 4 * 1024 * 1024 - 4096)
+        request = _big_request(trial, int(flood_mb * 1024 * 1024) - 4096)
         while not stop.is_set():
             try:
                 client.send_metrics(request, timeout=30)
@@ -190,7 +190,9 @@ def _run(
         t.start()
     flood_stop = mp.Event()
     flood_out: mp.Queue[dict[str, int]] = mp.Queue()
-    flooder = mp.Process(target=_flood, args=(port, trial + 1, flood_stop, flood_out))
+    flooder = mp.Process(
+        target=_flood, args=(port, trial + 1, args.flood_mb, flood_stop, flood_out)
+    )
     if flood:  # its own process: the healthy sender here does not share its interpreter
         flooder.start()
     healthy = OtlpClient(port, token=HEALTHY_TOKEN)
@@ -247,6 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--flood-mb", type=float, default=4.0, help="size of each flood request")
     parser.add_argument(
         "--bridge-repo",
         type=Path,
