@@ -43,6 +43,7 @@ from tests.determined_feed import (  # noqa: E402
     seed_metrics_request,
     timing_spans_request,
     trial_resource,
+    write_token_file,
 )
 
 
@@ -119,6 +120,7 @@ def _run_bridge(
     bridge = subprocess.Popen(
         [sys.executable, "-m", "otelprof", "determined-bridge", "--listen", f"127.0.0.1:{port}",
          "--master", url, "--token-file", str(work / "token"), "--spool-dir", str(work / "spool"),
+         "--ingest-tokens", str(write_token_file(work / "ingest-tokens")),
          "--report-interval", str(args.window), "--log-level", "WARNING", "--workers", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
     )  # fmt: skip

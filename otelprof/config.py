@@ -410,6 +410,10 @@ class Settings:
         default=1 << 30,
         metadata=opt(env=("OTELPROF_MAX_METRICS_BYTES",), parse=integer(0, hint=" (0 = no cap)")),
     )
+    # the run directory is 0750 (group-readable) instead of owner-only 0700
+    shared_run_dir: bool = field(
+        default=False, metadata=opt(env=("OTELPROF_SHARED_RUN_DIR",), parse=boolean)
+    )
 
     @property
     def run_dir(self) -> Path:

@@ -37,6 +37,7 @@ import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -139,6 +140,8 @@ class Store:
     fail_remaining: int = 0
     fail_status: int = 503
     lose_remaining: int = 0  # store the report, then drop the connection unanswered
+    lose_hang_s: float = 0.0  # ... after holding it this long (a proxy that never answers)
+    lose_groups: frozenset[str] | None = None  # only reports of these groups (None: any)
     db_down: bool = False
     crashed: bool = False
     broken_trials: dict[int, str] = field(default_factory=dict)  # trial -> a 500's message
@@ -286,10 +289,15 @@ class _Handler(BaseHTTPRequestHandler):
                 user = self._user()
                 self._report(m.group(1), body, user, self._auth_header())
                 with store.lock:
-                    lose = store.lose_remaining > 0
+                    lose = store.lose_remaining > 0 and (
+                        store.lose_groups is None or body.get("group") in store.lose_groups
+                    )
                     if lose:
                         store.lose_remaining -= 1
+                    hang = store.lose_hang_s
                 if lose:  # stored, but the answer never reaches the client
+                    if hang:
+                        time.sleep(hang)
                     self.close_connection = True
                     with contextlib.suppress(OSError):
                         self.connection.shutdown(socket.SHUT_RDWR)
@@ -723,11 +731,16 @@ class DeterminedContractServer:
             self.store.fail_remaining = count
             self.store.fail_status = status
 
-    def lose_next_responses(self, count: int) -> None:
-        """Store the next `count` reports but drop their connections before answering
-        (a proxy failing after the master took the report)."""
+    def lose_next_responses(
+        self, count: int, hang_s: float = 0.0, groups: tuple[str, ...] | None = None
+    ) -> None:
+        """Store the next `count` reports (of `groups`, default any) but drop their
+        connections before answering (a proxy failing after the master took the report),
+        after holding each one `hang_s` seconds (a proxy that never answers)."""
         with self.store.lock:
             self.store.lose_remaining = count
+            self.store.lose_hang_s = hang_s
+            self.store.lose_groups = None if groups is None else frozenset(groups)
 
     @contextlib.contextmanager
     def database_down(self) -> Iterator[None]:

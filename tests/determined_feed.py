@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from otelprof.determined.ingest_auth import IngestTokens, Scope
 from tests.spec import DETERMINED_TIMINGS
 
 TIMING_NAMES = DETERMINED_TIMINGS
@@ -178,19 +180,44 @@ def timing_spans_request(
     )
 
 
-class OtlpClient:
-    """A plain OTLP gRPC client (the stubs from opentelemetry-proto)."""
+# The bridge's ingest credential in tests: a token allowed into every trial (the
+# operator's collector), unless a test gives a narrower one.
+BRIDGE_TOKEN = "test-ingest-token-everything-0123456789"
+OTLP_HEADERS_ENV = f"authorization=Bearer%20{BRIDGE_TOKEN}"  # OTEL_EXPORTER_OTLP_HEADERS
 
-    def __init__(self, port: int) -> None:
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+def bridge_tokens(lines: Iterable[str] = (f"{BRIDGE_TOKEN} *",)) -> IngestTokens:
+    """Ingest tokens from token-file lines (`TOKEN scope...`), as the bridge reads them."""
+    scopes = {}
+    for line in lines:
+        token, *words = line.split()
+        scopes[token] = Scope.parse(words, "test")
+    return IngestTokens(scopes)
+
+
+def write_token_file(path: Path, lines: Iterable[str] = (f"{BRIDGE_TOKEN} *",)) -> Path:
+    """A token file readable by its owner only (the bridge refuses any other)."""
+    path.write_text("".join(f"{line}\n" for line in lines))
+    path.chmod(0o600)
+    return path
+
+
+class OtlpClient:
+    """A plain OTLP gRPC client (the stubs from opentelemetry-proto) with a bearer token."""
+
+    def __init__(
+        self, port: int, token: str | None = BRIDGE_TOKEN, channel: grpc.Channel | None = None
+    ) -> None:
+        self.channel = channel or grpc.insecure_channel(f"127.0.0.1:{port}")
         self.metrics = metrics_service_pb2_grpc.MetricsServiceStub(self.channel)
         self.traces = trace_service_pb2_grpc.TraceServiceStub(self.channel)
+        self.metadata = None if token is None else (("authorization", f"Bearer {token}"),)
 
     def send_metrics(self, request: Any, timeout: float = 5.0) -> Any:
-        return self.metrics.Export(request, timeout=timeout)
+        return self.metrics.Export(request, timeout=timeout, metadata=self.metadata)
 
     def send_traces(self, request: Any, timeout: float = 5.0) -> Any:
-        return self.traces.Export(request, timeout=timeout)
+        return self.traces.Export(request, timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.settings import BridgeSettings
 from otelprof.determined.spool import MemorySpool
 from tests.determined_contract import DeterminedContractServer
+from tests.determined_feed import write_token_file
 
 T0 = 1_760_000_000_000_000_000
 
@@ -148,8 +150,12 @@ def _args(**kw: object) -> argparse.Namespace:
              "workers"]  # fmt: skip
     values: dict[str, object] = dict.fromkeys(names)
     values["no_fsync"] = False
+    values["ingest_tokens"] = str(_INGEST_TOKENS)
     values.update(kw)
     return argparse.Namespace(**values)
+
+
+_INGEST_TOKENS = write_token_file(Path(tempfile.mkdtemp(prefix="otelprof-test-")) / "ingest-tokens")
 
 
 def test_settings_come_from_the_determined_task_environment() -> None:
@@ -202,7 +208,7 @@ def test_cli_exits_2_naming_the_problem(
     assert "no Determined master" in capsys.readouterr().err
     code = otelprof_main(
         ["determined-bridge", "--master", "http://127.0.0.1:1", "--token-file", "/x",
-         "--ca-bundle", "/nonexistent/ca.pem"]
+         "--ingest-tokens", str(_INGEST_TOKENS), "--ca-bundle", "/nonexistent/ca.pem"]
     )  # fmt: skip
     assert code == 2
     assert "CA bundle /nonexistent/ca.pem does not exist" in capsys.readouterr().err

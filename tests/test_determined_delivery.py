@@ -25,7 +25,12 @@ from otelprof.determined.client import Credentials, DeterminedClient, Outcome
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.spool import DiskSpool, MemorySpool
 from tests.determined_contract import DeterminedContractServer
-from tests.determined_feed import OtlpClient, seed_metrics_request, trial_resource
+from tests.determined_feed import (
+    OtlpClient,
+    seed_metrics_request,
+    trial_resource,
+    write_token_file,
+)
 
 T0 = 1_760_000_000_000_000_000
 AGENT = "agent-1"
@@ -329,9 +334,11 @@ def test_the_bridge_process_serves_its_own_metrics_with_refusals_and_deliveries(
 ) -> None:
     master.restart_trial(43)
     (tmp_path / "token").write_text(master.token)  # type: ignore[attr-defined]
+    (tmp_path / "token").chmod(0o600)
     bridge = subprocess.Popen(
         [sys.executable, "-m", "otelprof", "determined-bridge", "--listen", "127.0.0.1:0",
          "--master", master.url, "--token-file", str(tmp_path / "token"),
+         "--ingest-tokens", str(write_token_file(tmp_path / "ingest")),
          "--spool-dir", str(tmp_path / "spool"), "--report-interval", "0.2",
          "--metrics-port", "0", "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -354,10 +361,14 @@ def test_the_bridge_process_serves_its_own_metrics_with_refusals_and_deliveries(
                 m.group(1): float(m.group(2))
                 for m in re.finditer(r"^otelprof_determined_bridge_(\w+) (\S+)$", text, re.M)
             }
-            if values.get("delivered_total", 0) >= 5 and values.get("refused_by_master_total"):
+            # each group of each trial is its own delivery lane: wait for all ten answers
+            if (
+                values.get("delivered_total", 0) >= 5
+                and values.get("refused_by_master_total", 0) >= 5
+            ):
                 break
             time.sleep(0.1)
-        assert values["delivered_total"] == 5, values
+        assert values["delivered_total"] == 5, (values, master.posts(), master.refusals())
         assert values["refused_by_master_total"] == 5
         assert values["refused_kept_total"] == 5
         assert values["pending"] == 0

@@ -32,6 +32,7 @@ from tests.determined_contract import (
     profiler_metrics,
     trial_metrics,
 )
+from tests.determined_feed import BRIDGE_TOKEN, OTLP_HEADERS_ENV, bridge_tokens
 from tests.services import Collector
 
 AGENT = "agent-e2e"
@@ -55,7 +56,7 @@ def master() -> Iterator[DeterminedContractServer]:
 def bridge(master: DeterminedContractServer, tmp_path: Path) -> Iterator[BridgeServer]:
     client = DeterminedClient(master.url, Credentials(user_token=master.token))  # type: ignore[attr-defined]
     pipeline = Pipeline(client, DiskSpool(tmp_path / "spool"), window_s=1.0, retry_max_s=0.5)
-    server = BridgeServer(pipeline, "127.0.0.1:0")
+    server = BridgeServer(pipeline, "127.0.0.1:0", tokens=bridge_tokens())
     server.start()
     yield server
     server.stop(grace_s=0.5, drain_timeout_s=2.0)
@@ -65,7 +66,8 @@ def bridge(master: DeterminedContractServer, tmp_path: Path) -> Iterator[BridgeS
 def determined_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # run 3 of the trial, restarted from scratch (no checkpoint): DET_STEPS_COMPLETED=0
     for name, value in {"DET_EXPERIMENT_ID": "7", "DET_TRIAL_ID": "42", "DET_TRIAL_RUN_ID": "3",
-                        "DET_AGENT_ID": AGENT, "DET_STEPS_COMPLETED": "0"}.items():  # fmt: skip
+                        "DET_AGENT_ID": AGENT, "DET_STEPS_COMPLETED": "0",
+                        "OTEL_EXPORTER_OTLP_HEADERS": OTLP_HEADERS_ENV}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
 
 
@@ -177,7 +179,10 @@ def test_training_loop_through_the_collector_to_determined(
     collector = collector_factory(
         traces_exporters=["span_metrics", "otlp_grpc/determined"],
         metrics_exporters=["prometheus", "otlp_grpc/determined"],
-        extra_env={"OTELCOL_DETERMINED_BRIDGE_ENDPOINT": f"127.0.0.1:{bridge.port}"},
+        extra_env={
+            "OTELCOL_DETERMINED_BRIDGE_ENDPOINT": f"127.0.0.1:{bridge.port}",
+            "OTELCOL_DETERMINED_BRIDGE_TOKEN": BRIDGE_TOKEN,
+        },
     )
     _gpu_gauges(collector.otlp_endpoint)
     _training_loop(collector.otlp_endpoint)

@@ -22,6 +22,7 @@ from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import DiskSpool
 from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
+from tests.determined_feed import OTLP_HEADERS_ENV, bridge_tokens
 
 TRAIN_STEPS = 3000
 VALIDATION_BATCHES = 40
@@ -85,7 +86,7 @@ def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
     assert counts["forward"] == TRAIN_STEPS
     assert counts["forward_validation"] == VALIDATION_BATCHES
     assert counts["step"] == TRAIN_STEPS
-    assert counts["validation"] == VALIDATION_BATCHES
+    assert counts["phase_validation"] == VALIDATION_BATCHES
     assert steps == sorted(steps) and steps[-1] == TRAIN_STEPS
     # the means over all reports equal the means of every call timed here, independently
     # (this test's timer wraps otelprof's range: a few µs of enter/exit per call more)
@@ -104,11 +105,12 @@ def test_bridge_timings_count_every_step_of_a_sampled_otlp_run(
         "DET_TRIAL_ID": "42",
         "DET_TRIAL_RUN_ID": "1",
         "DET_AGENT_ID": "a1",
+        "OTEL_EXPORTER_OTLP_HEADERS": OTLP_HEADERS_ENV,
     }.items():
         monkeypatch.setenv(name, value)
     client = DeterminedClient(master.url, Credentials(user_token=master.token))  # type: ignore[attr-defined]
     pipeline = Pipeline(client, DiskSpool(tmp_path / "spool"), window_s=1.0, retry_max_s=0.5)
-    bridge = BridgeServer(pipeline, "127.0.0.1:0")
+    bridge = BridgeServer(pipeline, "127.0.0.1:0", tokens=bridge_tokens())
     bridge.start()
     try:
         with otelprof.instrument(

@@ -26,9 +26,10 @@ def test_timing_keys_of_other_phases_stay_apart() -> None:
     assert phase_timing_name("forward", "train") == "forward"
     assert phase_timing_name("forward", None) == "forward"
     assert phase_timing_name("forward", "validation") == "forward_validation"
-    assert phase_timing_name("validation", "validation") == "validation"
+    # a phase's root span: "validation_s" would be titled "s" by the Web UI
+    assert phase_timing_name("validation", "validation") == "phase_validation"
     name = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
-    assert phase_timing_name(name, "validation") == "dataloader_next_validation"
+    assert phase_timing_name(name, "validation") == "torch_dataloader_next_validation"
 
 
 def test_determined_gets_throughput_mfu_and_validation_apart_from_training(
@@ -60,7 +61,7 @@ def test_determined_gets_throughput_mfu_and_validation_apart_from_training(
             counts[key] = counts.get(key, 0) + value
     assert counts.get("forward_count") == 4  # training only
     assert counts.get("forward_validation_count") == 2
-    assert counts.get("validation_count") == 2
+    assert counts.get("phase_validation_count") == 2
     assert avg["samples_per_second"] > 0
     assert avg["tokens_per_second"] == pytest.approx(8 * avg["samples_per_second"], rel=1e-6)
     assert 0 < avg["mfu"] < 1

@@ -34,6 +34,7 @@ from tests.determined_feed import (
     seed_metrics_request,
     timing_spans_request,
     trial_resource,
+    write_token_file,
 )
 
 # The outage the issue asks for is 30 s; override to iterate faster locally.
@@ -59,6 +60,7 @@ class BridgeProcess:
             sys.executable, "-m", "otelprof", "determined-bridge",
             "--listen", f"127.0.0.1:{self.port}", "--master", master_url,
             "--token-file", str(token_file), "--spool-dir", str(spool),
+            "--ingest-tokens", str(write_token_file(spool.parent / "ingest-tokens")),
             "--report-interval", str(WINDOW_S), "--retry-max-delay", "1",
             "--log-level", "INFO",
         ]  # fmt: skip

@@ -24,7 +24,13 @@ from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import MemorySpool
 from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
-from tests.determined_feed import OtlpClient, timing_spans_request, trial_resource
+from tests.determined_feed import (
+    OTLP_HEADERS_ENV,
+    OtlpClient,
+    bridge_tokens,
+    timing_spans_request,
+    trial_resource,
+)
 
 TRAINED = 3000  # batches the trial's first run trained (and checkpointed)
 
@@ -74,6 +80,7 @@ def _numeric_only(posts: list[Any]) -> bool:
 
 def _env(monkeypatch: pytest.MonkeyPatch, master: DeterminedContractServer, **extra: str) -> None:
     set_trial_env(monkeypatch, master, run_id=str(master.trial(42)["runId"]), **extra)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", OTLP_HEADERS_ENV)
 
 
 def _train(steps: int, **options: Any) -> otelprof.Profiler:
@@ -157,7 +164,7 @@ def test_the_bridge_leaves_a_trial_to_the_process_that_posts_it_itself(
 ) -> None:
     client = DeterminedClient(master.url, Credentials(user_token=master.token))  # type: ignore[attr-defined]
     pipeline = Pipeline(client, MemorySpool(), window_s=0.3, skip_direct=True)
-    bridge = BridgeServer(pipeline, "127.0.0.1:0")
+    bridge = BridgeServer(pipeline, "127.0.0.1:0", tokens=bridge_tokens())
     bridge.start()
     try:
         # Both paths at once: the process posts itself and also sends OTLP to the bridge.
@@ -192,12 +199,16 @@ def test_the_bridge_leaves_a_trial_to_the_process_that_posts_it_itself(
     [
         ("train_batch", "batch_train"),
         ("dataloader_next", "dataloader_next"),
-        ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "dataloader_next"),
+        # torch's range inside otelprof's own dataloader_next: a key of its own
+        ("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", "torch_dataloader_next"),
         ("Optimizer.step#SGD.step", "optimizer_step"),
         ("Optimizer.zero_grad#AdamW.zero_grad", "optimizer_zero_grad"),
         ("## forward ##", "forward"),
         ("MyBlock.forward", "my_block_forward"),
         ("validation_loop", "loop_validation"),
+        ("t_step", "step_t"),
+        ("val", "phase_val"),
+        ("train_val_loss", "loss_train_val"),
     ],
 )
 def test_timing_keys_are_short_and_nothing_the_web_ui_renames(name: str, key: str) -> None:

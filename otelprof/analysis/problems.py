@@ -6,6 +6,7 @@ Both are plain data, rendered by the text, HTML and JSON reports alike.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,41 @@ def problems(summary: RunSummary) -> list[Finding]:
                     f"{_process_label(info)}: {dropped:,} telemetry item(s) dropped ({lost})",
                 )
             )
+    found.extend(_determined_refusals(summary))
+    return found
+
+
+DETERMINED_REFUSED = "determined-refused.jsonl"  # otelprof.export.determined.REFUSED_FILE
+
+
+def _determined_refusals(summary: RunSummary) -> list[Finding]:
+    """Reports the Determined master refused for good (kept by the in-process exporter)."""
+    found = []
+    for directory in summary.files.dirs:
+        path = directory / DETERMINED_REFUSED
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            continue
+        entries = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict):
+                entries.append(entry)
+        if not entries:
+            continue
+        first = entries[0]
+        found.append(
+            Finding(
+                "determined refused",
+                f"{len(entries):,} report(s) refused by the Determined master, not in its Web "
+                f"UI (first: HTTP {first.get('status')}: {str(first.get('message'))[:200]}); "
+                f"the bodies are in {path}",
+            )
+        )
     return found
 
 

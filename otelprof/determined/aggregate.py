@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +88,9 @@ class _Trial:
     # Timings come from otelprof's duration histograms (exact over every step); spans of
     # this trial then only move the step count, so no range is counted twice.
     from_histograms: bool = False
+    agents: set[str] = field(default_factory=set)  # bounded by max_agents_per_trial
+    # When this trial's step count was last checked against max_steps_per_s (monotonic s).
+    steps_clock: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -101,6 +105,9 @@ class AggregatorStats:
     dropped_names: int = 0  # timing names beyond max_timing_names per trial
     timings_unsafe: int = 0  # windows of a restarted trial not reported: no step offset
     invalid_values: int = 0  # NaN/inf left out of a report (the master cannot read them)
+    dropped_agents: int = 0  # samples of agents beyond max_agents_per_trial
+    dropped_series: int = 0  # histogram points of series beyond max_series_per_trial
+    steps_clamped: int = 0  # timing reports whose step count grew faster than possible
 
 
 class WindowAggregator:
@@ -113,12 +120,23 @@ class WindowAggregator:
         max_trials: int = 100_000,
         max_timing_names: int = 64,
         idle_windows: int = 360,
+        max_agents_per_trial: int = 64,
+        max_series_per_trial: int = 4096,
+        max_steps_per_s: float = 10_000.0,
+        window_s: float = 10.0,
     ) -> None:
         self.timings_group = timings_group
         self.carry_windows = carry_windows
         self.max_trials = max_trials
         self.max_timing_names = max_timing_names
         self.idle_windows = idle_windows
+        # One trial's cardinality (agent ids, producers) must not grow every trial's reports
+        # and the bridge's memory: beyond these, its new agents and series are refused.
+        self.max_agents_per_trial = max_agents_per_trial
+        self.max_series_per_trial = max_series_per_trial
+        self.max_steps_per_s = max_steps_per_s
+        self.window_s = window_s
+        self._series_per_trial: dict[tuple[int, int], int] = {}
         self.window = 0
         self.stats = AggregatorStats()
         self._trials: dict[tuple[int, int], _Trial] = {}
@@ -143,11 +161,19 @@ class WindowAggregator:
         state.last_seen = self.window
         return state
 
-    def add_gauges(self, samples: list[GaugeSample]) -> None:
+    def add_gauges(self, samples: list[GaugeSample]) -> list[GaugeSample]:
+        """Add samples to the window; returns those taken (not over a per-trial limit)."""
+        taken = []
         for s in samples:
             state = self._trial(s.trial_id, s.run_id)
             if state is None:
                 continue
+            if s.agent not in state.agents:
+                if len(state.agents) >= self.max_agents_per_trial:
+                    self.stats.dropped_agents += 1
+                    continue
+                state.agents.add(s.agent)
+            taken.append(s)
             if s.group == self.timings_group:  # e.g. GPU energy per step: rides with timings
                 tacc = state.timing_gauges.setdefault(s.key, [0.0, 0])
                 tacc[0] += s.value
@@ -160,6 +186,7 @@ class WindowAggregator:
                 acc[0] += s.value
                 acc[1] += 1
                 acc[2] = max(acc[2], s.time_ns)
+        return taken
 
     def histogram_deltas(self, points: list[HistogramPoint]) -> list[TimingSample]:
         """Timing samples (seconds and calls since the previous point) from histogram points.
@@ -180,9 +207,16 @@ class WindowAggregator:
             if p.cumulative:
                 key = (p.trial_id, p.run_id, p.series)
                 last = self._hist_last.pop(key, None)
+                if last is None:
+                    known = self._series_per_trial.get(trial, 0)
+                    if known >= self.max_series_per_trial:
+                        self.stats.dropped_series += 1
+                        continue
+                    self._series_per_trial[trial] = known + 1
                 self._hist_last[key] = (p.start_ns, p.calls, p.sum_s)
                 while len(self._hist_last) > self.max_series:
-                    self._hist_last.popitem(last=False)
+                    gone = self._hist_last.popitem(last=False)[0][:2]
+                    self._series_per_trial[gone] -= 1
                 if last is not None and last[0] == p.start_ns and p.calls >= last[1]:
                     n, total = p.calls - last[1], max(0.0, p.sum_s - last[2])
                 elif last is None and trial not in self._hist_trials and trial in self.last_steps:
@@ -260,6 +294,7 @@ class WindowAggregator:
         self._hist_trials.discard((trial_id, run_id))
         for key in [k for k in self._hist_last if k[0] == trial_id and k[1] == run_id]:
             del self._hist_last[key]
+        self._series_per_trial.pop((trial_id, run_id), None)
 
     def _fresh(self, state: _Trial, key: tuple[str, str, str, str]) -> float | None:
         acc = state.gauges.get(key)
@@ -333,6 +368,8 @@ class WindowAggregator:
             self.stats.timings_held += 1
             return None
         steps = self.safe_steps(run_id, state)
+        if steps is not None:
+            steps = self._bounded_steps(trial_id, run_id, state, steps)
         if steps is None:
             # A restarted trial without DET_STEPS_COMPLETED: any step count could archive
             # the user's rows of earlier runs. Not reported (counted, logged once).
@@ -373,6 +410,23 @@ class WindowAggregator:
         self.remember_steps(trial_id, run_id, steps)
         state.timings.clear()
         return Report(trial_id, run_id, self.timings_group, body)
+
+    def _bounded_steps(self, trial_id: int, run_id: int, state: _Trial, steps: int) -> int:
+        """At most what the trial can really have trained: `max_steps_per_s` over the time
+        since the previous report (or since its first data) plus one window (what a
+        producer trained before its first export), so a wrong step attribute cannot raise
+        the trial's batch count (the master keeps the highest stepsCompleted) for good."""
+        now = time.monotonic()
+        before = self.last_steps.get((trial_id, run_id))
+        if before is None:
+            before = max(state.offset, 0)
+        elapsed = max(0.0, now - state.steps_clock) + self.window_s
+        bound = before + 1 + int(self.max_steps_per_s * elapsed)
+        state.steps_clock = now
+        if steps > bound:
+            self.stats.steps_clamped += 1
+            return min(bound, INT32_MAX)
+        return steps
 
     @staticmethod
     def safe_steps(run_id: int, state: _Trial) -> int | None:

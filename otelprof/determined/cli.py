@@ -19,7 +19,9 @@ straight from otelprof.instrument), group them by Determined trial (resource att
 determined.trial.id, determined.trial.run_id, determined.agent.id), average them over a
 report window and post them to the master's generic-metrics API, so they appear in the
 trial's Profiler tab (gpu/cpu/memory/disk/network) and Metrics tab (timings).
-Reports wait in an on-disk spool while the master is unreachable.
+Reports wait in an on-disk spool (owner-only files) while the master is unreachable.
+Every OTLP request must carry a bearer token from --ingest-tokens, and may write only
+into the trials that token's scope names.
 """
 
 
@@ -35,7 +37,59 @@ def register(subparsers: Any) -> None:
     def env(name: str) -> str:
         return f"(env {ENV[name]})"
 
-    p.add_argument("--listen", help=f"OTLP gRPC address, default {DEFAULT_LISTEN} {env('listen')}")
+    p.add_argument(
+        "--listen",
+        help=f"OTLP gRPC address, default {DEFAULT_LISTEN}; beyond loopback only with TLS "
+        f"{env('listen')}",
+    )
+    p.add_argument(
+        "--new-token",
+        action="store_true",
+        help="print a fresh random ingest token and exit (add it to --ingest-tokens' file)",
+    )
+    ingest = p.add_argument_group(
+        "who may send OTLP (required: every request needs `authorization: Bearer <token>`)"
+    )
+    ingest.add_argument(
+        "--ingest-tokens",
+        help="file of ingest tokens, one per line with its scope: `TOKEN trial=42`, "
+        "`TOKEN experiment=7`, `TOKEN *`; must be readable by its owner only "
+        f"{env('ingest_tokens')}",
+    )
+    ingest.add_argument(
+        "--allow-trial",
+        type=int,
+        action="append",
+        help="scope of tokens listed without one (repeatable)",
+    )
+    ingest.add_argument(
+        "--allow-experiment",
+        type=int,
+        action="append",
+        help="scope of tokens listed without one: any trial of this experiment (repeatable)",
+    )
+    ingest.add_argument("--tls-cert", help=f"server certificate (PEM) {env('tls_cert')}")
+    ingest.add_argument("--tls-key", help=f"server key (PEM) {env('tls_key')}")
+    ingest.add_argument(
+        "--tls-client-ca",
+        help=f"CA of client certificates: mutual TLS {env('tls_client_ca')}",
+    )
+    ingest.add_argument(
+        "--max-request-mb",
+        type=float,
+        help=f"largest OTLP request taken, default 4 {env('max_request_mb')}",
+    )
+    ingest.add_argument(
+        "--max-inflight-mb",
+        type=float,
+        help=f"request bytes being mapped at once, default 32 {env('max_inflight_mb')}",
+    )
+    ingest.add_argument(
+        "--max-steps-per-second",
+        type=float,
+        help="stepsCompleted may not grow faster than this (a bound on what a trial can "
+        f"really have trained), default 10000 {env('max_steps_per_second')}",
+    )
     p.add_argument("--master", help=f"Determined master URL, e.g. http://det:8080 {env('master')}")
     auth = p.add_argument_group(
         "authentication (one of; default: DET_USER_TOKEN, DET_SESSION_TOKEN or DET_USER+DET_PASS)"
@@ -75,6 +129,11 @@ def register(subparsers: Any) -> None:
         type=float,
         help="spool size cap; the oldest reports are dropped (and counted) beyond it, "
         f"default 256 {env('spool_max_mb')}",
+    )
+    p.add_argument(
+        "--shared-spool",
+        action="store_true",
+        help="make the spool group-readable (0750/0640); default owner-only (0700/0600)",
     )
     p.add_argument(
         "--no-fsync",
@@ -118,6 +177,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the bridge and serve until a signal; exit code 2 on bad settings."""
+    if getattr(args, "new_token", False):
+        from otelprof.determined.ingest_auth import new_token
+
+        print(new_token())
+        return 0
     # Imported here so `otelprof --help` does not pay for grpc/httpx.
     from otelprof.determined.client import ConfigError, DeterminedClient
     from otelprof.determined.pipeline import Pipeline
@@ -141,7 +205,12 @@ def run(args: argparse.Namespace) -> int:
             verify=settings.verify_tls,
         )
         spool: DiskSpool | MemorySpool = (
-            DiskSpool(settings.spool_dir, settings.spool_max_bytes, settings.fsync)
+            DiskSpool(
+                settings.spool_dir,
+                settings.spool_max_bytes,
+                settings.fsync,
+                shared=settings.shared_spool,
+            )
             if settings.spool_dir
             else MemorySpool(settings.spool_max_bytes)
         )
@@ -153,8 +222,17 @@ def run(args: argparse.Namespace) -> int:
             timings_group=settings.timings_group,
             retry_max_s=settings.retry_max_s,
             skip_direct=True,  # processes posting to Determined themselves own their data
+            max_steps_per_s=settings.max_steps_per_s,
         )
-        server = BridgeServer(pipeline, settings.listen, workers=settings.workers)
+        assert settings.ingest_tokens is not None
+        server = BridgeServer(
+            pipeline,
+            settings.listen,
+            workers=settings.workers,
+            tokens=settings.ingest_tokens,
+            tls=settings.tls,
+            limits=settings.limits,
+        )
     except (ConfigError, OSError, ValueError) as exc:
         print(f"otelprof determined-bridge: {exc}", file=sys.stderr)
         return 2
@@ -173,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         from otelprof.determined.selfmetrics import serve_metrics
 
         try:
-            metrics_port, stop_metrics = serve_metrics(pipeline.stats, settings.metrics_port)
+            metrics_port, stop_metrics = serve_metrics(server.stats, settings.metrics_port)
         except OSError as exc:
             print(f"otelprof determined-bridge: --metrics-port: {exc}", file=sys.stderr)
             server.stop()
@@ -188,12 +266,12 @@ def run(args: argparse.Namespace) -> int:
     )
     last: dict[str, Any] = {}
     while not stop.wait(60.0):
-        stats = pipeline.stats()
+        stats = server.stats()
         if stats != last:
             log.info("stats: %s", stats)
             last = stats
     server.stop()
     if stop_metrics is not None:
         stop_metrics()
-    log.info("stopped; stats: %s", pipeline.stats())
+    log.info("stopped; stats: %s", server.stats())
     return 0

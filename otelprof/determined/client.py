@@ -7,6 +7,7 @@ in log lines or error messages (`redact()` scrubs any text that could carry one)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -40,6 +41,7 @@ USER_TOKEN_HEADER = "Authorization"
 ALLOCATION_TOKEN_HEADER = "Grpc-Metadata-x-allocation-token"
 # harness/determined/common/api/authentication.py salts the password this way.
 _PASSWORD_SALT = "GubPEmmotfiK9TMD6Zdw"
+_WARNED_OPEN: set[str] = set()  # secret files with loose modes, warned about once
 
 
 class ConfigError(_BaseConfigError):
@@ -59,6 +61,12 @@ def normalize_master(master: str, use_tls: bool = False) -> str:
 
 
 def _read_secret_file(path: str, what: str) -> str:
+    with contextlib.suppress(OSError):
+        mode = os.stat(Path(path).expanduser()).st_mode
+        if mode & 0o077 and path not in _WARNED_OPEN:
+            _WARNED_OPEN.add(path)
+            log.warning("%s file %s is readable by other users (mode %04o); `chmod 600 %s`",
+                        what, path, mode & 0o7777, path)  # fmt: skip
     try:
         value = Path(path).expanduser().read_text().strip()
     except OSError as exc:
@@ -274,6 +282,21 @@ class DeterminedClient:
                 ):
                     return True
         return False
+
+    def trial_experiment(self, trial_id: int) -> int | None:
+        """The experiment a trial belongs to (GetTrial); None when the master has no such
+        trial. Raises when the master cannot answer (down, refused our credentials)."""
+        name, value = self._auth_header()
+        response = self._http.get(f"/api/v1/trials/{trial_id}", headers={name: value})
+        if response.status_code == 404:
+            return None
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"HTTP {response.status_code} {self.redact(master_message(response))}"
+            )
+        trial = response.json().get("trial") or {}
+        experiment = trial.get("experimentId", trial.get("experiment_id"))
+        return None if experiment is None else int(experiment)
 
     def close(self) -> None:
         self._http.close()

@@ -1,9 +1,11 @@
-"""Delivery to the master: one queue per trial, so a failing trial never delays another.
+"""Delivery to the master: one queue per trial and group (a lane), so a failing or
+unanswered report never delays another trial, nor another group of its own trial.
 
-Reports are answered in order within a trial (a later timings report must not overtake an
-earlier one: stepsCompleted only grows) but trials are independent: a few worker threads
-take the head report of any trial that is ready, and a trial whose report failed waits out
-its own backoff while the others go on. What the master says decides the rest
+Reports are answered in order within a lane (a later timings report must not overtake an
+earlier one: stepsCompleted only grows; a group's rows are charted in arrival order) but
+lanes are independent: a few worker threads take the head report of any lane that is
+ready, and a lane whose report failed (or whose answer was lost) waits out its own backoff
+while the others go on. What the master says decides the rest
 (`classify.py`):
 
 - accepted: acknowledged in the spool;
@@ -45,6 +47,9 @@ _NUMBER = re.compile(r"\d+")
 def _kind(message: str) -> str:
     """A refusal message without its group and numbers (trial, run ids, steps)."""
     return _NUMBER.sub("N", _GROUP_CLAUSE.sub("", message))
+
+
+Lane = tuple[int, str]  # (trial id, group): reports of a lane are answered in order
 
 
 @dataclass
@@ -90,9 +95,9 @@ class Deliverer:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._idle = threading.Event()
-        self._trials: dict[int, _TrialState] = {}
-        self._ready: deque[int] = deque()
-        self._backoff: list[tuple[float, int]] = []  # (ready_at, trial) heap
+        self._trials: dict[Lane, _TrialState] = {}
+        self._ready: deque[Lane] = deque()
+        self._backoff: list[tuple[float, Lane]] = []  # (ready_at, lane) heap
         self._generation = -1
         self._refill = True
         self._busy = 0
@@ -120,10 +125,17 @@ class Deliverer:
             self._refill = True
             self._cond.notify_all()
 
-    def wait_idle(self, timeout_s: float) -> bool:
+    def wait_idle(self, timeout_s: float, wake: bool = True) -> bool:
         """Block until every spooled report is answered (True) or the timeout passes."""
-        self.wake()
+        if wake:
+            self.wake()
         return self._idle.wait(timeout_s)
+
+    def unconfirmed(self) -> int:
+        """Reports posted whose answer has not come (in flight now, or lost and not yet
+        checked): the master may hold them, so they are not counted as dropped."""
+        with self._cond:
+            return self._busy + sum(len(s.maybe_sent) for s in self._trials.values())
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -144,7 +156,7 @@ class Deliverer:
                 state.queue = kept
         self._generation = generation
         for item in self.spool.take_new():
-            trial = item[2].trial_id
+            trial = (item[2].trial_id, item[2].group)
             if trial not in self._trials:
                 self._trials[trial] = _TrialState()
             state = self._trials[trial]
@@ -153,7 +165,7 @@ class Deliverer:
             self._schedule(trial, state)
         self._refill = False
 
-    def _schedule(self, trial: int, state: _TrialState) -> None:
+    def _schedule(self, trial: Lane, state: _TrialState) -> None:
         if state.busy or state.scheduled or not state.queue:
             return
         state.scheduled = True
@@ -162,7 +174,7 @@ class Deliverer:
         else:
             self._ready.append(trial)
 
-    def _take(self) -> tuple[int, _TrialState, Item] | None:
+    def _take(self) -> tuple[Lane, _TrialState, Item] | None:
         """The head report of the next ready trial, or None after waiting a little."""
         with self._cond:
             if self._refill:
@@ -197,7 +209,7 @@ class Deliverer:
             self._cond.wait(wait)
             return None
 
-    def _release(self, trial: int, state: _TrialState, answered: bool) -> None:
+    def _release(self, trial: Lane, state: _TrialState, answered: bool) -> None:
         with self._cond:
             if answered:
                 state.queue.popleft()

@@ -70,12 +70,16 @@ STEP_INDEX_BASE = 0
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 MAX_TIMING_KEY = 40  # the Metrics tab titles each chart with the key: keep it readable
-# Prefixes the Web UI strips from chart titles (train_batch_s would show as "batch_s"):
-# moved to the end of the key instead.
-_UI_PREFIXES = ("train_", "training_", "validation_", "val_")
-# torch.profiler / record_function range names → short keys people recognise.
+# Determined 0.38.1's Metrics tab (TrialDetailsMetrics.tsx) strips these from each key, in
+# this order, and uses the rest as the chart's title and as the key grouping charts across
+# groups: `validation_s` would be titled "s", `t_step_s` drawn into the `step_s` chart.
+WEBUI_STRIPPED = (re.compile(r"^(t_|train_|training_)"), re.compile(r"^(v_|val_|validation_)"))
+_UI_PREFIX_WORDS = frozenset(("t", "train", "training", "v", "val", "validation"))
+# torch.profiler / record_function range names → short keys people recognise. torch's own
+# DataLoader range runs inside otelprof's `dataloader_next` (timed_dataloader): its own key,
+# so each key has one producer.
 _KNOWN_RANGES = (
-    (re.compile(r"^enumerate\(DataLoader\)#"), "dataloader_next"),
+    (re.compile(r"^enumerate\(DataLoader\)#"), "torch_dataloader_next"),
     (re.compile(r"^Optimizer\.step#"), "optimizer_step"),
     (re.compile(r"^Optimizer\.zero_grad#"), "optimizer_zero_grad"),
     (re.compile(r"^## ?(forward|backward) ?##$"), r"\1"),
@@ -294,12 +298,31 @@ def resolve_route(attrs: Mapping[str, Any], default: Route) -> tuple[int, int, s
     return trial, run, str(agent)
 
 
+def webui_title(key: str) -> str:
+    """The chart title Determined 0.38.1's Metrics tab gives a key (both strips, in order)."""
+    for pattern in WEBUI_STRIPPED:
+        key = pattern.sub("", key, count=1)
+    return key
+
+
+def _clear_of_ui_prefixes(words: str) -> str:
+    """Leading words the Web UI would strip move to the end (`train_batch` → `batch_train`,
+    `t_step` → `step_t`); a key made only of such words gets `phase_` in front
+    (`validation` → `phase_validation`), so the title is always the whole key."""
+    parts = words.split("_")
+    for _ in range(len(parts)):
+        if parts[0] not in _UI_PREFIX_WORDS:
+            return "_".join(parts)
+        parts = parts[1:] + parts[:1]
+    return "phase_" + "_".join(parts)
+
+
 def timing_name(name: str) -> str:
     """A span name as a short Determined metric key the Web UI shows as is.
 
     Known torch ranges get their short name (`enumerate(DataLoader)#...__next__` →
-    `dataloader_next`); others become snake_case words, a prefix the UI strips moves to the
-    end (`train_batch` → `batch_train`), and a key longer than 40 characters keeps its first
+    `torch_dataloader_next`); others become snake_case words with no leading word the UI
+    strips (`_clear_of_ui_prefixes`), and a key longer than 40 characters keeps its first
     33 plus a 6-hex hash of the full name, so two long names never merge.
     """
     for pattern, short in _KNOWN_RANGES:
@@ -307,10 +330,7 @@ def timing_name(name: str) -> str:
         if match:
             return match.expand(short)
     words = _NAME_UNSAFE.sub("_", _CAMEL.sub("_", name)).strip("_").lower() or "unnamed"
-    for prefix in _UI_PREFIXES:
-        if words.startswith(prefix) and len(words) > len(prefix):
-            words = f"{words[len(prefix) :]}_{prefix[:-1]}"
-            break
+    words = _clear_of_ui_prefixes(words)
     if len(words) > MAX_TIMING_KEY:
         digest = hashlib.blake2s(name.encode(), digest_size=3).hexdigest()
         words = f"{words[: MAX_TIMING_KEY - 7].rstrip('_')}_{digest}"
@@ -354,7 +374,7 @@ def extract_metrics(
     out = Extracted()
     for resource_metrics in request.resource_metrics:
         attrs = attributes_dict(resource_metrics.resource.attributes)
-        points = sum(_point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
+        points = sum(point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
         if skip_direct and _direct(attrs):
             out.skipped_direct += points
             continue
@@ -377,6 +397,13 @@ def extract_metrics(
     return out
 
 
+def _rank(attrs: Mapping[str, Any]) -> int | None:
+    try:
+        return _as_int(attrs, ATTR_RANK)
+    except RouteError:
+        return None
+
+
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _DELTA = 1
 
@@ -393,11 +420,7 @@ def _map_histogram(
     if kind != "histogram":
         out.ignored += len(points)
         return
-    try:
-        rank = _as_int(attrs, ATTR_RANK)
-    except RouteError:
-        rank = None
-    if rank not in (None, 0):
+    if _rank(attrs) not in (None, 0):
         out.ignored += len(points)
         return
     temporality = metric.histogram.aggregation_temporality
@@ -440,7 +463,7 @@ def _map_histogram(
         )
 
 
-def _point_count(metric: Any) -> int:
+def point_count(metric: Any) -> int:
     kind = metric.WhichOneof("data")
     return len(getattr(metric, kind).data_points) if kind else 0
 
@@ -513,6 +536,11 @@ def extract_spans(
             continue
         offset = _positive_int(attrs, ATTR_STEPS_OFFSET, default.steps_offset)
         per_batch = _positive_int(attrs, ATTR_STEPS_PER_BATCH, default.steps_per_batch) or 1
+        if _rank(attrs) not in (None, 0):
+            # Determined charts one timing series per trial: global rank 0's, on every
+            # path (the in-process exporter and the histograms keep rank 0 alone too).
+            out.ignored += len(spans)
+            continue
         try:
             trial, run, _agent = resolve_route(attrs, default)
         except RouteError as exc:

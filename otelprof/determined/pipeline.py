@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -43,6 +44,7 @@ class Pipeline:
         delivery_workers: int = 4,
         max_unknown_attempts: int = 5,
         skip_direct: bool = False,
+        max_steps_per_s: float = 10_000.0,
     ) -> None:
         """`skip_direct`: the bridge's setting; leave out data of processes that post to
         Determined themselves (resource attribute otelprof.determined.direct)."""
@@ -52,7 +54,12 @@ class Pipeline:
         self.spool = spool
         self.window_s = window_s
         self.route = route or Route()
-        self.aggregator = WindowAggregator(timings_group=timings_group, max_trials=max_trials)
+        self.aggregator = WindowAggregator(
+            timings_group=timings_group,
+            max_trials=max_trials,
+            max_steps_per_s=max_steps_per_s,
+            window_s=window_s,
+        )
         self.deliverer = Deliverer(
             spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
         )
@@ -65,7 +72,9 @@ class Pipeline:
         self._timer: threading.Thread | None = None
         self._logged: set[str] = set()
         self._started = False
-        self.undelivered_at_shutdown = 0
+        self._abandoned = threading.Event()
+        self.undelivered_at_shutdown = 0  # never sent (or refused) when shutdown's time was up
+        self.unconfirmed_at_shutdown = 0  # posted, answer not back: the master may hold them
 
     def start(self) -> None:
         """Recover the spool (replaying journaled samples), then start the threads."""
@@ -108,9 +117,11 @@ class Pipeline:
             timings = extracted.timings
             if extracted.histograms:  # exact timings; journaled as deltas like span sums
                 timings = timings + self.aggregator.histogram_deltas(extracted.histograms)
-            self.spool.journal(self.aggregator.window, extracted.gauges, timings)
-            self.aggregator.add_gauges(extracted.gauges)
+            # Journaled before the request is answered (both under this lock), and only
+            # what the window took: a flood over the per-trial limits costs no disk.
+            gauges = self.aggregator.add_gauges(extracted.gauges)
             self.aggregator.add_timings(timings)
+            self.spool.journal(self.aggregator.window, gauges, timings)
             self.rejected_points += extracted.rejected
             self.skipped_direct += extracted.skipped_direct
         for message in extracted.errors:
@@ -144,32 +155,54 @@ class Pipeline:
         return len(reports)
 
     def wait_delivered(self, timeout_s: float) -> bool:
-        """Block until everything spooled has been answered by the master."""
-        return self.deliverer.wait_idle(timeout_s)
+        """Block until everything spooled has been answered by the master (True), the
+        timeout passes or delivery is abandoned (False)."""
+        deadline = time.monotonic() + timeout_s
+        self.deliverer.wake()
+        while not self._abandoned.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self.deliverer.wait_idle(min(left, 0.05), wake=False):
+                return True
+        return False
+
+    def abandon(self) -> None:
+        """Stop waiting for the master now (the caller's time is up); shutdown returns at
+        once and counts what was not answered."""
+        self._abandoned.set()
 
     def shutdown(self, drain_timeout_s: float = 5.0) -> None:
-        """Close the last window and give delivery `drain_timeout_s` to empty the spool.
+        """Close the last window and give delivery `drain_timeout_s` to empty the spool;
+        returns within that time (plus closing files) whatever the master does.
 
-        What is not delivered by then stays in a disk spool for the next start.
+        What is not delivered by then stays in a disk spool for the next start; in a memory
+        spool it is counted: as unconfirmed when it was posted and its answer did not come
+        back (the master may hold it), as dropped otherwise.
         """
+        deadline = time.monotonic() + max(0.0, drain_timeout_s)
         if not self._started:
             self.spool.close()
             self.client.close()
             return
         self._stop.set()
         if self._timer is not None:
-            self._timer.join(self.window_s + 1)
+            self._timer.join(max(0.0, deadline - time.monotonic()))
         self.flush()
-        if not self.wait_delivered(drain_timeout_s):
-            self.undelivered_at_shutdown = self.spool.pending()
+        if not self.wait_delivered(max(0.0, deadline - time.monotonic())):
+            pending = self.spool.pending()
+            self.unconfirmed_at_shutdown = min(self.deliverer.unconfirmed(), pending)
+            self.undelivered_at_shutdown = pending - self.unconfirmed_at_shutdown
             log.warning(
-                "Determined: %d reports not delivered at shutdown (%s)",
+                "Determined: %d reports not delivered at shutdown, %d more posted without "
+                "an answer (%s)",
                 self.undelivered_at_shutdown,
+                self.unconfirmed_at_shutdown,
                 "kept in the spool for the next start"
                 if isinstance(self.spool, DiskSpool)
                 else "lost: the spool is in memory",
             )
-        self.deliverer.stop()
+        self.deliverer.stop(max(0.0, deadline - time.monotonic()))
         self.spool.close()
         self.client.close()
         self._started = False
@@ -187,6 +220,11 @@ class Pipeline:
             "skipped_direct": self.skipped_direct,
             "timings_unsafe_steps": a.timings_unsafe,
             "invalid_values": a.invalid_values,
+            "dropped_agents": a.dropped_agents,
+            "dropped_series": a.dropped_series,
+            "steps_clamped": a.steps_clamped,
+            "spool_damaged_files": s.damaged_files,
+            "spool_damaged_lines": s.damaged_lines,
             "spooled": s.reports_spooled,
             "spool_dropped": s.reports_dropped,
             "journal_overflow": s.journal_overflow,
@@ -205,17 +243,26 @@ class Pipeline:
         """What reached the master and what did not, for `Profiler.stats()`.
 
         Keys with "dropped"/"failed" count as lost telemetry there: reports the master
-        refused (they never show in the Web UI), dropped because the spool was full, or
-        still undelivered when a memory spool shut down.
+        refused (they never show in the Web UI), dropped because the spool was full, still
+        unsent when a memory spool shut down, timing windows withheld because a restarted
+        trial's step offset is unknown, samples over the per-trial limits.
         """
         s, d = self.spool.stats, self.deliverer.stats
-        lost_at_shutdown = 0 if isinstance(self.spool, DiskSpool) else self.undelivered_at_shutdown
+        on_disk = isinstance(self.spool, DiskSpool)
+        a = self.aggregator.stats
         return {
             "determined.reports_delivered": d.delivered + d.found_stored
             + d.found_stored_after_lost_response,
             "determined.reports_failed_refused_by_master": d.rejected,
             "determined.reports_dropped_spool_full": s.reports_dropped,
-            "determined.reports_dropped_at_shutdown": lost_at_shutdown,
+            "determined.reports_dropped_at_shutdown": 0 if on_disk
+            else self.undelivered_at_shutdown,
+            "determined.reports_unconfirmed_at_shutdown": 0 if on_disk
+            else self.unconfirmed_at_shutdown,
+            "determined.timing_windows_dropped_unknown_steps": a.timings_unsafe,
+            "determined.samples_dropped_over_limits": a.dropped_agents + a.dropped_series
+            + a.dropped_trials + a.dropped_names,
+            "determined.timing_reports_steps_clamped": a.steps_clamped,
             "determined.reports_pending": self.spool.pending(),
             "determined.report_retries": d.retries,
         }  # fmt: skip

@@ -38,6 +38,18 @@ HELP: dict[str, tuple[str, bool]] = {
     "dropped_timing_names": ("timing names beyond the per-trial limit", False),
     "found_stored_after_restart": ("in-flight reports found stored after a restart", False),
     "found_stored_after_lost_response": ("lost answers whose report was stored", False),
+    "dropped_agents": ("samples of agents beyond the per-trial agent limit", False),
+    "dropped_series": ("histogram points of series beyond the per-trial limit", False),
+    "steps_clamped": ("timing reports whose step count grew faster than possible", False),
+    "spool_damaged_files": ("damaged spool files moved into damaged/ at start", False),
+    "spool_damaged_lines": ("damaged journal lines skipped at start", False),
+    "refused_unauthenticated": ("OTLP requests without a valid bearer token", False),
+    "refused_too_large": ("OTLP requests over the size limit", False),
+    "refused_throttled": ("OTLP requests refused for the sender's share or bytes in flight", False),
+    "refused_unverified_trial": ("OTLP requests whose trial the master could not vouch for", False),
+    "refused_out_of_scope_requests": ("OTLP requests with nothing in the token's scope", False),
+    "refused_out_of_scope_points": ("points/spans for trials outside the token's scope", False),
+    "inflight_bytes": ("OTLP request bytes being mapped now", True),
 }
 
 

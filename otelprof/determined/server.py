@@ -1,5 +1,12 @@
 """The bridge's OTLP gRPC receiver (metrics and traces services of opentelemetry-proto).
 
+Before anything is parsed a request must show a bearer token (`ingest_auth.py`), fit the
+size limit and be admitted (bytes in flight, requests per credential: one producer's flood
+waits for its own share, not everyone's); then only the resources of trials in the token's
+scope go on. Every refusal is counted (`BridgeServer.stats()`) and answered with the OTLP
+status a client acts on: UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED (too large:
+not retried) or UNAVAILABLE (busy, or the master cannot vouch for a trial yet: retried).
+
 Requests are parsed here rather than by grpcio so a malformed message is answered with
 INVALID_ARGUMENT and a message naming the problem (grpcio's own deserializer failure is
 an opaque INTERNAL). Data that cannot be tied to a trial is refused: the whole request
@@ -8,37 +15,203 @@ with INVALID_ARGUMENT when nothing in it maps, otherwise through OTLP partial su
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from otelprof.determined.mapping import Extracted
+from otelprof.determined.ingest_auth import (
+    IngestLimits,
+    IngestTokens,
+    NotKnownYet,
+    Scope,
+    ScopeChecker,
+    TlsFiles,
+)
+from otelprof.determined.mapping import (
+    Extracted,
+    RouteError,
+    attributes_dict,
+    point_count,
+    resolve_route,
+)
 from otelprof.determined.pipeline import Pipeline
 
 log = logging.getLogger("otelprof.determined")
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def _service_name(module: Any, service: str) -> str:
     return str(module.DESCRIPTOR.services_by_name[service].full_name)
 
 
+@dataclass
+class IngestStats:
+    """Requests and points refused before they reached the pipeline, by reason."""
+
+    unauthenticated: int = 0  # no or a wrong bearer token (UNAUTHENTICATED)
+    too_large: int = 0  # over max_request_bytes (RESOURCE_EXHAUSTED)
+    throttled: int = 0  # the credential's share or the bytes in flight were used (UNAVAILABLE)
+    unverified: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
+    forbidden_requests: int = 0  # nothing in the request was in the token's scope
+    forbidden_points: int = 0  # points and spans for trials outside the token's scope
+
+
+class _Admission:
+    """Bytes in flight and requests per credential: taken before parsing, given back after."""
+
+    def __init__(self, limits: IngestLimits) -> None:
+        self.limits = limits
+        self.inflight_bytes = 0
+        self._per_credential: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+
+    def enter(self, credential: bytes, size: int) -> str | None:
+        """None when admitted, else why not."""
+        with self._lock:
+            if self._per_credential.get(credential, 0) >= self.limits.max_per_credential:
+                return (f"this credential already has {self.limits.max_per_credential} "
+                        "requests in the bridge; retry later")  # fmt: skip
+            if self.inflight_bytes and self.inflight_bytes + size > self.limits.max_inflight_bytes:
+                return "the bridge is busy with other requests; retry later"
+            self.inflight_bytes += size
+            self._per_credential[credential] = self._per_credential.get(credential, 0) + 1
+            return None
+
+    def leave(self, credential: bytes, size: int) -> None:
+        with self._lock:
+            self.inflight_bytes -= size
+            left = self._per_credential[credential] - 1
+            if left:
+                self._per_credential[credential] = left
+            else:
+                del self._per_credential[credential]
+
+
+class _Receiver:
+    """What both OTLP services do before mapping: authenticate, bound, admit, scope."""
+
+    def __init__(
+        self, pipeline: Pipeline, tokens: IngestTokens, scopes: ScopeChecker, limits: IngestLimits
+    ) -> None:
+        self.pipeline = pipeline
+        self.tokens = tokens
+        self.scopes = scopes
+        self.limits = limits
+        self.stats = IngestStats()
+        self.admission = _Admission(limits)
+        self._stats_lock = threading.Lock()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:  # worker threads refuse at once: no count may be lost
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def export(
+        self,
+        raw: bytes,
+        context: grpc.ServicerContext,
+        cls: Any,
+        field_name: str,
+        ingest: Callable[[Any], Extracted],
+    ) -> Extracted:
+        found = self.tokens.scope_of(context.invocation_metadata())
+        if found is None:
+            self._count("unauthenticated")
+            _abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no valid bearer token: send `authorization: Bearer <token>` "
+                "(OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)",
+            )
+        if len(raw) > self.limits.max_request_bytes:
+            self._count("too_large")
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"request of {len(raw)} bytes is over the bridge's limit of "
+                f"{self.limits.max_request_bytes}; send smaller batches",
+            )
+        credential, scope = found
+        refusal = self.admission.enter(credential, len(raw))
+        if refusal is not None:
+            self._count("throttled")
+            _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
+        try:
+            message = _parse(cls, raw, context)
+            message, forbidden = self._keep_in_scope(message, field_name, scope, context)
+            extracted = _guard(lambda: ingest(message), context)
+        finally:
+            self.admission.leave(credential, len(raw))
+        if forbidden:
+            extracted.reject(forbidden[0], forbidden[1])
+        return extracted
+
+    def _keep_in_scope(
+        self, message: Any, field_name: str, scope: Scope, context: grpc.ServicerContext
+    ) -> tuple[Any, tuple[int, str] | None]:
+        """The request without the resources of trials the token may not write, and
+        (points left out, why) when there were some."""
+        resources = getattr(message, field_name)
+        if scope.everything:
+            return message, None
+        kept, refused, trials = [], 0, set()
+        for resource in resources:
+            attrs = attributes_dict(resource.resource.attributes)
+            try:
+                trial, _run, _agent = resolve_route(attrs, self.pipeline.route)
+            except RouteError:
+                kept.append(resource)  # the mapping refuses it with the reason
+                continue
+            try:
+                allowed = self.scopes.allows(scope, trial)
+            except NotKnownYet as exc:
+                self._count("unverified")
+                _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+            if allowed:
+                kept.append(resource)
+            else:
+                refused += _items(resource)
+                trials.add(trial)
+        if not trials:
+            return message, None
+        self._count("forbidden_points", refused)
+        why = (f"this token may write into {scope.describe()}, not into trial(s) "
+               f"{', '.join(map(str, sorted(trials)))}")  # fmt: skip
+        if not kept:
+            self._count("forbidden_requests")
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
+        allowed_only = type(message)()
+        getattr(allowed_only, field_name).extend(kept)
+        return allowed_only, (refused, why)
+
+
+def _items(resource: Any) -> int:
+    if hasattr(resource, "scope_metrics"):
+        return sum(point_count(m) for sm in resource.scope_metrics for m in sm.metrics)
+    return sum(len(ss.spans) for ss in resource.scope_spans)
+
+
 class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     """OTLP MetricsService.Export → pipeline."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(self, receiver: _Receiver) -> None:
+        self.receiver = receiver
 
     def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        message = _parse(metrics_service_pb2.ExportMetricsServiceRequest, request, context)
-        extracted = _guard(lambda: self.pipeline.ingest_metrics(message), context)
+        extracted = self.receiver.export(
+            request,
+            context,
+            metrics_service_pb2.ExportMetricsServiceRequest,
+            "resource_metrics",
+            self.receiver.pipeline.ingest_metrics,
+        )
         response = metrics_service_pb2.ExportMetricsServiceResponse()
         if extracted.rejected:
             _refuse_if_nothing_mapped(extracted, context, "data points")
@@ -50,12 +223,17 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
 class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     """OTLP TraceService.Export → pipeline."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(self, receiver: _Receiver) -> None:
+        self.receiver = receiver
 
     def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        message = _parse(trace_service_pb2.ExportTraceServiceRequest, request, context)
-        extracted = _guard(lambda: self.pipeline.ingest_traces(message), context)
+        extracted = self.receiver.export(
+            request,
+            context,
+            trace_service_pb2.ExportTraceServiceRequest,
+            "resource_spans",
+            self.receiver.pipeline.ingest_traces,
+        )
         response = trace_service_pb2.ExportTraceServiceResponse()
         if extracted.rejected:
             _refuse_if_nothing_mapped(extracted, context, "spans")
@@ -64,11 +242,17 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return response
 
 
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable: abort raises")
+
+
 def _parse(cls: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
     try:
         return cls.FromString(raw)
     except (DecodeError, ValueError) as exc:
-        context.abort(
+        _abort(
+            context,
             grpc.StatusCode.INVALID_ARGUMENT,
             f"malformed OTLP {cls.DESCRIPTOR.name} ({len(raw)} bytes): {exc}",
         )
@@ -79,15 +263,15 @@ def _guard(ingest: Callable[[], Extracted], context: grpc.ServicerContext) -> Ex
         return ingest()
     except Exception as exc:  # a mapping bug must not take the receiver down
         log.exception("could not map an OTLP request")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
-        raise  # unreachable: abort raises
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
 
 
 def _refuse_if_nothing_mapped(
     extracted: Extracted, context: grpc.ServicerContext, what: str
 ) -> None:
     if not extracted.gauges and not extracted.timings:
-        context.abort(
+        _abort(
+            context,
             grpc.StatusCode.INVALID_ARGUMENT,
             f"refused {extracted.rejected} {what}: " + "; ".join(extracted.errors)[:2000],
         )
@@ -106,41 +290,96 @@ def _handler(service: str, export: Callable[..., Any], response_cls: Any) -> grp
     )
 
 
+def is_loopback(listen: str) -> bool:
+    """Does `host:port` listen on this machine's loopback only?"""
+    host = listen.rsplit(":", 1)[0].strip("[]") if ":" in listen else listen
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or a wildcard: reachable from elsewhere
+
+
 class BridgeServer:
-    """A grpc.Server with both OTLP services bound to one listen address."""
+    """A grpc.Server with both OTLP services bound to one listen address.
+
+    Every request needs a bearer token of `tokens`; beyond loopback the bridge also needs
+    TLS (`tls`), so tokens never cross a network in the clear.
+    """
 
     def __init__(
-        self, pipeline: Pipeline, listen: str = "127.0.0.1:4327", workers: int = 8
+        self,
+        pipeline: Pipeline,
+        listen: str = "127.0.0.1:4327",
+        workers: int = 8,
+        *,
+        tokens: IngestTokens,
+        tls: TlsFiles | None = None,
+        limits: IngestLimits | None = None,
+        experiment_of: Callable[[int], int | None] | None = None,
     ) -> None:
+        if tls is None and not is_loopback(listen):
+            raise OSError(
+                f"refusing to listen on {listen} without TLS: tokens would cross the network "
+                "in the clear; pass --tls-cert and --tls-key (and --tls-client-ca for mutual "
+                "TLS), or listen on 127.0.0.1"
+            )
         self.pipeline = pipeline
+        limits = limits or IngestLimits(max_per_credential=max(1, workers // 2))
+        self.receiver = _Receiver(
+            pipeline, tokens, ScopeChecker(experiment_of or pipeline.client.trial_experiment),
+            limits,
+        )  # fmt: skip
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otelprof-otlp"),
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                # gRPC refuses larger messages before they are buffered whole; the receiver
+                # counts and refuses those over the configured limit itself.
+                ("grpc.max_receive_message_length", limits.max_request_bytes * 2),
                 ("grpc.so_reuseport", 0),
             ],
+            maximum_concurrent_rpcs=workers * 4,
         )
         self._server.add_generic_rpc_handlers(
             (
                 _handler(
                     _service_name(metrics_service_pb2, "MetricsService"),
-                    MetricsReceiver(pipeline).Export,
+                    MetricsReceiver(self.receiver).Export,
                     metrics_service_pb2.ExportMetricsServiceResponse,
                 ),
                 _handler(
                     _service_name(trace_service_pb2, "TraceService"),
-                    TraceReceiver(pipeline).Export,
+                    TraceReceiver(self.receiver).Export,
                     trace_service_pb2.ExportTraceServiceResponse,
                 ),
             )
         )
         try:
-            self.port = self._server.add_insecure_port(listen)
+            if tls is None:
+                self.port = self._server.add_insecure_port(listen)
+            else:
+                self.port = self._server.add_secure_port(listen, tls.credentials())
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or invalid)")
         self.listen = listen
+        self.tls = tls
+
+    def stats(self) -> dict[str, Any]:
+        """The pipeline's counters plus what was refused at the door."""
+        ingest = self.receiver.stats
+        return {
+            **self.pipeline.stats(),
+            "refused_unauthenticated": ingest.unauthenticated,
+            "refused_too_large": ingest.too_large,
+            "refused_throttled": ingest.throttled,
+            "refused_unverified_trial": ingest.unverified,
+            "refused_out_of_scope_requests": ingest.forbidden_requests,
+            "refused_out_of_scope_points": ingest.forbidden_points,
+            "inflight_bytes": self.receiver.admission.inflight_bytes,
+        }
 
     def start(self) -> None:
         self.pipeline.start()

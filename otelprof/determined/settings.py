@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from otelprof.determined.client import ConfigError, Credentials
+from otelprof.determined.ingest_auth import IngestLimits, IngestTokens, Scope, TlsFiles
 from otelprof.determined.mapping import PROFILING_GROUPS, Route
 
 DEFAULT_LISTEN = "127.0.0.1:4327"
@@ -38,6 +39,13 @@ ENV = {
     "retry_max_delay": "OTELPROF_BRIDGE_RETRY_MAX_DELAY",
     "request_timeout": "OTELPROF_BRIDGE_REQUEST_TIMEOUT",
     "metrics_port": "OTELPROF_BRIDGE_METRICS_PORT",
+    "ingest_tokens": "OTELPROF_BRIDGE_INGEST_TOKENS",
+    "tls_cert": "OTELPROF_BRIDGE_TLS_CERT",
+    "tls_key": "OTELPROF_BRIDGE_TLS_KEY",
+    "tls_client_ca": "OTELPROF_BRIDGE_TLS_CLIENT_CA",
+    "max_request_mb": "OTELPROF_BRIDGE_MAX_REQUEST_MB",
+    "max_inflight_mb": "OTELPROF_BRIDGE_MAX_INFLIGHT_MB",
+    "max_steps_per_second": "OTELPROF_BRIDGE_MAX_STEPS_PER_SECOND",
 }
 
 
@@ -81,6 +89,11 @@ class BridgeSettings:
     request_timeout_s: float = 10.0
     workers: int = 8
     metrics_port: int | None = None  # the bridge's own Prometheus metrics (0: any free port)
+    ingest_tokens: IngestTokens | None = None
+    tls: TlsFiles | None = None
+    limits: IngestLimits = field(default_factory=IngestLimits)
+    shared_spool: bool = False  # group-readable spool (0750/0640) instead of owner-only
+    max_steps_per_s: float = 10_000.0
 
     @classmethod
     def from_args(cls, args: Any, env: Mapping[str, str] | None = None) -> BridgeSettings:
@@ -141,7 +154,33 @@ class BridgeSettings:
             metrics_port = int(number("metrics_port", 0, int, -1))
             if metrics_port > 65535:
                 raise ConfigError(f"--metrics-port must be a TCP port, got {metrics_port}")
+        default_scope = Scope(
+            trials=frozenset(int(t) for t in getattr(args, "allow_trial", None) or ()),
+            experiments=frozenset(int(e) for e in getattr(args, "allow_experiment", None) or ()),
+        )
+        tokens_path = pick("ingest_tokens")
+        if not tokens_path:
+            raise ConfigError(
+                "no --ingest-tokens FILE: the bridge takes OTLP only from holders of a token; "
+                "make one with `otelprof determined-bridge --new-token` (see the README)"
+            )
+        tokens = IngestTokens.from_file(str(tokens_path), default_scope)
+        cert, key, client_ca = pick("tls_cert"), pick("tls_key"), pick("tls_client_ca")
+        if bool(cert) != bool(key) or (client_ca and not cert):
+            raise ConfigError("TLS needs both --tls-cert and --tls-key (--tls-client-ca: mTLS)")
+        tls = TlsFiles(str(cert), str(key), client_ca and str(client_ca)) if cert else None
+        workers = int(getattr(args, "workers", None) or 8)
+        limits = IngestLimits(
+            max_request_bytes=int(number("max_request_mb", 4.0) * 1024 * 1024),
+            max_inflight_bytes=int(number("max_inflight_mb", 32.0) * 1024 * 1024),
+            max_per_credential=max(1, workers // 2),
+        )
         return cls(
+            ingest_tokens=tokens,
+            tls=tls,
+            limits=limits,
+            shared_spool=bool(getattr(args, "shared_spool", False)),
+            max_steps_per_s=number("max_steps_per_second", 10_000.0),
             master=str(master),
             credentials=creds,
             listen=str(pick("listen", DEFAULT_LISTEN)),
@@ -156,6 +195,6 @@ class BridgeSettings:
             timings_group=validate_group(str(pick("timings_group", "timings"))),
             retry_max_s=number("retry_max_delay", 30.0),
             request_timeout_s=number("request_timeout", 10.0),
-            workers=int(getattr(args, "workers", None) or 8),
+            workers=workers,
             metrics_port=metrics_port,
         )

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import OrderedDict, deque
@@ -32,12 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from otelprof import _private_files as private
 from otelprof.determined.aggregate import Report
 from otelprof.determined.mapping import GaugeSample, TimingSample
 
 log = logging.getLogger("otelprof.determined")
 
 _WIDTH = 12
+DAMAGED_DIR = "damaged"
 
 
 @dataclass
@@ -59,6 +62,8 @@ class SpoolStats:
     journal_overflow: int = 0  # ingests not journaled because the journal hit its cap
     reports_refused: int = 0  # refused by the master for good, moved aside
     refused_not_kept: int = 0  # refused ones beyond the refused file's cap (counted only)
+    damaged_files: int = 0  # spool files found damaged at start, moved into damaged/
+    damaged_lines: int = 0  # journal lines found damaged at start, skipped
 
 
 Item = tuple[int, int, Report]  # (window, index in the window's batch, report)
@@ -232,8 +237,17 @@ class _SpoolBase:
 class MemorySpool(_SpoolBase):
     """Bounded in-memory queue with the spool interface (in-process exporter default)."""
 
-    def __init__(self, max_bytes: int = 64 * 1024 * 1024, max_refused: int = 1000) -> None:
+    def __init__(
+        self,
+        max_bytes: int = 64 * 1024 * 1024,
+        max_refused: int = 1000,
+        refused_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """`refused_path`: also append refused reports there (owner-only JSON Lines, e.g.
+        the run directory's determined-refused.jsonl, read by `otelprof report`)."""
         self.max_bytes = max_bytes
+        self.refused_path = None if refused_path is None else Path(refused_path)
+        self._refused_file_bytes = 0
         self.stats = SpoolStats()
         self._lock = threading.Lock()
         self._batches = {}
@@ -262,7 +276,25 @@ class MemorySpool(_SpoolBase):
     def _keep_refused(self, entry: dict[str, Any]) -> bool:
         full = len(self._refused) == self._refused.maxlen
         self._refused.append(entry)  # the oldest refused one goes when full
+        if self.refused_path is not None:
+            return self._append_refused(entry)
         return not full
+
+    def _append_refused(self, entry: dict[str, Any]) -> bool:
+        assert self.refused_path is not None
+        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+        if self._refused_file_bytes + len(line) > max(self.max_bytes // 8, 1 << 20):
+            return False
+        try:
+            private.make_dir(self.refused_path.parent)
+            with private.open_append(self.refused_path) as fh:
+                fh.write(line)
+        except OSError as exc:
+            log.error("Determined: cannot keep a refused report in %s: %s", self.refused_path,
+                      exc)  # fmt: skip
+            return False
+        self._refused_file_bytes += len(line)
+        return True
 
     def refused_reports(self) -> list[dict[str, Any]]:
         """The refused reports kept, oldest first: {time, status, message, report}."""
@@ -281,9 +313,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
+def _atomic_write(path: Path, data: bytes, fsync: bool, shared: bool = False) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
+    with private.open_new(tmp, shared) as fh:
         fh.write(data)
         if fsync:
             fh.flush()
@@ -291,13 +323,69 @@ def _atomic_write(path: Path, data: bytes, fsync: bool) -> None:
     os.replace(tmp, path)
 
 
+class DamagedEntry(ValueError):
+    """A spool file that is not what otelprof wrote (cut short, edited, not a file)."""
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DamagedEntry(f"{what} is {value!r}, not an integer")
+    return value
+
+
+def _report_from_json(raw: Any) -> Report:
+    """A spooled report, checked field by field (a damaged one raises DamagedEntry)."""
+    if not isinstance(raw, dict):
+        raise DamagedEntry(f"a report is a {type(raw).__name__}, not an object")
+    body, group = raw.get("body"), raw.get("group")
+    if not isinstance(group, str) or not group:
+        raise DamagedEntry("a report has no group")
+    metrics = body.get("metrics") if isinstance(body, dict) else None
+    if not isinstance(metrics, dict) or not isinstance(metrics.get("metrics"), dict):
+        raise DamagedEntry("a report has no metrics body")
+    if not isinstance(metrics["metrics"].get("avgMetrics"), dict):
+        raise DamagedEntry("a report has no avgMetrics object")
+    steps = metrics.get("stepsCompleted")
+    if steps is not None:
+        _int(steps, "stepsCompleted")
+    assert isinstance(body, dict)
+    return Report(_int(raw.get("trial_id"), "trial_id"), _int(raw.get("run_id"), "run_id"),
+                  group, body)  # fmt: skip
+
+
+_NUMBER = (int, float)
+# The type of each field of the journaled samples (mapping.GaugeSample / TimingSample).
+_FIELD_TYPES: dict[type, tuple[Any, ...]] = {
+    GaugeSample: (int, int, str, str, str, str, _NUMBER, int),
+    TimingSample: (int, int, str, _NUMBER, int, int, int, int, int, bool),
+}
+
+
+def _sample(cls: Any, raw: Any) -> Any:
+    """A journaled GaugeSample/TimingSample with every field of the type it must have."""
+    types = _FIELD_TYPES[cls]
+    required = len(cls._fields) - len(cls._field_defaults)
+    if not isinstance(raw, list) or not required <= len(raw) <= len(cls._fields):
+        raise DamagedEntry(f"a journaled {cls.__name__} has {raw!r}")
+    for name, kind, value in zip(cls._fields, types, raw, strict=False):
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise DamagedEntry(f"a journaled {cls.__name__} has {name}={value!r}")
+    return cls(*raw)
+
+
 class DiskSpool(_SpoolBase):
-    """The crash-safe spool described in the module docstring. Thread-safe."""
+    """The crash-safe spool described in the module docstring. Thread-safe.
+
+    Directory and files are the owner's only (0700/0600) unless `shared` (0750/0640). A
+    damaged file never stops a start: it is moved into ``damaged/``, counted
+    (`stats.damaged_files`) and logged, and everything else is delivered.
+    """
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int = 256 * 1024 * 1024,
-                 fsync: bool = True) -> None:  # fmt: skip
+                 fsync: bool = True, shared: bool = False) -> None:  # fmt: skip
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.shared = shared
+        private.make_dir(self.directory, shared)
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.stats = SpoolStats()
@@ -318,60 +406,110 @@ class DiskSpool(_SpoolBase):
 
     @staticmethod
     def _window_of(path: Path) -> int:
-        return int(path.name.split("-", 1)[1].split(".", 1)[0])
+        digits = path.name.split("-", 1)[1].split(".", 1)[0]
+        if not digits.isdigit():
+            raise DamagedEntry(f"{path.name} is not a spool file name")
+        return int(digits)
+
+    def _set_aside(self, path: Path, why: object) -> None:
+        """Move a damaged file (or directory) into damaged/, count it and say so."""
+        self.stats.damaged_files += 1
+        log.error("Determined spool: %s is damaged (%s); moved to %s/ and skipped",
+                  path.name, why, DAMAGED_DIR)  # fmt: skip
+        try:
+            aside = private.make_dir(self.directory / DAMAGED_DIR, self.shared)
+            os.replace(path, aside / f"{path.name}.{time.time_ns()}")
+        except OSError as exc:
+            log.error("Determined spool: cannot move %s aside (%s); removing it", path, exc)
+            with contextlib.suppress(OSError):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
 
     # -- start -----------------------------------------------------------------------------
     def recover(self) -> Recovered:
         """Reload pending batches, find where to resume, and collect journals to replay."""
         out = Recovered()
         for tmp in self.directory.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
-        flushed = -1
-        state_path = self.directory / "state.json"
-        if state_path.exists():
             try:
-                state = json.loads(state_path.read_bytes())
-                flushed = int(state.get("flushed_window", -1))
-                for trial, run, steps in state.get("last_steps", []):
-                    out.last_steps[(int(trial), int(run))] = int(steps)
-            except (ValueError, TypeError) as exc:
-                log.error("Determined spool: unreadable %s (%s); starting over", state_path, exc)
+                tmp.unlink(missing_ok=True)
+            except OSError as exc:
+                self._set_aside(tmp, exc)
+        flushed = self._read_state(out)
         for path in sorted(self.directory.glob("batch-*.json")):
-            window = self._window_of(path)
             try:
-                reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("Determined spool: dropping unreadable batch %s (%s)", path.name, exc)
-                path.unlink(missing_ok=True)
-                continue
-            acked, inflight = self._read_acks(window)
-            flushed = max(flushed, window)
-            for report in reports:
-                steps = report.body["metrics"].get("stepsCompleted")
-                if steps is not None:
-                    key = (report.trial_id, report.run_id)
-                    out.last_steps[key] = max(out.last_steps.get(key, 0), int(steps))
-            if len(acked) >= len(reports):
-                self._remove_files(window)
-                continue
-            self._batches[window] = _Batch(
-                window, path.stat().st_size, None, acked, inflight - acked
-            )
-            self._bytes += path.stat().st_size
-            out.pending_reports += len(reports) - len(acked)
+                flushed = max(flushed, self._recover_batch(path, out))
+            except (OSError, ValueError, DamagedEntry) as exc:
+                self._set_aside(path, exc)
         for ack in self.directory.glob("batch-*.ack"):
-            if not self._path("batch", self._window_of(ack), ".json").exists():
-                ack.unlink(missing_ok=True)
+            try:
+                if not self._path("batch", self._window_of(ack), ".json").exists():
+                    ack.unlink(missing_ok=True)
+            except (OSError, DamagedEntry) as exc:
+                self._set_aside(ack, exc)
         journals = sorted(self.directory.glob("journal-*.jsonl"))
         out.window = flushed + 1
         for path in journals:
-            window = self._window_of(path)
-            if window <= flushed:
-                path.unlink(missing_ok=True)
-                continue
-            out.window = max(out.window, window)
-            self._replay(path, out)
+            try:
+                window = self._window_of(path)
+                if window <= flushed:
+                    path.unlink(missing_ok=True)
+                    continue
+                self._replay(path, out)
+                out.window = max(out.window, window)
+            except (OSError, DamagedEntry) as exc:
+                self._set_aside(path, exc)
+        if self._refused_path.exists() and not self._refused_path.is_file():
+            self._set_aside(self._refused_path, "not a file")
         return out
+
+    def _read_state(self, out: Recovered) -> int:
+        """The last flushed window from state.json (-1 when none), and the step counts."""
+        state_path = self.directory / "state.json"
+        if not state_path.exists() and not state_path.is_symlink():
+            return -1
+        try:
+            state = json.loads(state_path.read_bytes())
+            if not isinstance(state, dict):
+                raise DamagedEntry(f"state is a {type(state).__name__}, not an object")
+            flushed = _int(state.get("flushed_window", -1), "flushed_window")
+            steps = state.get("last_steps", [])
+            if not isinstance(steps, list):
+                raise DamagedEntry("last_steps is not a list")
+            last: dict[tuple[int, int], int] = {}
+            for entry in steps:
+                if not isinstance(entry, list) or len(entry) != 3:
+                    raise DamagedEntry(f"last_steps entry {entry!r}")
+                trial, run, count = (_int(v, "last_steps") for v in entry)
+                last[(trial, run)] = count
+        except (OSError, ValueError, DamagedEntry) as exc:
+            # The batches and journals still tell where to resume (and the steps reported).
+            self._set_aside(state_path, exc)
+            return -1
+        out.last_steps.update(last)
+        return flushed
+
+    def _recover_batch(self, path: Path, out: Recovered) -> int:
+        window = self._window_of(path)
+        raw = json.loads(path.read_bytes())
+        if not isinstance(raw, list):
+            raise DamagedEntry(f"a batch is a {type(raw).__name__}, not a list")
+        reports = [_report_from_json(r) for r in raw]
+        acked, inflight = self._read_acks(window)
+        for report in reports:
+            steps = report.body["metrics"].get("stepsCompleted")
+            if steps is not None:
+                key = (report.trial_id, report.run_id)
+                out.last_steps[key] = max(out.last_steps.get(key, 0), int(steps))
+        if len(acked) >= len(reports):
+            self._remove_files(window)
+            return window
+        size = path.stat().st_size
+        self._batches[window] = _Batch(window, size, None, acked, inflight - acked)
+        self._bytes += size
+        out.pending_reports += len(reports) - len(acked)
+        return window
 
     def _read_acks(self, window: int) -> tuple[set[int], set[int]]:
         """(answered indices, indices posted at some point) from the batch's .ack file."""
@@ -380,23 +518,42 @@ class DiskSpool(_SpoolBase):
         inflight: set[int] = set()
         if not path.exists():
             return acked, inflight
-        for line in path.read_bytes().splitlines():
-            with contextlib.suppress(ValueError):
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError as exc:  # e.g. a directory: the batch is resent from its start
+            self._set_aside(path, exc)
+            return acked, inflight
+        bad = 0
+        for line in lines:
+            try:
                 if line.startswith(b"i"):
                     inflight.add(int(line[1:]))
                 else:
                     acked.add(int(line))
+            except ValueError:
+                bad += 1  # a line cut short by a crash, or garbage: that index is resent
+        if bad:
+            self.stats.damaged_lines += bad
+            log.warning("Determined spool: skipped %d damaged lines of %s", bad, path.name)
         return acked, inflight
 
-    @staticmethod
-    def _replay(path: Path, out: Recovered) -> None:
+    def _replay(self, path: Path, out: Recovered) -> None:
+        bad = 0
         for line in path.read_bytes().splitlines():
             try:
                 entry = json.loads(line)
-                out.gauges.extend(GaugeSample(*g) for g in entry.get("g", []))
-                out.timings.extend(TimingSample(*t) for t in entry.get("t", []))
-            except (ValueError, TypeError):
-                continue  # a line cut short by a crash: what it held was never acknowledged
+                if not isinstance(entry, dict):
+                    raise DamagedEntry("not an object")
+                gauges = [_sample(GaugeSample, g) for g in entry.get("g", [])]
+                timings = [_sample(TimingSample, t) for t in entry.get("t", [])]
+            except (ValueError, TypeError, DamagedEntry):
+                bad += 1  # e.g. a line cut short by a crash: it was never acknowledged
+                continue
+            out.gauges.extend(gauges)
+            out.timings.extend(timings)
+        if bad:
+            self.stats.damaged_lines += bad
+            log.warning("Determined spool: skipped %d damaged lines of %s", bad, path.name)
 
     # -- ingest side -------------------------------------------------------------------------
     def journal(self, window: int, gauges: list[GaugeSample], timings: list[TimingSample]) -> None:
@@ -408,7 +565,9 @@ class DiskSpool(_SpoolBase):
             if window != self._journal_window:
                 if self._journal_fh is not None:
                     self._journal_fh.close()
-                self._journal_fh = open(self._path("journal", window, ".jsonl"), "ab")  # noqa: SIM115
+                self._journal_fh = private.open_append(
+                    self._path("journal", window, ".jsonl"), self.shared
+                )
                 self._journal_window = window
                 self._journal_bytes = 0
             if self._journal_bytes + len(line) > self.max_bytes // 4:
@@ -426,7 +585,7 @@ class DiskSpool(_SpoolBase):
         """Persist a closed window's reports, then forget its journal."""
         if reports:
             data = json.dumps([r.to_json() for r in reports], separators=(",", ":")).encode()
-            _atomic_write(self._path("batch", window, ".json"), data, self.fsync)
+            _atomic_write(self._path("batch", window, ".json"), data, self.fsync, self.shared)
         journals = [
             p for p in self.directory.glob("journal-*.jsonl") if self._window_of(p) <= window
         ]
@@ -435,7 +594,9 @@ class DiskSpool(_SpoolBase):
                 "flushed_window": window,
                 "last_steps": [[t, r, s] for (t, r), s in last_steps.items()],
             }
-            _atomic_write(self.directory / "state.json", json.dumps(state).encode(), self.fsync)
+            _atomic_write(
+                self.directory / "state.json", json.dumps(state).encode(), self.fsync, self.shared
+            )
             if self.fsync:
                 _fsync_dir(self.directory)
         with self._lock:
@@ -457,16 +618,19 @@ class DiskSpool(_SpoolBase):
             return True
         path = self._path("batch", batch.window, ".json")
         try:
-            batch.reports = [Report.from_json(r) for r in json.loads(path.read_bytes())]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("Determined spool: dropping unreadable %s (%s)", path.name, exc)
+            raw = json.loads(path.read_bytes())
+            if not isinstance(raw, list):
+                raise DamagedEntry("not a list")
+            batch.reports = [_report_from_json(r) for r in raw]
+        except (OSError, ValueError, DamagedEntry) as exc:
+            self._set_aside(path, exc)
             return False
         return True
 
     def _write_ack(self, window: int, line: str) -> None:
         fh = self._ack_fhs.get(window)
         if fh is None:
-            fh = open(self._path("batch", window, ".ack"), "ab")  # noqa: SIM115
+            fh = private.open_append(self._path("batch", window, ".ack"), self.shared)
             self._ack_fhs[window] = fh
             while len(self._ack_fhs) > 16:
                 self._ack_fhs.popitem(last=False)[1].close()
@@ -480,7 +644,7 @@ class DiskSpool(_SpoolBase):
             size = self._refused_path.stat().st_size if self._refused_path.exists() else 0
             if size + len(line) > max(self.max_bytes // 8, 1 << 20):
                 return False
-            with open(self._refused_path, "ab") as fh:
+            with private.open_append(self._refused_path, self.shared) as fh:
                 fh.write(line)
                 if self.fsync:
                     fh.flush()
@@ -496,7 +660,11 @@ class DiskSpool(_SpoolBase):
         with self._lock:
             if not self._refused_path.exists():
                 return []
-            raw = self._refused_path.read_bytes().splitlines()
+            try:
+                raw = self._refused_path.read_bytes().splitlines()
+            except OSError as exc:
+                log.error("Determined spool: cannot read %s: %s", self._refused_path, exc)
+                return []
         out = []
         for line in raw:
             with contextlib.suppress(ValueError):

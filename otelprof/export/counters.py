@@ -137,6 +137,9 @@ class _Abandonable:
 
     def abandon(self) -> None:
         self._abandoned = True
+        inner_abandon = getattr(self._inner, "abandon", None)
+        if callable(inner_abandon):  # e.g. the Determined exporter: stop waiting for answers
+            inner_abandon()
         self._shutdown_inner_once()
 
 

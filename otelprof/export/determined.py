@@ -33,6 +33,8 @@ from otelprof.determined.spool import DiskSpool, MemorySpool
 
 _log = logging.getLogger("otelprof.determined")
 
+REFUSED_FILE = "determined-refused.jsonl"  # in the run directory: reports the master refused
+
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:
     raw = env.get(name)
@@ -45,8 +47,9 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
 class _SharedPipeline:
     """One pipeline behind the metric and span exporters; shut down when both are."""
 
-    def __init__(self, pipeline: Pipeline, users: int) -> None:
+    def __init__(self, pipeline: Pipeline, users: int, export_timeout_s: float = 10.0) -> None:
         self.pipeline = pipeline
+        self.export_timeout_s = export_timeout_s
         self._users = users
         self._lock = threading.Lock()
 
@@ -68,6 +71,7 @@ def build_pipeline(
     report_interval_s: float = 10.0,
     spool_dir: str | None = None,
     spool_max_bytes: int = 64 * 1024 * 1024,
+    refused_path: str | None = None,
     ca_bundle: str | None = None,
     timeout_s: float = 10.0,
     timings_group: str = "timings",
@@ -75,7 +79,9 @@ def build_pipeline(
 ) -> Pipeline:
     """A started pipeline from arguments, falling back to the Determined task environment
     (DET_MASTER, DET_USER_TOKEN / DET_SESSION_TOKEN, DET_TRIAL_ID, DET_TRIAL_RUN_ID,
-    DET_AGENT_ID, DET_MASTER_CERT_FILE). Raises ConfigError naming what is missing."""
+    DET_AGENT_ID, DET_MASTER_CERT_FILE). Raises ConfigError naming what is missing.
+    `refused_path`: where a memory spool also keeps the reports the master refused (the
+    run directory's `determined-refused.jsonl`, shown by `otelprof report`)."""
     env = os.environ if env is None else env
     master = master or env.get("DET_MASTER")
     if not master:
@@ -104,7 +110,9 @@ def build_pipeline(
         verify=verify,
     )
     spool: DiskSpool | MemorySpool = (
-        DiskSpool(spool_dir, spool_max_bytes) if spool_dir else MemorySpool(spool_max_bytes)
+        DiskSpool(spool_dir, spool_max_bytes)
+        if spool_dir
+        else MemorySpool(spool_max_bytes, refused_path=refused_path)
     )
     pipeline = Pipeline(
         client,
@@ -128,19 +136,25 @@ def _rank_is_zero(attributes: Mapping[str, Any], key: str) -> bool:
 class DeterminedMetricExporter(MetricExporter):
     """Hardware gauges → Determined profiling groups, posted from this process."""
 
-    def __init__(self, pipeline: Pipeline | None = None, **kwargs: Any) -> None:
-        """`pipeline` from `build_pipeline`, or the keyword arguments of `build_pipeline`."""
+    def __init__(
+        self, pipeline: Pipeline | None = None, export_timeout_s: float = 10.0, **kwargs: Any
+    ) -> None:
+        """`pipeline` from `build_pipeline`, or the keyword arguments of `build_pipeline`;
+        `export_timeout_s` bounds shutdown (Settings.export_timeout_s)."""
         super().__init__()
-        self._shared = _SharedPipeline(pipeline or build_pipeline(**kwargs), users=1)
+        self.export_timeout_s = export_timeout_s
+        self._shared = _SharedPipeline(
+            pipeline or build_pipeline(**kwargs), users=1, export_timeout_s=export_timeout_s
+        )
         self.pipeline = self._shared.pipeline
         self._failed_logged = False
 
     @classmethod
     def from_environment(
-        cls, env: Mapping[str, str] | None = None, **kwargs: Any
+        cls, env: Mapping[str, str] | None = None, export_timeout_s: float = 10.0, **kwargs: Any
     ) -> DeterminedMetricExporter:
         """Everything from the Determined task environment (see `build_pipeline`)."""
-        return cls(build_pipeline(env=env, **kwargs))
+        return cls(build_pipeline(env=env, **kwargs), export_timeout_s=export_timeout_s)
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
@@ -165,8 +179,17 @@ class DeterminedMetricExporter(MetricExporter):
         self.pipeline.flush()
         return self.pipeline.wait_delivered(timeout_millis / 1000)
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._shared.release(min(timeout_millis / 1000, 10.0))
+    def shutdown(
+        self, timeout_millis: float = 30_000, timeout: float | None = None, **kwargs: Any
+    ) -> None:
+        """Drain for what is left of the caller's time (the SDK's metric reader passes it
+        as `timeout`, in ms), never longer than the export timeout."""
+        millis = timeout if timeout is not None else timeout_millis
+        self._shared.release(max(0.0, min(millis / 1000, self.export_timeout_s)))
+
+    def abandon(self) -> None:
+        """Shutdown's time is up: stop waiting for the master; what is left is counted."""
+        self.pipeline.abandon()
 
     def span_exporter(self) -> DeterminedSpanExporter:
         """A span exporter feeding the same pipeline (timings group)."""
@@ -203,4 +226,4 @@ class DeterminedSpanExporter(SpanExporter):
         return True  # the metric exporter's flush closes the shared window
 
     def shutdown(self) -> None:
-        self._shared.release(10.0)
+        self._shared.release(self._shared.export_timeout_s)

@@ -17,6 +17,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import SpanProcessor
 
+from otelprof import _private_files
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
@@ -207,7 +208,7 @@ def _add_files(
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
     run_dir = settings.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _private_files.make_dir(run_dir, settings.shared_run_dir)  # owner-only unless shared
     metrics_name, traces_name = file_names(world_size, rank, attempt)
     compress = getattr(settings, "compress", False)
     if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member
@@ -318,9 +319,12 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
 def _add_determined(
     pipelines: ExportPipelines, settings: Settings, counters: ExportCounters
 ) -> None:
-    from otelprof.export.determined import DeterminedMetricExporter
+    from otelprof.export.determined import REFUSED_FILE, DeterminedMetricExporter
 
-    exporter = DeterminedMetricExporter.from_environment()
+    exporter = DeterminedMetricExporter.from_environment(
+        export_timeout_s=settings.export_timeout_s,
+        refused_path=str(settings.run_dir / REFUSED_FILE),
+    )
     counters.add_source(exporter.pipeline.delivery_counts)
     pipelines.metric_readers.append(
         _metric_reader(pipelines, "determined", exporter, settings, counters)
