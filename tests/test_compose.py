@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def _port(address: str) -> int:
 def test_compose_file_loads_with_the_stack_and_the_bridge_only_in_its_profile(
     project: dict[str, Any], project_with_bridge: dict[str, Any]
 ) -> None:
-    assert set(project["services"]) == {"otelcol", "prometheus", "tempo", "tempo-init", "grafana"}
+    assert set(project["services"]) == {"setup", "otelcol", "prometheus", "tempo", "grafana"}
     assert set(project_with_bridge["services"]) == set(project["services"]) | {"determined-bridge"}
 
 
@@ -153,7 +154,9 @@ def test_every_image_is_pinned_to_a_version(project_with_bridge: dict[str, Any])
     for name, service in project_with_bridge["services"].items():
         image = service["image"]
         repo, _, tag = image.rpartition(":")
-        assert repo and re.fullmatch(r"v?\d+\.\d+\.\d+", tag), f"{name}: {image} is not pinned"
+        assert repo and re.fullmatch(r"v?\d+\.\d+\.\d+(-[a-z]+)?", tag), (
+            f"{name}: {image} is not pinned"
+        )
     inline = project_with_bridge["services"]["determined-bridge"]["build"]["dockerfile_inline"]
     base = re.search(r"^FROM (\S+)", inline, re.MULTILINE)
     assert base and re.search(r":\d+\.\d+\.\d+", base.group(1)), inline
@@ -278,3 +281,180 @@ def test_prometheus_config_passes_promtool(prometheus_binary: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- what each image holds: commands, user, directories it owns ------------------------------
+
+
+@dataclass(frozen=True)
+class Image:
+    """What an image's documented base provides (no engine here to look inside it)."""
+
+    source: str  # where this is documented
+    user: str  # uid the container runs as
+    executables: frozenset[str]  # what `CMD` healthchecks and commands may name
+    owned: tuple[str, ...] = ()  # directories the image ships owned by `user`
+
+
+BUSYBOX_APPLETS = frozenset({"sh", "chown", "chmod", "cp", "wget"})
+IMAGES = {
+    "busybox:1.37.0-musl": Image(
+        "hub.docker.com/_/busybox: the musl variant is one statically linked /bin/busybox "
+        "with its applets linked in /bin; runs as root",
+        "0",
+        BUSYBOX_APPLETS | {"/bin/busybox"},
+    ),
+    "otel/opentelemetry-collector-contrib:0.158.0": Image(
+        "open-telemetry/opentelemetry-collector-releases, distributions/otelcol-contrib/"
+        "Dockerfile: FROM scratch, USER 10001, only /otelcol-contrib (ENTRYPOINT) and CA "
+        "certificates: no shell, no wget/curl, no directory owned by 10001",
+        "10001",
+        frozenset({"/otelcol-contrib"}),
+    ),
+    "grafana/tempo:2.10.8": Image(
+        "grafana/tempo cmd/tempo/Dockerfile since v2.10.0: FROM gcr.io/distroless/static-"
+        "debian12, USER 10001, /var/tempo made and owned by 10001, ENTRYPOINT /tempo: no shell",
+        "10001",
+        frozenset({"/tempo"}),
+        ("/var/tempo",),
+    ),
+    "prom/prometheus:v2.42.0": Image(
+        "prometheus/prometheus Dockerfile (v2.42.0): FROM quay.io/prometheus/busybox, "
+        "USER nobody, /prometheus chowned to nobody, ENTRYPOINT /bin/prometheus",
+        "65534",
+        BUSYBOX_APPLETS | {"/bin/prometheus", "/bin/promtool"},
+        ("/prometheus",),
+    ),
+    "grafana/grafana:13.1.3": Image(
+        "grafana/grafana Dockerfile: FROM alpine (busybox applets) plus apk bash, curl; "
+        "USER 472 (grafana), GF_PATHS_DATA /var/lib/grafana owned by 472",
+        "472",
+        BUSYBOX_APPLETS | {"bash", "curl", "/run.sh"},
+        ("/var/lib/grafana",),
+    ),
+    "otelprof/determined-bridge:0.1.0": Image(
+        "built from this repository (compose.yaml dockerfile_inline): FROM "
+        "python:3.12.8-slim-bookworm (Debian, python on PATH), pip-installs otelprof, "
+        "USER 10001, /var/lib/otelprof-bridge chowned to 10001",
+        "10001",
+        frozenset({"python", "otelprof", "sh"}),
+        ("/var/lib/otelprof-bridge",),
+    ),
+}
+ONE_SHOT = {"setup"}  # runs to completion before the others start; nothing to health-check
+
+
+def _setup_chowns(setup: dict[str, Any]) -> dict[str, str]:
+    """{volume: uid} for every `chown UID:GID /path` the setup step runs on a mounted volume."""
+    script = " ".join(setup["command"])
+    mounted = {v["target"]: v["source"] for v in setup["volumes"]}
+    return {mounted[path]: uid for uid, path in re.findall(r"chown (\d+):\d+ (\S+)", script)}
+
+
+def _setup_copies(setup: dict[str, Any]) -> dict[str, str]:
+    """{"volume/name": executable in the setup image} for every `cp EXE /volume-path/name`."""
+    script = " ".join(setup["command"])
+    mounted = {v["target"]: v["source"] for v in setup["volumes"]}
+    out = {}
+    for exe, dest in re.findall(r"cp (\S+) (\S+)", script):
+        directory, name = dest.rsplit("/", 1)
+        out[f"{mounted[directory]}/{name}"] = exe
+    return out
+
+
+def test_every_image_has_a_documented_base_in_the_table(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    images = {service["image"] for service in project_with_bridge["services"].values()}
+    assert images == set(IMAGES)
+    inline = project_with_bridge["services"]["determined-bridge"]["build"]["dockerfile_inline"]
+    assert "FROM python:3.12.8-slim-bookworm" in inline and "USER 10001" in inline
+    assert "chown 10001 /var/lib/otelprof-bridge" in inline
+
+
+def test_every_command_a_service_runs_exists_in_its_image(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    services = project_with_bridge["services"]
+    copies = _setup_copies(services["setup"])
+    for executable in copies.values():
+        assert executable in IMAGES[services["setup"]["image"]].executables
+    for name, service in services.items():
+        image = IMAGES[service["image"]]
+        if service.get("entrypoint"):
+            assert service["entrypoint"][0] in image.executables, name
+        elif name in ONE_SHOT:
+            assert service["command"][0] in image.executables, name
+        # else: the image's own ENTRYPOINT runs, `command` holds its arguments
+        if name in ONE_SHOT:
+            continue
+        test = service["healthcheck"]["test"]
+        assert test[0] == "CMD", f"{name}: CMD-SHELL needs a shell; say the command itself"
+        program = test[1]
+        if program in image.executables:
+            continue
+        # a tool the setup step copied into a volume this service mounts
+        mounts = {v["target"]: v for v in service["volumes"] if v["type"] == "volume"}
+        directory, exe = program.rsplit("/", 1)
+        assert directory in mounts, f"{name}: {program} is not in {service['image']}"
+        assert mounts[directory].get("read_only"), f"{name} mounts {directory} writable"
+        assert f"{mounts[directory]['source']}/{exe}" in copies, f"{name}: nothing puts {exe}"
+        if exe == "busybox":
+            assert test[2] in BUSYBOX_APPLETS, name
+
+
+def test_every_long_running_service_has_a_healthcheck_that_dependents_wait_for(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    services = project_with_bridge["services"]
+    for name, service in services.items():
+        if name not in ONE_SHOT:
+            check = service.get("healthcheck")
+            assert check and not check.get("disable"), f"{name} has no healthcheck"
+        for dependency, how in service.get("depends_on", {}).items():
+            expected = (
+                "service_completed_successfully" if dependency in ONE_SHOT else "service_healthy"
+            )
+            assert how["condition"] == expected, (name, dependency, how)
+    assert services["grafana"]["depends_on"].keys() == {"prometheus", "tempo"}
+    assert "otelcol" in services["prometheus"]["depends_on"]
+    for name in ("otelcol", "tempo"):  # their images cannot run the healthcheck without it
+        assert "setup" in services[name]["depends_on"], name
+
+
+def test_healthchecks_probe_the_ports_the_services_listen_on(project: dict[str, Any]) -> None:
+    services = project["services"]
+    env = services["otelcol"]["environment"]
+    tempo = tempo_config.load()
+
+    def url(name: str) -> str:
+        return services[name]["healthcheck"]["test"][-1]
+
+    assert url("otelcol") == f"http://127.0.0.1:{_port(env['OTELCOL_HEALTH_ENDPOINT'])}/"
+    assert url("tempo") == f"http://127.0.0.1:{tempo['server']['http_listen_port']}/ready"
+    assert url("prometheus") == "http://127.0.0.1:9090/-/ready"
+    assert url("grafana") == "http://127.0.0.1:3000/api/health"
+
+
+def test_every_writable_volume_belongs_to_the_user_its_container_runs_as(
+    project_with_bridge: dict[str, Any],
+) -> None:
+    services = project_with_bridge["services"]
+    chowned = _setup_chowns(services["setup"])
+    assert chowned == {"otelcol-debug": "10001"}
+    for name, service in services.items():
+        image = IMAGES[service["image"]]
+        user = str(service.get("user") or image.user).split(":")[0]
+        for volume in service.get("volumes", []):
+            if volume["type"] != "volume" or volume.get("read_only"):
+                continue
+            if name in ONE_SHOT:
+                assert user == "0", "the setup step must run as root to chown"
+                continue
+            source, target = volume["source"], volume["target"]
+            # an empty named volume takes the owner of the image's directory it is mounted on
+            writable = target in image.owned or chowned.get(source) == user
+            assert writable, f"{name}: {source} at {target} is not owned by uid {user}"
+    debug_dir = services["otelcol"]["environment"]["OTELCOL_DEBUG_DIR"]
+    debug_mount = next(v for v in services["otelcol"]["volumes"] if v["target"] == debug_dir)
+    assert debug_mount["source"] == "otelcol-debug"
