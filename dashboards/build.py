@@ -32,8 +32,15 @@ PHASES = "|".join(DETERMINED_TIMINGS)
 HIST = "otelprof_timing_duration_seconds"
 CALLS = "otelprof_timing_duration_seconds_count"
 
-# Label filters of each dashboard's template variables.
-HOST_SEL = 'service_name=~"$service", host_name=~"$host", determined_trial_id=~"$trial"'
+# Label filters of each dashboard's template variables. `otelprof_run_id` (the resource's
+# otelprof.run_id, one per job, shared by its ranks) keeps concurrent jobs apart: every
+# per-rank or per-job aggregation below groups by it, so two jobs on one host never add up.
+RUN = "otelprof_run_id"
+RANK_KEY = f"{RUN}, host_name, otelprof_rank"
+HOST_SEL = (
+    'service_name=~"$service", otelprof_run_id=~"$run", host_name=~"$host", '
+    'determined_trial_id=~"$trial"'
+)
 RANK_SEL = HOST_SEL + ', otelprof_rank=~"$rank"'
 GPU_SEL = RANK_SEL + ', gpu_index=~"$gpu"'
 SPAN_SEL = RANK_SEL
@@ -233,19 +240,27 @@ def dashboard(
 
 
 def _common_variables(metrics: str) -> list[dict[str, Any]]:
-    """service, host, rank and Determined trial, each narrowed by the ones before it."""
+    """service, job (run id), host, rank and Determined trial, each narrowed by the ones
+    before it. Only live series are listed: a finished job's leave the collector's endpoint
+    after OTELCOL_METRIC_EXPIRATION and Prometheus marks them stale."""
     return [
         variable("service", "Service", f'label_values({{__name__=~"{metrics}"}}, service_name)'),
         variable(
+            "run",
+            "Job (run id)",
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, {RUN})',
+        ),
+        variable(
             "host",
             "Host",
-            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, host_name)',
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service", '
+            f'{RUN}=~"$run"}}, host_name)',
         ),
         variable(
             "rank",
             "Rank",
             f'label_values({{__name__=~"{metrics}", service_name=~"$service", '
-            f'host_name=~"$host"}}, otelprof_rank)',
+            f'{RUN}=~"$run", host_name=~"$host"}}, otelprof_rank)',
         ),
         variable(
             "trial",
@@ -461,8 +476,8 @@ def system_dashboard() -> dict[str, Any]:
         "CPU time of each training process over the interval, as a share of usable CPUs.",
         [
             target(
-                f"max by (host_name, otelprof_rank) (process_cpu_utilization_ratio{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"max by ({RANK_KEY}) (process_cpu_utilization_ratio{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="percentunit",
@@ -472,8 +487,8 @@ def system_dashboard() -> dict[str, Any]:
         "Resident memory of each training process.",
         [
             target(
-                f"max by (host_name, otelprof_rank) (process_memory_usage_bytes{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"max by ({RANK_KEY}) (process_memory_usage_bytes{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="bytes",
@@ -485,6 +500,9 @@ def system_dashboard() -> dict[str, Any]:
         variables,
         lay,
     )
+
+
+LEGEND_RANK = "rank {{otelprof_rank}} ({{host_name}}, {{otelprof_run_id}})"
 
 
 def _rate(metric: str, selector: str) -> str:
@@ -501,26 +519,27 @@ def training_dashboard() -> dict[str, Any]:
     lay.row("Steps")
     lay.stat(
         "Steps per second",
-        "Training steps completed per second, averaged over the selected ranks.",
-        f"avg(sum by (host_name, otelprof_rank) ({_rate(CALLS, step)}))",
+        "Training steps completed per second, averaged over the selected ranks of each job.",
+        f"avg by ({RUN}) (sum by ({RANK_KEY}) ({_rate(CALLS, step)}))",
         unit="none",
     )
     lay.stat(
         "Step time p50",
         "Median step time (otelprof's histogram of every step span).",
-        f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        f"histogram_quantile(0.5, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
         unit="s",
     )
     lay.stat(
         "Step time p95",
         "95th percentile of the step time.",
-        f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        f"histogram_quantile(0.95, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
         unit="s",
     )
     lay.stat(
         "Rank skew (slowest / fastest mean step)",
         "1.0 when every rank steps equally fast; above 1 a straggler holds the others back.",
-        f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+        f"max by ({RUN}) ({_mean_step_by_rank(step)})"
+        f" / min by ({RUN}) ({_mean_step_by_rank(step)})",
         unit="none",
     )
     lay.timeseries(
@@ -529,13 +548,13 @@ def training_dashboard() -> dict[str, Any]:
         "that step's trace in Tempo.",
         [
             target(
-                f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
-                "p50",
+                f"histogram_quantile(0.5, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
+                "p50 {{otelprof_run_id}}",
                 exemplar=True,
             ),
             target(
-                f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
-                "p95",
+                f"histogram_quantile(0.95, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
+                "p95 {{otelprof_run_id}}",
                 "B",
                 exemplar=True,
             ),
@@ -547,8 +566,8 @@ def training_dashboard() -> dict[str, Any]:
         "Steps completed per second by each rank.",
         [
             target(
-                f"sum by (host_name, otelprof_rank) ({_rate(CALLS, step)})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) ({_rate(CALLS, step)})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -560,8 +579,8 @@ def training_dashboard() -> dict[str, Any]:
         "optimizer, LR schedulers, metric reduction).",
         [
             target(
-                f"histogram_quantile(0.5, sum by (le, otelprof_timing) ({phase_buckets}))",
-                "{{otelprof_timing}}",
+                f"histogram_quantile(0.5, sum by (le, {RUN}, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
             )
         ],
         unit="s",
@@ -571,14 +590,14 @@ def training_dashboard() -> dict[str, Any]:
         "95th percentile of each Determined timing.",
         [
             target(
-                f"histogram_quantile(0.95, sum by (le, otelprof_timing) ({phase_buckets}))",
-                "{{otelprof_timing}}",
+                f"histogram_quantile(0.95, sum by (le, {RUN}, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
                 exemplar=True,
             )
         ],
         unit="s",
     )
-    step_time = f"sum({_rate(HIST + '_sum', step)})"
+    step_time = f"sum by ({RUN}) ({_rate(HIST + '_sum', step)})"
     loader = f'otelprof_timing="dataloader_next", otelprof_phase="train", {SPAN_SEL}'
     lay.timeseries(
         "Share of step time per phase",
@@ -586,12 +605,13 @@ def training_dashboard() -> dict[str, Any]:
         "every timing (Python overhead, unannotated work).",
         [
             target(
-                f"sum by (otelprof_timing) ({phase_sums}) / on() group_left() {step_time}",
-                "{{otelprof_timing}}",
+                f"sum by ({RUN}, otelprof_timing) ({phase_sums})"
+                f" / on({RUN}) group_left() {step_time}",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
             ),
             target(
-                f"clamp_min(1 - sum({phase_sums}) / {step_time}, 0)",
-                "other",
+                f"clamp_min(1 - sum by ({RUN}) ({phase_sums}) / {step_time}, 0)",
+                "other ({{otelprof_run_id}})",
                 "B",
             ),
         ],
@@ -606,12 +626,12 @@ def training_dashboard() -> dict[str, Any]:
         "the model, limits throughput.",
         [
             target(
-                f"sum({_rate(HIST + '_sum', loader)}) / {step_time}",
-                "time in dataloader_next",
+                f"sum by ({RUN}) ({_rate(HIST + '_sum', loader)}) / {step_time}",
+                "time in dataloader_next ({{otelprof_run_id}})",
             ),
             target(
-                f"avg(hw_gpu_utilization_ratio{{{SPAN_SEL}}})",
-                "GPU utilization",
+                f"avg by ({RUN}) (hw_gpu_utilization_ratio{{{SPAN_SEL}}})",
+                "GPU utilization ({{otelprof_run_id}})",
                 "B",
             ),
         ],
@@ -624,9 +644,10 @@ def training_dashboard() -> dict[str, Any]:
         "steps per second of one rank (the ranks step together).",
         [
             target(
-                f'sum(rate(hw_energy_joules_total{{hw_type="gpu", {RANK_SEL}}}[$__rate_interval]))'
-                f" / max(sum by (otelprof_rank) ({_rate(CALLS, step)}))",
-                "J per step",
+                f"sum by ({RUN}) "
+                f'(rate(hw_energy_joules_total{{hw_type="gpu", {RANK_SEL}}}[$__rate_interval]))'
+                f" / max by ({RUN}) (sum by ({RANK_KEY}) ({_rate(CALLS, step)}))",
+                "J per step ({{otelprof_run_id}})",
             )
         ],
         unit="J",
@@ -637,8 +658,9 @@ def training_dashboard() -> dict[str, Any]:
         "the training phase they fell in (otelprof.phase: train, validation, checkpoint).",
         [
             target(
-                f"sum by (otelprof_phase) ({_rate('otelprof_gpu_idle_seconds_total', RANK_SEL)})",
-                "{{otelprof_phase}}",
+                f"sum by ({RUN}, otelprof_phase) "
+                f"({_rate('otelprof_gpu_idle_seconds_total', RANK_SEL)})",
+                "{{otelprof_phase}} ({{otelprof_run_id}})",
             )
         ],
         unit="s",
@@ -647,7 +669,7 @@ def training_dashboard() -> dict[str, Any]:
     lay.timeseries(
         "Mean step time per rank (stragglers)",
         "Mean step time of each rank; a rank above the others is a straggler.",
-        [target(_mean_step_by_rank(step), "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(_mean_step_by_rank(step), LEGEND_RANK)],
         unit="s",
     )
     lay.timeseries(
@@ -655,7 +677,8 @@ def training_dashboard() -> dict[str, Any]:
         "Slowest rank's mean step time divided by the fastest's (1 = balanced).",
         [
             target(
-                f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+                f"max by ({RUN}) ({_mean_step_by_rank(step)})"
+                f" / min by ({RUN}) ({_mean_step_by_rank(step)})",
                 "slowest / fastest",
             )
         ],
@@ -668,14 +691,14 @@ def training_dashboard() -> dict[str, Any]:
         "Share of each rank's time spent in collectives (DDP's gradient all-reduce, "
         "torch.distributed calls): communication plus waiting for the other ranks. In "
         "synchronous training step times are equal, but the straggler waits least.",
-        [target(wait, "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(wait, LEGEND_RANK)],
         unit="percentunit",
     )
     lay.timeseries(
         STRAGGLER_PANEL,
         "How much less each rank waits in collectives than the rank that waits most, in "
         "seconds per second: near 0 for every rank when balanced; the straggler stands out.",
-        [target(f"scalar(max({wait})) - {wait}", "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(f"max by ({RUN}) ({wait}) - on({RUN}) group_right() {wait}", LEGEND_RANK)],
         unit="percentunit",
     )
     lay.row("Throughput and MFU")
@@ -686,9 +709,8 @@ def training_dashboard() -> dict[str, Any]:
         "framework integration.",
         [
             target(
-                f"sum by (host_name, otelprof_rank) "
-                f"(otelprof_train_throughput_samples_per_second{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) (otelprof_train_throughput_samples_per_second{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -699,9 +721,8 @@ def training_dashboard() -> dict[str, Any]:
         "Tokens trained per second of training-step time, per rank (last 100 steps).",
         [
             target(
-                f"sum by (host_name, otelprof_rank) "
-                f"(otelprof_train_throughput_tokens_per_second{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) (otelprof_train_throughput_tokens_per_second{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -713,8 +734,8 @@ def training_dashboard() -> dict[str, Any]:
         "table of common GPUs), per rank, last 100 steps.",
         [
             target(
-                f"avg by (host_name, otelprof_rank) (otelprof_train_mfu_ratio{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"avg by ({RANK_KEY}) (otelprof_train_mfu_ratio{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="percentunit",
@@ -739,13 +760,13 @@ MULTI_RANK_PANELS = (COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL)
 
 def _collective_wait_by_rank() -> str:
     metric = "otelprof_collective_duration_seconds_total"
-    return f"sum by (host_name, otelprof_rank) ({_rate(metric, RANK_SEL)})"
+    return f"sum by ({RANK_KEY}) ({_rate(metric, RANK_SEL)})"
 
 
 def _mean_step_by_rank(step: str) -> str:
     return (
-        f"sum by (host_name, otelprof_rank) ({_rate(HIST + '_sum', step)})"
-        f" / sum by (host_name, otelprof_rank) ({_rate(HIST + '_count', step)})"
+        f"sum by ({RANK_KEY}) ({_rate(HIST + '_sum', step)})"
+        f" / sum by ({RANK_KEY}) ({_rate(HIST + '_count', step)})"
     )
 
 

@@ -164,6 +164,7 @@ def test_dashboard_provider_reads_the_directory_compose_mounts_the_dashboards_in
 def _values_of_the_run(run: PipelineRun) -> dict[str, str]:
     return {
         "service": run.service_name,
+        "run": run.run_id,
         "host": run.host_name,
         "rank": run.rank,
         "trial": RANK_ENV["DET_TRIAL_ID"],
