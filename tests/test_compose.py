@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests import tempo_config
+from tests import grafana_provisioning, tempo_config
 from tests.services import COLLECTOR_CONFIG, PROMETHEUS_CONFIG, REPO, validate_collector_config
 
 COMPOSE = REPO / "compose.yaml"
 CHECKER = REPO / "scripts" / "compose-check"
-DATASOURCES = REPO / "dashboards" / "provisioning" / "datasources" / "datasources.yaml"
 TEMPO_CONFIG = REPO / "tempo" / "tempo.yaml"
 ENV = {"GRAFANA_ADMIN_PASSWORD": "test-only-password"}
 
@@ -245,9 +244,17 @@ def test_collector_sends_traces_to_tempos_otlp_port_and_the_bridge_to_its_listen
 def test_grafana_datasources_point_at_the_compose_services(project: dict[str, Any]) -> None:
     services = project["services"]
     tempo = tempo_config.load()  # as Tempo expands it, compose's defaults
-    datasources = {d["type"]: d for d in yaml.safe_load(DATASOURCES.read_text())["datasources"]}
-    assert datasources["prometheus"]["url"] == "http://prometheus:9090"
-    assert datasources["tempo"]["url"] == f"http://tempo:{tempo['server']['http_listen_port']}"
+    env = services["grafana"]["environment"]
+    # every variable the provisioning files use is set by compose
+    for path in (grafana_provisioning.DATASOURCES, grafana_provisioning.PROVIDERS):
+        assert grafana_provisioning.variables(path) <= set(env), path
+    urls = grafana_provisioning.datasource_urls(env)
+    assert urls["prometheus"] == "http://prometheus:9090"
+    assert urls["tempo"] == f"http://tempo:{tempo['server']['http_listen_port']}"
+    dashboards = grafana_provisioning.dashboards_path(env)
+    for volume in services["grafana"]["volumes"]:
+        if volume["source"].endswith(".json"):
+            assert volume["target"] == f"{dashboards}/{Path(volume['source']).name}"
     mounted = {v["target"] for v in services["grafana"]["volumes"]}
     assert "/etc/grafana/provisioning/datasources" in mounted
     assert "/etc/grafana/provisioning/dashboards" in mounted

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import grafana_provisioning
 from tests.dashboard_queries import (
     DASHBOARD_DIR,
     DASHBOARD_FILES,
@@ -155,9 +156,9 @@ def test_datasources_have_fixed_uids_and_link_exemplars_and_traces_both_ways() -
 
 
 def test_dashboard_provider_reads_the_directory_compose_mounts_the_dashboards_in() -> None:
-    (provider,) = yaml.safe_load(PROVIDERS.read_text())["providers"]
-    path = provider["options"]["path"]
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    path = grafana_provisioning.dashboards_path(compose["services"]["grafana"]["environment"])
+    assert path == "/var/lib/grafana/dashboards"
     mounts = compose["services"]["grafana"]["volumes"]
     for dashboard in DASHBOARD_FILES:
         assert f"./dashboards/{dashboard.name}:{path}/{dashboard.name}:ro" in mounts
