@@ -4,6 +4,8 @@
 
 The JSON files are committed (Grafana provisions them as they are); this script is how they
 are edited, and tests/test_dashboards.py checks that the committed files match its output.
+Panels, queries and variables are made with Grafana's typed builder (grafana-foundation-sdk,
+the dev extra), which also places them on the grid and encodes the JSON.
 Every PromQL expression here is run against a real Prometheus fed by a real pipeline run
 (tests/test_dashboards.py), so only names the collector really produces appear:
 
@@ -21,12 +23,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as pq
+from grafana_foundation_sdk.builders import stat as st
+from grafana_foundation_sdk.builders import timeseries as ts
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
 from otelprof.timings import DETERMINED_TIMINGS
 
 HERE = Path(__file__).resolve().parent
-PROMETHEUS = {"type": "prometheus", "uid": "otelprof-prometheus"}
+PROMETHEUS_REF = dm.DataSourceRef(type_val="prometheus", uid="otelprof-prometheus")
 TEMPO_UID = "otelprof-tempo"
-SCHEMA_VERSION = 39
 
 PHASES = "|".join(DETERMINED_TIMINGS)
 HIST = "otelprof_timing_duration_seconds"
@@ -48,74 +59,60 @@ SPAN_SEL = RANK_SEL
 
 def variable(
     name: str, label: str, query: str, *, all_value: str = ".+", multi: bool = True
-) -> dict[str, Any]:
+) -> db.QueryVariable:
     """A Prometheus query variable (label_values), All selected by default."""
-    return {
-        "type": "query",
-        "name": name,
-        "label": label,
-        "datasource": PROMETHEUS,
-        "definition": query,
-        "query": {
-            "qryType": 1,
-            "query": query,
-            "refId": "PrometheusVariableQueryEditor-VariableQuery",
-        },
-        "refresh": 2,
-        "includeAll": True,
-        "allValue": all_value,
-        "multi": multi,
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "sort": 3,
-        "hide": 0,
-        "options": [],
-        "regex": "",
-        "skipUrlSync": False,
-    }
+    return (
+        db.QueryVariable(name)
+        .label(label)
+        .datasource(PROMETHEUS_REF)
+        .query(
+            {
+                "qryType": 1,
+                "query": query,
+                "refId": "PrometheusVariableQueryEditor-VariableQuery",
+            }
+        )
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .include_all(True)
+        .all_value(all_value)
+        .multi(multi)
+        .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        .sort(dm.VariableSort.NUMERICAL_ASC)
+        .hide(dm.VariableHide.DONT_HIDE)
+        .options([])
+        .regex("")
+    )
 
 
-def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> dict[str, Any]:
-    return {
-        "datasource": PROMETHEUS,
-        "expr": expr,
-        "legendFormat": legend,
-        "refId": ref,
-        "range": True,
-        "instant": False,
-        "exemplar": exemplar,
-        "editorMode": "code",
-    }
+def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> pq.Dataquery:
+    return (
+        pq.Dataquery()
+        .datasource(PROMETHEUS_REF)
+        .expr(expr)
+        .legend_format(legend)
+        .ref_id(ref)
+        .range()
+        .exemplar(exemplar)
+        .editor_mode(pm.QueryEditorMode.CODE)
+    )
 
 
 class Layout:
-    """Places panels left to right on a 24-column grid and numbers them."""
+    """Collects rows and panels in order and numbers them; Grafana's builder places them
+    left to right on its 24-column grid (db.Dashboard.with_panel / with_row)."""
 
     def __init__(self) -> None:
-        self.panels: list[dict[str, Any]] = []
-        self.x = 0
-        self.y = 0
-        self.row_height = 0
+        self.items: list[tuple[str, Any]] = []
         self.next_id = 1
 
     def row(self, title: str) -> None:
-        self._newline()
-        self.panels.append(
-            {
-                "type": "row",
-                "id": self._id(),
-                "title": title,
-                "collapsed": False,
-                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
-                "panels": [],
-            }
-        )
-        self.y += 1
+        self.items.append(("row", db.Row(title).id(self._id()).collapsed(False)))
 
     def timeseries(
         self,
         title: str,
         description: str,
-        targets: list[dict[str, Any]],
+        targets: list[pq.Dataquery],
         *,
         unit: str,
         width: int = 12,
@@ -125,71 +122,63 @@ class Layout:
         min_value: float | None = 0,
         max_value: float | None = None,
     ) -> None:
-        if self.x + width > 24:
-            self._newline()
-        defaults: dict[str, Any] = {
-            "unit": unit,
-            "custom": {
-                "drawStyle": "bars" if bars else "line",
-                "lineWidth": 1,
-                "fillOpacity": 60 if stacked else 10,
-                "showPoints": "never",
-                "spanNulls": True,
-                "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
-            },
-        }
-        if min_value is not None:
-            defaults["min"] = min_value
-        if max_value is not None:
-            defaults["max"] = max_value
-        self.panels.append(
-            {
-                "type": "timeseries",
-                "id": self._id(),
-                "title": title,
-                "description": description,
-                "datasource": PROMETHEUS,
-                "gridPos": {"h": height, "w": width, "x": self.x, "y": self.y},
-                "targets": targets,
-                "fieldConfig": {"defaults": defaults, "overrides": []},
-                "options": {
-                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"},
-                },
-            }
+        panel = (
+            ts.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(PROMETHEUS_REF)
+            .span(width)
+            .height(height)
+            .unit(unit)
+            .draw_style(cm.GraphDrawStyle.BARS if bars else cm.GraphDrawStyle.LINE)
+            .line_width(1)
+            .fill_opacity(60 if stacked else 10)
+            .show_points(cm.VisibilityMode.NEVER)
+            .span_nulls(True)
+            .stacking(
+                cb.StackingConfig()
+                .mode(cm.StackingMode.NORMAL if stacked else cm.StackingMode.NONE)
+                .group("A")
+            )
+            .legend(
+                cb.VizLegendOptions()
+                .display_mode(cm.LegendDisplayMode.LIST)
+                .placement(cm.LegendPlacement.BOTTOM)
+                .show_legend(True)
+            )
+            .tooltip(
+                cb.VizTooltipOptions()
+                .mode(cm.TooltipDisplayMode.MULTI)
+                .sort(cm.SortOrder.DESCENDING)
+            )
         )
-        self.x += width
-        self.row_height = max(self.row_height, height)
+        for query in targets:
+            panel.with_target(query)
+        if min_value is not None:
+            panel.min(min_value)
+        if max_value is not None:
+            panel.max(max_value)
+        self.items.append(("panel", panel))
 
     def stat(self, title: str, description: str, expr: str, *, unit: str, width: int = 6) -> None:
-        if self.x + width > 24:
-            self._newline()
-        self.panels.append(
-            {
-                "type": "stat",
-                "id": self._id(),
-                "title": title,
-                "description": description,
-                "datasource": PROMETHEUS,
-                "gridPos": {"h": 4, "w": width, "x": self.x, "y": self.y},
-                "targets": [target(expr, "", "A")],
-                "fieldConfig": {"defaults": {"unit": unit, "decimals": 2}, "overrides": []},
-                "options": {
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value",
-                    "graphMode": "area",
-                    "textMode": "auto",
-                },
-            }
+        panel = (
+            st.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(PROMETHEUS_REF)
+            .span(width)
+            .height(4)
+            .with_target(target(expr, "", "A"))
+            .unit(unit)
+            .decimals(2)
+            .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+            .color_mode(cm.BigValueColorMode.VALUE)
+            .graph_mode(cm.BigValueGraphMode.AREA)
+            .text_mode(cm.BigValueTextMode.AUTO)
         )
-        self.x += width
-        self.row_height = max(self.row_height, 4)
-
-    def _newline(self) -> None:
-        if self.x:
-            self.y += self.row_height
-        self.x = 0
-        self.row_height = 0
+        self.items.append(("panel", panel))
 
     def _id(self) -> int:
         self.next_id += 1
@@ -197,49 +186,51 @@ class Layout:
 
 
 def dashboard(
-    uid: str, title: str, description: str, variables: list[dict[str, Any]], layout: Layout
-) -> dict[str, Any]:
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": ["otelprof"],
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "editable": False,
-        "graphTooltip": 1,
-        "time": {"from": "now-30m", "to": "now"},
-        "refresh": "10s",
-        "timezone": "browser",
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                }
+    uid: str, title: str, description: str, variables: list[db.QueryVariable], layout: Layout
+) -> db.Dashboard:
+    board = (
+        db.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["otelprof"])
+        .version(1)
+        .readonly()
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .time("now-30m", "now")
+        .refresh("10s")
+        .timezone("browser")
+        .annotation(
+            db.AnnotationQuery()
+            .built_in(1)
+            .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+            .enable(True)
+            .hide(True)
+            .icon_color("rgba(0, 211, 255, 1)")
+            .name("Annotations & Alerts")
+            .type("dashboard")
+        )
+        .links(
+            [
+                db.DashboardLink("otelprof")
+                .type(dm.DashboardLinkType.DASHBOARDS)
+                .tags(["otelprof"])
+                .as_dropdown(False)
+                .include_vars(True)
+                .keep_time(True)
             ]
-        },
-        "links": [
-            {
-                "title": "otelprof",
-                "type": "dashboards",
-                "tags": ["otelprof"],
-                "asDropdown": False,
-                "includeVars": True,
-                "keepTime": True,
-            }
-        ],
-        "templating": {"list": variables},
-        "panels": layout.panels,
-    }
+        )
+    )
+    for var in variables:
+        board.with_variable(var)
+    for kind, item in layout.items:
+        if kind == "row":
+            board.with_row(item)
+        else:
+            board.with_panel(item)
+    return board
 
 
-def _common_variables(metrics: str) -> list[dict[str, Any]]:
+def _common_variables(metrics: str) -> list[db.QueryVariable]:
     """service, job (run id), host, rank and Determined trial, each narrowed by the ones
     before it. Only live series are listed: a finished job's leave the collector's endpoint
     after OTELCOL_METRIC_EXPIRATION and Prometheus marks them stale."""
@@ -272,7 +263,7 @@ def _common_variables(metrics: str) -> list[dict[str, Any]]:
     ]
 
 
-def system_dashboard() -> dict[str, Any]:
+def system_dashboard() -> db.Dashboard:
     metrics = "system_cpu_utilization_ratio|hw_gpu_utilization_ratio|process_cpu_utilization_ratio"
     variables = _common_variables(metrics)
     variables.append(
@@ -509,7 +500,7 @@ def _rate(metric: str, selector: str) -> str:
     return f"rate({metric}{{{selector}}}[$__rate_interval])"
 
 
-def training_dashboard() -> dict[str, Any]:
+def training_dashboard() -> db.Dashboard:
     variables = _common_variables(CALLS)
     step = f'otelprof_timing="step", otelprof_phase="train", {SPAN_SEL}'
     phases = f'otelprof_timing=~"{PHASES}", otelprof_phase="train", {SPAN_SEL}'
@@ -778,7 +769,8 @@ DASHBOARDS = {
 
 def render(name: str) -> str:
     """The exact text of one dashboard file."""
-    return json.dumps(DASHBOARDS[name](), indent=2, ensure_ascii=False) + "\n"
+    built = DASHBOARDS[name]().build()
+    return json.dumps(built, cls=JSONEncoder, indent=2, ensure_ascii=False) + "\n"
 
 
 def main() -> None:
