@@ -113,6 +113,28 @@ def test_docker_compose_config_accepts_it_where_the_plugin_is_installed() -> Non
     assert result.returncode == 0, result.stderr
 
 
+def test_the_loader_rejects_a_dependency_condition_compose_does_not_know(
+    compose_check: Path, tmp_path: Path
+) -> None:
+    """The schema check is real: a misspelt `condition` (which Docker would refuse at `up`)
+    fails to load, so the file's conditions and healthchecks passed the same check."""
+    broken = tmp_path / "compose.yaml"
+    text = COMPOSE.read_text()
+    assert "condition: service_healthy" in text
+    broken.write_text(text.replace("condition: service_healthy", "condition: service_healty", 1))
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFANA_")}
+    result = subprocess.run(
+        [str(compose_check), str(broken)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**run_env, **ENV},
+        cwd=REPO,
+    )
+    assert result.returncode != 0, "a compose file with an unknown condition loaded"
+    assert "condition value must be one of" in result.stderr, result.stderr
+
+
 def test_grafana_refuses_to_start_without_an_admin_password(compose_check: Path) -> None:
     result = _load(compose_check, env={})
     assert not isinstance(result, dict), "compose loaded without GRAFANA_ADMIN_PASSWORD"
