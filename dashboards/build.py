@@ -4,6 +4,8 @@
 
 The JSON files are committed (Grafana provisions them as they are); this script is how they
 are edited, and tests/test_dashboards.py checks that the committed files match its output.
+Panels, queries and variables are made with Grafana's typed builder (grafana-foundation-sdk,
+the dev extra), which also places them on the grid and encodes the JSON.
 Every PromQL expression here is run against a real Prometheus fed by a real pipeline run
 (tests/test_dashboards.py), so only names the collector really produces appear:
 
@@ -21,19 +23,35 @@ import json
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as pq
+from grafana_foundation_sdk.builders import stat as st
+from grafana_foundation_sdk.builders import timeseries as ts
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
 from otelprof.timings import DETERMINED_TIMINGS
 
 HERE = Path(__file__).resolve().parent
-PROMETHEUS = {"type": "prometheus", "uid": "otelprof-prometheus"}
+PROMETHEUS_REF = dm.DataSourceRef(type_val="prometheus", uid="otelprof-prometheus")
 TEMPO_UID = "otelprof-tempo"
-SCHEMA_VERSION = 39
 
 PHASES = "|".join(DETERMINED_TIMINGS)
 HIST = "otelprof_timing_duration_seconds"
 CALLS = "otelprof_timing_duration_seconds_count"
 
-# Label filters of each dashboard's template variables.
-HOST_SEL = 'service_name=~"$service", host_name=~"$host", determined_trial_id=~"$trial"'
+# Label filters of each dashboard's template variables. `otelprof_run_id` (the resource's
+# otelprof.run_id, one per job, shared by its ranks) keeps concurrent jobs apart: every
+# per-rank or per-job aggregation below groups by it, so two jobs on one host never add up.
+RUN = "otelprof_run_id"
+RANK_KEY = f"{RUN}, host_name, otelprof_rank"
+HOST_SEL = (
+    'service_name=~"$service", otelprof_run_id=~"$run", host_name=~"$host", '
+    'determined_trial_id=~"$trial"'
+)
 RANK_SEL = HOST_SEL + ', otelprof_rank=~"$rank"'
 GPU_SEL = RANK_SEL + ', gpu_index=~"$gpu"'
 SPAN_SEL = RANK_SEL
@@ -41,74 +59,60 @@ SPAN_SEL = RANK_SEL
 
 def variable(
     name: str, label: str, query: str, *, all_value: str = ".+", multi: bool = True
-) -> dict[str, Any]:
+) -> db.QueryVariable:
     """A Prometheus query variable (label_values), All selected by default."""
-    return {
-        "type": "query",
-        "name": name,
-        "label": label,
-        "datasource": PROMETHEUS,
-        "definition": query,
-        "query": {
-            "qryType": 1,
-            "query": query,
-            "refId": "PrometheusVariableQueryEditor-VariableQuery",
-        },
-        "refresh": 2,
-        "includeAll": True,
-        "allValue": all_value,
-        "multi": multi,
-        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "sort": 3,
-        "hide": 0,
-        "options": [],
-        "regex": "",
-        "skipUrlSync": False,
-    }
+    return (
+        db.QueryVariable(name)
+        .label(label)
+        .datasource(PROMETHEUS_REF)
+        .query(
+            {
+                "qryType": 1,
+                "query": query,
+                "refId": "PrometheusVariableQueryEditor-VariableQuery",
+            }
+        )
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .include_all(True)
+        .all_value(all_value)
+        .multi(multi)
+        .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        .sort(dm.VariableSort.NUMERICAL_ASC)
+        .hide(dm.VariableHide.DONT_HIDE)
+        .options([])
+        .regex("")
+    )
 
 
-def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> dict[str, Any]:
-    return {
-        "datasource": PROMETHEUS,
-        "expr": expr,
-        "legendFormat": legend,
-        "refId": ref,
-        "range": True,
-        "instant": False,
-        "exemplar": exemplar,
-        "editorMode": "code",
-    }
+def target(expr: str, legend: str, ref: str = "A", *, exemplar: bool = False) -> pq.Dataquery:
+    return (
+        pq.Dataquery()
+        .datasource(PROMETHEUS_REF)
+        .expr(expr)
+        .legend_format(legend)
+        .ref_id(ref)
+        .range()
+        .exemplar(exemplar)
+        .editor_mode(pm.QueryEditorMode.CODE)
+    )
 
 
 class Layout:
-    """Places panels left to right on a 24-column grid and numbers them."""
+    """Collects rows and panels in order and numbers them; Grafana's builder places them
+    left to right on its 24-column grid (db.Dashboard.with_panel / with_row)."""
 
     def __init__(self) -> None:
-        self.panels: list[dict[str, Any]] = []
-        self.x = 0
-        self.y = 0
-        self.row_height = 0
+        self.items: list[tuple[str, Any]] = []
         self.next_id = 1
 
     def row(self, title: str) -> None:
-        self._newline()
-        self.panels.append(
-            {
-                "type": "row",
-                "id": self._id(),
-                "title": title,
-                "collapsed": False,
-                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
-                "panels": [],
-            }
-        )
-        self.y += 1
+        self.items.append(("row", db.Row(title).id(self._id()).collapsed(False)))
 
     def timeseries(
         self,
         title: str,
         description: str,
-        targets: list[dict[str, Any]],
+        targets: list[pq.Dataquery],
         *,
         unit: str,
         width: int = 12,
@@ -118,71 +122,63 @@ class Layout:
         min_value: float | None = 0,
         max_value: float | None = None,
     ) -> None:
-        if self.x + width > 24:
-            self._newline()
-        defaults: dict[str, Any] = {
-            "unit": unit,
-            "custom": {
-                "drawStyle": "bars" if bars else "line",
-                "lineWidth": 1,
-                "fillOpacity": 60 if stacked else 10,
-                "showPoints": "never",
-                "spanNulls": True,
-                "stacking": {"mode": "normal" if stacked else "none", "group": "A"},
-            },
-        }
-        if min_value is not None:
-            defaults["min"] = min_value
-        if max_value is not None:
-            defaults["max"] = max_value
-        self.panels.append(
-            {
-                "type": "timeseries",
-                "id": self._id(),
-                "title": title,
-                "description": description,
-                "datasource": PROMETHEUS,
-                "gridPos": {"h": height, "w": width, "x": self.x, "y": self.y},
-                "targets": targets,
-                "fieldConfig": {"defaults": defaults, "overrides": []},
-                "options": {
-                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"},
-                },
-            }
+        panel = (
+            ts.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(PROMETHEUS_REF)
+            .span(width)
+            .height(height)
+            .unit(unit)
+            .draw_style(cm.GraphDrawStyle.BARS if bars else cm.GraphDrawStyle.LINE)
+            .line_width(1)
+            .fill_opacity(60 if stacked else 10)
+            .show_points(cm.VisibilityMode.NEVER)
+            .span_nulls(True)
+            .stacking(
+                cb.StackingConfig()
+                .mode(cm.StackingMode.NORMAL if stacked else cm.StackingMode.NONE)
+                .group("A")
+            )
+            .legend(
+                cb.VizLegendOptions()
+                .display_mode(cm.LegendDisplayMode.LIST)
+                .placement(cm.LegendPlacement.BOTTOM)
+                .show_legend(True)
+            )
+            .tooltip(
+                cb.VizTooltipOptions()
+                .mode(cm.TooltipDisplayMode.MULTI)
+                .sort(cm.SortOrder.DESCENDING)
+            )
         )
-        self.x += width
-        self.row_height = max(self.row_height, height)
+        for query in targets:
+            panel.with_target(query)
+        if min_value is not None:
+            panel.min(min_value)
+        if max_value is not None:
+            panel.max(max_value)
+        self.items.append(("panel", panel))
 
     def stat(self, title: str, description: str, expr: str, *, unit: str, width: int = 6) -> None:
-        if self.x + width > 24:
-            self._newline()
-        self.panels.append(
-            {
-                "type": "stat",
-                "id": self._id(),
-                "title": title,
-                "description": description,
-                "datasource": PROMETHEUS,
-                "gridPos": {"h": 4, "w": width, "x": self.x, "y": self.y},
-                "targets": [target(expr, "", "A")],
-                "fieldConfig": {"defaults": {"unit": unit, "decimals": 2}, "overrides": []},
-                "options": {
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "value",
-                    "graphMode": "area",
-                    "textMode": "auto",
-                },
-            }
+        panel = (
+            st.Panel()
+            .id(self._id())
+            .title(title)
+            .description(description)
+            .datasource(PROMETHEUS_REF)
+            .span(width)
+            .height(4)
+            .with_target(target(expr, "", "A"))
+            .unit(unit)
+            .decimals(2)
+            .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False))
+            .color_mode(cm.BigValueColorMode.VALUE)
+            .graph_mode(cm.BigValueGraphMode.AREA)
+            .text_mode(cm.BigValueTextMode.AUTO)
         )
-        self.x += width
-        self.row_height = max(self.row_height, 4)
-
-    def _newline(self) -> None:
-        if self.x:
-            self.y += self.row_height
-        self.x = 0
-        self.row_height = 0
+        self.items.append(("panel", panel))
 
     def _id(self) -> int:
         self.next_id += 1
@@ -190,62 +186,72 @@ class Layout:
 
 
 def dashboard(
-    uid: str, title: str, description: str, variables: list[dict[str, Any]], layout: Layout
-) -> dict[str, Any]:
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": ["otelprof"],
-        "schemaVersion": SCHEMA_VERSION,
-        "version": 1,
-        "editable": False,
-        "graphTooltip": 1,
-        "time": {"from": "now-30m", "to": "now"},
-        "refresh": "10s",
-        "timezone": "browser",
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                }
+    uid: str, title: str, description: str, variables: list[db.QueryVariable], layout: Layout
+) -> db.Dashboard:
+    board = (
+        db.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags(["otelprof"])
+        .version(1)
+        .readonly()
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .time("now-30m", "now")
+        .refresh("10s")
+        .timezone("browser")
+        .annotation(
+            db.AnnotationQuery()
+            .built_in(1)
+            .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+            .enable(True)
+            .hide(True)
+            .icon_color("rgba(0, 211, 255, 1)")
+            .name("Annotations & Alerts")
+            .type("dashboard")
+        )
+        .links(
+            [
+                db.DashboardLink("otelprof")
+                .type(dm.DashboardLinkType.DASHBOARDS)
+                .tags(["otelprof"])
+                .as_dropdown(False)
+                .include_vars(True)
+                .keep_time(True)
             ]
-        },
-        "links": [
-            {
-                "title": "otelprof",
-                "type": "dashboards",
-                "tags": ["otelprof"],
-                "asDropdown": False,
-                "includeVars": True,
-                "keepTime": True,
-            }
-        ],
-        "templating": {"list": variables},
-        "panels": layout.panels,
-    }
+        )
+    )
+    for var in variables:
+        board.with_variable(var)
+    for kind, item in layout.items:
+        if kind == "row":
+            board.with_row(item)
+        else:
+            board.with_panel(item)
+    return board
 
 
-def _common_variables(metrics: str) -> list[dict[str, Any]]:
-    """service, host, rank and Determined trial, each narrowed by the ones before it."""
+def _common_variables(metrics: str) -> list[db.QueryVariable]:
+    """service, job (run id), host, rank and Determined trial, each narrowed by the ones
+    before it. Only live series are listed: a finished job's leave the collector's endpoint
+    after OTELCOL_METRIC_EXPIRATION and Prometheus marks them stale."""
     return [
         variable("service", "Service", f'label_values({{__name__=~"{metrics}"}}, service_name)'),
         variable(
+            "run",
+            "Job (run id)",
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, {RUN})',
+        ),
+        variable(
             "host",
             "Host",
-            f'label_values({{__name__=~"{metrics}", service_name=~"$service"}}, host_name)',
+            f'label_values({{__name__=~"{metrics}", service_name=~"$service", '
+            f'{RUN}=~"$run"}}, host_name)',
         ),
         variable(
             "rank",
             "Rank",
             f'label_values({{__name__=~"{metrics}", service_name=~"$service", '
-            f'host_name=~"$host"}}, otelprof_rank)',
+            f'{RUN}=~"$run", host_name=~"$host"}}, otelprof_rank)',
         ),
         variable(
             "trial",
@@ -257,7 +263,7 @@ def _common_variables(metrics: str) -> list[dict[str, Any]]:
     ]
 
 
-def system_dashboard() -> dict[str, Any]:
+def system_dashboard() -> db.Dashboard:
     metrics = "system_cpu_utilization_ratio|hw_gpu_utilization_ratio|process_cpu_utilization_ratio"
     variables = _common_variables(metrics)
     variables.append(
@@ -461,8 +467,8 @@ def system_dashboard() -> dict[str, Any]:
         "CPU time of each training process over the interval, as a share of usable CPUs.",
         [
             target(
-                f"max by (host_name, otelprof_rank) (process_cpu_utilization_ratio{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"max by ({RANK_KEY}) (process_cpu_utilization_ratio{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="percentunit",
@@ -472,8 +478,8 @@ def system_dashboard() -> dict[str, Any]:
         "Resident memory of each training process.",
         [
             target(
-                f"max by (host_name, otelprof_rank) (process_memory_usage_bytes{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"max by ({RANK_KEY}) (process_memory_usage_bytes{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="bytes",
@@ -487,11 +493,14 @@ def system_dashboard() -> dict[str, Any]:
     )
 
 
+LEGEND_RANK = "rank {{otelprof_rank}} ({{host_name}}, {{otelprof_run_id}})"
+
+
 def _rate(metric: str, selector: str) -> str:
     return f"rate({metric}{{{selector}}}[$__rate_interval])"
 
 
-def training_dashboard() -> dict[str, Any]:
+def training_dashboard() -> db.Dashboard:
     variables = _common_variables(CALLS)
     step = f'otelprof_timing="step", otelprof_phase="train", {SPAN_SEL}'
     phases = f'otelprof_timing=~"{PHASES}", otelprof_phase="train", {SPAN_SEL}'
@@ -501,26 +510,27 @@ def training_dashboard() -> dict[str, Any]:
     lay.row("Steps")
     lay.stat(
         "Steps per second",
-        "Training steps completed per second, averaged over the selected ranks.",
-        f"avg(sum by (host_name, otelprof_rank) ({_rate(CALLS, step)}))",
+        "Training steps completed per second, averaged over the selected ranks of each job.",
+        f"avg by ({RUN}) (sum by ({RANK_KEY}) ({_rate(CALLS, step)}))",
         unit="none",
     )
     lay.stat(
         "Step time p50",
         "Median step time (otelprof's histogram of every step span).",
-        f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        f"histogram_quantile(0.5, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
         unit="s",
     )
     lay.stat(
         "Step time p95",
         "95th percentile of the step time.",
-        f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
+        f"histogram_quantile(0.95, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
         unit="s",
     )
     lay.stat(
         "Rank skew (slowest / fastest mean step)",
         "1.0 when every rank steps equally fast; above 1 a straggler holds the others back.",
-        f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+        f"max by ({RUN}) ({_mean_step_by_rank(step)})"
+        f" / min by ({RUN}) ({_mean_step_by_rank(step)})",
         unit="none",
     )
     lay.timeseries(
@@ -529,13 +539,13 @@ def training_dashboard() -> dict[str, Any]:
         "that step's trace in Tempo.",
         [
             target(
-                f"histogram_quantile(0.5, sum by (le) ({_rate(HIST + '_bucket', step)}))",
-                "p50",
+                f"histogram_quantile(0.5, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
+                "p50 {{otelprof_run_id}}",
                 exemplar=True,
             ),
             target(
-                f"histogram_quantile(0.95, sum by (le) ({_rate(HIST + '_bucket', step)}))",
-                "p95",
+                f"histogram_quantile(0.95, sum by (le, {RUN}) ({_rate(HIST + '_bucket', step)}))",
+                "p95 {{otelprof_run_id}}",
                 "B",
                 exemplar=True,
             ),
@@ -547,8 +557,8 @@ def training_dashboard() -> dict[str, Any]:
         "Steps completed per second by each rank.",
         [
             target(
-                f"sum by (host_name, otelprof_rank) ({_rate(CALLS, step)})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) ({_rate(CALLS, step)})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -560,8 +570,8 @@ def training_dashboard() -> dict[str, Any]:
         "optimizer, LR schedulers, metric reduction).",
         [
             target(
-                f"histogram_quantile(0.5, sum by (le, otelprof_timing) ({phase_buckets}))",
-                "{{otelprof_timing}}",
+                f"histogram_quantile(0.5, sum by (le, {RUN}, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
             )
         ],
         unit="s",
@@ -571,14 +581,14 @@ def training_dashboard() -> dict[str, Any]:
         "95th percentile of each Determined timing.",
         [
             target(
-                f"histogram_quantile(0.95, sum by (le, otelprof_timing) ({phase_buckets}))",
-                "{{otelprof_timing}}",
+                f"histogram_quantile(0.95, sum by (le, {RUN}, otelprof_timing) ({phase_buckets}))",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
                 exemplar=True,
             )
         ],
         unit="s",
     )
-    step_time = f"sum({_rate(HIST + '_sum', step)})"
+    step_time = f"sum by ({RUN}) ({_rate(HIST + '_sum', step)})"
     loader = f'otelprof_timing="dataloader_next", otelprof_phase="train", {SPAN_SEL}'
     lay.timeseries(
         "Share of step time per phase",
@@ -586,12 +596,13 @@ def training_dashboard() -> dict[str, Any]:
         "every timing (Python overhead, unannotated work).",
         [
             target(
-                f"sum by (otelprof_timing) ({phase_sums}) / on() group_left() {step_time}",
-                "{{otelprof_timing}}",
+                f"sum by ({RUN}, otelprof_timing) ({phase_sums})"
+                f" / on({RUN}) group_left() {step_time}",
+                "{{otelprof_timing}} ({{otelprof_run_id}})",
             ),
             target(
-                f"clamp_min(1 - sum({phase_sums}) / {step_time}, 0)",
-                "other",
+                f"clamp_min(1 - sum by ({RUN}) ({phase_sums}) / {step_time}, 0)",
+                "other ({{otelprof_run_id}})",
                 "B",
             ),
         ],
@@ -606,12 +617,12 @@ def training_dashboard() -> dict[str, Any]:
         "the model, limits throughput.",
         [
             target(
-                f"sum({_rate(HIST + '_sum', loader)}) / {step_time}",
-                "time in dataloader_next",
+                f"sum by ({RUN}) ({_rate(HIST + '_sum', loader)}) / {step_time}",
+                "time in dataloader_next ({{otelprof_run_id}})",
             ),
             target(
-                f"avg(hw_gpu_utilization_ratio{{{SPAN_SEL}}})",
-                "GPU utilization",
+                f"avg by ({RUN}) (hw_gpu_utilization_ratio{{{SPAN_SEL}}})",
+                "GPU utilization ({{otelprof_run_id}})",
                 "B",
             ),
         ],
@@ -624,9 +635,10 @@ def training_dashboard() -> dict[str, Any]:
         "steps per second of one rank (the ranks step together).",
         [
             target(
-                f'sum(rate(hw_energy_joules_total{{hw_type="gpu", {RANK_SEL}}}[$__rate_interval]))'
-                f" / max(sum by (otelprof_rank) ({_rate(CALLS, step)}))",
-                "J per step",
+                f"sum by ({RUN}) "
+                f'(rate(hw_energy_joules_total{{hw_type="gpu", {RANK_SEL}}}[$__rate_interval]))'
+                f" / max by ({RUN}) (sum by ({RANK_KEY}) ({_rate(CALLS, step)}))",
+                "J per step ({{otelprof_run_id}})",
             )
         ],
         unit="J",
@@ -637,8 +649,9 @@ def training_dashboard() -> dict[str, Any]:
         "the training phase they fell in (otelprof.phase: train, validation, checkpoint).",
         [
             target(
-                f"sum by (otelprof_phase) ({_rate('otelprof_gpu_idle_seconds_total', RANK_SEL)})",
-                "{{otelprof_phase}}",
+                f"sum by ({RUN}, otelprof_phase) "
+                f"({_rate('otelprof_gpu_idle_seconds_total', RANK_SEL)})",
+                "{{otelprof_phase}} ({{otelprof_run_id}})",
             )
         ],
         unit="s",
@@ -647,7 +660,7 @@ def training_dashboard() -> dict[str, Any]:
     lay.timeseries(
         "Mean step time per rank (stragglers)",
         "Mean step time of each rank; a rank above the others is a straggler.",
-        [target(_mean_step_by_rank(step), "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(_mean_step_by_rank(step), LEGEND_RANK)],
         unit="s",
     )
     lay.timeseries(
@@ -655,7 +668,8 @@ def training_dashboard() -> dict[str, Any]:
         "Slowest rank's mean step time divided by the fastest's (1 = balanced).",
         [
             target(
-                f"max({_mean_step_by_rank(step)}) / min({_mean_step_by_rank(step)})",
+                f"max by ({RUN}) ({_mean_step_by_rank(step)})"
+                f" / min by ({RUN}) ({_mean_step_by_rank(step)})",
                 "slowest / fastest",
             )
         ],
@@ -668,14 +682,14 @@ def training_dashboard() -> dict[str, Any]:
         "Share of each rank's time spent in collectives (DDP's gradient all-reduce, "
         "torch.distributed calls): communication plus waiting for the other ranks. In "
         "synchronous training step times are equal, but the straggler waits least.",
-        [target(wait, "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(wait, LEGEND_RANK)],
         unit="percentunit",
     )
     lay.timeseries(
         STRAGGLER_PANEL,
         "How much less each rank waits in collectives than the rank that waits most, in "
         "seconds per second: near 0 for every rank when balanced; the straggler stands out.",
-        [target(f"scalar(max({wait})) - {wait}", "rank {{otelprof_rank}} ({{host_name}})")],
+        [target(f"max by ({RUN}) ({wait}) - on({RUN}) group_right() {wait}", LEGEND_RANK)],
         unit="percentunit",
     )
     lay.row("Throughput and MFU")
@@ -686,9 +700,8 @@ def training_dashboard() -> dict[str, Any]:
         "framework integration.",
         [
             target(
-                f"sum by (host_name, otelprof_rank) "
-                f"(otelprof_train_throughput_samples_per_second{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) (otelprof_train_throughput_samples_per_second{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -699,9 +712,8 @@ def training_dashboard() -> dict[str, Any]:
         "Tokens trained per second of training-step time, per rank (last 100 steps).",
         [
             target(
-                f"sum by (host_name, otelprof_rank) "
-                f"(otelprof_train_throughput_tokens_per_second{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"sum by ({RANK_KEY}) (otelprof_train_throughput_tokens_per_second{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="none",
@@ -713,8 +725,8 @@ def training_dashboard() -> dict[str, Any]:
         "table of common GPUs), per rank, last 100 steps.",
         [
             target(
-                f"avg by (host_name, otelprof_rank) (otelprof_train_mfu_ratio{{{RANK_SEL}}})",
-                "rank {{otelprof_rank}} ({{host_name}})",
+                f"avg by ({RANK_KEY}) (otelprof_train_mfu_ratio{{{RANK_SEL}}})",
+                LEGEND_RANK,
             )
         ],
         unit="percentunit",
@@ -739,13 +751,13 @@ MULTI_RANK_PANELS = (COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL)
 
 def _collective_wait_by_rank() -> str:
     metric = "otelprof_collective_duration_seconds_total"
-    return f"sum by (host_name, otelprof_rank) ({_rate(metric, RANK_SEL)})"
+    return f"sum by ({RANK_KEY}) ({_rate(metric, RANK_SEL)})"
 
 
 def _mean_step_by_rank(step: str) -> str:
     return (
-        f"sum by (host_name, otelprof_rank) ({_rate(HIST + '_sum', step)})"
-        f" / sum by (host_name, otelprof_rank) ({_rate(HIST + '_count', step)})"
+        f"sum by ({RANK_KEY}) ({_rate(HIST + '_sum', step)})"
+        f" / sum by ({RANK_KEY}) ({_rate(HIST + '_count', step)})"
     )
 
 
@@ -757,7 +769,8 @@ DASHBOARDS = {
 
 def render(name: str) -> str:
     """The exact text of one dashboard file."""
-    return json.dumps(DASHBOARDS[name](), indent=2, ensure_ascii=False) + "\n"
+    built = DASHBOARDS[name]().build()
+    return json.dumps(built, cls=JSONEncoder, indent=2, ensure_ascii=False) + "\n"
 
 
 def main() -> None:

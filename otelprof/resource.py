@@ -70,6 +70,8 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
         "host.name": host,
         "process.pid": pid,
         "service.instance.id": f"{host}:{pid}",
+        # one id per job, shared by its ranks: dashboards keep concurrent jobs apart by it
+        "otelprof.run_id": settings.run_id,
         **detect_attributes(env),
         **dict(settings.resource_attributes),
         "service.name": settings.service_name,

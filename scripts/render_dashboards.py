@@ -55,6 +55,7 @@ def render(run: PipelineRun, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     values = {
         "service": run.service_name,
+        "run": run.run_id,
         "host": run.host_name,
         "rank": run.rank,
         "trial": RANK_ENV["DET_TRIAL_ID"],

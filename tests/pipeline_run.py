@@ -54,6 +54,9 @@ RANK_ENV = {
     "DET_TRIAL_ID": "42",
     "DET_TRIAL_RUN_ID": "1",
     "DET_AGENT_ID": "agent-e2e",
+    # the job's id (resource otelprof.run_id, label otelprof_run_id: the dashboards' $run);
+    # the synthetic GPU feed builds its resource under the same environment, so it agrees
+    "OTELPROF_RUN_ID": "e2e-job",
 }
 
 SYNTHETIC_GPUS = 2
@@ -92,6 +95,10 @@ class PipelineRun:
     @property
     def rank(self) -> str:
         return str(self.training.resource["otelprof.rank"])
+
+    @property
+    def run_id(self) -> str:
+        return str(self.training.resource["otelprof.run_id"])
 
     @property
     def traces_file(self) -> Path:
@@ -308,7 +315,12 @@ def run_pipeline(workdir: Path, *, steps: int = 40, timeout_s: float = 60.0) -> 
         workdir / "otelcol",
         traces_exporters=["span_metrics", "otlp_grpc/tempo", "file/traces"],
         metrics_exporters=["prometheus"],
-        extra_env={"OTELCOL_TEMPO_ENDPOINT": f"127.0.0.1:{tempo.port}"},
+        extra_env={
+            "OTELCOL_TEMPO_ENDPOINT": f"127.0.0.1:{tempo.port}",
+            # the tests query this run's series at "now", minutes after it ended; the
+            # shipped expiry (a finished job leaves the dashboards) has a test of its own
+            "OTELCOL_METRIC_EXPIRATION": "1h",
+        },
     )
     prometheus: Prometheus | None = None
     try:

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
+import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests import grafana_provisioning
 from tests.dashboard_queries import (
     DASHBOARD_DIR,
     DASHBOARD_FILES,
@@ -31,7 +37,7 @@ from tests.dashboard_queries import (
     variable_query,
 )
 from tests.pipeline_run import RANK_ENV, PipelineRun
-from tests.services import REPO
+from tests.services import REPO, Collector, Prometheus, wait_for
 
 PROVISIONING = DASHBOARD_DIR / "provisioning"
 DATASOURCES = PROVISIONING / "datasources" / "datasources.yaml"
@@ -150,9 +156,9 @@ def test_datasources_have_fixed_uids_and_link_exemplars_and_traces_both_ways() -
 
 
 def test_dashboard_provider_reads_the_directory_compose_mounts_the_dashboards_in() -> None:
-    (provider,) = yaml.safe_load(PROVIDERS.read_text())["providers"]
-    path = provider["options"]["path"]
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    path = grafana_provisioning.dashboards_path(compose["services"]["grafana"]["environment"])
+    assert path == "/var/lib/grafana/dashboards"
     mounts = compose["services"]["grafana"]["volumes"]
     for dashboard in DASHBOARD_FILES:
         assert f"./dashboards/{dashboard.name}:{path}/{dashboard.name}:ro" in mounts
@@ -164,6 +170,7 @@ def test_dashboard_provider_reads_the_directory_compose_mounts_the_dashboards_in
 def _values_of_the_run(run: PipelineRun) -> dict[str, str]:
     return {
         "service": run.service_name,
+        "run": run.run_id,
         "host": run.host_name,
         "rank": run.rank,
         "trial": RANK_ENV["DET_TRIAL_ID"],
@@ -260,3 +267,125 @@ def test_render_script_draws_every_dashboard_from_the_run(
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert all(panel["points"] > 0 for panel in summary["panels"]), summary
+
+
+# -- concurrent jobs, and a job that ends ---------------------------------------------------
+
+
+def _shipped_metric_expiration_s() -> float:
+    config = (REPO / "collector-config" / "otelcol.yaml").read_text()
+    match = re.search(r"metric_expiration: \$\{env:OTELCOL_METRIC_EXPIRATION:-(\d+)s\}", config)
+    assert match, "the prometheus exporter's metric_expiration is not OTELCOL_METRIC_EXPIRATION"
+    return float(match[1])
+
+
+def _panel_now(prometheus: Prometheus, title: str, service: str) -> dict[str, float]:
+    """{run id: value} of a training panel's series at this instant, every variable All
+    except the service (Grafana's All: `.+`/`.*`)."""
+    [query] = [
+        q for q in queries(load(DASHBOARD_DIR / "otelprof-training.json")) if q.panel == title
+    ]
+    expr = query.expr.replace("$__rate_interval", "4s").replace('"$service"', f'"{service}"')
+    expr = re.sub(r'"\$(run|rank|host|trial)"', '".*"', expr)
+    out: dict[str, float] = {}
+    for sample in prometheus.query(expr):
+        run_id = sample["metric"]["otelprof_run_id"]
+        assert run_id not in out, f"{title}: two series for job {run_id}"
+        out[run_id] = float(sample["value"][1])
+    return out
+
+
+@pytest.mark.e2e
+def test_two_jobs_on_one_host_stay_apart_and_a_finished_one_leaves_the_panels(
+    collector: Collector, prometheus: Prometheus, tmp_path: Path
+) -> None:
+    """Two jobs of one service on one host, both rank 0, differ only by their run id: each
+    per-rank panel shows each job on its own, never their sum; once one job ends, its
+    series leave the collector's endpoint after the shipped metric_expiration, Prometheus
+    marks them stale and the panels show only the job still running."""
+    service = f"jobs-{uuid.uuid4().hex[:8]}"
+    expiration_s = _shipped_metric_expiration_s()
+    jobs: dict[str, subprocess.Popen[bytes]] = {}
+    stops = {run_id: tmp_path / f"stop-{run_id}" for run_id in ("job-a", "job-b")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTELPROF_", "OTEL_"))}
+    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    try:
+        for run_id, stop in stops.items():
+            jobs[run_id] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.live_job",
+                    collector.otlp_endpoint,
+                    service,
+                    str(stop),
+                ],
+                cwd=tmp_path,
+                env={**env, "OTELPROF_RUN_ID": run_id, "OTELPROF_DETACHED": "false"},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+        gauge = "otelprof_train_throughput_samples_per_second"
+        for run_id in stops:
+            prometheus.wait_for_series(
+                f'{gauge}{{service_name="{service}", otelprof_run_id="{run_id}"}}', timeout_s=120
+            )
+        time.sleep(6)  # several scrapes and rate() windows with both running
+
+        # both running: one series per job in every per-rank panel, each the job's own value
+        own = {
+            s["metric"]["otelprof_run_id"]: float(s["value"][1])
+            for s in prometheus.query(f'{gauge}{{service_name="{service}"}}')
+        }
+        samples = _panel_now(prometheus, "Samples per second", service)
+        assert set(samples) == set(stops), samples
+        for run_id, value in samples.items():
+            assert value == pytest.approx(own[run_id], rel=0.05), (samples, own)
+        steps = _panel_now(prometheus, "Steps per second per rank", service)
+        assert set(steps) == set(stops) and all(v > 0 for v in steps.values()), steps
+        mean_step = _panel_now(prometheus, "Mean step time per rank (stragglers)", service)
+        assert set(mean_step) == set(stops), mean_step
+        skew = _panel_now(prometheus, "Rank skew over time", service)
+        assert skew == {"job-a": pytest.approx(1.0), "job-b": pytest.approx(1.0)}, skew
+
+        # job A ends; B runs on
+        stops["job-a"].touch()
+        assert jobs["job-a"].wait(timeout=60) == 0, jobs["job-a"].stderr
+        ended = time.time()
+
+        per_rank = (
+            "Samples per second",
+            "Steps per second per rank",
+            "Mean step time per rank (stragglers)",
+        )
+
+        def only_b_shown() -> bool:
+            # rate() panels: their 4 s windows must also have passed A's last sample
+            return all(set(_panel_now(prometheus, t, service)) == {"job-b"} for t in per_rank)
+
+        wait_for(only_b_shown, timeout_s=expiration_s + 40, what="job-a to leave the panels")
+        gone_after = time.time() - ended
+        # exported once more at shutdown, served for metric_expiration, one scrape, one window
+        assert gone_after <= expiration_s + 15, gone_after
+        assert jobs["job-b"].poll() is None, "job-b must still be running"
+        # the mechanism: the collector's endpoint no longer serves A's series (but the
+        # span_metrics connector's, which it re-emits for its own 2 m expiry; no panel
+        # reads them, and target_info, which they keep alive)
+        served = [
+            line
+            for line in collector.scrape().splitlines()
+            if 'otelprof_run_id="job-a"' in line
+            and not line.startswith(("traces_span_metrics_", "target_info"))
+        ]
+        assert not served, served[:5]
+    finally:
+        for stop in stops.values():
+            stop.touch()
+        for job in jobs.values():
+            try:
+                job.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                job.wait()

@@ -258,7 +258,7 @@ def _dashboard_expr(title: str, service: str) -> str:
         q for q in queries(load(DASHBOARD_DIR / "otelprof-training.json")) if q.panel == title
     ]
     expr = query.expr.replace("$__rate_interval", "4s").replace('"$service"', f'"{service}"')
-    return re.sub(r'"\$(rank|host|trial)"', '".*"', expr)
+    return re.sub(r'"\$(run|rank|host|trial)"', '".*"', expr)
 
 
 @pytest.mark.e2e

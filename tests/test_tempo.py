@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -142,3 +143,95 @@ def test_readme_runs_tempo_without_docker_where_the_collector_sends_traces() -> 
     assert collector_default and endpoint[1] == collector_default[1]
     for name in tempo_config.variables():
         assert name in section, f"{name} is not documented in the README"
+
+
+# -- the straggler query, on a real synchronous DDP job -------------------------------------
+
+_CONDITION = re.compile(
+    r'(resource\.service\.name|name|duration)\s*(=|<|>)\s*("[^"]*"|\d+(?:\.\d+)?(?:us|ms|s))'
+)
+_UNITS_NS = {"us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
+
+
+def straggler_queries() -> list[str]:
+    text = README.read_text()
+    section = text[text.index("### Finding a straggler in synchronous DDP") :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
+    queries = [b.strip() for b in re.findall(r"```\n(.*?)```", section, re.S)]
+    assert len(queries) == 2, queries
+    return queries
+
+
+def matches(query: str, span: Any, service: str) -> bool:
+    """The span selector's conditions (`name`, `resource.service.name`, `duration`), with
+    "my-job" read as `service`: what Tempo evaluates for each span of the query's selector."""
+    selector = query[query.index("{") + 1 : query.index("}")]
+    conditions = _CONDITION.findall(selector)
+    assert len(conditions) == selector.count("&&") + 1, f"a condition not understood: {query}"
+    for field, op, raw in conditions:
+        if field == "duration":
+            value = float(re.sub(r"[a-z]+$", "", raw)) * _UNITS_NS[re.sub(r"^[\d.]+", "", raw)]
+            duration = span.end_ns - span.start_ns
+            if not (duration < value if op == "<" else duration > value):
+                return False
+        else:
+            assert op == "="
+            wanted = raw.strip('"')
+            have = span.name if field == "name" else span.resource.get("service.name")
+            if have != (service if wanted == "my-job" else wanted):
+                return False
+    return True
+
+
+@pytest.mark.e2e
+def test_readme_straggler_queries_name_the_slow_rank_of_a_real_ddp_job(tmp_path: Path) -> None:
+    """A 2-rank synchronous DDP job (gloo, CPU) whose rank 1 does 20 ms more work per step:
+    the README's `duration > ...` step query returns both ranks alike, the straggler query
+    returns (nearly) only rank 1, the waiting query (nearly) only rank 0."""
+    import sys
+
+    from tests.otlp_files import read_spans
+    from tests.services import free_port
+
+    service = "straggler-traceql"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTELPROF_", "OTEL_"))}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    env.update(
+        OTELPROF_OUTPUT_DIR=str(tmp_path / "runs"),
+        OTELPROF_SERVICE_NAME=service,
+        PYTHONPATH=str(REPO),
+        GLOO_SOCKET_IFNAME="lo",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    job = [sys.executable, str(REPO / "tests" / "ddp_job.py"), "--spawn", "2", "--steps", "60"]
+    result = subprocess.run(
+        [*job, "--slow-rank", "1", "--slow-ms", "20"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    spans = [s for rank in (0, 1) for s in read_spans(run_dir / f"traces.rank{rank}.jsonl")]
+    steps = [s for s in spans if s.name == "step" and s.attributes.get("otelprof.step", 0) > 5]
+
+    def ranks_of(query: str) -> list[int]:
+        return [int(s.resource["otelprof.rank"]) for s in spans if matches(query, s, service)]
+
+    # the slow-steps query cannot tell: both ranks' steps last as long
+    durations = sorted(s.end_ns - s.start_ns for s in steps)
+    median_ms = durations[len(durations) // 2] / 1e6
+    slow_steps = ranks_of(f'{{ name = "step" && duration > {median_ms:.3f}ms }}')
+    assert 0.25 <= slow_steps.count(1) / len(slow_steps) <= 0.75, slow_steps
+
+    straggler, waiting = straggler_queries()
+    found = ranks_of(straggler)
+    assert found and found.count(1) / len(found) >= 0.8, found
+    assert found.count(1) >= 30, "the straggler query finds most of the straggler's steps"
+    waiters = ranks_of(waiting)
+    assert waiters and waiters.count(0) / len(waiters) >= 0.8, waiters
+    assert waiters.count(0) >= 30

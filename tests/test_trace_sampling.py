@@ -105,6 +105,60 @@ def test_the_anomaly_rule_fires_on_an_injected_slow_step_and_captures_the_next_o
     assert all(trace == kept[i][1] for (trace, _, _), i in zip(links, captured, strict=True))
 
 
+def test_every_step_the_anomaly_rule_fires_on_is_kept_while_a_capture_cools_down() -> None:
+    durations = _steady(600, seed=3)
+    slow = list(range(150, 150 + 13 * 20, 20))  # 13 steps at 12x, 0.2 s apart: one cooldown
+    for at in slow:
+        durations[at] = 0.120
+    sampler, out, clock = _sampler(tail_burst=0.0)  # head and tail budgets spent
+    _run_steps(sampler, durations, clock)
+    kept = _kept_steps(out)
+    assert set(slow) <= set(kept), sorted(set(slow) - set(kept))
+    assert all(kept[i][6]["otelprof.sampled"] == "anomaly" for i in slow)
+    assert all(kept[i][6]["otelprof.anomaly.ratio"] > 9 for i in slow)
+    assert sampler.anomalies == len(slow)
+    # only the first starts a capture (one per cooldown), and only it links to its steps
+    captured = sorted(i for i, f in kept.items() if f[6]["otelprof.sampled"] == "capture")
+    assert captured == list(range(151, 151 + _sampling.CAPTURE_STEPS))
+    assert len(kept[150][8]) == _sampling.CAPTURE_STEPS
+    assert all(len(kept[i]) < 9 or not kept[i][8] for i in slow[1:])  # no links
+    assert set(kept) == set(slow) | set(captured)
+
+
+def test_injected_slow_steps_of_a_real_run_all_reach_the_trace_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long run's state: both budgets spent (bursts 0), so only the anomaly rule keeps a
+    step, and fast steps are decided on the training thread. 13 injected steps 50x slower
+    than the others, within one capture cooldown: every one is in the trace file."""
+    monkeypatch.setattr(_sampling, "HEAD_BURST", 0.0)
+    monkeypatch.setattr(_sampling, "TAIL_BURST", 0.0)
+    prof = otelprof.instrument(
+        output_dir=str(tmp_path), run_id="slow", trace_budget=0,
+        host_metrics=False, process_metrics=False,
+    )  # fmt: skip
+    slow = set(range(60, 60 + 13 * 15, 15))
+    try:
+        for i in range(300):
+            with otelprof.timing("train_batch"):
+                time.sleep(0.250 if i in slow else 0.005)  # 50x: clear of load noise
+            prof.step()
+    finally:
+        prof.shutdown()
+    steps = {
+        s.attributes["otelprof.step"]: s
+        for s in read_spans(prof.files["traces"])
+        if s.name == "step"
+    }
+    assert slow <= set(steps), (
+        f"slow steps missing from the trace file: {sorted(slow - set(steps))}"
+    )
+    assert all(steps[i].attributes["otelprof.sampled"] in ("anomaly", "capture") for i in slow)
+    stats = prof.stats()
+    assert stats["timings.anomalies"] >= len(slow) - 1  # one may fall in the first capture
+    assert stats["timings.steps_sampled_out_on_thread"] > 0  # the fast path was in play
+
+
 def test_the_anomaly_rule_stays_quiet_on_a_steady_run() -> None:
     for seed in range(5):
         sampler, out, clock = _sampler(tail_burst=1e9)

@@ -11,10 +11,11 @@ sum, min, max; buckets for percentiles) exported as the OTel histogram metric
   short runs keep everything) decides when a step ends whether its trace fits;
 - **tail** (another `budget/2` spans/s, burst `TAIL_BURST`): a step slower than every one
   of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
-- **anomaly** (documented rule): a step longer than `ANOMALY_FACTOR` x the median of the
-  previous `SLOW_WINDOW` steps (and at least `ANOMALY_MIN_S` longer) is kept, and the next
-  `CAPTURE_STEPS` steps are kept in full ("deep capture", linked to the slow step), at most
-  once per `CAPTURE_COOLDOWN_S`.
+- **anomaly** (documented rule): every step longer than `ANOMALY_FACTOR` x the median of the
+  previous `SLOW_WINDOW` steps (and at least `ANOMALY_MIN_S` longer) is kept, whatever the
+  budgets; the next `CAPTURE_STEPS` steps are kept in full ("deep capture", linked to the
+  slow step), at most once per `CAPTURE_COOLDOWN_S` (the cooldown limits the capture, never
+  the slow step itself).
 
 Sampled-out spans are counted (`spans_sampled_out`), not "dropped": their durations are in
 the histograms. A kept step's span carries `otelprof.sampled` = why it was kept.
@@ -337,10 +338,9 @@ class TraceSampler:
         recent = self._recent_by_root.get(root)
         if recent is None or len(recent) < 10:
             return None
-        anomaly_ns = math.inf
-        if self._clock() - self._last_capture >= CAPTURE_COOLDOWN_S:
-            median = statistics.median(recent)
-            anomaly_ns = max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S) * 1e9
+        # the rule keeps a slow step during a capture's cooldown too: never inf
+        median = statistics.median(recent)
+        anomaly_ns = max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S) * 1e9
         return self._head.available(), self._tail.available(), anomaly_ns, recent
 
     def _decide(
@@ -350,6 +350,7 @@ class TraceSampler:
         recent = self._recent_of(root)
         why: str | None = None
         ratio = 0.0
+        captures = False
         if self.keep_all:
             why = "all"
         if len(recent) >= 10:
@@ -359,18 +360,21 @@ class TraceSampler:
             self._median[root] = (median, age - 1)
             ratio = seconds / median if median > 0 else math.inf
             now = self._clock()
+            # a slow step inside a running capture stays one of its captured steps
             if (
                 seconds >= ANOMALY_FACTOR * median
                 and seconds - median >= ANOMALY_MIN_S
-                and now - self._last_capture >= CAPTURE_COOLDOWN_S
+                and self._capture_left == 0
             ):
-                self._last_capture = now
                 self.anomalies += 1
                 why = "anomaly"
-                self._capture_left = CAPTURE_STEPS
                 self._tail.take(n)  # counted against the tail budget, never refused
-                if self.on_anomaly is not None and self.on_anomaly(ctx, ratio):
-                    self._awaiting_window = KINETO_WINDOW_STEPS
+                if now - self._last_capture >= CAPTURE_COOLDOWN_S:
+                    self._last_capture = now
+                    captures = True
+                    self._capture_left = CAPTURE_STEPS
+                    if self.on_anomaly is not None and self.on_anomaly(ctx, ratio):
+                        self._awaiting_window = KINETO_WINDOW_STEPS
         if why is None and self._capture_left > 0:
             self._capture_left -= 1
             why = "capture"
@@ -403,8 +407,9 @@ class TraceSampler:
         attributes = dict(step[6])
         attributes[ATTR_SAMPLED] = why
         if why == "anomaly":
-            # held until its capture is done, so it can link to the captured steps
             attributes[ATTR_ANOMALY_RATIO] = round(ratio, 3)
+        if captures:
+            # held until its capture is done, so it can link to the captured steps
             self._release_held()
             self._held = (*step[:6], attributes, step[7])
             self._held_links = []
