@@ -90,7 +90,9 @@ def _last_collective_seconds(path: Path) -> float:
     return sum(v for _, v in latest.values())
 
 
-def _check_ranks(run_dir: Path, world: int = 2, relocated: bool = False) -> None:
+def _check_ranks(
+    run_dir: Path, world: int = 2, relocated: bool = False, steps: int | None = 30
+) -> None:
     """Right ranks everywhere; host metrics from local rank 0 only (`relocated`: a rank that
     started before the process group existed also sampled them until it learned its rank;
     those points are kept, relabelled)."""
@@ -99,6 +101,8 @@ def _check_ranks(run_dir: Path, world: int = 2, relocated: bool = False) -> None
         assert {s.resource["otelprof.rank"] for s in spans} == {rank}
         assert {s.resource["otelprof.local_rank"] for s in spans} == {rank}
         assert {s.resource["otelprof.world_size"] for s in spans} == {world}
+        if steps is not None:  # one step per step() call; the final barrier is no step
+            assert [s.name for s in spans].count("step") == steps, rank
         points = read_points(run_dir / f"metrics.rank{rank}.jsonl")
         assert {p.resource["otelprof.rank"] for p in points} == {rank}
         cpu = [p for p in points if p.name == "system.cpu.utilization"]
