@@ -63,7 +63,7 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
     assert [name for name, row in rows.items() if row["straggler"]] == ["rank 1"], rows
     assert rows["rank 0"]["waiting ms"] > rows["rank 1"]["waiting ms"] + 10, rows
     verdict = doc["sections"]["stragglers"]["notes"][0]
-    assert verdict.startswith("rank 1 is the straggler: +"), verdict
+    assert verdict.startswith("rank 1 is the straggler: it arrives late, with +"), verdict
     assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
     # live, the straggler is the rank that spends least time in collectives
     waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]
