@@ -49,13 +49,17 @@ def _hardware_clause(gpu: float | None, cpu: float | None, proc: float | None = 
     return "no hardware metrics in this run"
 
 
+def _contended(cpu: float | None, proc: float | None) -> bool:
+    return proc is not None and cpu is not None and cpu - proc >= _OTHERS_BUSY
+
+
 def _cpu_evidence(cpu: float | None, proc: float | None) -> list[str]:
     out = []
     if proc is not None:
         out.append(f"the training process's own CPU utilization averages {_pct(proc)}")
     if cpu is not None:
         out.append(f"host CPU utilization (all processes) averages {_pct(cpu)}")
-    if proc is not None and cpu is not None and cpu - proc >= _OTHERS_BUSY:
+    if proc is not None and cpu is not None and _contended(cpu, proc):
         out.append(
             f"other processes keep the host busy ({_pct(cpu - proc)} of its CPUs beyond this "
             "job's): training may be competing for CPU"
@@ -159,6 +163,13 @@ def judge(summary: RunSummary) -> Verdict:
             evidence,
         )
     if name == "train_batch":
+        if gpu is None and _contended(cpu, proc):
+            return Verdict(
+                "compute bound, CPU contended",
+                f"compute bound, CPU contended: train_batch takes {_pct(share)} of step time "
+                f"while {hw}: other work on this machine slows training",
+                evidence,
+            )
         if gpu is None:
             return Verdict(
                 "compute bound",
