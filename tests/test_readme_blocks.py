@@ -74,3 +74,16 @@ def test_readme_shell_block_parses_and_has_no_placeholder_redirection(code: str)
     assert not [line for line in unquoted if re.search(r"<[^<>\s]*[ a-z][^<>]*>", line)], code
     done = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+
+
+def test_make_venv_says_what_it_does_and_lets_pip_show_progress(tmp_path: Path) -> None:
+    # the quick start's first command: a fresh venv takes minutes, which must not be silent
+    done = subprocess.run(
+        ["make", "-n", "venv", f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    recipe = done.stdout
+    assert "echo" in recipe and "several minutes" in recipe, recipe
+    install = [line for line in recipe.splitlines() if "pip install" in line and "-e " in line]
+    assert install and all(" -q" not in line for line in install), install
