@@ -134,7 +134,14 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     if step_lines:
         parts.append(
             line_chart(
-                "step duration (ms)", step_lines, (t0, t1), phases, y_format=lambda v: f"{v:.0f} ms"
+                "step duration (ms)",
+                step_lines,
+                (t0, t1),
+                phases,
+                y_format=lambda v: f"{v:.0f} ms",
+                gaps=[
+                    (a, b) for label, a, b in phases if not label.startswith(("epoch ", "training"))
+                ],
             )
         )
     rows = timing_rows(summary)
