@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -97,14 +97,11 @@ class Profiler:
                 "overhead gauges", lambda: OverheadGauges(self._meter, self._timings)
             )
         self._end: EndRecord | None = None
+        self._announced = False
         if settings.detached:
             self._write_run_info()
-            # At warning level so it shows with logging unconfigured: where to find the run.
-            _log.warning(
-                "otelprof: writing run files to %s (summarize: otelprof report %s)",
-                settings.run_dir,
-                settings.run_dir,
-            )
+            if settled or not _may_join_a_group(self._env):
+                self._announce()  # else once the directory is final (or at shutdown)
         self._run_end = RunEndWatcher(self._shutdown, self._mark_end, settings.export_timeout_s)
         _degrade("run-end recording", self._run_end.install)
 
@@ -177,6 +174,8 @@ class Profiler:
             self._shutdown_done = True
             if _active is self:
                 _active = None
+        with contextlib.suppress(Exception):
+            self._announce()
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
         with contextlib.suppress(Exception):
@@ -267,6 +266,19 @@ class Profiler:
             )
         return engine
 
+    def _announce(self) -> None:
+        """Name the run directory once, and only one that will hold the data: a process that
+        may still join a process group waits until its ranks (and so its directory) settle."""
+        if self._announced or not self.settings.detached:
+            return
+        self._announced = True
+        # At warning level so it shows with logging unconfigured: where to find the run.
+        _log.warning(
+            "otelprof: writing run files to %s (summarize: otelprof report %s)",
+            self.settings.run_dir,
+            self.settings.run_dir,
+        )
+
     def _start_distributed(self) -> Any:
         from otelprof._distributed.hooks import DistributedHooks
 
@@ -284,10 +296,13 @@ class Profiler:
         same_run = options.get("run_id", self.settings.run_id) == self.settings.run_id
         if not settled or (same_run and not identity.differs(self.resource.attributes, env)):
             self._settled = settled
+            if settled:
+                self._announce()
             return
         _log.info("otelprof: process group found; restarting as rank %s of %s",
                   env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
         old_files = dict(self._pipelines.files)
+        self._announced = True  # this directory's files move to the group's: never named
         self.shutdown()
         settings = Settings.from_options(env=env, **options)
         resource = build_resource(settings, env)
@@ -406,6 +421,15 @@ def _degrade(what: str, start: Any) -> Any:
     except Exception:
         _log.exception("otelprof: could not start %s; continuing without them", what)
         return None
+
+
+def _may_join_a_group(env: Mapping[str, str]) -> bool:
+    """Whether this process may still start torch.distributed (a launcher's variables, or a
+    child of mp.spawn), and so restart under the group's run directory."""
+    import multiprocessing
+
+    launched = any(k in env for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"))
+    return launched or multiprocessing.parent_process() is not None
 
 
 def _int_attribute(value: object, default: int) -> int:

@@ -150,6 +150,9 @@ def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
     ]
     _check_ranks(run_dir, relocated=True)
     assert "rank 0 is the straggler" in _report(str(run_dir))
+    # the console names only the directory that holds the data, once per rank
+    named = [line for line in result.stderr.splitlines() if "writing run files to" in line]
+    assert len(named) == 2 and all(run_dir.name in line for line in named), named
 
 
 def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
