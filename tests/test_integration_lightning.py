@@ -165,6 +165,14 @@ def test_every_builtin_lightning_profiler_runs_to_the_end_over_epochs_of_many_ba
     steps = roots(spans_of(run), "step")
     assert [s.attributes["otelprof.step"] for s in steps] == list(range(24))
     assert [s.attributes["otelprof.epoch"] for s in steps] == [0] * 8 + [1] * 8 + [2] * 8
+    if profiler == "pytorch":  # its module ranges (README: Lightning) nest in forward
+        spans = spans_of(run)
+        by_id = {s.span_id: s for s in spans}
+        net = "[pl][module]torch.nn.modules.container.Sequential: net"
+        modules = [s for s in spans if s.name.startswith("[pl][module]")]
+        assert {by_id[s.parent_span_id].name for s in modules if s.name == net} == {"forward"}
+        layer = "[pl][module]torch.nn.modules.linear.Linear: net.0"
+        assert {by_id[s.parent_span_id].name for s in modules if s.name == layer} == {net}
     end = json.loads((run / "run.json").read_text())
     assert end["end"]["status"] == "clean"
     assert end["stats"]["dropped_total"] == 0
