@@ -328,3 +328,16 @@ def test_section_figures_keep_their_significant_digits() -> None:
     for cell in (text_cell, html_cell):
         assert cell(3.4e-05) == "3.4e-05"  # a TFLOP/s beside MFU % 0.034, not 0.000
         assert cell(0.0) == "0"
+
+
+def test_the_verdict_names_cpu_contention_from_the_process_and_host_cpu() -> None:
+    from otelprof.analysis.verdict import _cpu_evidence, _hardware_clause
+
+    clause = _hardware_clause(None, 1.0, 0.1)  # a shared machine: host busy, process not
+    assert clause.startswith(
+        "the training process uses 10% of the usable CPUs; the host's CPUs are 100% busy, "
+        "all processes"
+    ), clause
+    assert "competing for CPU" in _cpu_evidence(1.0, 0.1)[-1]
+    assert not any("competing" in e for e in _cpu_evidence(0.3, 0.25))
+    assert _hardware_clause(0.5, 1.0, 0.1) == "GPU utilization averages 50%"
