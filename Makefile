@@ -19,11 +19,14 @@ DEMO_ARGS ?=
 venv: $(STAMP)
 
 $(STAMP): $(INSTALL_INPUTS)
+	@echo "make venv: creating $(VENV) and installing otelprof with PyTorch and the dev tools" \
+	  "(several minutes and a few GB on a fresh machine; pip shows each package below)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[torch,dev]'
+	$(PY) -m pip install --progress-bar on -e '.[torch,dev]'
 	@rm -f $(VENV)/.installed-*
 	@touch $@
+	@echo "make venv: $(VENV) is ready"
 
 ## demo: train a small PyTorch model for ~30 s in detached mode and print the report
 demo: venv

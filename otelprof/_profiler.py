@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -151,20 +151,31 @@ class _Session:
                 "overhead gauges", lambda: OverheadGauges(self._meter, self.timings)
             )
         self._end: EndRecord | None = None
+        self.announced = False
+        """The run directory was named on the console (or must never be: it moves)."""
         if settings.detached:
             self._write_run_info()
-            # At warning level so it shows with logging unconfigured: where to find the run.
-            _log.warning(
-                "otelprof: writing run files to %s (summarize: otelprof report %s)",
-                settings.run_dir,
-                settings.run_dir,
-            )
+            if identity.settled or not _may_join_a_group(identity.env):
+                self.announce()  # else once the directory is final (or at shutdown)
         self.run_end = RunEndWatcher(end_run, self._mark_end, settings.export_timeout_s)
         _degrade("run-end recording", self.run_end.install)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def announce(self) -> None:
+        """Name the run directory once, and only one that will hold the data: a process that
+        may still join a process group waits until its ranks (and so its directory) settle."""
+        if self.announced or not self.settings.detached:
+            return
+        self.announced = True
+        # At warning level so it shows with logging unconfigured: where to find the run.
+        _log.warning(
+            "otelprof: writing run files to %s (summarize: otelprof report %s)",
+            self.settings.run_dir,
+            self.settings.run_dir,
+        )
 
     def throughput(self) -> ThroughputTracker | None:
         """This run's throughput tracker, made on first use (a step listener costs every
@@ -192,6 +203,8 @@ class _Session:
             if self._closed:
                 return
             self._closed = True
+        with contextlib.suppress(Exception):
+            self.announce()
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
         with contextlib.suppress(Exception):
@@ -519,10 +532,13 @@ class Profiler:
         same_run = options.get("run_id", old.settings.run_id) == old.settings.run_id
         if not settled or (same_run and not identity.differs(old.resource.attributes, env)):
             old.settled = settled
+            if settled:
+                session.announce()
             return
         _log.info("otelprof: process group found; restarting as rank %s of %s",
                   env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
         old_files = dict(session.pipelines.files)
+        session.announced = True  # this directory's files move to the group's: never named
         self.shutdown()
         new = _Identity(Settings.from_options(env=env, **options), env, settled=True)
         if new.settings.detached:
@@ -542,6 +558,15 @@ def _degrade(what: str, start: Any) -> Any:
     except Exception:
         _log.exception("otelprof: could not start %s; continuing without them", what)
         return None
+
+
+def _may_join_a_group(env: Mapping[str, str]) -> bool:
+    """Whether this process may still start torch.distributed (a launcher's variables, or a
+    child of mp.spawn), and so restart under the group's run directory."""
+    import multiprocessing
+
+    launched = any(k in env for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"))
+    return launched or multiprocessing.parent_process() is not None
 
 
 def _int_attribute(value: object, default: int) -> int:

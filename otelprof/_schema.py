@@ -37,6 +37,8 @@ PHASE_TRAIN = "train"
 """The default phase, and the only one whose steps are training steps."""
 PHASE_VALIDATION = "validation"
 PHASE_CHECKPOINT = "checkpoint"
+PHASE_AFTER_TRAINING = "after_training"
+"""The phase of ranges recorded after the last training `step()`: never a step."""
 
 # ---- span names ----
 STEP_SPAN = "step"

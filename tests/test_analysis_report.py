@@ -291,3 +291,53 @@ def test_a_run_without_step_spans_says_so_and_names_the_biggest_timing(tmp_path:
     assert summary.step.count == 0
     assert verdict.kind == "no steps" and "the most time is in train_batch" in verdict.headline
     assert all(r.share is None for r in timing_rows(summary))
+
+
+def test_html_band_labels_are_drawn_over_every_band() -> None:
+    from otelprof.analysis.svg import line_chart
+
+    svg = line_chart(
+        "t", [("rank 0", [(1.0, 5.0)])], (0.0, 100.0),
+        [("epoch 0", 0.0, 50.0), ("validation", 0.0, 20.0), ("validation", 40.0, 60.0)],
+    )  # fmt: skip
+    last_band = svg.rindex("<rect x=", 0, svg.index("<line"))
+    epoch_label = svg.index(">epoch 0</text>")
+    assert epoch_label > last_band  # not hidden under the validation band drawn after it
+    validation_label = svg.index(">validation</text>")
+    assert svg[:epoch_label].rsplit('y="', 1)[1] != svg[:validation_label].rsplit('y="', 1)[1]
+
+
+def test_html_step_lines_break_across_validation_gaps() -> None:
+    from otelprof.analysis.svg import line_chart
+
+    points = [(1.0, 5.0), (2.0, 5.0), (5.0, 6.0), (6.0, 6.0)]
+    joined = line_chart("t", [("rank 0", points)], (0.0, 10.0))
+    broken = line_chart("t", [("rank 0", points)], (0.0, 10.0), gaps=[(3.0, 4.0)])
+    assert joined.count("<polyline") == 1
+    assert broken.count("<polyline") == 2
+
+
+def test_section_figures_keep_their_significant_digits() -> None:
+    from otelprof.analysis.format import number
+    from otelprof.analysis.report_html import _cell as html_cell
+    from otelprof.analysis.report_text import _cell as text_cell
+
+    assert number(399_600.0) == "399,600"  # not 399,600.000
+    assert number(12.3456) == "12.35"
+    assert number(0.034) == "0.034"
+    for cell in (text_cell, html_cell):
+        assert cell(3.4e-05) == "3.4e-05"  # a TFLOP/s beside MFU % 0.034, not 0.000
+        assert cell(0.0) == "0"
+
+
+def test_the_verdict_names_cpu_contention_from_the_process_and_host_cpu() -> None:
+    from otelprof.analysis.verdict import _cpu_evidence, _hardware_clause
+
+    clause = _hardware_clause(None, 1.0, 0.1)  # a shared machine: host busy, process not
+    assert clause.startswith(
+        "the training process uses 10% of the usable CPUs; the host's CPUs are 100% busy, "
+        "all processes"
+    ), clause
+    assert "competing for CPU" in _cpu_evidence(1.0, 0.1)[-1]
+    assert not any("competing" in e for e in _cpu_evidence(0.3, 0.25))
+    assert _hardware_clause(0.5, 1.0, 0.1) == "GPU utilization averages 50%"

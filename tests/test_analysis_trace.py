@@ -131,3 +131,24 @@ def test_a_truncated_trace_file_still_converts_with_a_warning(
     assert cli_main(["trace", str(run), "-o", str(out)]) == 0
     assert "traces.jsonl:2: truncated last line skipped" in capsys.readouterr().err
     assert len([e for e in load_chrome_trace(out) if e["ph"] == "X"]) == intact
+
+
+def test_each_track_of_a_process_has_its_own_name(tmp_path: Path) -> None:
+    import otelprof
+
+    with otelprof.instrument(output_dir=tmp_path, host_metrics=False) as prof:
+        for _ in range(3):
+            with otelprof.timing("train_batch"):
+                pass
+            prof.step()
+    assert prof.run_dir is not None
+    out = tmp_path / "trace.json"
+    assert cli_main(["trace", str(prof.run_dir), "-o", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    names = defaultdict(list)
+    for e in events:
+        if e["ph"] == "M" and e["name"] == "thread_name":
+            names[e["pid"]].append(e["args"]["name"])
+    for pid, tracks in names.items():
+        assert len(tracks) == len(set(tracks)), (pid, tracks)
+    assert sorted(names[0]) == ["MainThread", "steps"]

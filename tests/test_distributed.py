@@ -90,7 +90,9 @@ def _last_collective_seconds(path: Path) -> float:
     return sum(v for _, v in latest.values())
 
 
-def _check_ranks(run_dir: Path, world: int = 2, relocated: bool = False) -> None:
+def _check_ranks(
+    run_dir: Path, world: int = 2, relocated: bool = False, steps: int | None = 30
+) -> None:
     """Right ranks everywhere; host metrics from local rank 0 only (`relocated`: a rank that
     started before the process group existed also sampled them until it learned its rank;
     those points are kept, relabelled)."""
@@ -99,6 +101,8 @@ def _check_ranks(run_dir: Path, world: int = 2, relocated: bool = False) -> None
         assert {s.resource["otelprof.rank"] for s in spans} == {rank}
         assert {s.resource["otelprof.local_rank"] for s in spans} == {rank}
         assert {s.resource["otelprof.world_size"] for s in spans} == {world}
+        if steps is not None:  # one step per step() call; the final barrier is no step
+            assert [s.name for s in spans].count("step") == steps, rank
         points = read_points(run_dir / f"metrics.rank{rank}.jsonl")
         assert {p.resource["otelprof.rank"] for p in points} == {rank}
         cpu = [p for p in points if p.name == "system.cpu.utilization"]
@@ -146,6 +150,9 @@ def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
     ]
     _check_ranks(run_dir, relocated=True)
     assert "rank 0 is the straggler" in _report(str(run_dir))
+    # the console names only the directory that holds the data, once per rank
+    named = [line for line in result.stderr.splitlines() if "writing run files to" in line]
+    assert len(named) == 2 and all(run_dir.name in line for line in named), named
 
 
 def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(

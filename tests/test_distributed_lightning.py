@@ -59,11 +59,14 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
     assert doc["run"]["run_ids"] == [run_dir.name]
     assert doc["problems"] == []  # no stray run file of the identities the ranks started with
     assert doc["verdict"]["kind"] == "straggler", doc["verdict"]
+    straggler = doc["stragglers"]["straggler"]  # the same analysis, each figure explained
+    assert straggler["rank"] == 1 and straggler["headline"] == doc["verdict"]["headline"]
+    assert set(straggler["measures"]) >= {"extra_ms_per_step", "others_wait_ms_per_step"}
     rows = {r["process"].split(" @")[0]: r for r in doc["sections"]["stragglers"]["rows"]}
     assert [name for name, row in rows.items() if row["straggler"]] == ["rank 1"], rows
     assert rows["rank 0"]["waiting ms"] > rows["rank 1"]["waiting ms"] + 10, rows
     verdict = doc["sections"]["stragglers"]["notes"][0]
-    assert verdict.startswith("rank 1 is the straggler: +"), verdict
+    assert verdict.startswith("rank 1 is the straggler: it arrives late, with +"), verdict
     assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
     # live, the straggler is the rank that spends least time in collectives
     waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]

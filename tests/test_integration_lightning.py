@@ -3,6 +3,7 @@ and checkpointing apart, throughput and MFU — with and without Lightning's own
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -60,13 +61,22 @@ class DeviceBoundModule(TinyModule):
         return super().training_step(batch, index)
 
 
-def _fit(tmp_path: Path, run_id: str, profiler: Any = None, **callback: Any) -> Path:
+def _fit(
+    tmp_path: Path,
+    run_id: str,
+    profiler: Any = None,
+    *,
+    epochs: int = 2,
+    batches: int = 6,
+    val_batches: int = 2,
+    **callback: Any,
+) -> Path:
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(6 * BATCH, 32), torch.randint(0, 4, (6 * BATCH,)))
+    data = TensorDataset(torch.randn(batches * BATCH, 32), torch.randint(0, 4, (batches * BATCH,)))
     trainer = pl.Trainer(
-        max_epochs=2,
-        limit_train_batches=6,
-        limit_val_batches=2,
+        max_epochs=epochs,
+        limit_train_batches=batches,
+        limit_val_batches=val_batches,
         accelerator="cpu",
         logger=False,
         default_root_dir=str(tmp_path / "lightning"),
@@ -142,6 +152,30 @@ def test_lightning_pytorch_profiler_ranges_are_not_counted_twice(tmp_path: Path)
 
     profiler = PyTorchProfiler(dirpath=str(tmp_path / "torch"), filename="prof")
     _check_breakdowns(_fit(tmp_path, "with-profiler", profiler=profiler))
+
+
+@pytest.mark.parametrize("profiler", ["simple", "advanced", "pytorch"])
+def test_every_builtin_lightning_profiler_runs_to_the_end_over_epochs_of_many_batches(
+    tmp_path: Path, profiler: str
+) -> None:
+    # Lightning's PyTorch profiler keeps its recording schedule when its first stage (here
+    # validation: 2 sanity + 4 batches) has 5 or more steps: the wrapper once tore it down when
+    # dropped, and the trainer's describe() then failed at the end of the fit
+    run = _fit(tmp_path, profiler, profiler=profiler, epochs=3, batches=8, val_batches=4)
+    steps = roots(spans_of(run), "step")
+    assert [s.attributes["otelprof.step"] for s in steps] == list(range(24))
+    assert [s.attributes["otelprof.epoch"] for s in steps] == [0] * 8 + [1] * 8 + [2] * 8
+    if profiler == "pytorch":  # its module ranges (README: Lightning) nest in forward
+        spans = spans_of(run)
+        by_id = {s.span_id: s for s in spans}
+        net = "[pl][module]torch.nn.modules.container.Sequential: net"
+        modules = [s for s in spans if s.name.startswith("[pl][module]")]
+        assert {by_id[s.parent_span_id].name for s in modules if s.name == net} == {"forward"}
+        layer = "[pl][module]torch.nn.modules.linear.Linear: net.0"
+        assert {by_id[s.parent_span_id].name for s in modules if s.name == layer} == {net}
+    end = json.loads((run / "run.json").read_text())
+    assert end["end"]["status"] == "clean"
+    assert end["stats"]["dropped_total"] == 0
 
 
 def test_a_failing_work_function_is_logged_once_per_hook_and_training_goes_on(

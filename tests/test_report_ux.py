@@ -236,3 +236,64 @@ def test_registered_section_shows_in_text_html_and_json(
     ]
     page = html.read_text()
     assert "Span counts" in page and "from a test section" in page
+
+
+def test_counters_report_their_totals_and_nothing_reads_as_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
+        for _ in range(5):
+            with otelprof.timing("train_batch"):
+                otelprof.step_work(samples=32)
+                time.sleep(0.002)
+            prof.step()
+    assert prof.run_dir is not None
+    doc = report_json(capsys, str(prof.run_dir))
+    # the counters' values at the end, not how many points each exported
+    assert doc["counters"]["otelprof.train.samples"] == 160
+    assert doc["counters"]["otelprof.telemetry.dropped"] == 0
+    text = report(capsys, str(prof.run_dir))
+    assert "otelprof.train.samples 160" in text
+    assert "otelprof.telemetry.dropped 0" in text
+    assert "points)" not in text
+
+
+def test_verdict_weighs_the_processs_own_cpu_and_names_the_hosts_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            with otelprof.timing("train_batch"):
+                sum(i * i for i in range(20_000))  # CPU work of the training process
+            prof.step()
+    assert prof.run_dir is not None
+    doc = report_json(capsys, str(prof.run_dir))
+    verdict = doc["verdict"]
+    assert "the training process uses" in verdict["headline"], verdict
+    assert "the host's CPUs are" in verdict["headline"] and "all processes" in verdict["headline"]
+    evidence = " | ".join(verdict["evidence"])
+    assert "the training process's own CPU utilization averages" in evidence
+    assert "host CPU utilization (all processes) averages" in evidence
+
+
+def test_a_timing_under_two_parents_gets_one_row_per_parent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
+        for _ in range(10):
+            with otelprof.timing("forward"), otelprof.timing("matmul"):
+                time.sleep(0.001)
+            with otelprof.timing("backward"), otelprof.timing("matmul"):
+                time.sleep(0.002)
+            prof.step()
+    assert prof.run_dir is not None
+    rows = report_json(capsys, str(prof.run_dir))["timings"]
+    matmul = {r["level"]: r for r in rows if r["name"] == "matmul"}
+    assert set(matmul) == {"in forward", "in backward"}, rows
+    totals = {r["name"]: r["total_s"] for r in rows if r["level"] == "in step"}
+    for parent in ("forward", "backward"):
+        assert matmul[f"in {parent}"]["count"] == 10
+        assert matmul[f"in {parent}"]["total_s"] <= totals[parent]
+    text = report(capsys, str(prof.run_dir))
+    assert "in forward" in text and "in backward" in text

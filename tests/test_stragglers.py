@@ -37,7 +37,45 @@ def test_the_rank_that_waits_least_is_named_with_where_its_time_goes() -> None:
     assert report.extra_in == UNTIMED and abs(report.extra_in_s - 0.020) < 1e-9
     assert report.others_wait_in == "train_batch" and report.others_wait_op == "ddp_allreduce"
     assert report.headline is not None
-    assert report.headline.startswith("rank 1 is the straggler: +20.0 ms per step outside")
+    assert report.headline.startswith(
+        "rank 1 is the straggler: it arrives late, with +20.0 ms per step of own work outside"
+    )
+    # each figure says what it measures: lateness is own work, the others' figure is waiting
+    assert (
+        "the other ranks wait for it: they spend 20.2 ms per step longer in collectives "
+        "than rank 1" in report.headline
+    )
+
+
+def test_verdict_evidence_comes_from_the_same_analysis_as_its_headline() -> None:
+    from types import SimpleNamespace
+
+    from otelprof.analysis.verdict import _stragglers
+
+    fast = {"train_batch": 10.0, UNTIMED: 1.0}
+    slow = {"train_batch": 10.0, "dataloader_next": 110.0, UNTIMED: 1.0}
+    ranks = [_rank(0, 200.0, fast), _rank(1, 2.0, slow)]
+    report = _judge(ranks)
+    assert report.straggler is ranks[1]
+    # rank 0's mean step is 1.3x rank 1's (a long last step, say): not a second straggler
+    by_rank = {
+        r.resource: SimpleNamespace(resource=r.resource, steps=SimpleNamespace(count=100, mean=m))
+        for r, m in zip(ranks, (0.29, 0.22), strict=True)
+    }
+    evidence = _stragglers(SimpleNamespace(stragglers=report, ranks=by_rank))  # type: ignore[arg-type]
+    assert evidence == report.evidence()
+    assert all("rank 0" not in e for e in evidence), evidence
+    assert evidence[0].startswith(
+        "rank 1 arrives late: its own work (step time outside "
+        "collectives) exceeds the other ranks' median by 110.0 ms"
+    )
+    assert "dataloader_next +110.0" in evidence[0]
+    assert report.headline is not None and evidence[1] in report.headline
+    doc = report.to_dict()["straggler"]
+    assert doc["evidence"] == evidence and set(doc["measures"]) >= {
+        "extra_ms_per_step",
+        "others_wait_ms_per_step",
+    }
 
 
 def test_a_small_wait_gap_is_not_a_straggler() -> None:

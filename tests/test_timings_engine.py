@@ -11,7 +11,7 @@ import torch
 
 import otelprof.timings as timings
 from otelprof.timings import ScheduleAction, cyclic_schedule, schedule, timing
-from tests.timings_harness import by_name, start_run
+from tests.timings_harness import by_name, one, start_run
 
 
 def _work(steps: int) -> None:
@@ -43,13 +43,28 @@ def test_each_step_is_one_trace_rooted_at_a_step_span(tmp_path: Path) -> None:
     assert run.engine.stats()["steps"] == 3
 
 
-def test_trailing_step_with_ranges_is_exported_at_shutdown(tmp_path: Path) -> None:
+def test_ranges_after_the_last_step_are_after_training_work_not_a_step(tmp_path: Path) -> None:
     run = start_run(tmp_path)
-    _work(1)
-    with timing("final_eval"):
+    _work(10)
+    with timing("final_sync"):
         pass
     spans = run.finish()
-    assert sorted(s.attributes["otelprof.step"] for s in by_name(spans, "step")) == [0, 1]
+    # a step is exactly what step() delimits: 10 calls, 10 steps
+    assert sorted(s.attributes["otelprof.step"] for s in by_name(spans, "step")) == list(range(10))
+    after = one(spans, "after_training")
+    assert after.attributes["otelprof.phase"] == "after_training"
+    final = one(spans, "final_sync")
+    assert final.parent_span_id == after.span_id
+    assert final.attributes["otelprof.phase"] == "after_training"
+    assert run.engine.stats()["steps"] == 10
+
+
+def test_a_run_without_step_calls_is_one_step(tmp_path: Path) -> None:
+    run = start_run(tmp_path)
+    with timing("evaluate"):
+        pass
+    spans = run.finish()
+    assert [s.attributes["otelprof.step"] for s in by_name(spans, "step")] == [0]
 
 
 def test_epoch_is_carried_by_step_and_timing_spans(tmp_path: Path) -> None:
@@ -188,15 +203,14 @@ def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> No
     assert steps[1].start_ns - steps[0].end_ns < 5_000_000, "later steps start at step()"
 
 
-def test_trailing_step_ends_at_its_last_range(tmp_path: Path) -> None:
+def test_after_training_work_ends_at_its_last_range(tmp_path: Path) -> None:
     run = start_run(tmp_path)
     timings.step()
     with timing("evaluate"):
         pass
-    time.sleep(0.2)  # tear-down before shutdown: not step time
+    time.sleep(0.2)  # tear-down before shutdown: not after-training work
     spans = run.finish()
-    trailing = next(s for s in by_name(spans, "step") if s.attributes["otelprof.step"] == 1)
-    assert trailing.end_ns == by_name(spans, "evaluate")[0].end_ns
+    assert one(spans, "after_training").end_ns == one(spans, "evaluate").end_ns
 
 
 def test_a_forked_child_records_nothing(tmp_path: Path) -> None:

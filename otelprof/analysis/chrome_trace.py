@@ -207,9 +207,12 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
                     warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
                     continue
                 args = attributes(rec.raw_attributes)
-                tid = args.get("thread.id", SPAN_TID)
-                tid = tid if isinstance(tid, int) else SPAN_TID
-                procs.thread(pid, tid, str(args.get("thread.name", "timings")))
+                tid = args.get("thread.id")
+                if isinstance(tid, int):  # otelprof leaves the main thread's name out
+                    procs.thread(pid, tid, str(args.get("thread.name", "MainThread")))
+                else:  # step and phase root spans carry no thread
+                    tid = SPAN_TID
+                    procs.thread(pid, tid, "steps")
                 args["span_id"] = rec.span_id
                 args["trace_id"] = rec.trace_id
                 if rec.parent_span_id:

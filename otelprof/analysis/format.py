@@ -43,3 +43,20 @@ def duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.2f} h"
+
+
+def number(v: float | None) -> str:
+    """A figure with the digits that carry information: '399,600' (not '399,600.000'),
+    '12.35', '0.034', '4.2e-05' (not '0.000' beside another figure of the same row)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, bool):
+        return str(v)
+    if math.isinf(v):
+        return str(v)
+    magnitude = abs(v)
+    if magnitude >= 1000 or (v == int(v) and magnitude < 1e15):
+        return f"{v:,.0f}"
+    if magnitude >= 1:
+        return f"{v:.4g}"
+    return f"{v:.3g}"

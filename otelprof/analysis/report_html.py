@@ -134,7 +134,14 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     if step_lines:
         parts.append(
             line_chart(
-                "step duration (ms)", step_lines, (t0, t1), phases, y_format=lambda v: f"{v:.0f} ms"
+                "step duration (ms)",
+                step_lines,
+                (t0, t1),
+                phases,
+                y_format=lambda v: f"{v:.0f} ms",
+                gaps=[
+                    (a, b) for label, a, b in phases if not label.startswith(("epoch ", "training"))
+                ],
             )
         )
     rows = timing_rows(summary)
@@ -203,6 +210,12 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
         parts.append(f"<h2>{escape(extra.title)}</h2>")
         parts.append(_table(columns, [[_cell(row.get(c)) for c in columns] for row in extra.rows]))
         parts.extend(f"<p class='note'>{escape(n)}</p>" for n in extra.notes)
+    if summary.counters:
+        parts.append(
+            "<p class='meta'>counters (totals at the end of the run): "
+            + escape(", ".join(f"{k} {fmt.number(v)}" for k, v in sorted(summary.counters.items())))
+            + "</p>"
+        )
     if not rows and not summary.series:
         parts.append("<p>This run holds no spans and no gauges.</p>")
     parts.append("</body></html>\n")
@@ -213,7 +226,7 @@ def _cell(value: object) -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "-"
     if isinstance(value, float):
-        return f"{value:,.3f}"
+        return fmt.number(value)
     return str(value)
 
 

@@ -87,6 +87,8 @@ def build_json(summary: RunSummary, verdict: Verdict, sections: list[Section]) -
         ],
         "counters": dict(summary.counters),
         "verdict": dataclasses.asdict(verdict),
+        # the analysis behind the verdict's straggler sentences, with what each figure measures
+        "stragglers": summary.stragglers.to_dict() if summary.stragglers is not None else None,
         "sections": {s.key: {"title": s.title, "rows": s.rows, "notes": s.notes} for s in sections},
     }
     cleaned: dict[str, Any] = _clean(doc)

@@ -113,7 +113,7 @@ def _cell(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float):
-        return f"{value:,.3f}"
+        return fmt.number(value)
     return str(value)
 
 
@@ -143,12 +143,16 @@ def render(
         console.print("[dim]no hardware gauges in this run[/dim]")
     for extra in sections or ():
         console.print(section_table(extra))
-    others = {k: v for k, v in summary.counters.items()}
-    if others:
+    if summary.counters:
         console.print(
-            "[dim]counters not summarized: "
-            + ", ".join(f"{k} ({v} points)" for k, v in sorted(others.items()))
+            "[dim]counters (totals at the end of the run): "
+            + ", ".join(f"{k} {fmt.number(v)}" for k, v in sorted(summary.counters.items()))
             + "[/dim]"
+        )
+    if summary.series_over_limit:
+        console.print(
+            f"[dim]{summary.series_over_limit:,} metric points of series over the report's "
+            "limit were not summarized[/dim]"
         )
     body = verdict.headline
     if verdict.evidence:

@@ -91,6 +91,7 @@ class StragglerReport:
     others_wait_in: str = ""  # where the others wait for it
     others_wait_op: str = ""
     others_wait_s: float = 0.0
+    extras: dict[str, float] = field(default_factory=dict)  # part -> own work beyond median
 
     @property
     def headline(self) -> str | None:
@@ -98,13 +99,40 @@ class StragglerReport:
         if s is None:
             return None
         where = "outside any timing" if self.extra_in == UNTIMED else f"in {self.extra_in}"
+        return (
+            f"{_short(s)} is the straggler: it arrives late, with +{1e3 * self.extra_in_s:.1f} "
+            f"ms per step of own work {where} beyond the other ranks' median; "
+            f"{self.waiting_sentence}"
+        )
+
+    @property
+    def waiting_sentence(self) -> str:
+        """What the others' waiting measures, in words (headline and evidence)."""
         wait = self.others_wait_in
         if self.others_wait_op and self.others_wait_op != wait:
             wait = f"{wait}, in {self.others_wait_op}"
+        name = _short(self.straggler) if self.straggler is not None else "it"
         return (
-            f"{_short(s)} is the straggler: +{1e3 * self.extra_in_s:.1f} ms per step {where}; "
-            f"the other ranks wait for it {1e3 * self.others_wait_s:.1f} ms per step in {wait}"
+            f"the other ranks wait for it: they spend {1e3 * self.others_wait_s:.1f} ms per step "
+            f"longer in collectives than {name} (median), in {wait}"
         )
+
+    def evidence(self) -> list[str]:
+        """The same analysis's figures, each saying what it measures (verdict evidence)."""
+        s = self.straggler
+        if s is None:
+            return []
+        name = _short(s)
+        parts = ", ".join(
+            f"{'untimed' if n == UNTIMED else n} +{1e3 * v:.1f}"
+            for n, v in sorted(self.extras.items(), key=lambda kv: -kv[1])[:3]
+            if v > 0
+        )
+        return [
+            f"{name} arrives late: its own work (step time outside collectives) exceeds the "
+            f"other ranks' median by {1e3 * self.extra_s:.1f} ms per step ({parts} ms)",
+            self.waiting_sentence,
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         s = self.straggler
@@ -122,6 +150,14 @@ class StragglerReport:
                 "others_wait_collective": self.others_wait_op,
                 "others_wait_ms_per_step": 1e3 * self.others_wait_s,
                 "headline": self.headline,
+                "evidence": self.evidence(),
+                "measures": {
+                    "extra_ms_per_step": "arrives late: the straggler's own work (step time "
+                    "outside collectives) beyond the other ranks' median, per step",
+                    "extra_in_ms_per_step": "the part of extra_ms_per_step in extra_in",
+                    "others_wait_ms_per_step": "waits for others: how much longer the other "
+                    "ranks (median) spend in collectives per step than the straggler",
+                },
             },
         }
 
@@ -250,6 +286,7 @@ def _judge(ranks: list[RankWork]) -> StragglerReport:
     report.others_wait_in = wait_in
     report.others_wait_op = max(more_op, key=lambda n: more_op[n]) if more_op else ""
     report.others_wait_s = gap
+    report.extras = extra
     return report
 
 

@@ -77,6 +77,11 @@ class Downsampler:
         return sorted(out)
 
 
+PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
+PARENT_ROOT = "\0root"
+_MAX_PARENTS = 50
+
+
 @dataclass
 class TimingAgg:
     """Statistics of one timing name (seconds)."""
@@ -89,6 +94,16 @@ class TimingAgg:
     root_count: int = 0
     unresolved_count: int = 0
     nested_in: dict[str, int] = field(default_factory=dict)
+    # durations by where the span sat: PARENT_STEP, PARENT_ROOT or the parent's timing key
+    by_parent: dict[str, DurationStats] = field(default_factory=dict)
+
+    def add_in(self, parent: str, dur_s: float) -> None:
+        stats = self.by_parent.get(parent)
+        if stats is None:
+            if len(self.by_parent) >= _MAX_PARENTS:
+                return
+            stats = self.by_parent[parent] = DurationStats(self.stats.exact_cap)
+        stats.add(dur_s)
 
     @property
     def main_parent(self) -> str | None:
@@ -163,7 +178,7 @@ class RunSummary:
     ranks: dict[Resource, RankAgg]
     series: dict[SeriesKey, SeriesAgg]
     phases: list[Phase]
-    counters: dict[str, int]
+    counters: dict[str, float]  # monotonic sum -> its value at the end (all series summed)
     first_ns: int | None
     last_ns: int | None
     unresolved_children: int = 0
@@ -172,6 +187,7 @@ class RunSummary:
     steps_range: tuple[int | None, int | None] | None = None  # --steps A:B, when given
     stragglers: StragglerReport | None = None  # per-rank waiting vs own work (stragglers.py)
     timings_from_histograms: bool = False  # timing figures from otelprof.timing.duration
+    series_over_limit: int = 0  # metric points of series beyond the report's series cap
 
     @property
     def step_total_s(self) -> float:
@@ -259,12 +275,14 @@ class _StepResolver:
         agg = self.timings[name]
         agg.direct_total_s += dur_s
         agg.direct_count += 1
+        agg.add_in(PARENT_STEP, dur_s)
 
-    def _nested(self, name: str, parent: str) -> None:
+    def _nested(self, name: str, parent: str, dur_s: float) -> None:
         agg = self.timings[name]
         agg.nested_count += 1
         if parent in agg.nested_in or len(agg.nested_in) < 50:
             agg.nested_in[parent] = agg.nested_in.get(parent, 0) + 1
+        agg.add_in(parent, dur_s)
 
     def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
         children = self.pending.pop(rec.span_id, None)
@@ -275,15 +293,16 @@ class _StepResolver:
                 self._direct(name, d)
             return
         self._remember(self.others, rec.span_id, key, self.window)
-        for child, _ in children or ():
-            self._nested(child, key)
+        for child, d in children or ():
+            self._nested(child, key, d)
         parent = rec.parent_span_id
         if not parent:
             self.timings[key].root_count += 1
+            self.timings[key].add_in(PARENT_ROOT, dur_s)
         elif parent in self.steps:
             self._direct(key, dur_s)
         elif parent in self.others:
-            self._nested(key, self.others[parent])
+            self._nested(key, self.others[parent], dur_s)
         else:
             self.pending.setdefault(parent, []).append((key, dur_s))
             if len(self.pending) > self.window:
@@ -337,7 +356,8 @@ def summarize(
     step = DurationStats(exact_cap)
     ranks: dict[Resource, RankAgg] = {}
     series: dict[SeriesKey, SeriesAgg] = {}
-    counters: dict[str, int] = {}
+    latest: dict[tuple[str, Resource, Any], tuple[int, float]] = {}  # counter series -> last
+    over_limit = 0
     phases = _Phases()
     resolver = _StepResolver(timings, window)
     straggler_pass = StragglerPass()
@@ -388,17 +408,20 @@ def summarize(
             resolver.span(rec, dur_s, is_step, name)
             straggler_pass.span(rec)
         else:
-            if rec.kind == "sum" and rec.monotonic:
-                counters[rec.name] = counters.get(rec.name, 0) + 1
+            if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest point is the total
+                ckey = (rec.name, rec.resource, rec.attributes)
+                seen = latest.get(ckey)
+                if seen is None and len(latest) >= _MAX_SERIES:
+                    over_limit += 1
+                elif seen is None or rec.time_ns >= seen[0]:
+                    latest[ckey] = (rec.time_ns, rec.value)
                 continue
             scope = _scope_of(rec)
             key = (rec.resource.host, scope, rec.name, rec.attributes)
             agg = series.get(key)
             if agg is None:
                 if len(series) >= _MAX_SERIES:
-                    counters["(series over the limit)"] = (
-                        counters.get("(series over the limit)", 0) + 1
-                    )
+                    over_limit += 1
                     continue
                 agg = series[key] = SeriesAgg(
                     rec.resource.host, scope, rec.name, rec.unit, rec.attributes
@@ -416,6 +439,9 @@ def summarize(
             if last_ns is None or rec.time_ns > last_ns:
                 last_ns = rec.time_ns
     resolver.finish()
+    counters: dict[str, float] = {}
+    for (name, _resource, _attrs), (_time, value) in latest.items():
+        counters[name] = counters.get(name, 0.0) + value
     summary = RunSummary(
         files=files,
         read=read,
@@ -425,6 +451,7 @@ def summarize(
         series=series,
         phases=phases.result(),
         counters=counters,
+        series_over_limit=over_limit,
         first_ns=first_ns,
         last_ns=last_ns,
         unresolved_children=resolver.unresolved,

@@ -6,6 +6,7 @@ dependencies stay small; line charts with shaded phases and a bar chart are all 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from html import escape
@@ -45,10 +46,13 @@ def line_chart(
     y_scale: float = 1.0,
     width: int = 920,
     height: int = 230,
+    gaps: Sequence[tuple[float, float]] = (),
 ) -> str:
     """Lines over time (x in seconds since run start) on shaded phase bands.
 
-    The y axis tops at `y_max`, else at a round number of `y_scale` units (e.g. GiB).
+    The y axis tops at `y_max`, else at a round number of `y_scale` units (e.g. GiB). A line
+    is broken where one of `gaps` (start, end) begins between two of its points: a series
+    that does not run then (training steps during validation) is not drawn across it.
     """
     left, right, top, bottom = 70, 190, 28, 30
     pw, ph = width - left - right, height - top - bottom
@@ -70,6 +74,7 @@ def line_chart(
         f'<text x="{left}" y="16" font-size="13" font-weight="bold">{escape(title)}</text>',
     ]
     labels_seen: dict[str, str] = {}
+    band_labels: list[str] = []
     for label, start, end in phases:
         a, b = max(sx(start), left), min(sx(end), left + pw)
         if b <= a:
@@ -79,8 +84,13 @@ def line_chart(
             f'<rect x="{a:.1f}" y="{top}" width="{b - a:.1f}" height="{ph}" '
             f'fill="{fill}"><title>{escape(label)}</title></rect>'
         )
-        if b - a > 40:
-            out.append(f'<text x="{a + 3:.1f}" y="{top + 11}" fill="#555">{escape(label)}</text>')
+        if b - a > 40:  # drawn over every band, epochs on the first row, other phases below
+            row = 0 if label.startswith(("epoch ", "training")) else 1
+            band_labels.append(
+                f'<text x="{a + 3:.1f}" y="{top + 11 + 12 * row}" fill="#555">'
+                f"{escape(label)}</text>"
+            )
+    out.extend(band_labels)
     for i in range(5):  # y grid
         v = top_value * i / 4
         y = sy(v)
@@ -101,8 +111,8 @@ def line_chart(
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>')
     for i, (label, pts) in enumerate(series):
         color = PALETTE[i % len(PALETTE)]
-        if pts:
-            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        for segment in _split_at_gaps(pts, gaps):
+            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in segment)
             out.append(
                 f'<polyline points="{path}" fill="none" stroke="{color}" '
                 f'stroke-width="1.5"><title>{escape(label)}</title></polyline>'
@@ -116,6 +126,23 @@ def line_chart(
             out.append(f'<text x="{left + pw + 28}" y="{ly}">{escape(label[:30])}</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def _split_at_gaps(
+    pts: Sequence[tuple[float, float]], gaps: Sequence[tuple[float, float]]
+) -> list[list[tuple[float, float]]]:
+    starts = sorted(start for start, _end in gaps)
+    segments: list[list[tuple[float, float]]] = []
+    for x, y in pts:
+        if segments:
+            prev = segments[-1][-1][0]
+            i = bisect.bisect_right(starts, prev)
+            if i < len(starts) and starts[i] < x:
+                segments.append([])
+        else:
+            segments.append([])
+        segments[-1].append((x, y))
+    return segments
 
 
 def bar_chart(

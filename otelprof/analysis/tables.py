@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from otelprof.analysis.summary import STEP_SPAN, RunSummary, SeriesAgg
+from otelprof.analysis.quantiles import DurationStats
+from otelprof.analysis.summary import PARENT_ROOT, PARENT_STEP, STEP_SPAN, RunSummary, SeriesAgg
 
 
 @dataclass
@@ -42,6 +43,21 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     other: list[TimingRow] = []
     for agg in summary.timings.values():
         s = agg.stats
+        if len(agg.by_parent) > 1:  # one row per parent: no total beyond any parent's own
+            kept = sum(stats.count for stats in agg.by_parent.values())
+            # traces sampled out: the kept ones split the histogram's exact count and total
+            scale = s.count / kept if kept and s.count > kept else 1.0
+            for parent, stats in agg.by_parent.items():
+                row = _row(agg.name, _where(parent), stats)
+                if scale != 1.0:
+                    row.count, row.total_s = round(row.count * scale), row.total_s * scale
+                    row.exact = False
+                if parent == PARENT_STEP:
+                    row.share = summary.share(agg.name)
+                    direct.append(row)
+                else:
+                    other.append(row)
+            continue
         if agg.direct_count:
             level = "in step" if not agg.nested_count else "in step + nested"
         elif agg.nested_count:
@@ -82,6 +98,18 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
         )
     rows.extend(other)
     return rows
+
+
+def _where(parent: str) -> str:
+    if parent == PARENT_STEP:
+        return "in step"
+    return "top level" if parent == PARENT_ROOT else f"in {parent}"
+
+
+def _row(name: str, level: str, s: DurationStats) -> TimingRow:
+    return TimingRow(
+        name, level, s.count, s.mean, s.percentile(50), s.percentile(95), s.total, None, s.exact
+    )
 
 
 def hardware_series(summary: RunSummary) -> list[SeriesAgg]:

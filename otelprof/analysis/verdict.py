@@ -16,6 +16,7 @@ from otelprof.analysis.summary import RunSummary
 UNTIMED = "(untimed)"
 _COPY_NAMES = ("to_device", "from_device")
 _GPU_BUSY = 0.7
+_OTHERS_BUSY = 0.3  # host CPU beyond the process's own, as a share of all CPUs
 
 
 @dataclass
@@ -29,12 +30,41 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _hardware_clause(gpu: float | None, cpu: float | None) -> str:
+def _hardware_clause(gpu: float | None, cpu: float | None, proc: float | None = None) -> str:
+    """The hardware figure that tells the story: the GPU's, else the training process's own
+    CPU (on a shared machine the host's CPU says little about this job), the host's named so."""
     if gpu is not None:
         return f"GPU utilization averages {_pct(gpu)}"
+    if proc is not None:
+        host = f"; the host's CPUs are {_pct(cpu)} busy, all processes" if cpu is not None else ""
+        return (
+            f"the training process uses {_pct(proc)} of the usable CPUs{host} "
+            "(no GPU metrics in this run)"
+        )
     if cpu is not None:
-        return f"CPU utilization averages {_pct(cpu)} (no GPU metrics in this run)"
+        return (
+            f"the host's CPUs are {_pct(cpu)} busy, all processes (no process or GPU metrics "
+            "in this run)"
+        )
     return "no hardware metrics in this run"
+
+
+def _contended(cpu: float | None, proc: float | None) -> bool:
+    return proc is not None and cpu is not None and cpu - proc >= _OTHERS_BUSY
+
+
+def _cpu_evidence(cpu: float | None, proc: float | None) -> list[str]:
+    out = []
+    if proc is not None:
+        out.append(f"the training process's own CPU utilization averages {_pct(proc)}")
+    if cpu is not None:
+        out.append(f"host CPU utilization (all processes) averages {_pct(cpu)}")
+    if proc is not None and cpu is not None and _contended(cpu, proc):
+        out.append(
+            f"other processes keep the host busy ({_pct(cpu - proc)} of its CPUs beyond this "
+            "job's): training may be competing for CPU"
+        )
+    return out
 
 
 def direct_shares(summary: RunSummary) -> dict[str, float]:
@@ -47,6 +77,14 @@ def direct_shares(summary: RunSummary) -> dict[str, float]:
 
 
 def _stragglers(summary: RunSummary) -> list[str]:
+    """Straggler evidence from one analysis: the collectives' (stragglers.py) when ranks
+    timed collectives, since synchronous ranks' step times are equal by construction;
+    step-time means only for ranks that never wait for each other."""
+    report = summary.stragglers
+    if report is not None and report.straggler is not None:
+        return report.evidence()
+    if report is not None and sum(1 for r in report.ranks if r.wait_s > 0) >= 2:
+        return []  # the ranks wait for each other alike: no straggler
     means = {r.resource.label: r.steps.mean for r in summary.ranks.values() if r.steps.count}
     if len(means) < 2:
         return []
@@ -56,7 +94,8 @@ def _stragglers(summary: RunSummary) -> list[str]:
         if others > 0 and m >= 1.25 * others:
             out.append(
                 f"straggler: {label} takes {m * 1e3:.1f} ms per step, {m / others:.2f}x the "
-                f"median of the other ranks ({others * 1e3:.1f} ms)"
+                f"median of the other ranks ({others * 1e3:.1f} ms; step time: no collectives "
+                "were timed to show who waits)"
             )
     return out
 
@@ -65,7 +104,8 @@ def judge(summary: RunSummary) -> Verdict:
     """Name the main bottleneck of a run."""
     gpu = summary.gauge_mean("hw.gpu.utilization")
     cpu = summary.gauge_mean("system.cpu.utilization")
-    hw = _hardware_clause(gpu, cpu)
+    proc = summary.gauge_mean("process.cpu.utilization")
+    hw = _hardware_clause(gpu, cpu, proc)
     shares = direct_shares(summary)
     evidence = [
         f"{name} takes {_pct(share)} of step time"
@@ -73,8 +113,7 @@ def judge(summary: RunSummary) -> Verdict:
     ]
     if gpu is not None:
         evidence.append(f"GPU utilization averages {_pct(gpu)}")
-    if cpu is not None:
-        evidence.append(f"host CPU utilization averages {_pct(cpu)}")
+    evidence.extend(_cpu_evidence(cpu, proc))
     evidence.extend(_stragglers(summary))
     if summary.unresolved_children:
         evidence.append(
@@ -124,6 +163,13 @@ def judge(summary: RunSummary) -> Verdict:
             evidence,
         )
     if name == "train_batch":
+        if gpu is None and _contended(cpu, proc):
+            return Verdict(
+                "compute bound, CPU contended",
+                f"compute bound, CPU contended: train_batch takes {_pct(share)} of step time "
+                f"while {hw}: other work on this machine slows training",
+                evidence,
+            )
         if gpu is None:
             return Verdict(
                 "compute bound",

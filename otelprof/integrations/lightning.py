@@ -209,6 +209,11 @@ class _OtelprofProfiler(Profiler):
     def teardown(self, stage: str | None) -> None:
         self.inner.teardown(stage)
 
+    def __del__(self) -> None:
+        """Nothing: the trainer owns the inner profiler. Lightning's `Profiler.__del__` tears
+        its profiler down; inherited here, dropping the wrapper at the callback's teardown ended
+        the inner PyTorch profiler before the trainer's `describe()`, which then failed."""
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)
 

@@ -8,8 +8,10 @@ open across a boundary stays in the trace of the step it started in.
 
 Edges: nothing is recorded before `start()` or after `shutdown()`. The first step's span
 starts at its first range rather than at `start()` (model building and other set-up between
-`instrument()` and the first batch are not step time); the trailing step (last `step()` to
-`shutdown()`) is exported only if a range was recorded in it, and ends at its last range.
+`instrument()` and the first batch are not step time). A step is exactly what `step()`
+delimits: the time from the last `step()` to `shutdown()` (a final barrier, an evaluation)
+is no step; its ranges, if any, are exported in phase `after_training`, under a root span of
+that name ending at its last range. A run that never calls `step()` is one step.
 Ranges still open at shutdown are not exported.
 
 Phases (`set_phase`): every span carries `otelprof.phase` ("train" by default). Entering
@@ -35,6 +37,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 
 from otelprof import _torch_compat
+from otelprof._schema import PHASE_AFTER_TRAINING
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
@@ -188,6 +191,8 @@ class TimingsEngine:
             self._builder.flush(timeout)
             if ctx is not None and (ctx.has_children or ctx.frames):
                 ctx.trim_end = True
+                if ctx.phase == rec.PHASE_TRAIN and self._step > 0:
+                    ctx.phase = PHASE_AFTER_TRAINING  # after the last step(): no step
                 rec.recorder.emit_step(ctx, end)
             self._builder.stop(timeout)
         finally:
