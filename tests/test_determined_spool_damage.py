@@ -164,16 +164,26 @@ def test_an_existing_spool_directory_open_to_others_is_tightened(tmp_path: Path)
 def test_the_run_directory_is_owner_only_unless_shared(
     tmp_path: Path, shared: bool, mode: int
 ) -> None:
-    from otelprof.config import Settings
+    import otelprof
 
     old = os.umask(0o022)
-    try:
-        settings = Settings.from_options(
-            env={}, output_dir=str(tmp_path), run_id="r1", shared_run_dir=shared
+    try:  # the run directory is made when the run starts (validating settings makes nothing)
+        prof = otelprof.instrument(
+            output_dir=str(tmp_path),
+            run_id="r1",
+            shared_run_dir=shared,
+            host_metrics=False,
+            process_metrics=False,
+            gpus="none",
+            timings=False,
         )
     finally:
         os.umask(old)
-    assert stat.S_IMODE(settings.run_dir.stat().st_mode) == mode
+    try:
+        assert prof.run_dir is not None
+        assert stat.S_IMODE(prof.run_dir.stat().st_mode) == mode
+    finally:
+        prof.shutdown()
 
 
 def test_a_master_token_file_others_can_read_is_warned_about(

@@ -37,6 +37,7 @@ class TimingsRun:
 
 def start_run(tmp_path: Path, start: bool = True, **options: Any) -> TimingsRun:
     settings = Settings.from_options(output_dir=str(tmp_path), run_id="run", env={}, **options)
+    tmp_path.mkdir(parents=True, exist_ok=True)  # validating settings creates nothing
     path = tmp_path / "traces.jsonl"
     targets = SpanTargets()  # as the Profiler builds it: the provider's active processor
     provider = TracerProvider(
