@@ -246,6 +246,7 @@ class SyntheticGpuFeed:
             ),
             nvml=FakeNvml(self.gpus),
             env={},
+            training=_job_training,  # the job's steps and phase, as the Profiler hands them
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drive, name="fake-nvml", daemon=True)
@@ -286,6 +287,15 @@ class SyntheticGpuFeed:
         self.provider.force_flush()
         self.handle.close()
         self.provider.shutdown()
+
+
+def _job_training() -> tuple[int, str] | None:
+    """(steps completed, phase) of the job's running profiler, for the GPU per-step and
+    idle-by-phase figures (what `_Session` passes its own GPU sampler)."""
+    from otelprof._profiler import active_profiler
+
+    prof = active_profiler()
+    return prof._session._training_progress() if prof is not None else None
 
 
 @contextlib.contextmanager
