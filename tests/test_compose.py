@@ -252,8 +252,17 @@ def test_collector_sends_traces_to_tempos_otlp_port_and_the_bridge_to_its_listen
     tempo = tempo_config.load()  # as Tempo expands it, compose's defaults
     tempo_grpc = tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     assert env["OTELCOL_TEMPO_ENDPOINT"] == f"tempo:{_port(tempo_grpc)}"
-    bridge_listen = services["determined-bridge"]["environment"]["OTELPROF_BRIDGE_LISTEN"]
-    assert env["OTELCOL_DETERMINED_BRIDGE_ENDPOINT"] == f"determined-bridge:{_port(bridge_listen)}"
+    bridge = services["determined-bridge"]
+    bridge_listen = bridge["environment"]["OTELPROF_BRIDGE_LISTEN"]
+    # the bridge refuses to listen beyond loopback without TLS: it joins the collector's
+    # network namespace and listens on its loopback, where only the collector reaches it
+    assert bridge["network_mode"] == "service:otelcol"
+    assert bridge_listen.startswith("127.0.0.1:")
+    assert env["OTELCOL_DETERMINED_BRIDGE_ENDPOINT"] == bridge_listen
+    # one token, given to both: the bridge's token file and the collector's bearer header
+    assert env["OTELCOL_DETERMINED_BRIDGE_TOKEN"] == bridge["environment"]["OTELPROF_BRIDGE_TOKEN"]
+    script = " ".join(bridge["entrypoint"])
+    assert "--ingest-tokens" in script and "umask 077" in script
     tempo_http = tempo["server"]["http_listen_port"]
     assert tempo_http in _published(services["tempo"])
     mounted = {
