@@ -22,7 +22,8 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import TracerProvider
 
-from otelprof._run_end import DeferredSigterm, EndRecord, RunEndWatcher
+from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
+from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
 from otelprof.resource import build_resource
@@ -170,21 +171,46 @@ class Profiler:
         self._shutdown(self._run_end.end_record("shutdown"))
 
     def _shutdown(self, end: EndRecord) -> None:
+        """Flush and stop everything, then write the run's end; returns within the export
+        timeout + SHUTDOWN_MARGIN_S whatever hangs (otelprof/_bounded.py). A SIGTERM or
+        SIGINT meanwhile waits until the end is written (DeferredSignals), then acts."""
         global _active
-        with _lock:
-            if self._shutdown_done:
-                return
-            self._shutdown_done = True
-            if _active is self:
-                _active = None
+        with DeferredSignals() as deferred:
+            with _lock:
+                if self._shutdown_done:
+                    return
+                self._shutdown_done = True
+                if _active is self:
+                    _active = None
+            with contextlib.suppress(Exception):
+                self._run_end.uninstall(deferred)
+            timeout = self.settings.export_timeout_s
+            if not run_within(lambda: self._flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
+                self._abandon_flush(end)
+            if deferred.received is not None:
+                end["signal_during_shutdown"] = deferred.received_name
+            stats = self.stats()
+            if self.settings.detached:
+                finished = run_within(lambda: self._finalize_files(end, stats), FINALIZE_S, "end")
+                if not finished:
+                    _log.warning(
+                        "otelprof: writing the run's end to %s did not finish in %.1f s "
+                        "(a hung file system?); abandoned",
+                        self.settings.run_dir,
+                        FINALIZE_S,
+                    )
+        if stats["dropped_total"]:
+            lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
+            _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+
+    def _flush_all(self, end: EndRecord) -> None:
+        """Shutdown's work, on its own thread (see `_shutdown`)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
-        # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
+        # unfinished
         with contextlib.suppress(Exception):
             self._mark_end(end)
-        with contextlib.suppress(Exception):
-            self._run_end.uninstall()
-        # Flushing gets one export timeout in all; exports still retrying after that (a
-        # collector that is down) are abandoned and what they held is counted as dropped.
+        # Exports still retrying after one export timeout (a collector that is down) are
+        # abandoned and what they held is counted as dropped.
         watchdog = threading.Timer(self.settings.export_timeout_s, self._pipelines.abandon_exports)
         watchdog.daemon = True
         watchdog.start()
@@ -198,22 +224,47 @@ class Profiler:
             ("system metrics", self._system.close if self._system else None),
             ("exporter resources", self._pipelines.close),
         ]
-        with DeferredSigterm():  # a launcher's SIGTERM now would lose the held lines
-            for what, action in steps:
-                if action is None:
-                    continue
-                try:
-                    action()
-                except Exception as error:
-                    _log.warning("otelprof: shutting down %s raised %r", what, error)
-            watchdog.cancel()
-        stats = self.stats()
-        if self.settings.detached:
-            with contextlib.suppress(Exception):
-                self._write_run_info(stats)
-        if stats["dropped_total"]:
-            lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
-            _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+        for what, action in steps:
+            if action is None:
+                continue
+            try:
+                action()
+            except Exception as error:
+                _log.warning("otelprof: shutting down %s raised %r", what, error)
+        watchdog.cancel()
+
+    def _abandon_flush(self, end: EndRecord) -> None:
+        """The flush outlived its bound (a hung write, an export that ignores its timeout):
+        give it up, counting what the writers held, so shutdown() returns."""
+        _log.warning(
+            "otelprof: flushing did not finish within export_timeout (%.1f s) + %.1f s; "
+            "abandoned, what it still held is counted as dropped",
+            self.settings.export_timeout_s,
+            FLUSH_GRACE_S,
+        )
+        end["flush_timed_out"] = True
+        self._counters.add("shutdown.flush_timeouts")
+        with contextlib.suppress(Exception):
+            self._pipelines.abandon_exports()
+        with contextlib.suppress(Exception):
+            self._pipelines.abandon_files()
+
+    def _finalize_files(self, end: EndRecord, stats: dict[str, int]) -> None:
+        """The run's end into the metrics file (closing record), then into run.json."""
+        self._end = end
+        metrics = self._pipelines.files.get("metrics")
+        if metrics is not None:
+            from otelprof.export._closing import write_closing_record
+
+            write_closing_record(
+                metrics,
+                dict(self.resource.attributes),
+                end,
+                stats,
+                compress=bool(getattr(self.settings, "compress", False)),
+                max_bytes=getattr(self.settings, "max_metrics_bytes", None),
+            )
+        self._write_run_info(stats)
 
     def __enter__(self) -> Profiler:
         return self
@@ -327,8 +378,9 @@ class Profiler:
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
         )
 
-    def _mark_end(self, end: EndRecord) -> None:
-        """Write how the run is ending before flushing, so a kill mid-flush keeps it."""
+    def _mark_end(self, end: EndRecord | None) -> None:
+        """Write how the run is ending before flushing, so a kill mid-flush keeps it
+        (None: a SIGTERM the program survived was not its end after all)."""
         self._end = end
         if self.settings.detached:
             self._write_run_info()
@@ -361,8 +413,19 @@ class Profiler:
         )
         path = s.run_dir / f"run{suffix}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
+            tmp.replace(path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._counters.warn_once(
+                "run_json.write_error",
+                "otelprof: cannot write %s (%s); the run's end and drop counts go to the "
+                "metrics file's closing record instead, which `otelprof report` reads",
+                path,
+                error,
+            )
 
 
 class _BorrowedProfiler(Profiler):

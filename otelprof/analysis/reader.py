@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from otelprof._closing_record import completed_by_closing_record
 from otelprof.analysis.aggregates import METRIC_NAME as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist
@@ -104,8 +105,8 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                 if warn:
                     warn(f"{info_path}: unreadable ({exc}); ignored")
                 continue
-            if isinstance(info, dict):
-                infos.append(info)
+            if isinstance(info, dict):  # a failed final rewrite: the data file tells the end
+                infos.append(completed_by_closing_record(info, path))
             elif warn:
                 warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
