@@ -20,8 +20,9 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
+from otelprof import _limits
 from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
 from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
 from otelprof.config import Settings
@@ -83,7 +84,12 @@ class Profiler:
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self._pipelines.metric_readers
         )
-        self.tracer_provider = TracerProvider(resource=self.resource)
+        # string attributes cut at the OTel value length limit, counted (otelprof/_limits.py)
+        self._truncated_before = _limits.truncated
+        limit = _limits.refresh()
+        self.tracer_provider = TracerProvider(
+            resource=self.resource, span_limits=SpanLimits(max_attribute_length=limit)
+        )
         for processor in self._pipelines.span_processors:
             self.tracer_provider.add_span_processor(processor)
         self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
@@ -163,6 +169,7 @@ class Profiler:
             with contextlib.suppress(Exception):
                 for key, value in self._timings.stats().items():
                     counts[f"timings.{key}"] = int(value)
+        counts["timings.attributes_truncated"] = _limits.truncated - self._truncated_before
         counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
         return counts
 

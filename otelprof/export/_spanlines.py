@@ -333,7 +333,7 @@ class SpanLineWriter:
         elif outcome == GONE:
             self._counters.add(f"{self.name}.spans_dropped_run_dir_gone", len(spans))
             self._counters.warn_once(
-                f"{self.name}.run_dir_gone",
+                f"{self.name}.traces_run_dir_gone",
                 "otelprof: %s was deleted or replaced (its run directory removed?); later "
                 "spans are dropped and counted",
                 self.path,
@@ -341,7 +341,7 @@ class SpanLineWriter:
         else:
             self._counters.add(f"{self.name}.spans_failed", len(spans))
             self._counters.warn_once(
-                f"{self.name}.write_error",
+                f"{self.name}.traces_write_error",
                 "otelprof: writing %s failed (%s); the file is kept whole (no partial line), "
                 "lost spans are counted, and writing resumes when it can",
                 self.path,

@@ -37,6 +37,8 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar
 
+from otelprof import _limits
+
 # frame layout (a list, for cheap construction and in-place completion)
 F_NAME = 0
 F_SPAN = 1  # int span id; 0 until the builder assigns one (no randomness on the hot path)
@@ -481,7 +483,8 @@ class Timing:
         if not isinstance(name, str) or not name:
             raise ValueError(f"timing: name must be a non-empty string, got {name!r}")
         self.name = name
-        self.attributes = attributes or None
+        # long strings cut here: they wait in the queues until written (otelprof/_limits.py)
+        self.attributes = _limits.limit_attributes(attributes) if attributes else None
 
     def __enter__(self) -> Timing:
         ctx = current
