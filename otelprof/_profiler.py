@@ -206,9 +206,9 @@ class Profiler:
                         self.settings.run_dir,
                         FINALIZE_S,
                     )
-        if stats["dropped_total"]:
-            lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
-            _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+            if stats["dropped_total"]:  # (before a deferred signal acts)
+                lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
+                _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
 
     def _flush_all(self, end: EndRecord) -> None:
         """Shutdown's work, on its own thread (see `_shutdown`)."""
@@ -255,6 +255,11 @@ class Profiler:
             self._pipelines.abandon_exports()
         with contextlib.suppress(Exception):
             self._pipelines.abandon_files()
+        if self._timings is not None:  # ranges the span builder never got to
+            with contextlib.suppress(Exception):
+                queued = int(self._timings.stats().get("spans_queued", 0))
+                if queued:
+                    self._counters.add("timings.spans_dropped_shutdown_timeout", queued)
 
     def _finalize_files(self, end: EndRecord, stats: dict[str, int]) -> None:
         """The run's end into the metrics file (closing record), then into run.json."""
