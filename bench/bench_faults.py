@@ -137,6 +137,7 @@ def run(name: str, checkout: Path, seconds: float) -> dict[str, object]:
                 capture_output=True,
                 text=True,
                 env=env,
+                cwd=str(checkout),  # `-c` puts the working directory first on the path
                 timeout=180,
             )
         except subprocess.TimeoutExpired:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from otelprof._closing_record import completed_by_closing_record
+from otelprof._closing_record import CLOSING_METRIC, completed_by_closing_record
 from otelprof.analysis.aggregates import METRIC_NAME as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist
@@ -426,6 +426,8 @@ def _points_of(
                 try:
                     name = str(metric["name"])
                     unit = str(metric.get("unit", ""))
+                    if name == CLOSING_METRIC:
+                        continue  # the run's end (read with run.json), not a hardware gauge
                     if "gauge" in metric:
                         kind, data, mono = "gauge", metric["gauge"], False
                     elif "sum" in metric:
