@@ -18,6 +18,18 @@ TAIL_BYTES = 1 << 20
 """A plain metrics file's closing record is looked for in its last MiB (it is ~1-3 KB)."""
 
 
+def is_closing_request(request: Any) -> bool:
+    """Whether a parsed metrics line is a closing record (one resource, scope and metric:
+    `otelprof.run.end`). `replay` leaves it out: a live run never sends it."""
+    try:
+        (rm,) = request["resourceMetrics"]
+        (sm,) = rm["scopeMetrics"]
+        (metric,) = sm["metrics"]
+    except (KeyError, TypeError, ValueError):
+        return False
+    return isinstance(metric, dict) and metric.get("name") == CLOSING_METRIC
+
+
 def _last_line(path: Path) -> bytes | None:
     try:
         if path.name.endswith(".gz"):
