@@ -39,5 +39,9 @@ def run_within(work: Callable[[], None], seconds: float, name: str) -> bool:
             done.set()
 
     thread = threading.Thread(target=run, name=f"otelprof-{name}", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # no new threads at interpreter exit (Python 3.12+ atexit): inline
+        run()
+        return True
     return done.wait(seconds)

@@ -330,3 +330,20 @@ def test_shutdown_returns_within_its_bound_when_the_collector_hangs(tmp_path: Pa
     result = _child_stats(HUNG_COLLECTOR, tmp_path, timeout=90)
     assert result["took"] < 2 + SHUTDOWN_MARGIN_S + 3, result
     assert result["dropped_total"] > 0, result
+
+
+def test_a_compressed_runs_closing_record_tells_its_end_when_run_json_cannot_be_rewritten(
+    tmp_path: Path,
+) -> None:
+    prof = otelprof.instrument(output_dir=tmp_path, interval=0.1, compress=True)
+    run_dir = prof.run_dir
+    assert run_dir is not None
+    for _ in range(10):
+        with otelprof.timing("train_batch"):
+            time.sleep(0.002)
+        prof.step()
+    (run_dir / f"run.tmp{os.getpid()}").mkdir()
+    prof.shutdown()
+    read_lines(run_dir / "metrics.jsonl.gz")  # whole gzip members, closing record included
+    (info,) = open_run([run_dir]).run_info
+    assert info["end"]["status"] == "clean" and info["stats"]["timings.steps"] == 10, info
