@@ -76,6 +76,13 @@ def fill(mount: Path) -> Path:
     return ballast
 
 
+def train(prof: Any, steps: int) -> None:
+    for _ in range(steps):
+        with otelprof.timing("train_batch"):
+            time.sleep(0.002)
+        prof.step()
+
+
 def spans_in(path: Path) -> int:
     return len(read_spans(path))
 
@@ -129,18 +136,18 @@ def test_metric_exports_on_a_full_disk_warn_once_without_a_traceback_and_are_cou
     run_dir = prof.run_dir
     assert run_dir is not None
 
-    def train(seconds: float) -> None:
+    def train_for(seconds: float) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             with otelprof.timing("train_batch", note="x" * 500):
                 time.sleep(0.002)
             prof.step()
 
-    train(0.5)
+    train_for(0.5)
     ballast = fill(small_fs)
-    train(2.5)
+    train_for(2.5)
     ballast.unlink()
-    train(1.5)
+    train_for(1.5)
     prof.shutdown()
     stats = prof.stats()
     assert stats["files.metric_points_dropped_write_error"] > 0, stats
@@ -163,16 +170,10 @@ def test_a_deleted_run_directory_is_noticed_logged_once_and_its_losses_counted(
     prof = otelprof.instrument(output_dir=tmp_path, interval=0.1, trace_budget=float("inf"))
     run_dir = prof.run_dir
     assert run_dir is not None
-    for _ in range(50):
-        with otelprof.timing("train_batch"):
-            time.sleep(0.002)
-        prof.step()
+    train(prof, 50)
     time.sleep(0.3)
     shutil.rmtree(run_dir)
-    for _ in range(200):
-        with otelprof.timing("train_batch"):
-            time.sleep(0.002)
-        prof.step()
+    train(prof, 200)
     prof.shutdown()
     stats = prof.stats()
     assert stats["files.spans_dropped_run_dir_gone"] > 0, stats
@@ -191,19 +192,13 @@ def test_a_read_only_run_directory_is_logged_with_the_reason_and_losses_are_coun
     prof = otelprof.instrument(output_dir=tmp_path, interval=0.1, trace_budget=float("inf"))
     run_dir = prof.run_dir
     assert run_dir is not None
-    for _ in range(30):
-        with otelprof.timing("train_batch"):
-            time.sleep(0.002)
-        prof.step()
+    train(prof, 30)
     # Linux refuses to remount a file system read-only while files on it are open for
     # writing; a read-only file system mounted over the run directory is what the process
     # then sees at that path (as after an errors=remount-ro), its open files left behind.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run_dir)], check=True)
     try:
-        for _ in range(200):
-            with otelprof.timing("train_batch"):
-                time.sleep(0.002)
-            prof.step()
+        train(prof, 200)
         prof.shutdown()
     finally:
         subprocess.run(["umount", "-l", str(run_dir)], capture_output=True)
@@ -222,10 +217,7 @@ def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_clo
     prof = otelprof.instrument(output_dir=tmp_path, interval=0.1)
     run_dir = prof.run_dir
     assert run_dir is not None
-    for _ in range(20):
-        with otelprof.timing("train_batch"):
-            time.sleep(0.002)
-        prof.step()
+    train(prof, 20)
     (run_dir / f"run.tmp{os.getpid()}").mkdir()  # where run.json is rewritten: EISDIR
     prof.shutdown()
     messages = [r.getMessage() for r in caplog.records]
@@ -251,7 +243,7 @@ def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_clo
 
 def _child_stats(script: str, tmp_path: Path, timeout: float) -> dict[str, Any]:
     path = tmp_path / "child.py"
-    path.write_text(script)
+    path.write_text(CHILD_PRELUDE + script)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     done = subprocess.run(
@@ -266,29 +258,35 @@ def _child_stats(script: str, tmp_path: Path, timeout: float) -> dict[str, Any]:
     return result
 
 
-HUNG_WRITE = """
-import json, sys, threading, time
+CHILD_PRELUDE = """
+import json, socket, sys, threading, time
 import otelprof
+
+def train(prof, steps):
+    for _ in range(steps):
+        with otelprof.timing("train_batch"):
+            time.sleep(0.002)
+        prof.step()
+
+def report_shutdown(prof):
+    start = time.monotonic()
+    prof.shutdown()
+    took = time.monotonic() - start
+    print(json.dumps({"took": took, **prof.stats()}))
+"""
+
+HUNG_WRITE = """
 from otelprof.export import _spanlines
 
 prof = otelprof.instrument(output_dir=sys.argv[1], interval=0.2, export_timeout=2,
                            trace_budget=float("inf"))
-for _ in range(50):
-    with otelprof.timing("train_batch"):
-        time.sleep(0.002)
-    prof.step()
+train(prof, 50)
 frozen = threading.Event()
 def hung_write(self, header, spans):  # a write into a frozen file system: never returns
     frozen.wait()
 _spanlines.SpanLineWriter._write_line = hung_write
-for _ in range(50):
-    with otelprof.timing("train_batch"):
-        time.sleep(0.002)
-    prof.step()
-start = time.monotonic()
-prof.shutdown()
-took = time.monotonic() - start
-print(json.dumps({"took": took, **prof.stats()}))
+train(prof, 50)
+report_shutdown(prof)
 """
 
 
@@ -304,23 +302,14 @@ def test_shutdown_returns_within_its_bound_when_file_writes_hang(tmp_path: Path)
 
 
 HUNG_COLLECTOR = """
-import json, socket, sys, time
-import otelprof
-
 silent = socket.socket()  # accepts connections and never answers: a hung collector
 silent.bind(("127.0.0.1", 0))
 silent.listen(64)
 port = silent.getsockname()[1]
 prof = otelprof.instrument(endpoint=f"http://127.0.0.1:{port}", insecure=True, interval=0.2,
                            export_timeout=2, trace_budget=float("inf"), detached=False)
-for _ in range(300):
-    with otelprof.timing("train_batch"):
-        time.sleep(0.001)
-    prof.step()
-start = time.monotonic()
-prof.shutdown()
-took = time.monotonic() - start
-print(json.dumps({"took": took, **prof.stats()}))
+train(prof, 300)
+report_shutdown(prof)
 """
 
 
@@ -338,10 +327,7 @@ def test_a_compressed_runs_closing_record_tells_its_end_when_run_json_cannot_be_
     prof = otelprof.instrument(output_dir=tmp_path, interval=0.1, compress=True)
     run_dir = prof.run_dir
     assert run_dir is not None
-    for _ in range(10):
-        with otelprof.timing("train_batch"):
-            time.sleep(0.002)
-        prof.step()
+    train(prof, 10)
     (run_dir / f"run.tmp{os.getpid()}").mkdir()
     prof.shutdown()
     read_lines(run_dir / "metrics.jsonl.gz")  # whole gzip members, closing record included
