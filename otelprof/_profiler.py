@@ -23,10 +23,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
 from otelprof import _limits
-from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
 from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
+from otelprof._shutdown import finish_run
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
+from otelprof.export.counters import is_loss as _is_loss
 from otelprof.resource import build_resource
 
 _log = logging.getLogger("otelprof")
@@ -179,7 +180,7 @@ class Profiler:
 
     def _shutdown(self, end: EndRecord) -> None:
         """Flush and stop everything, then write the run's end; returns within the export
-        timeout + SHUTDOWN_MARGIN_S whatever hangs (otelprof/_bounded.py). A SIGTERM or
+        timeout + SHUTDOWN_MARGIN_S whatever hangs (otelprof/_shutdown.py). A SIGTERM or
         SIGINT meanwhile waits until the end is written (DeferredSignals), then acts."""
         global _active
         with DeferredSignals() as deferred:
@@ -191,27 +192,10 @@ class Profiler:
                     _active = None
             with contextlib.suppress(Exception):
                 self._run_end.uninstall(deferred)
-            timeout = self.settings.export_timeout_s
-            if not run_within(lambda: self._flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
-                self._abandon_flush(end)
-            if deferred.received is not None:
-                end["signal_during_shutdown"] = deferred.received_name
-            stats = self.stats()
-            if self.settings.detached:
-                finished = run_within(lambda: self._finalize_files(end, stats), FINALIZE_S, "end")
-                if not finished:
-                    _log.warning(
-                        "otelprof: writing the run's end to %s did not finish in %.1f s "
-                        "(a hung file system?); abandoned",
-                        self.settings.run_dir,
-                        FINALIZE_S,
-                    )
-            if stats["dropped_total"]:  # (before a deferred signal acts)
-                lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
-                _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+            finish_run(self, end, deferred)  # otelprof/_shutdown.py
 
     def _flush_all(self, end: EndRecord) -> None:
-        """Shutdown's work, on its own thread (see `_shutdown`)."""
+        """Shutdown's work, on its own thread (otelprof/_shutdown.py bounds it)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished
         with contextlib.suppress(Exception):
@@ -239,44 +223,6 @@ class Profiler:
             except Exception as error:
                 _log.warning("otelprof: shutting down %s raised %r", what, error)
         watchdog.cancel()
-
-    def _abandon_flush(self, end: EndRecord) -> None:
-        """The flush outlived its bound (a hung write, an export that ignores its timeout):
-        give it up, counting what the writers held, so shutdown() returns."""
-        _log.warning(
-            "otelprof: flushing did not finish within export_timeout (%.1f s) + %.1f s; "
-            "abandoned, what it still held is counted as dropped",
-            self.settings.export_timeout_s,
-            FLUSH_GRACE_S,
-        )
-        end["flush_timed_out"] = True
-        self._counters.add("shutdown.flush_timeouts")
-        with contextlib.suppress(Exception):
-            self._pipelines.abandon_exports()
-        with contextlib.suppress(Exception):
-            self._pipelines.abandon_files()
-        if self._timings is not None:  # ranges the span builder never got to
-            with contextlib.suppress(Exception):
-                queued = int(self._timings.stats().get("spans_queued", 0))
-                if queued:
-                    self._counters.add("timings.spans_dropped_shutdown_timeout", queued)
-
-    def _finalize_files(self, end: EndRecord, stats: dict[str, int]) -> None:
-        """The run's end into the metrics file (closing record), then into run.json."""
-        self._end = end
-        metrics = self._pipelines.files.get("metrics")
-        if metrics is not None:
-            from otelprof.export._closing import write_closing_record
-
-            write_closing_record(
-                metrics,
-                dict(self.resource.attributes),
-                end,
-                stats,
-                compress=bool(getattr(self.settings, "compress", False)),
-                max_bytes=getattr(self.settings, "max_metrics_bytes", None),
-            )
-        self._write_run_info(stats)
 
     def __enter__(self) -> Profiler:
         return self
@@ -485,10 +431,6 @@ def _degrade(what: str, start: Any) -> Any:
 
 def _int_attribute(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _is_loss(key: str) -> bool:
-    return "dropped" in key or "failed" in key
 
 
 def instrument(**options: Any) -> Profiler:
