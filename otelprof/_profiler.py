@@ -26,9 +26,10 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
-from otelprof._run_end import DeferredSigterm, EndRecord, RunEndWatcher
+from otelprof import _limits
+from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
 from otelprof._schema import (
     ATTR_ATTEMPT,
     ATTR_LOCAL_RANK,
@@ -40,9 +41,11 @@ from otelprof._schema import (
     SCOPE,
     TELEMETRY_DROPPED,
 )
+from otelprof._shutdown import finish_run
 from otelprof._throughput import ThroughputTracker
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
+from otelprof.export.counters import is_loss as _is_loss
 from otelprof.export.wiring import file_names, file_suffix
 from otelprof.resource import build_resource
 from otelprof.timings._targets import SpanTargets
@@ -131,8 +134,12 @@ class _Session:
             self.span_targets.add_span_processor(
                 processor, self.pipelines.frame_sinks.get(processor)
             )
+        # string attributes cut at the OTel value length limit, counted (otelprof/_limits.py)
+        self._truncated_before = _limits.truncated
         self.tracer_provider = TracerProvider(
-            resource=self.resource, active_span_processor=self.span_targets
+            resource=self.resource,
+            active_span_processor=self.span_targets,
+            span_limits=SpanLimits(max_attribute_length=_limits.refresh()),
         )
         self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
         self._throughput: ThroughputTracker | None = None
@@ -194,25 +201,34 @@ class _Session:
             with contextlib.suppress(Exception):
                 for key, value in self.timings.stats().items():
                     counts[f"timings.{key}"] = int(value)
+        counts["timings.attributes_truncated"] = _limits.truncated - self._truncated_before
         counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
         return counts
 
     def shutdown(self, end: EndRecord) -> None:
-        """Record how the run ended, flush every exporter and stop every thread; once."""
-        with _lock:
-            if self._closed:
-                return
-            self._closed = True
-        with contextlib.suppress(Exception):
-            self.announce()
+        """Record how the run ended, flush every exporter and stop every thread; once.
+        Returns within the export timeout + SHUTDOWN_MARGIN_S whatever hangs
+        (otelprof/_shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
+        written (DeferredSignals), then acts."""
+        with DeferredSignals() as deferred:
+            with _lock:
+                if self._closed:
+                    return
+                self._closed = True
+            with contextlib.suppress(Exception):
+                self.announce()
+            with contextlib.suppress(Exception):
+                self.run_end.uninstall(deferred)
+            finish_run(self, end, deferred)  # otelprof/_shutdown.py
+
+    def _flush_all(self, end: EndRecord) -> None:
+        """Shutdown's work, on its own thread (otelprof/_shutdown.py bounds it)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
-        # unfinished (a SIGTERM then waits for the flush: DeferredSigterm)
+        # unfinished
         with contextlib.suppress(Exception):
             self._mark_end(end)
-        with contextlib.suppress(Exception):
-            self.run_end.uninstall()
-        # Flushing gets one export timeout in all; exports still retrying after that (a
-        # collector that is down) are abandoned and what they held is counted as dropped.
+        # Exports still retrying after one export timeout (a collector that is down) are
+        # abandoned and what they held is counted as dropped.
         watchdog = threading.Timer(self.settings.export_timeout_s, self.pipelines.abandon_exports)
         watchdog.daemon = True
         watchdog.start()
@@ -226,22 +242,14 @@ class _Session:
             ("system metrics", self.system.close if self.system else None),
             ("exporter resources", self.pipelines.close),
         ]
-        with DeferredSigterm():  # a launcher's SIGTERM now would lose the held lines
-            for what, action in steps:
-                if action is None:
-                    continue
-                try:
-                    action()
-                except Exception as error:
-                    _log.warning("otelprof: shutting down %s raised %r", what, error)
-            watchdog.cancel()
-        stats = self.stats()
-        if self.settings.detached:
-            with contextlib.suppress(Exception):
-                self._write_run_info(stats)
-        if stats["dropped_total"]:
-            lost = {k: v for k, v in stats.items() if _is_loss(k) and v}
-            _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+        for what, action in steps:
+            if action is None:
+                continue
+            try:
+                action()
+            except Exception as error:
+                _log.warning("otelprof: shutting down %s raised %r", what, error)
+        watchdog.cancel()
 
     # -- parts --------------------------------------------------------------------------
 
@@ -323,8 +331,9 @@ class _Session:
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
         )
 
-    def _mark_end(self, end: EndRecord) -> None:
-        """Write how the run is ending before flushing, so a kill mid-flush keeps it."""
+    def _mark_end(self, end: EndRecord | None) -> None:
+        """Write how the run is ending before flushing, so a kill mid-flush keeps it
+        (None: a SIGTERM the program survived was not its end after all)."""
         self._end = end
         if self.settings.detached:
             self._write_run_info()
@@ -348,8 +357,19 @@ class _Session:
             info["stats"] = stats
         path = self.identity.run_info_path()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
+            tmp.replace(path)
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self.counters.warn_once(
+                "run_json.write_error",
+                "otelprof: cannot write %s (%s); the run's end and drop counts go to the "
+                "metrics file's closing record instead, which `otelprof report` reads",
+                path,
+                error,
+            )
 
 
 class Profiler:
@@ -571,10 +591,6 @@ def _may_join_a_group(env: Mapping[str, str]) -> bool:
 
 def _int_attribute(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
-
-
-def _is_loss(key: str) -> bool:
-    return "dropped" in key or "failed" in key
 
 
 def instrument(**options: Any) -> Profiler:

@@ -13,12 +13,16 @@ A run that is never finalized looks like a run that is still going. So the profi
 - SIGKILL cannot be caught: run.json keeps no `finished_unix_nano` and the report says the
   run was not finalized.
 
-A SIGTERM that arrives while `shutdown()` flushes (a launcher stopping the other ranks after
-one raised) waits until the flush is done (`DeferredSigterm`), then acts as it would have.
+A SIGTERM or SIGINT that arrives while `shutdown()` flushes (a launcher stopping the other
+ranks after one raised, a Ctrl-C) waits until the flush and the run's end are written
+(`DeferredSignals`), then acts as it would have; the end then names it
+(`signal_during_shutdown`). A SIGTERM the program's own handler survives is not the run's
+end: it is recorded while the handler runs and cleared when training goes on.
 
 The `end` object in run.json: `status` (`clean`, `exception`, `signal`, `exit`, `exited`),
 `exit_code` (when known), `signal` (name, when one was received), `exception`
-(`{"type", "message"}`), `recorded_by` (what recorded it). Everything restored on uninstall.
+(`{"type", "message"}`), `recorded_by` (what recorded it), `signal_during_shutdown` (a
+SIGTERM/SIGINT deferred by the final flush, when one came). Everything restored on uninstall.
 """
 
 from __future__ import annotations
@@ -33,45 +37,82 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+from otelprof._bounded import SHUTDOWN_MARGIN_S
+
 _log = logging.getLogger("otelprof")
 
 EndRecord = dict[str, Any]
 
 
-class DeferredSigterm:
-    """`with DeferredSigterm():` a SIGTERM that arrives inside the block (a launcher stopping
-    the job while the profiler's final flush runs) waits for the block to end, then goes to
-    the handler that was there before: the flush, bounded by the export timeout, writes the
-    lines the exporters still hold instead of dying with them. Main thread only (elsewhere
-    Python cannot set handlers, and a no-op)."""
+DEFERRED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class DeferredSignals:
+    """`with DeferredSignals():` a SIGTERM or SIGINT that arrives inside the block (a launcher
+    stopping the ranks while the profiler's final flush runs, a Ctrl-C) waits for the block
+    to end, then goes to the handler that was there before (SIGINT: KeyboardInterrupt): the
+    flush, bounded by the export timeout, writes the lines the exporters still hold and the
+    run's end instead of dying with them. `received` names the first one, so the run's end
+    can say that a signal came during shutdown. Main thread only (elsewhere Python cannot
+    set handlers, and a no-op). A signal the program ignores (SIG_IGN) stays ignored."""
 
     def __init__(self) -> None:
         self.received: int | None = None
-        self._previous: Any = None
-        self._installed = False
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
 
     def _defer(self, signum: int, _frame: FrameType | None) -> None:
-        self.received = signum
+        if self.received is None:
+            self.received = signum
+        if signum not in self._pending:
+            self._pending.append(signum)
 
-    def __enter__(self) -> DeferredSigterm:
-        if threading.current_thread() is threading.main_thread():
+    def __enter__(self) -> DeferredSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in DEFERRED_SIGNALS:
             try:
-                self._previous = signal.signal(signal.SIGTERM, self._defer)
-                self._installed = True
+                previous = signal.getsignal(signum)
+                if previous is signal.SIG_IGN or previous is None:
+                    continue  # ignored, or set outside Python: left alone
+                signal.signal(signum, self._defer)
+                self._previous[signum] = previous
             except Exception as error:  # e.g. embedded interpreters without signals
-                _log.debug("otelprof: cannot defer SIGTERM: %r", error)
+                _log.debug("otelprof: cannot defer signal %s: %r", signum, error)
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        if not self._installed:
-            return
-        self._installed = False
-        try:
-            signal.signal(signal.SIGTERM, self._previous)
-            if self.received is not None:
-                signal.raise_signal(self.received)  # now, to whoever handled it before
-        except Exception as error:
-            _log.debug("otelprof: cannot restore the SIGTERM handler: %r", error)
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            try:
+                signal.signal(signum, handler)
+            except Exception as error:
+                _log.debug("otelprof: cannot restore the handler of signal %s: %r", signum, error)
+        for signum in self._pending:
+            if signum in previous:
+                signal.raise_signal(signum)  # now, to whoever handled it before
+
+    def replace_previous(self, handler: Any, replacement: Any) -> None:
+        """The handler to restore was `handler`, which is being uninstalled meanwhile:
+        restore `replacement` instead (RunEndWatcher.uninstall inside the block)."""
+        for signum, previous in self._previous.items():
+            if previous == handler:
+                self._previous[signum] = replacement
+
+    @property
+    def received_name(self) -> str | None:
+        return None if self.received is None else signal_name(self.received)
+
+
+DeferredSigterm = DeferredSignals
+"""The former name (SIGTERM only); SIGINT is deferred too now."""
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except Exception:
+        return str(signum)
 
 
 def exception_info(error: BaseException) -> dict[str, str]:
@@ -93,13 +134,14 @@ class RunEndWatcher:
     """Chains atexit, SIGTERM and sys.excepthook to finalize one profiler's run.json.
 
     `finish(end)` finalizes the run (the profiler's shutdown) and `mark(end)` writes the end
-    to run.json before the flush (so a kill during the flush still leaves it recorded).
+    to run.json before the flush (so a kill during the flush still leaves it recorded);
+    `mark(None)` takes it back (a SIGTERM the program's handler survived).
     """
 
     def __init__(
         self,
         finish: Callable[[EndRecord], None],
-        mark: Callable[[EndRecord], None],
+        mark: Callable[[EndRecord | None], None],
         flush_timeout_s: float,
     ) -> None:
         self._finish = finish
@@ -135,8 +177,9 @@ class RunEndWatcher:
         except Exception as error:  # e.g. embedded interpreters without signals
             _log.debug("otelprof: cannot watch SIGTERM: %r", error)
 
-    def uninstall(self) -> None:
-        """Undo install(): each hook is restored only if nobody replaced it since."""
+    def uninstall(self, deferred: DeferredSignals | None = None) -> None:
+        """Undo install(): each hook is restored only if nobody replaced it since (or, with
+        `deferred`, only `deferred` did: it then restores the program's handler)."""
         if not self._installed:
             return
         self._installed = False
@@ -148,6 +191,8 @@ class RunEndWatcher:
             try:
                 if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
                     signal.signal(signal.SIGTERM, self._previous_sigterm)
+                elif deferred is not None:
+                    deferred.replace_previous(self._on_sigterm, self._previous_sigterm)
             except Exception as error:
                 _log.debug("otelprof: cannot restore the SIGTERM handler: %r", error)
 
@@ -218,18 +263,22 @@ class RunEndWatcher:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        try:
-            self._signal = signal.Signals(signum).name
-        except Exception:
-            self._signal = str(signum)
+        self._signal = signal_name(signum)
         if callable(previous):
-            # The program handles SIGTERM itself (checkpoint, graceful stop); training may
-            # go on, so the run is not finalized here, only the signal remembered.
+            # The program handles SIGTERM itself (checkpoint, graceful stop): the signal is
+            # recorded while its handler runs (a kill meanwhile keeps it), and if the handler
+            # ends the process (sys.exit) the end says SIGTERM; if training goes on, the
+            # signal was not the run's end and is forgotten again.
             try:
                 self._mark(self.end_record("signal (program handler runs)"))
             except Exception as error:
                 _log.debug("otelprof: recording SIGTERM failed: %r", error)
             previous(signum, frame)
+            self._signal = None  # survived: not the run's end
+            try:
+                self._mark(None)
+            except Exception as error:
+                _log.debug("otelprof: clearing the SIGTERM record failed: %r", error)
             return
         # Default action: the process dies. Record, flush within bounds, then die the same way.
         end = self.end_record("signal")
@@ -242,7 +291,7 @@ class RunEndWatcher:
             target=self._finish_quietly, args=(end,), name="otelprof-sigterm", daemon=True
         )
         flusher.start()
-        flusher.join(self._flush_timeout_s + 2.0)
+        flusher.join(self._flush_timeout_s + SHUTDOWN_MARGIN_S + 0.5)
         self.uninstall()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)

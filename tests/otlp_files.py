@@ -57,8 +57,20 @@ class Span:
         return (self.end_ns - self.start_ns) / 1e9
 
 
+def _is_run_end(obj: dict[str, Any]) -> bool:
+    """The metrics file's closing record: one gauge `otelprof.run.end` (the run's end)."""
+    metrics = [
+        m
+        for rm in obj.get("resourceMetrics") or []
+        for sm in rm.get("scopeMetrics") or []
+        for m in sm.get("metrics") or []
+    ]
+    return len(metrics) == 1 and metrics[0].get("name") == "otelprof.run.end"
+
+
 def read_lines(path: Path) -> list[dict[str, Any]]:
-    """Every line must be one complete JSON object (`*.gz`: gzip'd, members of whole lines)."""
+    """Every line must be one complete JSON object (`*.gz`: gzip'd, members of whole lines);
+    the metrics file's closing record (the run's end) is checked and left out."""
     objects = []
     text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     for number, line in enumerate(text.splitlines(), 1):
@@ -66,7 +78,8 @@ def read_lines(path: Path) -> list[dict[str, Any]]:
             continue
         obj = json.loads(line)
         assert isinstance(obj, dict), f"{path}:{number} is not a JSON object"
-        objects.append(obj)
+        if not _is_run_end(obj):
+            objects.append(obj)
     return objects
 
 

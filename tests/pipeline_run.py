@@ -83,6 +83,10 @@ class PipelineRun:
     started: float
     finished: float
     extras: dict[str, Any] = field(default_factory=dict)
+    complete_at: float = 0.0
+    """A time at which Prometheus holds all of the run (set by `wait_until_complete`):
+    instant queries about the run are made at it, so they do not depend on how long after
+    the run a test happens to ask (series go stale once the collector expires them)."""
 
     @property
     def steps(self) -> int:
@@ -314,7 +318,7 @@ def rank_environment() -> Iterator[None]:
                 os.environ[key] = value
 
 
-def run_pipeline(workdir: Path, *, steps: int = 40, timeout_s: float = 60.0) -> PipelineRun:
+def run_pipeline(workdir: Path, *, steps: int = 40, timeout_s: float = 180.0) -> PipelineRun:
     """Start the services, train, feed synthetic GPU gauges, wait until Prometheus has it all.
 
     The caller must call `.stop()` on the result (the fixture and the script do).
@@ -393,5 +397,28 @@ def wait_until_complete(run: PipelineRun, timeout_s: float) -> None:
         interval_s=0.5,
         on_timeout=lambda: run.collector.process.log_tail() if run.collector.process else "",
     )
-    # and the last gauge samples of both feeds
-    time.sleep(2.0)
+    # and the last gauge samples of both feeds: a scrape taken after the run finished, of
+    # every synthetic GPU and of the training process's host gauges
+    selector = f'service_name="{run.service_name}"'
+    feeds = {
+        f'timestamp(hw_gpu_utilization_ratio{{{selector},otelprof_synthetic="fake-nvml"}})': (
+            SYNTHETIC_GPUS
+        ),
+        f"timestamp(system_cpu_utilization_ratio{{{selector}}})": 1,
+    }
+
+    def scraped_after_the_run() -> float | None:
+        stamps = []
+        for query, series in feeds.items():
+            found = [float(s["value"][1]) for s in run.prometheus.query(query)]
+            if len(found) < series or min(found) < run.finished:
+                return None
+            stamps.extend(found)
+        return max(stamps)
+
+    run.complete_at = wait_for(
+        scraped_after_the_run,
+        timeout_s=timeout_s,
+        what=f"Prometheus to scrape both feeds of {run.service_name} after the run",
+        interval_s=0.5,
+    )

@@ -16,12 +16,22 @@ from tests.otlp_sink import OtlpSink
 from tests.test_analysis_report import assert_report_matches_oracle
 from tests.test_analysis_trace import load_chrome_trace
 
+STEPS = 8
+LOADER_SLEEP_S = 3.0
+"""The loader sleeps far longer than a step computes, however busy the machine: on one
+PyTorch thread a demo step's train_batch took ~0.6 s at load 20 on 2 cores; with PyTorch's
+default thread per core it took ~2.7 s there (each op waits for its slowest thread to be
+scheduled), longer than the 0.3 s loader sleep this run once had."""
+
 
 @pytest.fixture(scope="module")
 def slow_loader_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     _, run_dir = run_demo(
-        out, "--steps", "12", "--interval", "0.2", "--slow-dataloader", "0.3", "--no-report"
+        out,
+        *("--steps", str(STEPS), "--interval", "0.2"),
+        *("--slow-dataloader", str(LOADER_SLEEP_S), "--no-report"),
+        env={"OMP_NUM_THREADS": "1"},
     )
     return run_dir
 
@@ -29,7 +39,7 @@ def slow_loader_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_demo_report_figures_equal_an_independent_computation(slow_loader_run: Path) -> None:
     warn = WarningLog(sink=lambda _m: None)
     summary = summarize(open_run([slow_loader_run]), warn)
-    assert warn.count == 0 and summary.step.count == 12
+    assert warn.count == 0 and summary.step.count == STEPS
     assert_report_matches_oracle(slow_loader_run, summary)
 
 
@@ -65,7 +75,7 @@ def test_demo_run_replays_completely(slow_loader_run: Path) -> None:
     try:
         warn = WarningLog(sink=lambda _m: None)
         result = replay(open_run([slow_loader_run]), ReplayOptions(endpoint=sink.endpoint), warn)
-        assert result.ok and result.spans == len(sink.spans()) > 12 * 6
+        assert result.ok and result.spans == len(sink.spans()) > STEPS * 6
         assert {"system.cpu.utilization", "hw.gpu.utilization"} & sink.metric_names()
     finally:
         sink.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -21,12 +22,23 @@ def test_an_anomaly_runs_a_kineto_window_whose_steps_the_slow_step_links_to(
         host_metrics=False, process_metrics=False,
     )  # fmt: skip
     x = torch.randn(32, 32)
+    # The slow step is slow relative to the steps before it, as measured here, so that it
+    # is an anomaly (ANOMALY_FACTOR x their median) however slow a loaded machine makes them.
+    step_times: list[float] = []
+    last = time.perf_counter()
     try:
         for i in range(400):
             with otelprof.timing("train_batch"):
                 (x @ x).relu()
-                time.sleep(0.05 if i == 150 else 0.002)
+                if i == 150:
+                    recent = step_times[-_sampling.SLOW_WINDOW :]
+                    time.sleep(max(0.05, 10 * _sampling.ANOMALY_FACTOR * median(recent)))
+                else:
+                    time.sleep(0.002)
             prof.step()
+            now = time.perf_counter()
+            step_times.append(now - last)
+            last = now
     finally:
         prof.shutdown()
     stats = prof.stats()

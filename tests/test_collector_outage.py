@@ -51,7 +51,7 @@ class Worker:
             )
         return True
 
-    def finish(self, timeout_s: float = 60.0) -> dict[str, Any]:
+    def finish(self, timeout_s: float = 180.0) -> dict[str, Any]:
         (self.control / "stop").touch()
         self.process.wait(timeout=timeout_s)
         assert self.process.returncode == 0, self.log.read_text()
@@ -130,7 +130,7 @@ def _wait_for_flow(collector: Collector, worker: Worker, after_step: int) -> Non
     started = time.monotonic()
     wait_for(
         flowing,
-        timeout_s=40.0,
+        timeout_s=120.0,
         what=f"new spans (after step {after_step}) and metrics to reach the restarted collector",
         interval_s=0.5,
     )
@@ -148,7 +148,9 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     worker = start_worker(collector.otlp_endpoint, {"OTELPROF_EXPORT_TIMEOUT": "2"})
 
     # 1. collector down from the start
-    wait_for(lambda: worker.alive() and worker.steps() > 20, timeout_s=60, what="training to start")
+    wait_for(
+        lambda: worker.alive() and worker.steps() > 20, timeout_s=300, what="training to start"
+    )
     time.sleep(DOWN_S)
     worker.alive()
     steps_at_first_start = worker.steps()
@@ -161,8 +163,14 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     collector.kill()
     killed_at = worker.steps()
     time.sleep(DOWN_S)
-    worker.alive()
-    assert worker.steps() > killed_at + 20, "training stalled while the collector was dead"
+    # Training goes on while the collector stays dead: 20 more steps, however slowly a busy
+    # machine runs them (the collector is restarted only after them, so a loop stalled
+    # until the collector came back would never get there).
+    wait_for(
+        lambda: worker.alive() and worker.steps() > killed_at + 20,
+        timeout_s=300,
+        what="training to go on while the collector was dead",
+    )
 
     # 4. collector back on the same ports: data flows again, with steps from after the restart
     restarted_at = worker.steps()
@@ -214,7 +222,7 @@ def test_training_survives_collector_down_up_killed_up_and_data_flows_again(
     def drops_visible() -> bool:
         return _metric(collector.scrape(), "otelprof_telemetry_dropped_total") > 0
 
-    wait_for(drops_visible, timeout_s=10.0, what="otelprof_telemetry_dropped_total in /metrics")
+    wait_for(drops_visible, timeout_s=60.0, what="otelprof_telemetry_dropped_total in /metrics")
 
 
 def test_shutdown_with_the_collector_down_returns_promptly_and_counts_the_loss(
@@ -222,9 +230,9 @@ def test_shutdown_with_the_collector_down_returns_promptly_and_counts_the_loss(
 ) -> None:
     collector = collector_factory(wait=False)  # never started
     worker = start_worker(collector.otlp_endpoint)
-    wait_for(lambda: worker.alive() and worker.steps() > 50, timeout_s=60, what="training")
+    wait_for(lambda: worker.alive() and worker.steps() > 50, timeout_s=300, what="training")
     time.sleep(2.0)
-    result = worker.finish(timeout_s=90.0)
+    result = worker.finish()
     assert result["stats"]["dropped_total"] > 0, result["stats"]
     # Bounded by the export timeout (10 s by default) plus a margin, not by the retries of
     # every queued batch of every signal.

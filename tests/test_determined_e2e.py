@@ -105,7 +105,7 @@ def _gpu_gauges(endpoint: str) -> None:
     provider.shutdown()
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+def _wait(predicate: Callable[[], bool], timeout_s: float = 300.0) -> None:  # generous
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:

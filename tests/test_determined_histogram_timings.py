@@ -65,7 +65,9 @@ def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
                         _timed(mine, "forward_validation", "forward", 0.0001)
                         prof.step()
         time.sleep(0.6)  # a few metric exports after the last step
-        sampled_out = prof.stats()["timings.spans_sampled_out"]
+    # read once shutdown has decided every step (the builder thread may lag far behind the
+    # training loop on a busy machine): the burst budget keeps 5,500 of 3 x TRAIN_STEPS spans
+    sampled_out = prof.stats()["timings.spans_sampled_out"]
     assert sampled_out > TRAIN_STEPS  # most steps' traces were not kept...
 
     rows = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
@@ -124,8 +126,9 @@ def test_bridge_timings_count_every_step_of_a_sampled_otlp_run(
                     pass
                 prof.step()
             time.sleep(0.6)
-            assert prof.stats()["timings.spans_sampled_out"] > TRAIN_STEPS
-        deadline = time.monotonic() + 20
+        # once shutdown has decided every step (see the test above)
+        assert prof.stats()["timings.spans_sampled_out"] > TRAIN_STEPS
+        deadline = time.monotonic() + 120  # generous: reports arrive in ~1 s windows
         while True:
             rows = trial_metrics(master.url, master.token, 42, "timings")  # type: ignore[attr-defined]
             forward = sum(r["metrics"]["batch_metrics"][0].get("forward_count", 0) for r in rows)
@@ -221,6 +224,23 @@ def test_first_histograms_after_span_reports_are_a_baseline_never_a_double_count
         agg.histogram_deltas([_hist("backward", 6, 0.6), _hist("step", 12, 3.0, step=True)])
     )
     assert _report(agg)["backward_count"] == 6
+
+
+def test_a_series_starting_after_span_reports_counts_only_the_calls_they_did_not() -> None:
+    # what a busy machine produced: the first window closed on spans alone, the first
+    # histogram export held only the step's series, the forward series came at the end
+    agg = WindowAggregator()
+    agg.add_timings([_span("forward", 43, 4.3, 42), _span("step", 42, 8.4, 41)])
+    assert _report(agg)["forward_count"] == 43
+    agg.add_timings(agg.histogram_deltas([_hist("step", 148, 29.6, step=True)]))
+    assert _report(agg)["step_count"] == 148 - 42
+    agg.add_timings(
+        agg.histogram_deltas([_hist("forward", 3000, 300.0), _hist("step", 3000, 600.0, step=True)])
+    )
+    last = _report(agg)
+    assert last["forward_count"] == 3000 - 43  # 3,000 calls in all, none counted twice
+    assert last["forward_s"] == pytest.approx((300.0 - 4.3) / (3000 - 43))
+    assert last["step_count"] == 3000 - 148
 
 
 def test_a_trial_without_histograms_keeps_its_timings_from_spans() -> None:

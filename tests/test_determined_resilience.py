@@ -132,9 +132,11 @@ class Job:
         self.client = OtlpClient(port)
         self.step = 0
         self.last_t = 0
+        self.times: list[int] = []  # every tick's data time (ns)
 
     def tick(self) -> None:
         self.last_t = time.time_ns()
+        self.times.append(self.last_t)
         values = SeedValues(cpu=(self.step % 10) / 10)
         resource = trial_resource(42)
         _send(lambda: self.client.send_metrics(seed_metrics_request(resource, values, self.last_t)))
@@ -174,7 +176,7 @@ def test_master_outage_and_bridge_kill9_lose_nothing_and_keep_order(
         job.run_for(OUTAGE_S / 2)
     # The master is back: the backlog drains. Kill again as soon as it is draining.
     before = len(master.posts())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # a generous bound for a busy machine
     while len(master.posts()) == before and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(master.posts()) > before, "the bridge did not resume delivery"
@@ -183,7 +185,7 @@ def test_master_outage_and_bridge_kill9_lose_nothing_and_keep_order(
     job.run_for(1.0)
     steps_sent = job.step
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a generous bound for a busy machine
     counted = 0
     while time.monotonic() < deadline:
         timing_posts = [p for p in master.posts() if p.group == "timings"]
@@ -221,8 +223,16 @@ def test_master_outage_and_bridge_kill9_lose_nothing_and_keep_order(
     assert set(by_group) == {"gpu", "cpu", "memory", "disk", "network"}
     for group, times in by_group.items():
         assert times == sorted(set(times)), f"{group} out of order or repeated"
-        gaps = [(_ns(b) - _ns(a)) / 1e9 for a, b in itertools.pairwise(times)]
-        assert max(gaps) < 5.0, f"{group}: a {max(gaps):.1f} s hole in the reports"
+        # no window lost: each report closes fewer ticks than the job sends in 5 s (10
+        # windows) at full speed (a lost window would leave its ticks to the next report).
+        # Counted in ticks, not seconds between reports: the job sends nothing while the
+        # bridge restarts, and a tick stamped before a restart is accepted after it, both
+        # long on a busy machine.
+        ms = [t // 1_000_000 for t in job.times]
+        for a, b in itertools.pairwise(times):
+            after, upto = _ns(a) // 1_000_000, _ns(b) // 1_000_000
+            closed = sum(after < t <= upto for t in ms)
+            assert 0 < closed < 5.0 / TICK_S, f"{group}: {closed} ticks in the report at {b}"
         assert _ns(times[-1]) // 1_000_000 == job.last_t // 1_000_000
     print(json.dumps({"steps": steps_sent, "reports": len(posts), "resent": repeats}))
 

@@ -29,8 +29,16 @@ def _selector(run: PipelineRun, **extra: str) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
 
 
-def _samples(prom: Prometheus, query: str) -> list[tuple[dict[str, str], float]]:
-    return [(s["metric"], float(s["value"][1])) for s in prom.query(query)]
+def _samples(
+    prom: Prometheus, query: str, at: float | None = None
+) -> list[tuple[dict[str, str], float]]:
+    return [(s["metric"], float(s["value"][1])) for s in prom.query(query, at=at)]
+
+
+def _run_samples(run: PipelineRun, query: str) -> list[tuple[dict[str, str], float]]:
+    """The query at a time Prometheus held the whole run: its series stay until the
+    collector expires them (5 min), however long the suite runs before this test asks."""
+    return _samples(run.prometheus, query, at=run.complete_at)
 
 
 # -- hardware gauges ----------------------------------------------------------------------
@@ -114,7 +122,7 @@ def test_synthetic_gpu_gauges_reach_prometheus_per_gpu_with_host_rank_labels(
 ) -> None:
     """SYNTHETIC: otelprof's GPU sampler over a scripted NVML driver (no GPU on this machine)."""
     run = pipeline_run
-    samples = _samples(run.prometheus, f"{name}{_selector(run, otelprof_synthetic='fake-nvml')}")
+    samples = _run_samples(run, f"{name}{_selector(run, otelprof_synthetic='fake-nvml')}")
     assert {labels.get("hw_id") for labels, _ in samples} == set(run.gpu_uuids), name
     assert {labels.get("gpu_index") for labels, _ in samples} == {"0", "1"}
     for labels, value in samples:
@@ -127,8 +135,8 @@ def test_synthetic_gpu_free_and_used_memory_add_up_to_the_limit(pipeline_run: Pi
     """SYNTHETIC (fake NVML): the three memory gauges of one collection agree."""
     run = pipeline_run
     sel = _selector(run, otelprof_synthetic="fake-nvml")
-    diff = _samples(
-        run.prometheus,
+    diff = _run_samples(
+        run,
         f"hw_gpu_memory_limit_bytes{sel} - hw_gpu_memory_free_bytes{sel}"
         f" - hw_gpu_memory_usage_bytes{sel}",
     )
@@ -144,20 +152,18 @@ def test_every_timing_has_a_duration_histogram_counting_each_step_once(
 ) -> None:
     run = pipeline_run
     sel = _selector(run, span_name=span_name)
-    calls = _samples(run.prometheus, f"traces_span_metrics_calls_total{sel}")
-    count = _samples(run.prometheus, f"traces_span_metrics_duration_seconds_count{sel}")
-    inf = _samples(
-        run.prometheus, f'traces_span_metrics_duration_seconds_bucket{sel[:-1]},le="+Inf"}}'
-    )
-    total = _samples(run.prometheus, f"traces_span_metrics_duration_seconds_sum{sel}")
+    calls = _run_samples(run, f"traces_span_metrics_calls_total{sel}")
+    count = _run_samples(run, f"traces_span_metrics_duration_seconds_count{sel}")
+    inf = _run_samples(run, f'traces_span_metrics_duration_seconds_bucket{sel[:-1]},le="+Inf"}}')
+    total = _run_samples(run, f"traces_span_metrics_duration_seconds_sum{sel}")
     assert len(calls) == len(count) == len(inf) == len(total) == 1, "one series per timing"
     assert calls[0][1] == count[0][1] == inf[0][1] == run.steps
     labels = count[0][0]
     assert labels["host_name"] == run.host_name
     assert labels["otelprof_rank"] == "2"
     assert 0.0 < total[0][1] < 60.0 * run.steps
-    p50 = _samples(
-        run.prometheus,
+    p50 = _run_samples(
+        run,
         f"histogram_quantile(0.5, sum by (le) (traces_span_metrics_duration_seconds_bucket{sel}))",
     )
     assert p50 and 0.0 < p50[0][1] <= 60.0, f"median of {span_name}: {p50}"
@@ -166,13 +172,13 @@ def test_every_timing_has_a_duration_histogram_counting_each_step_once(
 def test_step_time_covers_the_sum_of_its_phases(pipeline_run: PipelineRun) -> None:
     run = pipeline_run
     names = "|".join(DETERMINED_TIMINGS)
-    phases = _samples(
-        run.prometheus,
+    phases = _run_samples(
+        run,
         f'sum(traces_span_metrics_duration_seconds_sum{{service_name="{run.service_name}",'
         f'span_name=~"{names}"}})',
     )
-    step = _samples(
-        run.prometheus,
+    step = _run_samples(
+        run,
         f"sum(traces_span_metrics_duration_seconds_sum{_selector(run, span_name=STEP_SPAN)})",
     )
     assert phases and step

@@ -229,7 +229,7 @@ def test_real_prometheus_scraping_the_endpoint_answers_the_dashboards_quantile_q
         wanted = {"service": "pullrun", "trial": "42", "rank": "0"}
         values: dict[str, str] = {}
         answers: dict[str, float] = {}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a generous bound: scrapes every second
         while time.monotonic() < deadline:
             _train(prof, 20, slow_every=2)  # keeps the counters moving for rate()
             for var in dashboard["templating"]["list"]:
@@ -247,12 +247,21 @@ def test_real_prometheus_scraping_the_endpoint_answers_the_dashboards_quantile_q
                         answers[f"{q.panel}|{q.ref}"] = max(result)
             if len(answers) == len(quantiles):
                 break
+        seen = _histograms(_scrape(prof.prometheus_port))
     assert {"service", "host", "rank", "trial"} <= set(values), values
     missing = [f"{q.panel}|{q.ref}" for q in quantiles if f"{q.panel}|{q.ref}" not in answers]
     assert not missing, f"no finite answer from {missing}; got {answers}"
-    # steps take ~3-11 ms here; every quantile lies within the buckets that saw them
+    # every quantile lies within the buckets that saw the ranges (from the 0.5 ms sleep's
+    # bucket up to the bucket of the slowest range: on a busy machine a step between two
+    # rounds of training can take seconds)
+    highest = max(
+        le
+        for hist in seen.values()
+        for (le, n), (_, below) in zip(hist["buckets"], [(0.0, 0), *hist["buckets"]], strict=False)
+        if n > below
+    )
     for name, value in answers.items():
-        assert 0.0002 < value < 0.05, (name, value)
+        assert 0.0002 < value <= highest, (name, value, highest)
 
 
 def test_scrapes_during_training_are_each_consistent_and_never_go_back(tmp_path: Path) -> None:
@@ -270,19 +279,27 @@ def test_scrapes_during_training_are_each_consistent_and_never_go_back(tmp_path:
             while not stop.is_set():
                 scrapes.append(_histograms(_scrape(port)))
 
+        def scrapes_seeing_training() -> int:
+            return sum(("train_batch", "train") in scrape for scrape in list(scrapes))
+
         scraper = threading.Thread(target=scrape_loop)
         scraper.start()
         try:
-            for _ in range(40):
+            # at least 40 rounds, and until 5 scrapes saw the training, however few scrapes
+            # a busy machine fits into 40 rounds (a generous bound)
+            deadline = time.monotonic() + 300
+            rounds = 0
+            while rounds < 40 or (scrapes_seeing_training() < 5 and time.monotonic() < deadline):
                 for _ in range(25):
                     with otelprof.timing("train_batch"):
                         pass
                     prof.step()
                 time.sleep(0.01)
+                rounds += 1
         finally:
             stop.set()
-            scraper.join(timeout=10)
-    assert len(scrapes) >= 5, "too few scrapes to check"
+            scraper.join(timeout=60)
+    assert scrapes_seeing_training() >= 5, "too few scrapes to check"
     previous: dict[tuple[str, str], float] = {}
     for scrape in scrapes:
         for key, hist in scrape.items():

@@ -51,9 +51,10 @@ def _child(tmp_path: Path, body: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_ready(tmp_path: Path, child: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "ready").exists():
+def _wait_ready(tmp_path: Path, child: subprocess.Popen[str], name: str = "ready") -> None:
+    # a generous bound: starting Python and PyTorch takes minutes on a busy machine
+    deadline = time.monotonic() + 300
+    while not (tmp_path / name).exists():
         if child.poll() is not None:
             pytest.fail(f"child exited early ({child.returncode}): {child.stderr.read()}")  # type: ignore[union-attr]
         if time.monotonic() > deadline:
@@ -63,7 +64,7 @@ def _wait_ready(tmp_path: Path, child: subprocess.Popen[str]) -> None:
 
 
 def _finish(child: subprocess.Popen[str]) -> tuple[int, str]:
-    _, stderr = child.communicate(timeout=60)
+    _, stderr = child.communicate(timeout=300)
     return child.returncode, stderr
 
 
@@ -177,7 +178,11 @@ def test_a_sigterm_during_the_final_flush_waits_for_it_then_ends_the_process(
         flush = prof.tracer_provider.shutdown
         def slow_flush():
             open(ready + ".flushing", "w").close()
-            time.sleep(2)  # a slow collector (the export timeout bounds a real one)
+            # a slow collector (the export timeout bounds a real one), slow until the
+            # test has sent its signal, however long a busy machine makes it take
+            deadline = time.monotonic() + 300
+            while not os.path.exists(ready + ".signalled") and time.monotonic() < deadline:
+                time.sleep(0.01)
             flush()
             open(ready + ".flushed", "w").close()
         prof.tracer_provider.shutdown = slow_flush
@@ -186,10 +191,9 @@ def test_a_sigterm_during_the_final_flush_waits_for_it_then_ends_the_process(
             raise RuntimeError("peer vanished")
         """,
     )
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "ready.flushing").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_ready(tmp_path, child, "ready.flushing")
     child.send_signal(signal.SIGTERM)
+    (tmp_path / "ready.signalled").touch()
     code, stderr = _finish(child)
     assert code == -signal.SIGTERM, stderr  # delivered once the flush was done
     assert (tmp_path / "ready.flushed").exists()

@@ -102,7 +102,10 @@ def test_first_cpu_value_is_a_real_measurement_not_a_fake_zero(
     cpu0, wall0 = time.process_time(), time.monotonic()
     handle = register_system_metrics(mp.get_meter("t"), SystemMetricsSettings(interval_s=1.0))
     try:
-        burn_cpu(0.4)
+        # 0.4 s of CPU time, not of wall time: on a busy machine this process gets a small
+        # share of a core, and a wall-time burn could leave it nearly idle
+        while time.process_time() - cpu0 < 0.4:
+            pass
         used, wall = time.process_time() - cpu0, time.monotonic() - wall0
         got = collect(reader)
     finally:
@@ -111,7 +114,7 @@ def test_first_cpu_value_is_a_real_measurement_not_a_fake_zero(
     system = got["system.cpu.utilization"]["points"][0][0]
     # what this process measured for itself, as a share of its usable / of all cores
     own_share = used / (wall * usable_cpus())
-    assert own_share > 0.05
+    assert used >= 0.4 and own_share > 0  # so a fake zero cannot pass the comparison below
     assert process == pytest.approx(own_share, rel=0.35)
     assert system >= 0.7 * used / (wall * (os.cpu_count() or 1))
 
@@ -119,14 +122,19 @@ def test_first_cpu_value_is_a_real_measurement_not_a_fake_zero(
 def test_one_sample_serves_every_instrument_and_every_reader_within_half_an_interval() -> None:
     first, second = InMemoryMetricReader(), InMemoryMetricReader()
     mp = MeterProvider(metric_readers=[first, second])
-    handle = register_system_metrics(mp.get_meter("t"), SystemMetricsSettings(interval_s=1.0))
+    # scripted time: how long a busy machine takes between the two collections is no part
+    # of what is checked
+    now = [time.monotonic()]
+    handle = register_system_metrics(
+        mp.get_meter("t"), SystemMetricsSettings(interval_s=1.0), clock=lambda: now[0]
+    )
     try:
-        time.sleep(0.1)
+        now[0] += 0.1
         a = collect(first)
         b = collect(second)  # e.g. a Prometheus scrape right after the periodic export
         assert handle.samples_taken == 1
         assert a["system.network.throughput"]["points"] == b["system.network.throughput"]["points"]
-        time.sleep(0.55)  # older than interval/2: the next collection samples again
+        now[0] += 0.55  # older than interval/2: the next collection samples again
         collect(second)
         assert handle.samples_taken == 2
     finally:

@@ -188,9 +188,13 @@ def test_stats_report_recorded_spans(tmp_path: Path) -> None:
 def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> None:
     run = start_run(tmp_path)
     time.sleep(0.2)  # set-up between instrument() and the first batch: not step time
+    t0 = time.perf_counter_ns()
     with timing("first"):
         pass
+    t1 = time.perf_counter_ns()
     timings.step()
+    step_call_ns = time.perf_counter_ns() - t1
+    first_step_ns = time.perf_counter_ns() - t0  # at most this, however busy the machine
     with timing("second"):
         pass
     timings.step()
@@ -199,8 +203,8 @@ def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> No
     steps = sorted(by_name(spans, "step"), key=lambda s: s.attributes["otelprof.step"])
     first = by_name(spans, "first")[0]
     assert steps[0].start_ns == first.start_ns
-    assert steps[0].duration_s < 0.1
-    assert steps[1].start_ns - steps[0].end_ns < 5_000_000, "later steps start at step()"
+    assert steps[0].duration_s * 1e9 <= first_step_ns + 1000  # the 0.2 s set-up left out
+    assert steps[1].start_ns - steps[0].end_ns <= step_call_ns, "later steps start at step()"
 
 
 def test_after_training_work_ends_at_its_last_range(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from otelprof._closing_record import CLOSING_METRIC, completed_by_closing_record
 from otelprof._schema import TIMING_HISTOGRAM as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist
@@ -131,7 +132,10 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
                     warn(f"{info_path}: unreadable ({exc}); ignored")
                 continue
             if isinstance(info, dict):
-                infos.append(_checked_run_info(info, info_path, warn))
+                # a failed final rewrite: the data file tells the end
+                infos.append(
+                    completed_by_closing_record(_checked_run_info(info, info_path, warn), path)
+                )
             elif warn:
                 warn(f"{info_path}: not a JSON object; ignored")
     return RunFiles(tuple(dirs), tuple(files), tuple(infos))
@@ -534,6 +538,8 @@ def _points_of(
         try:
             name = str(metric["name"])
             unit = str(metric.get("unit", ""))
+            if name == CLOSING_METRIC:
+                continue  # the run's end (read with run.json), not a hardware gauge
             if "gauge" in metric:
                 kind, data, mono = "gauge", metric["gauge"], False
             elif "sum" in metric:

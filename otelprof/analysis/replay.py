@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from otelprof._closing_record import is_closing_request
 from otelprof.analysis.reader import MALFORMED, ReadStats, RunFiles, Warn, iter_lines
 
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
@@ -310,6 +311,8 @@ def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
         for line in iter_lines(files.jsonl, warn, stats):
             if line.kind not in kinds:
                 continue
+            if line.kind == "metrics" and is_closing_request(line.body):
+                continue  # the run's end, which a live run never sends
             body = line.body
             try:
                 _fix_ids(body)

@@ -146,6 +146,9 @@ class WindowAggregator:
         # (trial, run, series) -> (start_ns, count, sum) of the last cumulative histogram point
         self._hist_last: OrderedDict[tuple[int, int, str], tuple[int, int, float]] = OrderedDict()
         self._hist_trials: set[tuple[int, int]] = set()  # trials whose histograms we follow
+        # (trial, run, timing) -> (calls, seconds) reported from spans, until its histogram
+        # series starts: a series that starts later is counted beyond them, not in full
+        self._span_calls: OrderedDict[tuple[int, int, str], tuple[int, float]] = OrderedDict()
         self.max_series = 64 * max_trials if max_trials < 10_000 else 1_000_000
         self.incomplete: list[str] = []  # descriptions from the last drain, for logging
         self.unsafe: list[str] = []  # restarted trials whose timings cannot be placed
@@ -194,9 +197,10 @@ class WindowAggregator:
         Cumulative points are differenced per series (a new start time or a lower count is
         a restarted producer: counted in full). The first point of a trial this aggregator
         has not followed before is counted in full, unless timings of the trial were
-        already reported (from spans, or before a bridge restart): then it is only the
-        baseline, so nothing is ever counted twice (at worst one point's increment is not
-        reported). The training root span's histogram also carries the step count.
+        already reported: beyond the calls of that timing reported from spans, or (before
+        a bridge restart) only as the baseline, so nothing is ever counted twice (at worst
+        one point's increment is not reported after a restart). The training root span's
+        histogram also carries the step count.
         """
         out: list[TimingSample] = []
         seen: set[tuple[int, int]] = set()
@@ -219,6 +223,8 @@ class WindowAggregator:
                     self._series_per_trial[gone] -= 1
                 if last is not None and last[0] == p.start_ns and p.calls >= last[1]:
                     n, total = p.calls - last[1], max(0.0, p.sum_s - last[2])
+                elif last is None and (spans := self._span_calls.pop((*trial, p.name), None)):
+                    n, total = max(0, p.calls - spans[0]), max(0.0, p.sum_s - spans[1])
                 elif last is None and trial not in self._hist_trials and trial in self.last_steps:
                     n, total = 0, 0.0  # baseline: earlier calls were already reported
                 else:
@@ -408,6 +414,12 @@ class WindowAggregator:
             trial_id, run_id, self.timings_group, avg, state.timing_time_ns, steps, [counts]
         )
         self.remember_steps(trial_id, run_id, steps)
+        if not state.from_histograms:  # span sums: a histogram series may start later
+            for name, (total, count) in state.timings.items():
+                calls, seconds = self._span_calls.pop((trial_id, run_id, name), (0, 0.0))
+                self._span_calls[(trial_id, run_id, name)] = (calls + int(count), seconds + total)
+            while len(self._span_calls) > self.max_series:
+                self._span_calls.popitem(last=False)
         state.timings.clear()
         return Report(trial_id, run_id, self.timings_group, body)
 

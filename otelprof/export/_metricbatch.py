@@ -174,8 +174,10 @@ class MetricLineBatcher(MetricExporter):
                 merge_exports(held), timeout_millis=timeout_millis, **kwargs
             )
         except ExportDropped as dropped:
-            self.capped = True
             reason = dropped.reason
+            if reason != "size_cap":  # a failed write (disk full) or a deleted file
+                return self._lost(dropped, earlier, from_export)
+            self.capped = True
             older = len(held) - 1  # the exports held before the newest: lost either way
             if self._counters is not None:  # (the counting wrapper warns with the same key)
                 self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
@@ -201,6 +203,18 @@ class MetricLineBatcher(MetricExporter):
             if not from_export:
                 self._count_failure(None)
         return result
+
+    def _lost(self, dropped: ExportDropped, earlier: int, from_export: bool) -> MetricExportResult:
+        """The line could not be written (nothing of it is in the file): its points are
+        dropped for `dropped.reason`, counted like the size cap's."""
+        if self._counters is not None:
+            self._counters.warn_once(f"{self._name}.{dropped.reason}", "%s", dropped.message)
+        self._move(earlier, f"dropped_{dropped.reason}")
+        if from_export:
+            raise dropped  # the counting wrapper counts the newest export and its points
+        if self._counters is not None:
+            self._counters.add(f"{self._name}.metric_exports_{dropped.reason}")
+        return MetricExportResult.FAILURE
 
     def _alone(self, newest: MetricsData, timeout_millis: float, **kwargs: Any) -> bool:
         """Write the newest export as a line of its own after the cap refused the line

@@ -24,10 +24,11 @@ from __future__ import annotations
 import gzip
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
+from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
 MAX_RESERVE_BYTES = 16 << 20
@@ -64,18 +65,22 @@ class MetricLineStream:
         self.held_written = False
         self._compress = compress
         self._buffer: list[str] = []
-        self._raw: IO[bytes] | None = None
-        self.bytes_written = 0
+        self._out = WholeRecordFile(self.path)
         self.capped = 0
+        self.lost: str | None = None
+        """Why the last flush wrote nothing (`write_error`, `run_dir_gone`), else None: a
+        failed write leaves nothing of the line in the file (see `WholeRecordFile`)."""
         self.closed = False
         if not compress:
-            self._file()  # a plain file exists from the start, as the SDK exporter made it
+            self._out.open()  # a plain file exists from the start, as the SDK exporter made it
 
-    def _file(self) -> IO[bytes]:
-        if self._raw is None:
-            self._raw = self.path.open("ab")
-            self.bytes_written = self._raw.tell()
-        return self._raw
+    @property
+    def bytes_written(self) -> int:
+        return self._out.size
+
+    @property
+    def last_error(self) -> OSError | None:
+        return self._out.last_error
 
     def write(self, text: str) -> int:
         self._buffer.append(text)
@@ -88,7 +93,7 @@ class MetricLineStream:
         self._buffer = []
         if self._compress:
             data = gzip.compress(data, compresslevel=6)
-        handle = self._file()
+        self.lost = None
         if (
             self.max_bytes is not None
             and self.bytes_written + len(data) > self.max_bytes - self.reserve_bytes
@@ -96,10 +101,10 @@ class MetricLineStream:
             self.capped += 1
             self._held = data
             return
-        self._held = None  # a newer line made it in
-        handle.write(data)
-        handle.flush()
-        self.bytes_written += len(data)
+        self._held = None  # a newer line made it in (or was lost: it is newer still)
+        outcome = self._out.append(data)
+        if outcome != WRITTEN:
+            self.lost = outcome
 
     def close(self) -> None:
         self.flush()
@@ -110,15 +115,21 @@ class MetricLineStream:
             and self.max_bytes is not None
             and self.bytes_written + len(held) <= self.max_bytes
         ):
-            handle = self._file()
-            handle.write(held)
-            handle.flush()
-            self.bytes_written += len(held)
-            self.held_written = True
+            self.held_written = self._out.append(held) == WRITTEN
         self.closed = True
-        if self._raw is not None:
-            self._raw.close()
-            self._raw = None
+        self._out.close()
+
+
+def _lost_message(stream: MetricLineStream, reason: str) -> str:
+    if reason == GONE:
+        return (
+            f"otelprof: {stream.path} was deleted or replaced (its run directory removed?); "
+            "later metric exports are dropped and counted"
+        )
+    return (
+        f"otelprof: writing {stream.path} failed ({stream.last_error}); the file is kept whole "
+        "(no partial line), lost metric exports are counted, and writing resumes when it can"
+    )
 
 
 class CappedMetricExporter(MetricExporter):
@@ -148,6 +159,10 @@ class CappedMetricExporter(MetricExporter):
         with self._lock:
             capped = self.stream.capped
             result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+            lost = self.stream.lost
+            if lost is not None:
+                self.stream.lost = None
+                raise ExportDropped(lost, _lost_message(self.stream, lost))
             if self.stream.capped != capped:
                 self._held_points = count_points(metrics_data)
                 raise ExportDropped(

@@ -25,10 +25,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
 
 _log = logging.getLogger("otelprof.export")
 
@@ -45,15 +47,24 @@ _name_cache: dict[str, str] = {}
 _text_cache: dict[str, str] = {}  # short string attribute values: phases, thread names
 _MAX_CACHE = 8192
 MAX_CACHED_TEXT = 64
+MAX_HELD_BYTES = 4 << 20
+"""Encoded spans held for a fuller line are written once they reach this many bytes, so a
+span with large attributes cannot make the held line grow past it (memory is bounded in
+bytes, not only in spans)."""
 """Longer string values (exception messages and stack traces) are encoded every time: the
 cache holds what repeats on every span, not one copy of each distinct error."""
+
+
+MAX_CACHED_KEY = 256
+"""Names and keys longer than this are encoded every time: the caches stay bounded in bytes
+(at most `_MAX_CACHE` entries of at most this many characters each)."""
 
 
 def _json_str(text: str, cache: dict[str, str]) -> str:
     cached = cache.get(text)
     if cached is None:
         cached = json.dumps(text, ensure_ascii=False)
-        if len(cache) < _MAX_CACHE:
+        if len(cache) < _MAX_CACHE and len(text) <= MAX_CACHED_KEY:
             cache[text] = cached
     return cached
 
@@ -218,19 +229,21 @@ class SpanLineWriter:
         self._line_seconds = line_seconds
         self._clock = clock
         self._lock = threading.Lock()
-        self._raw: IO[bytes] | None = None
+        self._out = WholeRecordFile(self.path)
         self._headers: dict[tuple[int, int], str] = {}
         self._held: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
         self._held_spans = 0
         self._held_since = 0.0
-        self.bytes_written = 0
+        self._held_bytes = 0
         self._closed = False
+        self._abandoned = False
+        self._writing = 0  # spans of the line being written now (see `abandon`)
+        self._count_lock = threading.Lock()  # never held across I/O
 
-    def _file(self) -> IO[bytes]:
-        if self._raw is None:
-            self._raw = self.path.open("ab")
-            self.bytes_written = self._raw.tell()
-        return self._raw
+    @property
+    def bytes_written(self) -> int:
+        """Bytes in the file (what an earlier process appended included)."""
+        return self._out.size
 
     def _header(self, resource: Any, scope: Any) -> str:
         key = (id(resource), id(scope))
@@ -262,7 +275,12 @@ class SpanLineWriter:
                 self._held_since = now
             entry[2].extend(spans)
             self._held_spans += len(spans)
-            if self._held_spans >= self._line_spans or now - self._held_since >= self._line_seconds:
+            self._held_bytes += sum(map(len, spans))
+            if (
+                self._held_spans >= self._line_spans
+                or self._held_bytes >= MAX_HELD_BYTES
+                or now - self._held_since >= self._line_seconds
+            ):
                 self._write_held()
         return True
 
@@ -279,7 +297,7 @@ class SpanLineWriter:
 
     def _write_held(self) -> None:
         held, self._held = self._held, {}
-        self._held_spans = 0
+        self._held_bytes = 0  # (`_held_spans` goes down line by line: see `abandon`)
         for resource, scope, spans in held.values():
             header = self._header(resource, scope)
             step = self._line_spans
@@ -287,10 +305,16 @@ class SpanLineWriter:
                 self._write_line(header, spans[i : i + step])
 
     def _write_line(self, header: str, spans: list[str]) -> None:
+        with self._count_lock:
+            if self._abandoned:  # shutdown gave up on this file: `abandon` counted these
+                return
+            self._held_spans -= len(spans)
+            self._writing = len(spans)
         data = (header + ",".join(spans) + "]}]}]}\n").encode("utf-8")
         if self._compress:
             data = gzip.compress(data, compresslevel=6)
         if self._max_bytes is not None and self.bytes_written + len(data) > self._max_bytes:
+            self._writing = 0
             self._counters.add(f"{self.name}.spans_dropped_size_cap", len(spans))
             self._counters.warn_once(
                 f"{self.name}.size_cap",
@@ -299,30 +323,53 @@ class SpanLineWriter:
                 self._max_bytes,
             )
             return
-        try:
-            handle = self._file()
-            handle.write(data)
-            handle.flush()
-        except OSError as error:
+        outcome = self._out.append(data)
+        with self._count_lock:
+            self._writing = 0
+            if self._abandoned:
+                return  # counted as dropped by `abandon()` meanwhile (a hung write)
+        if outcome == WRITTEN:
+            self._counters.add(f"{self.name}.spans_exported", len(spans))
+        elif outcome == GONE:
+            self._counters.add(f"{self.name}.spans_dropped_run_dir_gone", len(spans))
+            self._counters.warn_once(
+                f"{self.name}.traces_run_dir_gone",
+                "otelprof: %s was deleted or replaced (its run directory removed?); later "
+                "spans are dropped and counted",
+                self.path,
+            )
+        else:
             self._counters.add(f"{self.name}.spans_failed", len(spans))
             self._counters.warn_once(
-                f"{self.name}.write_error", "otelprof: writing %s failed: %r", self.path, error
+                f"{self.name}.traces_write_error",
+                "otelprof: writing %s failed (%s); the file is kept whole (no partial line), "
+                "lost spans are counted, and writing resumes when it can",
+                self.path,
+                self._out.last_error,
             )
-            return
-        self.bytes_written += len(data)
-        self._counters.add(f"{self.name}.spans_exported", len(spans))
+
+    def abandon(self) -> None:
+        """Shutdown ran out of time (a hung file system): count the spans held and the
+        line being written as dropped, and write nothing more. Without the writer's lock on
+        purpose: the thread holding it may be the one stuck in a write."""
+        with self._count_lock:
+            if self._abandoned:
+                return
+            self._abandoned = True
+            self._closed = True
+            lost = self._held_spans + self._writing
+        if lost:
+            self._counters.add(f"{self.name}.spans_dropped_shutdown_timeout", lost)
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._write_held()
             self._closed = True
-            if self._raw is not None:
-                try:
-                    self._raw.close()
-                except OSError as error:
-                    _log.warning("otelprof: closing %s raised %r", self.path, error)
-                self._raw = None
+            try:
+                self._out.close()
+            except OSError as error:
+                _log.warning("otelprof: closing %s raised %r", self.path, error)
 
 
 class SpanLineExporter(SpanExporter):

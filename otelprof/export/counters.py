@@ -32,6 +32,11 @@ from otelprof.system._stamps import apply_read_times
 _log = logging.getLogger("otelprof.export")
 
 
+def is_loss(key: str) -> bool:
+    """Whether a stats key counts lost items (what `dropped_total` sums)."""
+    return "dropped" in key or "failed" in key
+
+
 class ExportCounters:
     """Thread-safe named counters, grouped by exporter name (`otlp.spans_exported`, ...)."""
 

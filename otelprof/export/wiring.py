@@ -57,11 +57,18 @@ class ExportPipelines:
     """The pull endpoint's prometheus_client registry (None without one): the timing
     histograms are registered on it once the timings engine exists."""
     exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
+    file_writers: list[SpanLineWriter] = field(default_factory=list)
 
     def abandon_exports(self) -> None:
         """Stop exports still retrying (shutdown's time is up); what they held is counted."""
         for exporter in self.exporters:
             exporter.abandon()
+
+    def abandon_files(self) -> None:
+        """The flush is stuck (a hung file system): count what the file writers still hold
+        as dropped and let them write nothing more."""
+        for writer in self.file_writers:
+            writer.abandon()
 
     def close(self) -> None:
         for closer in self.closers:
@@ -254,6 +261,7 @@ def _add_files(
         )
         pipelines.span_processors.append(processor)
         pipelines.frame_sinks[processor] = TraceFileSink(writer)
+        pipelines.file_writers.append(writer)
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
         metric_exporter.on_export.append(writer.flush_due)

@@ -39,6 +39,7 @@ from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, TypeVar
 
+from otelprof import _limits
 from otelprof.timings._frames import (
     F_CTX,
     F_END,
@@ -613,7 +614,8 @@ class Timing:
         if not isinstance(name, str) or not name:
             raise ValueError(f"timing: name must be a non-empty string, got {name!r}")
         self.name = name
-        self.attributes = attributes or None
+        # long strings cut here: they wait in the queues until written (otelprof/_limits.py)
+        self.attributes = _limits.limit_attributes(attributes) if attributes else None
 
     def __enter__(self) -> Timing:
         rec = recorder

@@ -1,0 +1,94 @@
+"""The end of a run, bounded: flush, give up on what hangs (counted), write how it ended.
+
+Why: `shutdown()` must return within `export_timeout` + `SHUTDOWN_MARGIN_S` whatever hangs
+(a frozen file system, a collector that never answers, a huge backlog), must count what it
+could not flush, and must leave the run's end readable even when run.json cannot be
+rewritten. `finish_run` does that for the Profiler's running session (`_Session`, which
+keeps only the list of what to flush, `_Session._flush_all`):
+
+1. the flush runs on a helper thread, waited for `export_timeout` + `FLUSH_GRACE_S` (exports
+   still retrying are abandoned at `export_timeout` by the flush's own watchdog);
+2. if it is still running, it is abandoned: what the file writers held and the ranges the
+   span builder never got to are counted as dropped (`*_dropped_shutdown_timeout`), and the
+   end says `flush_timed_out`;
+3. the end names a SIGTERM/SIGINT that arrived meanwhile (`signal_during_shutdown`);
+4. detached runs: the closing record (otelprof/export/_closing.py), then run.json, on a
+   helper thread waited for `FINALIZE_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
+from otelprof._run_end import DeferredSignals, EndRecord
+from otelprof.export.counters import is_loss
+
+_log = logging.getLogger("otelprof")
+
+
+def finish_run(profiler: Any, end: EndRecord, deferred: DeferredSignals) -> dict[str, int]:
+    """Flush `profiler` (a `_Session`) within its bound, then record `end`; returns the
+    final stats."""
+    timeout = profiler.settings.export_timeout_s
+    if not run_within(lambda: profiler._flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
+        abandon_flush(profiler, end)
+    if deferred.received is not None:
+        end["signal_during_shutdown"] = deferred.received_name
+    stats: dict[str, int] = profiler.stats()
+    detached = profiler.settings.detached
+    if detached and not run_within(lambda: write_run_end(profiler, end, stats), FINALIZE_S, "end"):
+        _log.warning(
+            "otelprof: writing the run's end to %s did not finish in %.1f s "
+            "(a hung file system?); abandoned",
+            profiler.settings.run_dir,
+            FINALIZE_S,
+        )
+    if stats["dropped_total"]:  # (before a deferred signal acts)
+        lost = {k: v for k, v in stats.items() if is_loss(k) and v}
+        _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
+    return stats
+
+
+def abandon_flush(profiler: Any, end: EndRecord) -> None:
+    """The flush outlived its bound (a hung write, an export that ignores its timeout):
+    give it up, counting what the writers held, so shutdown() returns."""
+    _log.warning(
+        "otelprof: flushing did not finish within export_timeout (%.1f s) + %.1f s; "
+        "abandoned, what it still held is counted as dropped",
+        profiler.settings.export_timeout_s,
+        FLUSH_GRACE_S,
+    )
+    end["flush_timed_out"] = True
+    counters = profiler.counters
+    counters.add("shutdown.flush_timeouts")
+    with contextlib.suppress(Exception):
+        profiler.pipelines.abandon_exports()
+    with contextlib.suppress(Exception):
+        profiler.pipelines.abandon_files()
+    if profiler.timings is not None:  # ranges the span builder never got to
+        with contextlib.suppress(Exception):
+            queued = int(profiler.timings.stats().get("spans_queued", 0))
+            if queued:
+                counters.add("timings.spans_dropped_shutdown_timeout", queued)
+
+
+def write_run_end(profiler: Any, end: EndRecord, stats: dict[str, int]) -> None:
+    """The run's end into the metrics file (closing record), then into run.json."""
+    profiler._end = end
+    metrics = profiler.pipelines.files.get("metrics")
+    if metrics is not None:
+        from otelprof.export._closing import write_closing_record
+
+        settings = profiler.settings
+        write_closing_record(
+            metrics,
+            dict(profiler.resource.attributes),
+            end,
+            stats,
+            compress=bool(getattr(settings, "compress", False)),
+            max_bytes=getattr(settings, "max_metrics_bytes", None),
+        )
+    profiler._write_run_info(stats)

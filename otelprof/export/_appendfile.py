@@ -1,0 +1,108 @@
+"""Append whole records to a run file, or nothing: the file never holds a partial line.
+
+Why: a write that fails part-way (the disk filled up) used to leave half a line, or half a
+gzip member, in the file, and everything appended after space came back was unreadable
+behind it. `WholeRecordFile.append` writes one record (a JSON line, or a gzip member of
+whole lines) with unbuffered `os.write` calls and, if any of them fails, truncates the
+file back to where the record began, so the file always ends on a record boundary and the
+next append (once there is space again) is readable. If even the truncation fails (the
+file system went read-only), the next append retries it first and writes nothing until it
+succeeds.
+
+A run directory deleted or replaced mid-run would otherwise swallow every later line into
+an unlinked file: before each append the path is checked to still name the file that was
+opened (same device and inode). If it does not, the file is reported `GONE` once and never
+written again; its losses are counted by the caller (the lines are not recreated elsewhere:
+a directory someone deleted is not silently brought back; see README "Disk faults").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WRITTEN = "written"
+WRITE_ERROR = "write_error"
+GONE = "run_dir_gone"
+
+
+class WholeRecordFile:
+    """One append-only run file. Not thread-safe: its writer serializes appends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._identity: tuple[int, int] | None = None
+        self.size = 0
+        """Bytes in the file up to its last whole record."""
+        self._dirty = False
+        self.gone = False
+        self.last_error: OSError | None = None
+
+    def open(self) -> None:
+        """Open (create) the file now; raises OSError (callers that must not fail catch it)."""
+        if self._fd is not None:
+            return
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        stat = os.fstat(fd)
+        self._fd = fd
+        self._identity = (stat.st_dev, stat.st_ino)
+        self.size = stat.st_size
+
+    def _still_there(self) -> bool:
+        try:
+            stat = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        except OSError:  # cannot tell (a hung or failing file system): try the write
+            return True
+        return (stat.st_dev, stat.st_ino) == self._identity
+
+    def append(self, data: bytes) -> str:
+        """Write `data` whole: WRITTEN, WRITE_ERROR (nothing of it left in the file; see
+        `last_error`) or GONE (the path no longer names this file: nothing written)."""
+        if self.gone:
+            return GONE
+        try:
+            self.open()
+        except OSError as error:
+            self.last_error = error
+            if isinstance(error, FileNotFoundError):  # the run directory itself is gone
+                self.gone = True
+                return GONE
+            return WRITE_ERROR
+        assert self._fd is not None
+        if not self._still_there():
+            self.gone = True
+            return GONE
+        start = self.size
+        if self._dirty and not self._truncate(start):
+            return WRITE_ERROR
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        except OSError as error:
+            self.last_error = error
+            self._truncate(start)
+            return WRITE_ERROR
+        self.size = start + len(data)
+        return WRITTEN
+
+    def _truncate(self, size: int) -> bool:
+        """Cut a partly written record off; remembered and retried if that fails too."""
+        assert self._fd is not None
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as error:
+            self.last_error = error
+            self._dirty = True
+            return False
+        self._dirty = False
+        return True
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
