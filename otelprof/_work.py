@@ -7,7 +7,7 @@ the throughput figures themselves are the run's `ThroughputTracker` (`_throughpu
 from __future__ import annotations
 
 from otelprof import _profiler
-from otelprof._schema import ATTR_FLOPS, ATTR_PEAK_FLOPS, ATTR_SAMPLES, ATTR_TOKENS
+from otelprof._schema import ATTR_FLOPS, ATTR_PEAK_FLOPS, ATTR_SAMPLES, ATTR_TOKENS, PHASE_TRAIN
 from otelprof._throughput import _check_amount
 from otelprof.timings import _recorder as rec
 
@@ -40,5 +40,5 @@ def step_work(
         peak = tracker.resolve_peak()
         if ctx is not None and peak is not None:
             ctx.attrs[ATTR_PEAK_FLOPS] = peak  # type: ignore[index]
-    if tracker.engine.phase == rec.PHASE_TRAIN:
+    if tracker.engine.phase == PHASE_TRAIN:
         tracker.add(s, t, f)

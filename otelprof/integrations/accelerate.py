@@ -28,7 +28,7 @@ from typing import Any
 import otelprof
 from otelprof import _throughput
 from otelprof._patch import Patch, Patches
-from otelprof._schema import BACKWARD, FORWARD
+from otelprof._schema import BACKWARD, FORWARD, PHASE_TRAIN, PHASE_VALIDATION
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -41,7 +41,7 @@ from otelprof.timings._api import (
     unwrap_optimizer,
 )
 
-_AUTO_PHASES = (rec.PHASE_TRAIN, rec.PHASE_VALIDATION)
+_AUTO_PHASES = (PHASE_TRAIN, PHASE_VALIDATION)
 
 _patch_lock = threading.Lock()
 _patched: dict[type, Patch] = {}  # DataLoader class -> its __iter__ patch
@@ -141,9 +141,9 @@ class _Instrumentation:
     # ---- steps and phases ----
     @common.safe
     def before_batch(self) -> None:
-        wanted = rec.PHASE_TRAIN
+        wanted = PHASE_TRAIN
         if self.models and not any(getattr(m, "training", True) for m in self.models):
-            wanted = rec.PHASE_VALIDATION
+            wanted = PHASE_VALIDATION
         current = otelprof.current_phase()
         if self.batch_open:
             self._end_step()
@@ -151,7 +151,7 @@ class _Instrumentation:
             otelprof.set_phase(wanted)
         if (
             self.work.counts_flops
-            and wanted == rec.PHASE_TRAIN
+            and wanted == PHASE_TRAIN
             and _timings_running()
             and not self.counting
         ):
@@ -161,7 +161,7 @@ class _Instrumentation:
     def _end_step(self) -> None:
         self.batch_open = False
         flops: float | None = None
-        if otelprof.current_phase() == rec.PHASE_TRAIN:
+        if otelprof.current_phase() == PHASE_TRAIN:
             flops = self.work.step_flops()
         if flops is not None:
             common.record_work(None, None, flops)

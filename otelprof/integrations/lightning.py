@@ -36,7 +36,7 @@ from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
 from otelprof._patch import Patch
-from otelprof._schema import BACKWARD, FORWARD
+from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_TRAIN, PHASE_VALIDATION
 from otelprof.integrations import _common as common
 from otelprof.timings import _recorder as rec
 from otelprof.timings._api import (
@@ -121,7 +121,7 @@ class _OtelprofProfiler(Profiler):
             self._opt_frame = None
             return
         if kind == _CHECKPOINT:
-            self._checkpoint.append(otelprof.set_phase(rec.PHASE_CHECKPOINT))
+            self._checkpoint.append(otelprof.set_phase(PHASE_CHECKPOINT))
             return
         assert name is not None
         if self._opt_depth is not None and name == FORWARD:
@@ -314,7 +314,7 @@ class OtelprofCallback(Callback):
     # ---- validation ----
     @common.safe
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._phases.append(otelprof.set_phase(rec.PHASE_VALIDATION))
+        self._phases.append(otelprof.set_phase(PHASE_VALIDATION))
 
     @common.safe
     def on_validation_batch_end(
@@ -333,7 +333,7 @@ class OtelprofCallback(Callback):
 
     @common.safe
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        otelprof.set_phase(self._phases.pop() if self._phases else rec.PHASE_TRAIN)
+        otelprof.set_phase(self._phases.pop() if self._phases else PHASE_TRAIN)
 
     # ---- test and predict: phases of their own, one trace per batch ----
     @common.safe

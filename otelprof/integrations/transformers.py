@@ -27,10 +27,9 @@ from transformers import Trainer, TrainerCallback
 
 import otelprof
 from otelprof._patch import Patches
-from otelprof._schema import BACKWARD, FORWARD
+from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_VALIDATION
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
-from otelprof.timings import _recorder as rec
 from otelprof.timings._api import STEP_LR_SCHEDULERS
 
 _lock = threading.Lock()
@@ -69,7 +68,7 @@ def _wrap_evaluate(original: Any) -> Any:
     def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _ours(self) is None:
             return original(self, *args, **kwargs)
-        with _phase(rec.PHASE_VALIDATION):
+        with _phase(PHASE_VALIDATION):
             return original(self, *args, **kwargs)
 
     return evaluate
@@ -79,7 +78,7 @@ def _wrap_save(original: Any) -> Any:
     def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _ours(self) is None:
             return original(self, *args, **kwargs)
-        with _phase(rec.PHASE_CHECKPOINT):
+        with _phase(PHASE_CHECKPOINT):
             return original(self, *args, **kwargs)
 
     return _save_checkpoint
@@ -221,7 +220,7 @@ class OtelprofTrainerCallback(TrainerCallback):
 
     @common.safe
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if otelprof.current_phase() == rec.PHASE_VALIDATION:
+        if otelprof.current_phase() == PHASE_VALIDATION:
             otelprof.step()  # one trace per evaluation batch
 
     @common.safe

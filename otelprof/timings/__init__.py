@@ -12,6 +12,9 @@ from otelprof._schema import (
     ATTR_PHASE,
     ATTR_SOURCE,
     ATTR_STEP,
+    PHASE_CHECKPOINT,
+    PHASE_TRAIN,
+    PHASE_VALIDATION,
 )
 from otelprof.timings._api import (
     DATALOADER_NEXT,
@@ -37,13 +40,7 @@ from otelprof.timings._api import (
     train_batch,
 )
 from otelprof.timings._engine import TimingsEngine
-from otelprof.timings._recorder import (
-    PHASE_CHECKPOINT,
-    PHASE_TRAIN,
-    PHASE_VALIDATION,
-    Timing,
-    timing,
-)
+from otelprof.timings._recorder import Timing, timing
 from otelprof.timings._schedule import (
     CyclicSchedule,
     Schedule,

@@ -37,7 +37,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 
 from otelprof import _torch_compat
-from otelprof._schema import PHASE_AFTER_TRAINING
+from otelprof._schema import PHASE_AFTER_TRAINING, PHASE_TRAIN, STEP_SPAN
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
@@ -61,7 +61,7 @@ _PHASE_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,31}")
 
 def check_phase(phase: object) -> str:
     """A phase name: short, lower-case, and not `step` (the training root span's name)."""
-    if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase) or phase == rec.STEP_SPAN:
+    if not isinstance(phase, str) or not _PHASE_NAME.fullmatch(phase) or phase == STEP_SPAN:
         raise ValueError(
             "phase must be a short lower-case name such as 'train', 'validation' or "
             f"'checkpoint' (letters, digits, '_', '.', '-'; not 'step'), got {phase!r}"
@@ -133,7 +133,7 @@ class TimingsEngine:
         self._schedule_errors = 0
         self.range_cost_s = 0.0  # one timing() range on the opening thread (`calibrate`)
         self._step_from_start = True  # the current step began at start(), not at step()
-        self._phase = rec.PHASE_TRAIN
+        self._phase = PHASE_TRAIN
         self._ctx_is_block = False  # the current context began when its phase was entered
         # training time of the current step, phases excluded (for throughput listeners)
         self._train_t0: int | None = None
@@ -191,7 +191,7 @@ class TimingsEngine:
             self._builder.flush(timeout)
             if ctx is not None and (ctx.has_children or ctx.frames):
                 ctx.trim_end = True
-                if ctx.phase == rec.PHASE_TRAIN and self._step > 0:
+                if ctx.phase == PHASE_TRAIN and self._step > 0:
                     ctx.phase = PHASE_AFTER_TRAINING  # after the last step(): no step
                 rec.recorder.emit_step(ctx, end)
             self._builder.stop(timeout)
@@ -216,7 +216,7 @@ class TimingsEngine:
                 if state is None or not _quiet_steps.sample_out(ctx, end, state):
                     recorder.emit_step(ctx, end)
                 self._stepping = state
-            if self._phase != rec.PHASE_TRAIN:
+            if self._phase != PHASE_TRAIN:
                 # a batch of validation (etc.): its own trace, the training step stays
                 self._begin_step(perf_counter_ns(), trim_start=False)
                 self._ctx_is_block = False
@@ -317,10 +317,10 @@ class TimingsEngine:
             return previous
         try:
             end = perf_counter_ns()
-            if previous == rec.PHASE_TRAIN and self._train_t0 is not None:
+            if previous == PHASE_TRAIN and self._train_t0 is not None:
                 self._train_acc_ns += end - self._train_t0
                 self._train_t0 = None
-            elif phase == rec.PHASE_TRAIN:
+            elif phase == PHASE_TRAIN:
                 self._train_t0 = end
             ctx = self._ctx
             rec.recorder.record(None)
@@ -328,10 +328,10 @@ class TimingsEngine:
                 ctx.trim_end = True
                 # an empty training step or trailing phase batch was no real one; a whole
                 # phase block without ranges (a checkpoint save) is still the phase's time
-                ctx.drop_if_empty = ctx.phase == rec.PHASE_TRAIN or not self._ctx_is_block
+                ctx.drop_if_empty = ctx.phase == PHASE_TRAIN or not self._ctx_is_block
                 rec.recorder.emit_step(ctx, end)
             self._begin_step(perf_counter_ns(), trim_start=True)
-            self._ctx_is_block = phase != rec.PHASE_TRAIN
+            self._ctx_is_block = phase != PHASE_TRAIN
         except Exception as error:  # telemetry never breaks training
             _log.warning("otelprof: set_phase() failed: %r", error)
         return previous

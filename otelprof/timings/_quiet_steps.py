@@ -23,6 +23,7 @@ from collections.abc import Callable
 from operator import itemgetter
 from typing import Any
 
+from otelprof._schema import PHASE_TRAIN, STEP_SPAN
 from otelprof.timings import _recorder as rec
 from otelprof.timings._frames import F_CUDA, F_NAME
 from otelprof.timings._sampling import CAPTURE_STEPS
@@ -96,7 +97,7 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
         if len(layouts) >= MAX_LAYOUTS:
             return False
         layout = len(layouts)
-        root = rec.STEP_SPAN if phase == rec.PHASE_TRAIN else phase
+        root = STEP_SPAN if phase == PHASE_TRAIN else phase
         layouts[layout] = (phase, root, names)
         by_names[names] = layout
     # a tuple of numbers: the collector untracks it, so rows waiting for the builder are
@@ -137,7 +138,7 @@ def limits_for(
             continue
         head, tail, anomaly_ns, recent = found
         if max(head, tail) < math.inf:  # a full bucket takes a step of any size
-            phase = rec.PHASE_TRAIN if root == rec.STEP_SPAN else root
+            phase = PHASE_TRAIN if root == STEP_SPAN else root
             out[phase] = [head, tail, max(recent) * 1e9 if recent else 0.0, anomaly_ns]
     return out
 

@@ -40,6 +40,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from otelprof import _limits
+from otelprof._schema import PHASE_TRAIN, STEP_SPAN
 from otelprof.timings._frames import (
     F_CTX,
     F_END,
@@ -72,11 +73,6 @@ Recording it would put an orphan range (its `timed_dataloader` parent is cancell
 same reason) in a phantom trailing step after the last `step()`."""
 NOT_ERRORS = (StopIteration, StopAsyncIteration, GeneratorExit)
 """Exceptions that end a range normally: exhaustion, and a generator closed by its consumer."""
-
-PHASE_TRAIN = "train"
-PHASE_VALIDATION = "validation"
-PHASE_CHECKPOINT = "checkpoint"
-STEP_SPAN = "step"
 
 MAX_DEPTH = 256
 """Open ranges kept per thread; ranges that are never closed cannot grow memory past this."""
