@@ -221,7 +221,7 @@ class _Session:
                 self.run_end.uninstall(deferred)
             finish_run(self, end, deferred)  # otelprof/_shutdown.py
 
-    def _flush_all(self, end: EndRecord) -> None:
+    def flush_all(self, end: EndRecord) -> None:
         """Shutdown's work, on its own thread (otelprof/_shutdown.py bounds it)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished
@@ -337,6 +337,11 @@ class _Session:
         self._end = end
         if self.settings.detached:
             self._write_run_info()
+
+    def finalize_run_info(self, end: EndRecord, stats: dict[str, int]) -> None:
+        """run.json with how the run ended and its final stats (otelprof/_shutdown.py)."""
+        self._end = end
+        self._write_run_info(stats)
 
     def _write_run_info(self, stats: dict[str, int] | None = None) -> None:
         s = self.settings

@@ -4,7 +4,7 @@ Why: `shutdown()` must return within `export_timeout` + `SHUTDOWN_MARGIN_S` what
 (a frozen file system, a collector that never answers, a huge backlog), must count what it
 could not flush, and must leave the run's end readable even when run.json cannot be
 rewritten. `finish_run` does that for the Profiler's running session (`_Session`, which
-keeps only the list of what to flush, `_Session._flush_all`):
+keeps only the list of what to flush, `_Session.flush_all`):
 
 1. the flush runs on a helper thread, waited for `export_timeout` + `FLUSH_GRACE_S` (exports
    still retrying are abandoned at `export_timeout` by the flush's own watchdog);
@@ -29,21 +29,21 @@ from otelprof.export.counters import is_loss
 _log = logging.getLogger("otelprof")
 
 
-def finish_run(profiler: Any, end: EndRecord, deferred: DeferredSignals) -> dict[str, int]:
-    """Flush `profiler` (a `_Session`) within its bound, then record `end`; returns the
+def finish_run(session: Any, end: EndRecord, deferred: DeferredSignals) -> dict[str, int]:
+    """Flush `session` (a `_Session`) within its bound, then record `end`; returns the
     final stats."""
-    timeout = profiler.settings.export_timeout_s
-    if not run_within(lambda: profiler._flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
-        abandon_flush(profiler, end)
+    timeout = session.settings.export_timeout_s
+    if not run_within(lambda: session.flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
+        abandon_flush(session, end)
     if deferred.received is not None:
         end["signal_during_shutdown"] = deferred.received_name
-    stats: dict[str, int] = profiler.stats()
-    detached = profiler.settings.detached
-    if detached and not run_within(lambda: write_run_end(profiler, end, stats), FINALIZE_S, "end"):
+    stats: dict[str, int] = session.stats()
+    detached = session.settings.detached
+    if detached and not run_within(lambda: write_run_end(session, end, stats), FINALIZE_S, "end"):
         _log.warning(
             "otelprof: writing the run's end to %s did not finish in %.1f s "
             "(a hung file system?); abandoned",
-            profiler.settings.run_dir,
+            session.settings.run_dir,
             FINALIZE_S,
         )
     if stats["dropped_total"]:  # (before a deferred signal acts)
@@ -52,43 +52,42 @@ def finish_run(profiler: Any, end: EndRecord, deferred: DeferredSignals) -> dict
     return stats
 
 
-def abandon_flush(profiler: Any, end: EndRecord) -> None:
+def abandon_flush(session: Any, end: EndRecord) -> None:
     """The flush outlived its bound (a hung write, an export that ignores its timeout):
     give it up, counting what the writers held, so shutdown() returns."""
     _log.warning(
         "otelprof: flushing did not finish within export_timeout (%.1f s) + %.1f s; "
         "abandoned, what it still held is counted as dropped",
-        profiler.settings.export_timeout_s,
+        session.settings.export_timeout_s,
         FLUSH_GRACE_S,
     )
     end["flush_timed_out"] = True
-    counters = profiler.counters
+    counters = session.counters
     counters.add("shutdown.flush_timeouts")
     with contextlib.suppress(Exception):
-        profiler.pipelines.abandon_exports()
+        session.pipelines.abandon_exports()
     with contextlib.suppress(Exception):
-        profiler.pipelines.abandon_files()
-    if profiler.timings is not None:  # ranges the span builder never got to
+        session.pipelines.abandon_files()
+    if session.timings is not None:  # ranges the span builder never got to
         with contextlib.suppress(Exception):
-            queued = int(profiler.timings.stats().get("spans_queued", 0))
+            queued = int(session.timings.stats().get("spans_queued", 0))
             if queued:
                 counters.add("timings.spans_dropped_shutdown_timeout", queued)
 
 
-def write_run_end(profiler: Any, end: EndRecord, stats: dict[str, int]) -> None:
+def write_run_end(session: Any, end: EndRecord, stats: dict[str, int]) -> None:
     """The run's end into the metrics file (closing record), then into run.json."""
-    profiler._end = end
-    metrics = profiler.pipelines.files.get("metrics")
+    metrics = session.pipelines.files.get("metrics")
     if metrics is not None:
         from otelprof.export._closing import write_closing_record
 
-        settings = profiler.settings
+        settings = session.settings
         write_closing_record(
             metrics,
-            dict(profiler.resource.attributes),
+            dict(session.resource.attributes),
             end,
             stats,
-            compress=bool(getattr(settings, "compress", False)),
-            max_bytes=getattr(settings, "max_metrics_bytes", None),
+            compress=settings.compress,
+            max_bytes=settings.max_metrics_bytes,
         )
-    profiler._write_run_info(stats)
+    session.finalize_run_info(end, stats)
