@@ -17,8 +17,8 @@ whose connections are made from a socket created inside the node.
 Teardown also runs on failure (a context manager), kills only processes inside the
 cluster's own namespaces (found by their network namespace), and the holders die with the
 test process (parent-death signal), so an interrupted test leaves no namespace behind.
-`unavailable()` says why namespaces cannot be made here (not root, no `unshare`), the one
-reason the multi-node tests skip.
+`unavailable()` says why namespaces cannot be made here (not root), the one reason the
+multi-node tests skip; a missing tool (`unshare`, `nsenter`, `setpriv`, `ip`) fails them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.services import ManagedProcess, wait_for
+from tests.services import ManagedProcess, MissingComponent, wait_for
 
 T = TypeVar("T")
 
@@ -60,10 +60,11 @@ def _run(argv: Sequence[str]) -> None:
 
 
 def unavailable() -> str | None:
-    """Why network + UTS namespaces with a bridge cannot be made here, or None if they can."""
+    """Why network + UTS namespaces with a bridge cannot be made here (no privilege), or None
+    if they can. A missing tool is no reason to skip: it raises MissingComponent."""
     for tool in ("unshare", "nsenter", "setpriv", "ip"):
         if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (util-linux / iproute2)"
+            raise MissingComponent(f"`{tool}` is not installed (Debian: util-linux, iproute2)")
     probe = subprocess.run(
         ["unshare", "--net", "--uts", "--", "sh", "-c",
          "hostname otelprof-probe && ip link add probe0 type bridge"],
