@@ -291,8 +291,14 @@ class Cluster:
 
     def __init__(self, n: int, workdir: Path, prefix: str = "otelprof-node") -> None:
         self.n, self.workdir, self.prefix = n, workdir, prefix
-        self.hub: Node | None = None
+        self._hub: Node | None = None
         self.nodes: list[Node] = []
+
+    @property
+    def hub(self) -> Node:
+        if self._hub is None:
+            raise RuntimeError("the cluster is not built: use it as a context manager")
+        return self._hub
 
     def __enter__(self) -> Cluster:
         try:
@@ -306,8 +312,8 @@ class Cluster:
         self.close()
 
     def _build(self) -> None:
-        self.hub = Node("otelprof-hub", f"{SUBNET}.1", _holder("otelprof-hub"),
-                        self.workdir / "hub")  # fmt: skip
+        self._hub = Node("otelprof-hub", f"{SUBNET}.1", _holder("otelprof-hub"),
+                         self.workdir / "hub")  # fmt: skip
         self.hub.sh(
             f"ip link add br0 type bridge && ip addr add {SUBNET}.1/24 dev br0 "
             "&& ip link set br0 up"
@@ -323,7 +329,7 @@ class Cluster:
             node.sh(f"ip addr add {node.address}/24 dev eth0 && ip link set eth0 up")
 
     def close(self) -> None:
-        for node in [*self.nodes, *([self.hub] if self.hub else [])]:
+        for node in [*self.nodes, *([self._hub] if self._hub else [])]:
             with contextlib.suppress(Exception):
                 node.close()
 

@@ -138,7 +138,6 @@ def _start_gateway(cluster: nc.Cluster, workdir: Path) -> tuple[ManagedProcess, 
     """The gateway collector (the shipped config) in the hub, receiving OTLP on the bridge;
     returns it and a root-namespace port relayed to its Prometheus exporter."""
     hub = cluster.hub
-    assert hub is not None
     ports = {"grpc": 4317, "http": 4318, "health": 13133, "prometheus": 8889, "telemetry": 8888}
     env = collector_env(
         workdir, ports=ports, extra={"OTELCOL_OTLP_GRPC_ENDPOINT": f"{hub.address}:4317"}
@@ -173,7 +172,6 @@ def test_two_nodes_live_through_agents_and_a_gateway_name_the_slow_rank_by_node(
     rdzv_id = f"job-{uuid.uuid4().hex[:8]}"
     runs = tmp_path / "runs"
     with nc.Cluster(2, tmp_path / "nodes") as cluster:
-        assert cluster.hub is not None
         _gateway, scrape_port = _start_gateway(cluster, tmp_path / "gateway")
         prometheus = start_prometheus(
             tmp_path / "prom", scrape_targets={"otelcol": f"127.0.0.1:{scrape_port}"}
