@@ -110,6 +110,14 @@ def label_values(prometheus: Prometheus, query: str, start: float) -> list[str]:
     return sorted({s[match["label"]] for s in series if match["label"] in s})
 
 
+def panel_expr(title: str, service: str, dashboard: str = "otelprof-training.json") -> str:
+    """A dashboard panel's query as Grafana sends it with service `service` and every
+    job, rank, host and trial selected (All), rate windows of 4 s."""
+    [query] = [q for q in queries(load(DASHBOARD_DIR / dashboard)) if q.panel == title]
+    expr = query.expr.replace("$__rate_interval", "4s").replace('"$service"', f'"{service}"')
+    return re.sub(r'"\$(run|rank|host|trial)"', '".*"', expr)
+
+
 def run_range(
     prometheus: Prometheus, expr: str, start: float, end: float, step_s: float = 1.0
 ) -> list[tuple[str, list[float], list[float]]]:

@@ -5,7 +5,9 @@ Run under torchrun (`python -m torch.distributed.run ... tests/ddp_job.py`) or a
 pattern: no launcher environment, ranks only from the process group). Options:
 `--slow-rank R --slow-ms MS` sleeps on rank R each step outside any timing (a straggler);
 `--raise-rank R --raise-at STEP` raises there; `--kill-rank R --kill-at STEP` SIGKILLs itself;
-`--instrument-first` calls otelprof.instrument() before init_process_group.
+`--instrument-first` calls otelprof.instrument() before init_process_group;
+`--forget-local-rank` drops LOCAL_RANK first (a launcher that sets none: otelprof learns the
+local rank from the host names the ranks share).
 """
 
 from __future__ import annotations
@@ -43,12 +45,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-at", type=int, default=10)
     p.add_argument("--fail-attempt", type=int, default=-1, help="fail only in this attempt")
     p.add_argument("--instrument-first", action="store_true")
+    p.add_argument("--forget-local-rank", action="store_true")
     p.add_argument("--step-sleep-ms", type=float, default=2.0)
     return p.parse_args(argv)
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
+    if args.forget_local_rank:
+        os.environ.pop("LOCAL_RANK", None)
     children: list[subprocess.Popen[bytes]] = []
     if args.instrument_first:
         prof = otelprof.instrument()

@@ -255,19 +255,6 @@ def test_a_sigkilled_rank_shows_as_not_finalized_first_in_the_report(tmp_path: P
     assert "rank 1" in problems and "not finalized" in problems
 
 
-def _dashboard_expr(title: str, service: str) -> str:
-    """A training-dashboard panel's query with every rank and host selected (Grafana's All)."""
-    import re
-
-    from tests.dashboard_queries import DASHBOARD_DIR, load, queries
-
-    [query] = [
-        q for q in queries(load(DASHBOARD_DIR / "otelprof-training.json")) if q.panel == title
-    ]
-    expr = query.expr.replace("$__rate_interval", "4s").replace('"$service"', f'"{service}"')
-    return re.sub(r'"\$(run|rank|host|trial)"', '".*"', expr)
-
-
 @pytest.mark.e2e
 def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     tmp_path: Path, collector: Any, prometheus: Any
@@ -276,7 +263,7 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     import uuid
 
     from dashboards.build import COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL
-    from tests.dashboard_queries import run_range
+    from tests.dashboard_queries import panel_expr, run_range
 
     service = f"straggler-{uuid.uuid4().hex[:8]}"
     started = time.time()
@@ -296,7 +283,7 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     time.sleep(2)  # the last export's scrape
 
     def by_rank(title: str) -> dict[str, float]:
-        series = run_range(prometheus, _dashboard_expr(title, service), started, finished + 2)
+        series = run_range(prometheus, panel_expr(title, service), started, finished + 2)
         out = {}
         for labels, _times, values in series:
             rank = dict(kv.split("=", 1) for kv in labels.split(","))["otelprof_rank"]

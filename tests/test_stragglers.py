@@ -7,11 +7,13 @@ from otelprof.analysis.reader import Resource
 from otelprof.analysis.stragglers import UNTIMED, RankWork, _judge
 
 
-def _rank(rank: int, wait_ms: float, own: dict[str, float], steps: int = 100) -> RankWork:
+def _rank(
+    rank: int, wait_ms: float, own: dict[str, float], steps: int = 100, host: str = "n"
+) -> RankWork:
     """A rank with `steps` equal steps: own work per part + waiting in train_batch (ms)."""
     step_ms = sum(own.values()) + wait_ms
     return RankWork(
-        Resource((("host.name", "n"), ("otelprof.rank", rank), ("process.pid", 10 + rank))),
+        Resource((("host.name", host), ("otelprof.rank", rank), ("process.pid", 10 + rank))),
         steps=steps,
         step_s=steps * step_ms / 1e3,
         wait_s=steps * wait_ms / 1e3,
@@ -45,6 +47,25 @@ def test_the_rank_that_waits_least_is_named_with_where_its_time_goes() -> None:
         "the other ranks wait for it: they spend 20.2 ms per step longer in collectives "
         "than rank 1" in report.headline
     )
+
+
+def test_on_several_nodes_the_straggler_is_named_by_rank_and_node() -> None:
+    fast = {"train_batch": 10.0, UNTIMED: 1.0}
+    slow = {"train_batch": 10.0, UNTIMED: 21.0}
+    ranks = [
+        _rank(0, 22.0, fast, host="node0"),
+        _rank(1, 22.5, fast, host="node0"),
+        _rank(2, 22.0, fast, host="node1"),
+        _rank(3, 2.0, slow, host="node1"),
+    ]
+    report = _judge(ranks)
+    assert report.headline is not None
+    assert report.headline.startswith("rank 3 on node1 is the straggler: it arrives late")
+    assert "longer in collectives than rank 3 on node1" in report.headline
+    assert all("rank 3 on node1" in line for line in report.evidence())
+    summary = report.to_dict()
+    assert summary["straggler"]["host"] == "node1"
+    assert [r["host"] for r in summary["ranks"]] == ["node0", "node0", "node1", "node1"]
 
 
 def test_verdict_evidence_comes_from_the_same_analysis_as_its_headline() -> None:

@@ -34,11 +34,30 @@ _log = logging.getLogger("otelprof")
 
 _INIT = "init_process_group"
 RANK_KEYS = (ATTR_RANK, ATTR_LOCAL_RANK, ATTR_WORLD_SIZE, ATTR_ATTEMPT)
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 
 def run_id_explicit(options: Mapping[str, Any], env: Mapping[str, str]) -> bool:
-    """Whether the run id comes from the user or the launcher (then every rank has it)."""
-    return bool(options.get("run_id")) or any(env.get(v) for v in ENVIRONMENT["run_id"])
+    """Whether the run id comes from the user or the launcher (then every rank has it).
+
+    torchrun's default id "none" (no --rdzv-id) is no id: otelprof makes one per launcher
+    process, and a job on several nodes has one launcher per node, so the ranks must agree."""
+    if options.get("run_id"):
+        return True
+    return any(
+        env.get(v) and not (v == TORCHELASTIC_RUN_ID and env[v] == "none")
+        for v in ENVIRONMENT["run_id"]
+    )
+
+
+def _candidate_run_id(env: Mapping[str, str]) -> str:
+    """The id rank 0 proposes: under torchrun without --rdzv-id, its launcher's (so restart
+    attempts of the job share the directory), else a fresh one."""
+    from otelprof.config import _default_run_id, torchelastic_run_id
+
+    if env.get(TORCHELASTIC_RUN_ID) == "none":
+        return torchelastic_run_id("none")
+    return _default_run_id()
 
 
 def resolve(
@@ -57,9 +76,7 @@ def resolve(
     ident = ranks.detect(environment)
     environment.update(ident.env())
     if ident.world_size > 1 and not run_id_explicit(opts, environment):
-        from otelprof.config import _default_run_id
-
-        opts["run_id"] = ranks.agree_run_id(_default_run_id(), ident.rank)
+        opts["run_id"] = ranks.agree_run_id(_candidate_run_id(environment), ident.rank)
     ranks.next_generation()
     return environment, opts, True
 

@@ -74,8 +74,10 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
 
 def problems(summary: RunSummary) -> list[Finding]:
     """Crashes, signals, unfinalized processes, failed spans and dropped telemetry."""
-    found = [f for info in summary.files.run_info if (f := _end_finding(info)) is not None]
-    from otelprof.analysis.rank_problems import missing_ranks
+    from otelprof.analysis.rank_problems import lost_hosts, missing_ranks
+
+    found = [Finding("lost node", message) for message in lost_hosts(summary.files.run_info)]
+    found.extend(f for info in summary.files.run_info if (f := _end_finding(info)) is not None)
 
     found.extend(
         Finding("missing rank", message) for message in missing_ranks(summary.files.run_info)

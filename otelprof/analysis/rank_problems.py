@@ -2,6 +2,9 @@
 
 Each process of a job writes `run.rank<N>[.attempt<K>].json` when it starts otelprof, so a
 rank with no such file never started it (crashed before `instrument()`, or wrote elsewhere).
+A node of a multi-node job whose ranks all stopped without recording an end, while other
+nodes' ranks recorded theirs, is a lost node (`host.name` in each run file says where a rank
+ran).
 """
 
 from __future__ import annotations
@@ -36,4 +39,42 @@ def missing_ranks(run_info: Iterable[dict[str, Any]]) -> list[str]:
                 f"{where}: rank(s) {names} of {world[key]} left no run file (they never started "
                 "otelprof, or wrote to another directory); their telemetry is missing"
             )
+    return out
+
+
+def lost_hosts(run_info: Iterable[dict[str, Any]]) -> list[str]:
+    """One message per node of a multi-node job whose ranks all stopped without recording an
+    end (SIGKILL, power, network) while ranks on another node recorded theirs: a node lost,
+    said once rather than left for the reader to infer from its ranks' lines."""
+    ranks: dict[tuple[str, int], dict[str, list[tuple[int, bool]]]] = {}
+    for info in run_info:
+        resource = info.get("resource")
+        if not isinstance(resource, dict):
+            continue
+        host, rank = resource.get("host.name"), resource.get("otelprof.rank")
+        if not isinstance(host, str) or not isinstance(rank, int):
+            continue
+        attempt = info.get("attempt")
+        key = (str(info.get("run_id", "")), attempt if isinstance(attempt, int) else 0)
+        ended = "finished_unix_nano" in info
+        ranks.setdefault(key, {}).setdefault(host, []).append((rank, ended))
+    out = []
+    for key in sorted(ranks):
+        hosts = ranks[key]
+        if len(hosts) < 2:
+            continue
+        for host in sorted(hosts):
+            gone = not any(ended for _, ended in hosts[host])
+            others_ended = any(ended for h, rs in hosts.items() if h != host for _, ended in rs)
+            if gone and others_ended:
+                run_id, attempt = key
+                where = f"run {run_id}" + (f", attempt {attempt}" if attempt else "")
+                numbers = ", ".join(str(r) for r, _ in sorted(hosts[host]))
+                word = "rank" if len(hosts[host]) == 1 else "ranks"
+                out.append(
+                    f"{where}: node {host} lost: {word} {numbers} (every rank on it) stopped "
+                    "without recording an end while ranks on other nodes recorded theirs (the "
+                    "node died, its processes were killed, or it lost the network); its "
+                    "telemetry ends at its last export"
+                )
     return out

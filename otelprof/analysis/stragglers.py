@@ -67,6 +67,7 @@ class RankWork:
         return {
             "process": self.label,
             "rank": self.resource.rank,
+            "host": self.resource.host,
             "attempt": self.resource.get("otelprof.attempt"),
             "steps": self.steps,
             "step_ms": 1e3 * self.per_step(self.step_s),
@@ -93,6 +94,12 @@ class StragglerReport:
     others_wait_s: float = 0.0
     extras: dict[str, float] = field(default_factory=dict)  # part -> own work beyond median
 
+    def name(self, rank: RankWork) -> str:
+        """ "rank 3", or "rank 3 on node2" when the job's ranks ran on several hosts."""
+        hosts = {r.resource.host for r in self.ranks}
+        short = _short(rank)
+        return f"{short} on {rank.resource.host}" if len(hosts) > 1 else short
+
     @property
     def headline(self) -> str | None:
         s = self.straggler
@@ -100,7 +107,7 @@ class StragglerReport:
             return None
         where = "outside any timing" if self.extra_in == UNTIMED else f"in {self.extra_in}"
         return (
-            f"{_short(s)} is the straggler: it arrives late, with +{1e3 * self.extra_in_s:.1f} "
+            f"{self.name(s)} is the straggler: it arrives late, with +{1e3 * self.extra_in_s:.1f} "
             f"ms per step of own work {where} beyond the other ranks' median; "
             f"{self.waiting_sentence}"
         )
@@ -111,7 +118,7 @@ class StragglerReport:
         wait = self.others_wait_in
         if self.others_wait_op and self.others_wait_op != wait:
             wait = f"{wait}, in {self.others_wait_op}"
-        name = _short(self.straggler) if self.straggler is not None else "it"
+        name = self.name(self.straggler) if self.straggler is not None else "it"
         return (
             f"the other ranks wait for it: they spend {1e3 * self.others_wait_s:.1f} ms per step "
             f"longer in collectives than {name} (median), in {wait}"
@@ -122,7 +129,7 @@ class StragglerReport:
         s = self.straggler
         if s is None:
             return []
-        name = _short(s)
+        name = self.name(s)
         parts = ", ".join(
             f"{'untimed' if n == UNTIMED else n} +{1e3 * v:.1f}"
             for n, v in sorted(self.extras.items(), key=lambda kv: -kv[1])[:3]
@@ -143,6 +150,7 @@ class StragglerReport:
             else {
                 "process": s.label,
                 "rank": s.resource.rank,
+                "host": s.resource.host,
                 "extra_ms_per_step": 1e3 * self.extra_s,
                 "extra_in": self.extra_in,
                 "extra_in_ms_per_step": 1e3 * self.extra_in_s,
