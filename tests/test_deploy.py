@@ -176,7 +176,7 @@ def test_agent_span_metrics_and_sampler_exporters_match_the_single_collector() -
     assert agent["connectors"]["span_metrics"] == single["connectors"]["span_metrics"]
     for name in ("prometheus", "prometheus_remote_write"):
         assert sampler["exporters"][name] == single["exporters"][name], name
-    deleted = [a for a in single["processors"]["resource"]["attributes"]]
+    deleted = single["processors"]["resource"]["attributes"]
     assert agent["processors"]["resource"]["attributes"][1:] == deleted
 
 
@@ -270,6 +270,7 @@ def test_each_tier_mounts_and_runs_its_own_config() -> None:
 def test_manifests_are_shipped() -> None:
     kinds = {kind for kind, _ in _objects()}
     assert {"Namespace", "ConfigMap", "DaemonSet", "Deployment", "Service", "Job"} <= kinds
+    assert {"NetworkPolicy", "PodDisruptionBudget"} <= kinds
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -346,6 +347,24 @@ def test_tiers_name_each_others_services_and_ports() -> None:
 
     agent_ports = {p["name"]: p for p in _container(_tier_workload("agent"))["ports"]}
     assert agent_ports["otlp-grpc"]["hostPort"] == 4317
+
+
+def test_network_policies_admit_each_tier_only_from_the_tier_before_it() -> None:
+    objects = _objects()
+    for tier, sender in (("gateway", "agent"), ("sampler", "gateway")):
+        policy = objects[("NetworkPolicy", f"otelprof-{tier}")]["spec"]
+        labels = _tier_workload(tier)["spec"]["template"]["metadata"]["labels"]
+        assert policy["podSelector"]["matchLabels"].items() <= labels.items()
+        sender_labels = _tier_workload(sender)["spec"]["template"]["metadata"]["labels"]
+        otlp_port = {p["name"]: p for p in _container(_tier_workload(tier))["ports"]}["otlp-grpc"]
+        rules = [
+            r
+            for r in policy["ingress"]
+            if {"port": otlp_port["containerPort"], "protocol": "TCP"} in r["ports"]
+        ]
+        (rule,) = rules
+        (peer,) = rule["from"]
+        assert peer["podSelector"]["matchLabels"].items() <= sender_labels.items()
 
 
 def test_training_job_env_gives_otelprof_the_node_agent_its_token_and_one_run_id() -> None:
