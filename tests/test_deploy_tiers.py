@@ -16,6 +16,7 @@ manifests set; a real OTLP gRPC server plays Tempo. One test, a few seconds of c
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,13 @@ def _received(tempo: OtlpSink) -> dict[int, dict[int, str]]:
     return out
 
 
+def _decisions(sampler: Collector) -> dict[str, int]:
+    """The sampler's own count of tail-sampling decisions, by decision."""
+    own = httpx.get(f"http://127.0.0.1:{sampler.ports['telemetry']}/metrics", timeout=5).text
+    found = re.findall(r'global_count_traces_sampled\{decision="(\w+)",[^}]*\} (\d+)', own)
+    return {decision: int(count) for decision, count in found}
+
+
 def test_agents_gateway_and_sampler_keep_a_step_whole_across_nodes_and_label_metrics_by_node(
     tiers: dict[str, Any],
 ) -> None:
@@ -223,15 +231,18 @@ def test_agents_gateway_and_sampler_keep_a_step_whole_across_nodes_and_label_met
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
     anomaly, head_only, failed = 0xA1, 0xB2, 0xC3
-    # step 7 on two ranks, one per node: rank 1 kept it for an anomaly, rank 0 by head sample
+    # step 7 on two ranks, one per node: rank 1 kept it for an anomaly, rank 0 by head sample.
+    # Rank 1's span goes first: rank 0's then joins the trace whether it arrives before the
+    # decision or after it (the sampled-ids cache releases late spans of kept traces), so the
+    # outcome does not depend on how fast the tiers run.
+    _export_spans(
+        agent_b, 1, [_span(anomaly, 3, "step", **{ATTR_SAMPLED: "anomaly"})], INGEST_TOKEN
+    )
     _export_spans(
         agent_a,
         0,
         [_span(anomaly, 1, "step", **{ATTR_SAMPLED: "head"}), _span(anomaly, 2, "forward")],
         INGEST_TOKEN,
-    )
-    _export_spans(
-        agent_b, 1, [_span(anomaly, 3, "step", **{ATTR_SAMPLED: "anomaly"})], INGEST_TOKEN
     )
     # step 8, head-sampled: 3 spans in one request, more than the cluster budget's bucket holds
     _export_spans(
@@ -257,32 +268,24 @@ def test_agents_gateway_and_sampler_keep_a_step_whole_across_nodes_and_label_met
     )
     _export_gauge(agent_b, 1, "otelprof.test.gauge", 42.0)
 
-    def decided() -> bool:
-        own = httpx.get(f"http://127.0.0.1:{sampler.ports['telemetry']}/metrics", timeout=5).text
-        counts = [
-            line
-            for line in own.splitlines()
-            if "global_count_traces_sampled" in line and not line.startswith("#")
-        ]
-        total = sum(float(line.rsplit(" ", 1)[1]) for line in counts)
-        return total >= 3
-
     wait_for(
-        decided,
+        lambda: sum(_decisions(sampler).values()) >= 3,
         timeout_s=TIMEOUT_S,
         what="the sampler's decisions on the 3 traces",
         on_timeout=lambda: sampler.log_text()[-3000:],
     )
+    kept = {
+        anomaly: {1: NODES[0], 2: NODES[0], 3: NODES[1]},  # both nodes' spans, node-stamped
+        failed: {7: NODES[1], 8: NODES[1], 9: NODES[1]},
+    }
     wait_for(
-        lambda: {anomaly, failed} <= _received(tempo).keys(),
+        lambda: all(_received(tempo).get(trace) == spans for trace, spans in kept.items()),
         timeout_s=TIMEOUT_S,
-        what="the kept traces at Tempo",
-        on_timeout=lambda: sampler.log_text()[-3000:],
+        what=f"the kept traces at Tempo: {kept}",
+        on_timeout=lambda: f"received {_received(tempo)}\n{sampler.log_text()[-3000:]}",
     )
-    received = _received(tempo)
-    assert received[anomaly] == {1: NODES[0], 2: NODES[0], 3: NODES[1]}
-    assert received[failed] == {7: NODES[1], 8: NODES[1], 9: NODES[1]}
-    assert head_only not in received
+    assert _decisions(sampler) == {"sampled": 2, "not_sampled": 1}  # the head-only trace
+    assert _received(tempo).keys() == kept.keys()
 
     def scraped() -> str | None:
         text = httpx.get(f"http://{sampler.prometheus_target}/metrics", timeout=5).text
