@@ -1,24 +1,30 @@
-"""Write deploy/kubernetes/collector/configs.yaml: the ConfigMap that carries the collector
-configs of deploy/collector/ into the cluster.
+"""Write deploy/kubernetes/collector/configs.yaml, the ConfigMap that carries the collector
+configs of deploy/collector/ into the cluster, and each tier's config hash in its workload.
 
-    python3 scripts/render_deploy_configs.py          # rewrite it after editing a config
-    python3 scripts/render_deploy_configs.py --check  # exit 1 if it is out of date
+    python3 scripts/render_deploy_configs.py          # rewrite them after editing a config
+    python3 scripts/render_deploy_configs.py --check  # exit 1 if they are out of date
 
 deploy/collector/*.yaml stay the one source of truth (the collector's `validate` and the SLURM
 script use them as they are); the ConfigMap embeds each file byte for byte, as a YAML literal
 block, so `kubectl apply -f deploy/kubernetes/collector/` needs no generator on the user's side.
-tests/test_deploy.py checks that the committed ConfigMap is this script's output.
+The pod template of each tier's workload carries the SHA-256 of its config
+(`checksum/config`), so applying a changed config rolls that tier's pods.
+tests/test_deploy.py checks that the committed files are this script's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import re
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = REPO / "deploy" / "collector"
 CONFIGMAP = REPO / "deploy" / "kubernetes" / "collector" / "configs.yaml"
+WORKLOADS = REPO / "deploy" / "kubernetes" / "collector"  # <tier>.yaml: the tier's workload
+CHECKSUM = re.compile(r'^(\s+checksum/config: )"[0-9a-f]*"$', re.M)
 TIERS = ("agent", "gateway", "sampler")
 NAME = "otelprof-collector-configs"
 NAMESPACE = "otelprof"
@@ -55,20 +61,44 @@ def render() -> str:
     return "".join(parts)
 
 
+def config_hash(tier: str) -> str:
+    return hashlib.sha256((SOURCES / f"{tier}.yaml").read_bytes()).hexdigest()
+
+
+def with_checksum(workload: str, tier: str) -> str:
+    """The workload manifest's text with its `checksum/config` set to the tier's config hash."""
+    updated, found = CHECKSUM.subn(rf'\g<1>"{config_hash(tier)}"', workload)
+    if found != 1:
+        raise ValueError(f"{tier}: expected one `checksum/config` annotation, found {found}")
+    return updated
+
+
+def outputs() -> dict[Path, str]:
+    """Every generated file and what it must hold."""
+    out = {CONFIGMAP: render()}
+    for tier in TIERS:
+        path = WORKLOADS / f"{tier}.yaml"
+        out[path] = with_checksum(path.read_text(encoding="utf-8"), tier)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file is stale")
     args = parser.parse_args(argv)
-    rendered = render()
-    current = CONFIGMAP.read_text(encoding="utf-8") if CONFIGMAP.exists() else ""
-    if args.check:
-        if current != rendered:
-            print(f"{CONFIGMAP.relative_to(REPO)} is out of date: run {__file__}", file=sys.stderr)
-            return 1
-        return 0
-    if current != rendered:
-        CONFIGMAP.write_text(rendered, encoding="utf-8")
-        print(f"wrote {CONFIGMAP.relative_to(REPO)}")
+    stale = []
+    for path, text in outputs().items():
+        current = path.read_text(encoding="utf-8") if path.exists() else ""
+        if current == text:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path.relative_to(REPO)}")
+    if args.check and stale:
+        names = ", ".join(str(p.relative_to(REPO)) for p in stale)
+        print(f"out of date: {names}; run python3 {__file__}", file=sys.stderr)
+        return 1
     return 0
 
 

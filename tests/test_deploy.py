@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -243,7 +244,7 @@ def test_configmap_embeds_each_tier_config_byte_for_byte() -> None:
     }
 
 
-def test_configmap_is_what_the_render_script_writes() -> None:
+def test_configmap_and_config_hashes_are_what_the_render_script_writes() -> None:
     result = subprocess.run(
         [sys.executable, str(RENDER), "--check"], capture_output=True, text=True, timeout=60
     )
@@ -262,6 +263,10 @@ def test_each_tier_mounts_and_runs_its_own_config() -> None:
         assert mount["name"] == volume["name"] and mount["readOnly"] is True
         assert container["args"] == [f"--config={mount['mountPath']}/{tier}.yaml"]
         assert container["image"] == "otel/opentelemetry-collector-contrib:0.158.0"
+        # a changed config changes the pod template: `kubectl apply` rolls the tier's pods
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        digest = hashlib.sha256((CONFIGS / f"{tier}.yaml").read_bytes()).hexdigest()
+        assert annotations["checksum/config"] == digest, tier
 
 
 # -- the Kubernetes manifests ------------------------------------------------------------------
