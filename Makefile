@@ -14,7 +14,7 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
 
-.PHONY: venv demo test collector prometheus traceql-grammar lint bench gpu-check dashboards-png clean
+.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -43,12 +43,19 @@ prometheus:
 	  apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >&2; }
 	@command -v prometheus
 
+## shellcheck: install Debian's shellcheck when it is missing (checks deploy/slurm/'s script)
+shellcheck:
+	@command -v shellcheck >/dev/null 2>&1 || { \
+	  echo "installing Debian's shellcheck package" >&2; \
+	  apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q shellcheck >&2; }
+	@command -v shellcheck
+
 ## traceql-grammar: Grafana's TraceQL parser from npm (cached), to check the README's queries
 traceql-grammar:
 	@scripts/traceql-grammar.sh
 
 ## test: set everything up and run the whole suite against the real collector and Prometheus
-test: venv collector prometheus traceql-grammar
+test: venv collector prometheus shellcheck traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
 	OTELPROF_TRACEQL_GRAMMAR="$$(scripts/traceql-grammar.sh | tail -n 1)" \
 	  $(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -31,6 +31,8 @@ from tests.services import (
 
 REPLAY_OVERLAY = COLLECTOR_DIR / "replay.yaml"
 SHIPPED_CONFIGS = sorted(p for p in COLLECTOR_DIR.glob("*.yaml") if p != MANIFEST)
+# the cluster deployment's tiers (validated in tests/test_deploy.py)
+DEPLOY_CONFIGS = sorted((COLLECTOR_DIR.parent / "deploy" / "collector").glob("*.yaml"))
 PLACEHOLDER = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)(:-([^}]*))?\}")
 
 EVERY_SWITCH_ON = {
@@ -201,9 +203,10 @@ def test_manifest_pins_one_consistent_release() -> None:
     assert yaml.safe_load(MANIFEST.read_text())["dist"]["version"] == release.removeprefix("v")
 
 
-def test_built_collector_has_exactly_the_components_the_configs_use_plus_json_file_replay(
+def test_built_collector_has_exactly_the_components_the_shipped_configs_use(
     collector_binary: Path,
 ) -> None:
+    """otelcol.yaml, the replay overlay and the cluster tiers of deploy/collector/."""
     listed = subprocess.run(
         [str(collector_binary), "components"], capture_output=True, text=True, timeout=60
     )
@@ -214,10 +217,11 @@ def test_built_collector_has_exactly_the_components_the_configs_use_plus_json_fi
         for section in ("receivers", "processors", "exporters", "connectors", "extensions")
     }
     used = _component_types(_resolved(COLLECTOR_CONFIG))
-    replay = _component_types(_resolved(REPLAY_OVERLAY))
-    for section, types in replay.items():
-        used[section] |= types
+    for config in (REPLAY_OVERLAY, *DEPLOY_CONFIGS):
+        for section, types in _component_types(_resolved(config)).items():
+            used[section] |= types
     assert "otlp_json_file" in used["receivers"]
+    assert {"load_balancing", "tail_sampling", "bearertokenauth"} <= set().union(*used.values())
     assert built == used
     versions = {c["module"].split()[-1] for s in built for c in components.get(s) or []}
     assert versions == {v for section, _, v in _manifest_modules() if section != "providers"}
