@@ -108,9 +108,11 @@ class _Session:
         *,
         end_run: Callable[[EndRecord], None],
         on_new_identity: Callable[[], None],
+        named: Path | None = None,
     ) -> None:
         """`end_run`: what a run end (exit, exception, SIGTERM) calls to shut the run down;
-        `on_new_identity`: what a process group appearing later calls."""
+        `on_new_identity`: what a process group appearing later calls; `named`: the run
+        directory this process already named on the console (a session before this one)."""
         self.identity = identity
         settings = self.settings = identity.settings
         self.resource = identity.resource
@@ -158,7 +160,7 @@ class _Session:
                 "overhead gauges", lambda: OverheadGauges(self._meter, self.timings)
             )
         self._end: EndRecord | None = None
-        self.announced = False
+        self.announced = named is not None and named == settings.run_dir
         """The run directory was named on the console (or must never be: it moves)."""
         if settings.detached:
             self._write_run_info()
@@ -408,8 +410,10 @@ class Profiler:
             _Identity(settings, dict(os.environ) if env is None else env, settled)
         )
 
-    def _new_session(self, identity: _Identity) -> _Session:
-        return _Session(identity, end_run=self._end_run, on_new_identity=self._new_identity)
+    def _new_session(self, identity: _Identity, named: Path | None = None) -> _Session:
+        return _Session(
+            identity, end_run=self._end_run, on_new_identity=self._new_identity, named=named
+        )
 
     @property
     def _session(self) -> _Session:
@@ -553,7 +557,8 @@ class Profiler:
         old = session.identity
         if old.settled or session.closed:
             return
-        env, options, settled = identity.resolve(self._options, old.env)
+        # rank 0 proposes the run id it already has: a directory it named stays the job's
+        env, options, settled = identity.resolve(self._options, old.env, run_id=old.settings.run_id)
         same_run = options.get("run_id", old.settings.run_id) == old.settings.run_id
         if not settled or (same_run and not identity.differs(old.resource.attributes, env)):
             old.settled = settled
@@ -563,7 +568,8 @@ class Profiler:
         _log.info("otelprof: process group found; restarting as rank %s of %s",
                   env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
         old_files = dict(session.pipelines.files)
-        session.announced = True  # this directory's files move to the group's: never named
+        named = session.settings.run_dir if session.announced else None
+        session.announced = True  # unnamed yet: its files move to the group's, never name it
         self.shutdown()
         new = _Identity(Settings.from_options(env=env, **options), env, settled=True)
         if new.settings.detached:
@@ -572,7 +578,7 @@ class Profiler:
             new_files = {"metrics": run_dir / metrics, "traces": run_dir / traces}
             identity.relocate(old_files, new_files, new.resource.attributes)
         with _lock:
-            self._current = self._new_session(new)
+            self._current = self._new_session(new, named)
             _active = self
 
 

@@ -6,6 +6,7 @@ from the one-line callback at the Trainer's setup, after the process group exist
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ SCRIPT = REPO / "tests" / "lightning_ddp_job.py"
 
 
 @pytest.mark.parametrize("start", ["instrument-at-top", "callback-only"])
-def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_names_the_straggler(
+def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_once_and_straggler(
     tmp_path: Path, start: str
 ) -> None:
     # no MASTER_ADDR/MASTER_PORT: Lightning picks them itself, as for a user
@@ -46,6 +47,14 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
         assert process["otelprof"] == process["lightning"], process
     run_dir = _only_run_dir(tmp_path)  # the directory each rank opened first is gone
     assert {Path(s["run_dir"]) for s in seen} == {run_dir}
+    # the console names only that directory, once per rank: rank 0 (no launcher variables
+    # when instrument() runs at the top) names its first directory, which stays the job's
+    named = re.findall(r"otelprof: writing run files to (\S+) ", result.stderr)
+    assert [Path(d) for d in named] == [run_dir, run_dir], result.stderr[-3000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == [  # and it holds the data, only
+        "metrics.rank0.jsonl", "metrics.rank1.jsonl", "run.rank0.json", "run.rank1.json",
+        "traces.rank0.jsonl", "traces.rank1.jsonl",
+    ]  # fmt: skip
     # otelprof.rank/local_rank/world_size on every span, point and run file; host metrics
     # from local rank 0 only (rank 1 had LOCAL_RANK=1 from its start)
     _check_ranks(run_dir)

@@ -42,13 +42,18 @@ def run_id_explicit(options: Mapping[str, Any], env: Mapping[str, str]) -> bool:
 
 
 def resolve(
-    options: Mapping[str, Any], env: Mapping[str, str] | None = None
+    options: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
 ) -> tuple[dict[str, str], dict[str, Any], bool]:
     """(environment, options, settled) to build settings and the resource from.
 
     With a process group, the environment carries its ranks and the options rank 0's run id;
     `settled` says whether this identity is final (a process group existed, or a single
-    process whose launcher gave no ranks is not waiting for one).
+    process whose launcher gave no ranks is not waiting for one). `run_id`: the id this
+    process already runs under (a group that appeared after `instrument()`); rank 0 proposes
+    it, so the directory rank 0 already named on the console stays the job's.
     """
     environment = dict(os.environ if env is None else env)
     opts = dict(options)
@@ -59,7 +64,7 @@ def resolve(
     if ident.world_size > 1 and not run_id_explicit(opts, environment):
         from otelprof.config import _default_run_id
 
-        opts["run_id"] = ranks.agree_run_id(_default_run_id(), ident.rank)
+        opts["run_id"] = ranks.agree_run_id(run_id or _default_run_id(), ident.rank)
     ranks.next_generation()
     return environment, opts, True
 
@@ -111,6 +116,11 @@ def relocate(old: Mapping[str, Path], new: Mapping[str, Path], resource: Mapping
             with contextlib.suppress(OSError):
                 (directory / ".otelprof-relocate.lock").unlink()
                 directory.rmdir()
+        elif not any(p.parent == directory and p.exists() for p in old.values()):
+            # the job's directory (rank 0 kept its own): no pre-rank file is left for
+            # another process to move, so nobody needs the lock any more
+            with contextlib.suppress(OSError):
+                (directory / ".otelprof-relocate.lock").unlink()
 
 
 @contextlib.contextmanager
