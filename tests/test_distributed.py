@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,11 @@ def _only_run_dir(tmp_path: Path) -> Path:
     dirs = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     assert len(dirs) == 1, f"expected one run directory for the job, got {dirs}"
     return dirs[0]
+
+
+def _named_dirs(stderr: str) -> list[Path]:
+    """The run directories the console named ("writing run files to ..."), in order."""
+    return [Path(d) for d in re.findall(r"otelprof: writing run files to (\S+) ", stderr)]
 
 
 def _report(*args: str) -> str:
@@ -151,8 +157,7 @@ def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
     _check_ranks(run_dir, relocated=True)
     assert "rank 0 is the straggler" in _report(str(run_dir))
     # the console names only the directory that holds the data, once per rank
-    named = [line for line in result.stderr.splitlines() if "writing run files to" in line]
-    assert len(named) == 2 and all(run_dir.name in line for line in named), named
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
 
 
 def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
@@ -168,6 +173,7 @@ def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
     assert served == [f"rank 0 prometheus_port {port}", f"rank 1 prometheus_port {port + 1}"]
     run_dir = _only_run_dir(tmp_path)
     _check_ranks(run_dir)
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     assert "rank 1 is the straggler" in _report(str(run_dir))
 
 
@@ -326,6 +332,9 @@ def test_lightning_like_launcher_gets_right_ranks_although_only_local_rank_is_se
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = _only_run_dir(tmp_path)
     _check_ranks(run_dir, relocated=True)
+    # local rank 0 named its directory at instrument() (no launcher variables yet): it stays
+    # the job's, and nobody names another
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     assert "rank 1 is the straggler" in _report(str(run_dir))
 
 

@@ -19,6 +19,7 @@ from tests.test_distributed import (
     _check_ranks,
     _env,
     _last_collective_seconds,
+    _named_dirs,
     _only_run_dir,
     _report,
 )
@@ -50,8 +51,7 @@ def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_onc
     assert {Path(s["run_dir"]) for s in seen} == {run_dir}
     # the console names only that directory, once per rank: rank 0 (no launcher variables
     # when instrument() runs at the top) names its first directory, which stays the job's
-    named = re.findall(r"otelprof: writing run files to (\S+) ", result.stderr)
-    assert [Path(d) for d in named] == [run_dir, run_dir], result.stderr[-3000:]
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     assert sorted(p.name for p in run_dir.iterdir()) == [  # and it holds the data, only
         "metrics.rank0.jsonl", "metrics.rank1.jsonl", "run.rank0.json", "run.rank1.json",
         "traces.rank0.jsonl", "traces.rank1.jsonl",
