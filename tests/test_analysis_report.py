@@ -271,6 +271,13 @@ def test_html_report_is_self_contained_with_plots_and_phases(tmp_path: Path) -> 
     ):
         assert metric in titles
     assert "epoch 0" in html and "epoch 1" in html and "validation" in html  # phase shading
+    # the step line breaks at the validation between the epochs (not drawn across it), and
+    # every epoch label is drawn after (over) every band
+    steps_svg = svgs[titles.index("step duration (ms)")]
+    assert steps_svg.count("<polyline") == 2, steps_svg
+    for svg in svgs:
+        if "<title>epoch 0</title>" in svg:
+            assert svg.index(">epoch 0</text>") > svg.rindex("<rect x=", 0, svg.index("<line"))
     summary, _ = _summary(run)
     assert escape(judge(summary).headline) in html
 
