@@ -249,10 +249,13 @@ def test_elastic_restart_keeps_each_attempt_apart_and_records_the_rank_that_rais
 
 
 def test_a_sigkilled_rank_shows_as_not_finalized_first_in_the_report(tmp_path: Path) -> None:
-    result = _torchrun(tmp_path, "--kill-rank", "1", "--fail-at", "5")
+    # instrument() before init_process_group, under torchrun: each rank names the job's
+    # directory once its ranks are known, the one killed later too
+    result = _torchrun(tmp_path, "--kill-rank", "1", "--fail-at", "5", "--instrument-first")
     assert result.returncode != 0
     run_dir = _only_run_dir(tmp_path)
     assert run_dir.name.startswith("torchrun-")  # not torchrun's default run id "none"
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     infos = _run_infos(run_dir)
     assert "finished_unix_nano" not in infos["run.rank1.json"]  # SIGKILL cannot be caught
     assert infos["run.rank0.json"]["end"]["status"] in ("exception", "signal")
