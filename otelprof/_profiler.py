@@ -82,16 +82,20 @@ class _Identity:
         self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
         attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
+        self.provisional: int | None = None
+        """This pid, when the launcher gave a world size but no rank (Lightning's copies of
+        the script): its files are named after it until the process group gives the rank,
+        so none takes the name of another rank's files."""
+        if not settled and self.world_size > 1 and not env.get("RANK"):
+            self.provisional = os.getpid()
 
     def file_names(self) -> tuple[str, str]:
         """(metrics, traces) file names of this process (detached mode)."""
-        return file_names(self.world_size, self.rank, self.attempt)
+        return file_names(self.world_size, self.rank, self.attempt, self.provisional)
 
     def run_info_path(self) -> Path:
-        return (
-            self.settings.run_dir
-            / f"run{file_suffix(self.world_size, self.rank, self.attempt)}.json"
-        )
+        suffix = file_suffix(self.world_size, self.rank, self.attempt, self.provisional)
+        return self.settings.run_dir / f"run{suffix}.json"
 
 
 class _Session:
@@ -126,6 +130,7 @@ class _Session:
             rank=identity.rank,
             attempt=identity.attempt,
             local_rank=identity.local_rank,
+            provisional=identity.provisional,
         )
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self.pipelines.metric_readers

@@ -63,6 +63,7 @@ def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_onc
         info = json.loads((run_dir / f"run.rank{rank}.json").read_text())
         assert info["run_id"] == run_dir.name
         assert info["end"]["status"] == "clean"
+        assert info["stats"]["dropped_total"] == 0, info["stats"]
     report = _report(str(run_dir))
     assert report.startswith(f"run: {run_dir.name}\n"), report[:200]  # one job, one id
     doc = json.loads(_report(str(run_dir), "--json"))
