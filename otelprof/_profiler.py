@@ -82,16 +82,20 @@ class _Identity:
         self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
         attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
+        self.provisional: int | None = None
+        """This pid, when the launcher gave a world size but no rank (Lightning's copies of
+        the script): its files are named after it until the process group gives the rank,
+        so none takes the name of another rank's files."""
+        if not settled and self.world_size > 1 and not env.get("RANK"):
+            self.provisional = os.getpid()
 
     def file_names(self) -> tuple[str, str]:
         """(metrics, traces) file names of this process (detached mode)."""
-        return file_names(self.world_size, self.rank, self.attempt)
+        return file_names(self.world_size, self.rank, self.attempt, self.provisional)
 
     def run_info_path(self) -> Path:
-        return (
-            self.settings.run_dir
-            / f"run{file_suffix(self.world_size, self.rank, self.attempt)}.json"
-        )
+        suffix = file_suffix(self.world_size, self.rank, self.attempt, self.provisional)
+        return self.settings.run_dir / f"run{suffix}.json"
 
 
 class _Session:
@@ -108,9 +112,11 @@ class _Session:
         *,
         end_run: Callable[[EndRecord], None],
         on_new_identity: Callable[[], None],
+        named: Path | None = None,
     ) -> None:
         """`end_run`: what a run end (exit, exception, SIGTERM) calls to shut the run down;
-        `on_new_identity`: what a process group appearing later calls."""
+        `on_new_identity`: what a process group appearing later calls; `named`: the run
+        directory this process already named on the console (a session before this one)."""
         self.identity = identity
         settings = self.settings = identity.settings
         self.resource = identity.resource
@@ -124,6 +130,7 @@ class _Session:
             rank=identity.rank,
             attempt=identity.attempt,
             local_rank=identity.local_rank,
+            provisional=identity.provisional,
         )
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self.pipelines.metric_readers
@@ -158,7 +165,7 @@ class _Session:
                 "overhead gauges", lambda: OverheadGauges(self._meter, self.timings)
             )
         self._end: EndRecord | None = None
-        self.announced = False
+        self.announced = named is not None and named == settings.run_dir
         """The run directory was named on the console (or must never be: it moves)."""
         if settings.detached:
             self._write_run_info()
@@ -408,8 +415,10 @@ class Profiler:
             _Identity(settings, dict(os.environ) if env is None else env, settled)
         )
 
-    def _new_session(self, identity: _Identity) -> _Session:
-        return _Session(identity, end_run=self._end_run, on_new_identity=self._new_identity)
+    def _new_session(self, identity: _Identity, named: Path | None = None) -> _Session:
+        return _Session(
+            identity, end_run=self._end_run, on_new_identity=self._new_identity, named=named
+        )
 
     @property
     def _session(self) -> _Session:
@@ -553,7 +562,8 @@ class Profiler:
         old = session.identity
         if old.settled or session.closed:
             return
-        env, options, settled = identity.resolve(self._options, old.env)
+        # rank 0 proposes the run id it already has: a directory it named stays the job's
+        env, options, settled = identity.resolve(self._options, old.env, run_id=old.settings.run_id)
         same_run = options.get("run_id", old.settings.run_id) == old.settings.run_id
         if not settled or (same_run and not identity.differs(old.resource.attributes, env)):
             old.settled = settled
@@ -563,7 +573,8 @@ class Profiler:
         _log.info("otelprof: process group found; restarting as rank %s of %s",
                   env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
         old_files = dict(session.pipelines.files)
-        session.announced = True  # this directory's files move to the group's: never named
+        named = session.settings.run_dir if session.announced else None
+        session.announced = True  # unnamed yet: its files move to the group's, never name it
         self.shutdown()
         new = _Identity(Settings.from_options(env=env, **options), env, settled=True)
         if new.settings.detached:
@@ -572,7 +583,7 @@ class Profiler:
             new_files = {"metrics": run_dir / metrics, "traces": run_dir / traces}
             identity.relocate(old_files, new_files, new.resource.attributes)
         with _lock:
-            self._current = self._new_session(new)
+            self._current = self._new_session(new, named)
             _active = self
 
 

@@ -46,6 +46,9 @@ STEP_SPAN = "step"
 FORWARD = "forward"
 BACKWARD = "backward"
 DDP_SPAN = "ddp.allreduce"
+DDP_COLLECTIVE = "ddp_allreduce"
+"""`otelprof.collective` of DDP's gradient all-reduce (a `torch.distributed` call's is its name,
+on span `dist.<name>`)."""
 COLLECTIVE_SPAN_PREFIX = "dist."
 # Determined's PyTorchTrial timing names
 DATALOADER_NEXT = "dataloader_next"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,12 +109,16 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
 
 def _launch_like_lightning(world_size: int) -> list[subprocess.Popen[bytes]]:
     """What lightning.fabric's _SubprocessScriptLauncher does: in the first process, set
-    MASTER_*, NODE_RANK, LOCAL_RANK=0 and WORLD_SIZE, then start the others with LOCAL_RANK=i
-    (no RANK anywhere)."""
+    MASTER_* (a free port unless the environment names one), NODE_RANK, LOCAL_RANK=0 and
+    WORLD_SIZE, then start the others with LOCAL_RANK=i (no RANK anywhere)."""
     if "LOCAL_RANK" in os.environ:
         return []  # a child
     os.environ.update(NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(probe.getsockname()[1])
     return [
         subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, "LOCAL_RANK": str(i)})
         for i in range(1, world_size)

@@ -271,6 +271,13 @@ def test_html_report_is_self_contained_with_plots_and_phases(tmp_path: Path) -> 
     ):
         assert metric in titles
     assert "epoch 0" in html and "epoch 1" in html and "validation" in html  # phase shading
+    # the step line breaks at the validation between the epochs (not drawn across it), and
+    # every epoch label is drawn after (over) every band
+    steps_svg = svgs[titles.index("step duration (ms)")]
+    assert steps_svg.count("<polyline") == 2, steps_svg
+    for svg in svgs:
+        if "<title>epoch 0</title>" in svg:
+            assert svg.index(">epoch 0</text>") > svg.rindex("<rect x=", 0, svg.index("<line"))
     summary, _ = _summary(run)
     assert escape(judge(summary).headline) in html
 
@@ -317,17 +324,16 @@ def test_html_step_lines_break_across_validation_gaps() -> None:
     assert broken.count("<polyline") == 2
 
 
-def test_section_figures_keep_their_significant_digits() -> None:
-    from otelprof.analysis.format import number
-    from otelprof.analysis.report_html import _cell as html_cell
-    from otelprof.analysis.report_text import _cell as text_cell
+def test_section_figures_keep_their_significant_digits_and_flags_read_yes() -> None:
+    from otelprof.analysis.format import cell, number
 
     assert number(399_600.0) == "399,600"  # not 399,600.000
     assert number(12.3456) == "12.35"
     assert number(0.034) == "0.034"
-    for cell in (text_cell, html_cell):
-        assert cell(3.4e-05) == "3.4e-05"  # a TFLOP/s beside MFU % 0.034, not 0.000
-        assert cell(0.0) == "0"
+    # one cell formatter for the text and HTML section tables (report_text, report_html)
+    assert cell(3.4e-05) == "3.4e-05"  # a TFLOP/s beside MFU % 0.034, not 0.000
+    assert cell(0.0) == "0"
+    assert (cell(True), cell(False), cell(None)) == ("yes", "", "-")  # not True/False
 
 
 def test_the_verdict_names_cpu_contention_from_the_process_and_host_cpu() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,11 @@ def _only_run_dir(tmp_path: Path) -> Path:
     dirs = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     assert len(dirs) == 1, f"expected one run directory for the job, got {dirs}"
     return dirs[0]
+
+
+def _named_dirs(stderr: str) -> list[Path]:
+    """The run directories the console named ("writing run files to ..."), in order."""
+    return [Path(d) for d in re.findall(r"otelprof: writing run files to (\S+) ", stderr)]
 
 
 def _report(*args: str) -> str:
@@ -151,8 +157,7 @@ def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
     _check_ranks(run_dir, relocated=True)
     assert "rank 0 is the straggler" in _report(str(run_dir))
     # the console names only the directory that holds the data, once per rank
-    named = [line for line in result.stderr.splitlines() if "writing run files to" in line]
-    assert len(named) == 2 and all(run_dir.name in line for line in named), named
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
 
 
 def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
@@ -168,6 +173,7 @@ def test_torchrun_job_names_the_slow_rank_and_two_ranks_share_a_prometheus_port(
     assert served == [f"rank 0 prometheus_port {port}", f"rank 1 prometheus_port {port + 1}"]
     run_dir = _only_run_dir(tmp_path)
     _check_ranks(run_dir)
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     assert "rank 1 is the straggler" in _report(str(run_dir))
 
 
@@ -243,10 +249,13 @@ def test_elastic_restart_keeps_each_attempt_apart_and_records_the_rank_that_rais
 
 
 def test_a_sigkilled_rank_shows_as_not_finalized_first_in_the_report(tmp_path: Path) -> None:
-    result = _torchrun(tmp_path, "--kill-rank", "1", "--fail-at", "5")
+    # instrument() before init_process_group, under torchrun: each rank names the job's
+    # directory once its ranks are known, the one killed later too
+    result = _torchrun(tmp_path, "--kill-rank", "1", "--fail-at", "5", "--instrument-first")
     assert result.returncode != 0
     run_dir = _only_run_dir(tmp_path)
     assert run_dir.name.startswith("torchrun-")  # not torchrun's default run id "none"
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
     infos = _run_infos(run_dir)
     assert "finished_unix_nano" not in infos["run.rank1.json"]  # SIGKILL cannot be caught
     assert infos["run.rank0.json"]["end"]["status"] in ("exception", "signal")
@@ -302,17 +311,32 @@ def test_lightning_like_launcher_gets_right_ranks_although_only_local_rank_is_se
 ) -> None:
     # Lightning's DDP launcher: the script (already instrumented) is local rank 0 and starts
     # its copies with LOCAL_RANK=1 and WORLD_SIZE set, no RANK; ranks come with the group.
+    # The run id is the user's here (tests/test_distributed_lightning.py: a generated one);
+    # no MASTER_* in the environment: the launcher sets them after instrument(), as Lightning
     result = subprocess.run(
         [sys.executable, str(JOB), "--lightning-like", "2", "--steps", "30",
          "--slow-rank", "1", "--slow-ms", "20"],
-        env=_env(tmp_path),
+        env=_env(tmp_path, launcher_sets_master=True, OTELPROF_RUN_ID="job-1"),
         capture_output=True,
         text=True,
         timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = _only_run_dir(tmp_path)
+    assert run_dir.name == "job-1"
     _check_ranks(run_dir, relocated=True)
+    # local rank 0 named its directory at instrument() (no launcher variables yet): it stays
+    # the job's, and nobody names another, nor the same one twice
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
+    # local rank 1 knew the world size but not its rank: it wrote under its pid, never under
+    # rank 0's file names (moving its lines out of those once replaced rank 0's live file)
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "metrics.rank0.jsonl", "metrics.rank1.jsonl", "run.rank0.json", "run.rank1.json",
+        "traces.rank0.jsonl", "traces.rank1.jsonl",
+    ]  # fmt: skip
+    for rank in (0, 1):
+        stats = json.loads((run_dir / f"run.rank{rank}.json").read_text())["stats"]
+        assert stats["dropped_total"] == 0, stats
     assert "rank 1 is the straggler" in _report(str(run_dir))
 
 
@@ -353,3 +377,52 @@ def test_a_users_ddp_comm_hook_registered_after_otelprofs_still_runs(tmp_path: P
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "user hook calls 2 timed 3" in result.stdout
+
+
+def test_a_process_group_of_one_after_instrument_names_the_run_directory_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Trainer(strategy="ddp", devices=1), or a script's own gloo group of one: the group
+    # changes the ranks the profiler started with, not its directory, named once
+    import torch.distributed as dist
+
+    with caplog.at_level(logging.WARNING, logger="otelprof"):
+        prof = otelprof.instrument(output_dir=str(tmp_path), host_metrics=False)
+        try:
+            first = prof.run_dir
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            )
+            with otelprof.timing("train_batch"):
+                pass
+            prof.step()
+        finally:
+            prof.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert prof.run_dir == first
+    named = [r.getMessage() for r in caplog.records if "writing run files to" in r.getMessage()]
+    assert named == [f"otelprof: writing run files to {first} (summarize: otelprof report {first})"]
+    assert first is not None and read_spans(first / "traces.jsonl")
+
+
+def test_a_process_launched_without_its_rank_names_its_files_after_its_pid(
+    tmp_path: Path,
+) -> None:
+    # Lightning's copies of the script get LOCAL_RANK and WORLD_SIZE, no RANK: rank 0 would
+    # be a guess, and rank 0's file names are the real rank 0's
+    from otelprof._profiler import _Identity
+    from otelprof.config import Settings
+
+    pid = os.getpid()
+    launched = {"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    settings = Settings.from_options(output_dir=str(tmp_path), run_id="job", env=launched)
+    early = _Identity(settings, launched, settled=False)
+    assert early.file_names() == (f"metrics.pid{pid}.jsonl", f"traces.pid{pid}.jsonl")
+    assert early.run_info_path().name == f"run.pid{pid}.json"
+    grouped = {**launched, "RANK": "1"}  # what the process group says
+    settings = Settings.from_options(output_dir=str(tmp_path), run_id="job", env=grouped)
+    final = _Identity(settings, grouped, settled=True)
+    assert final.file_names() == ("metrics.rank1.jsonl", "traces.rank1.jsonl")
+    # a launcher that gives the rank (torchrun): its own names before any group
+    assert _Identity(settings, grouped, settled=False).file_names()[0] == "metrics.rank1.jsonl"

@@ -6,8 +6,10 @@ from the one-line callback at the Trainer's setup, after the process group exist
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from html import escape
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from tests.test_distributed import (
     _check_ranks,
     _env,
     _last_collective_seconds,
+    _named_dirs,
     _only_run_dir,
     _report,
 )
@@ -25,7 +28,7 @@ SCRIPT = REPO / "tests" / "lightning_ddp_job.py"
 
 
 @pytest.mark.parametrize("start", ["instrument-at-top", "callback-only"])
-def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_names_the_straggler(
+def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_once_and_straggler(
     tmp_path: Path, start: str
 ) -> None:
     # no MASTER_ADDR/MASTER_PORT: Lightning picks them itself, as for a user
@@ -46,6 +49,13 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
         assert process["otelprof"] == process["lightning"], process
     run_dir = _only_run_dir(tmp_path)  # the directory each rank opened first is gone
     assert {Path(s["run_dir"]) for s in seen} == {run_dir}
+    # the console names only that directory, once per rank: rank 0 (no launcher variables
+    # when instrument() runs at the top) names its first directory, which stays the job's
+    assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == [  # and it holds the data, only
+        "metrics.rank0.jsonl", "metrics.rank1.jsonl", "run.rank0.json", "run.rank1.json",
+        "traces.rank0.jsonl", "traces.rank1.jsonl",
+    ]  # fmt: skip
     # otelprof.rank/local_rank/world_size on every span, point and run file; host metrics
     # from local rank 0 only (rank 1 had LOCAL_RANK=1 from its start)
     _check_ranks(run_dir)
@@ -53,6 +63,7 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
         info = json.loads((run_dir / f"run.rank{rank}.json").read_text())
         assert info["run_id"] == run_dir.name
         assert info["end"]["status"] == "clean"
+        assert info["stats"]["dropped_total"] == 0, info["stats"]
     report = _report(str(run_dir))
     assert report.startswith(f"run: {run_dir.name}\n"), report[:200]  # one job, one id
     doc = json.loads(_report(str(run_dir), "--json"))
@@ -68,6 +79,22 @@ def test_lightning_ddp_launcher_gives_each_rank_its_identity_one_run_dir_and_nam
     verdict = doc["sections"]["stragglers"]["notes"][0]
     assert verdict.startswith("rank 1 is the straggler: it arrives late, with +"), verdict
     assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
+    # the text and HTML reports tell the same analysis: its headline under the per-rank
+    # table, its evidence (what each figure measures), the straggler's row flagged "yes"
+    assert straggler["headline"] in " ".join(report.split()), report
+    assert [e.split(":")[0] for e in straggler["evidence"]] == [
+        "rank 1 arrives late", "the other ranks wait for it",
+    ]  # fmt: skip
+    table = report.split("Waiting vs own work per rank")[1].split("rank 1 is the straggler")[0]
+    cells = [line.split("│")[1:3] for line in table.splitlines() if " @ " in line]
+    assert [(p.split(" @")[0].strip(), f.strip()) for p, f in cells] == [
+        ("rank 0", ""), ("rank 1", "yes"),
+    ], table  # fmt: skip
+    _report(str(run_dir), "--html", str(tmp_path / "report.html"))
+    page = (tmp_path / "report.html").read_text()
+    for text in (straggler["headline"], *straggler["evidence"]):
+        assert escape(text) in page, text
+    assert re.search(r"rank 1 @[^<]*</td><td class=\"\">yes</td>", page), page
     # live, the straggler is the rank that spends least time in collectives
     waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]
     assert waits[0] > waits[1] + 0.2, waits  # 30 steps x ~20 ms of waiting on rank 0

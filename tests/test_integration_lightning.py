@@ -144,6 +144,8 @@ def test_lightning_fit_gives_phase_breakdowns_throughput_and_mfu(
     rate = expected_train_rate(steps, BATCH)
     assert rows["train"]["samples/s"] == pytest.approx(rate, rel=1e-3)
     assert rows["train"]["MFU %"] == pytest.approx(100 * rate / BATCH * STEP_FLOPS / PEAK, rel=1e-2)
+    # a tiny model's TFLOP/s keeps its significant digits (not 0.000 beside a non-zero MFU)
+    assert rows["train"]["TFLOP/s"] == pytest.approx(rate / BATCH * STEP_FLOPS / 1e12, rel=1e-2)
     assert rows["validation"]["samples/s"] > 0
 
 

@@ -3,6 +3,8 @@ but only when the others clearly wait longer; where its extra time goes is its o
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from otelprof.analysis.reader import Resource
 from otelprof.analysis.stragglers import UNTIMED, RankWork, _judge
 
@@ -43,10 +45,15 @@ def test_the_rank_that_waits_least_is_named_with_where_its_time_goes() -> None:
         "rank 1 is the straggler: it arrives late, with +20.0 ms per step of own work outside"
     )
     # each figure says what it measures: lateness is own work, the others' figure is waiting
-    assert (
+    # (where: the part of the step, and the collective by its span name, as in the timings)
+    assert report.headline.endswith(
         "the other ranks wait for it: they spend 20.2 ms per step longer in collectives "
-        "than rank 1" in report.headline
+        "than rank 1 (median), in train_batch, in ddp.allreduce"
     )
+    # the README's example is this very sentence
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    example = next(b for b in readme.split("```") if b.startswith("\nverdict: straggler"))
+    assert " ".join(example.split()) == f"verdict: straggler {report.headline}", example
 
 
 def test_on_several_nodes_the_straggler_is_named_by_rank_and_node() -> None:

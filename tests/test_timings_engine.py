@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import otelprof.timings as timings
+from otelprof.analysis.reader import WarningLog, open_run
+from otelprof.analysis.summary import summarize
+from otelprof.analysis.verdict import judge
 from otelprof.timings import ScheduleAction, cyclic_schedule, schedule, timing
 from tests.timings_harness import by_name, one, start_run
 
@@ -47,7 +50,7 @@ def test_ranges_after_the_last_step_are_after_training_work_not_a_step(tmp_path:
     run = start_run(tmp_path)
     _work(10)
     with timing("final_sync"):
-        pass
+        time.sleep(0.05)  # longer than all the steps together: it would decide a verdict
     spans = run.finish()
     # a step is exactly what step() delimits: 10 calls, 10 steps
     assert sorted(s.attributes["otelprof.step"] for s in by_name(spans, "step")) == list(range(10))
@@ -57,6 +60,15 @@ def test_ranges_after_the_last_step_are_after_training_work_not_a_step(tmp_path:
     assert final.parent_span_id == after.span_id
     assert final.attributes["otelprof.phase"] == "after_training"
     assert run.engine.stats()["steps"] == 10
+    # and the report of that file: 10 steps, their mean from the steps alone, no verdict
+    # from the work after them
+    warn = WarningLog(sink=lambda _m: None)
+    summary = summarize(open_run([tmp_path], warn), warn)
+    step_spans = by_name(spans, "step")
+    assert summary.step.count == 10
+    mean = sum(s.end_ns - s.start_ns for s in step_spans) / 10 / 1e9
+    assert summary.step.mean == pytest.approx(mean, rel=1e-6)
+    assert "final_sync" not in judge(summary).headline
 
 
 def test_a_run_without_step_calls_is_one_step(tmp_path: Path) -> None:

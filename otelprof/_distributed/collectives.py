@@ -31,7 +31,7 @@ from time import perf_counter_ns
 from typing import Any
 
 from otelprof._patch import Patches
-from otelprof._schema import ATTR_COLLECTIVE, DDP_SPAN
+from otelprof._schema import ATTR_COLLECTIVE, DDP_COLLECTIVE, DDP_SPAN
 from otelprof._schema import COLLECTIVE_SPAN_PREFIX as SPAN_PREFIX
 from otelprof.timings import _recorder as rec
 
@@ -140,7 +140,7 @@ def timed_allreduce_hook(state: HookState, bucket: Any) -> Any:
 
     def done(fut: Any) -> Any:
         with contextlib.suppress(Exception):  # telemetry never breaks training
-            _emit(DDP_SPAN, "ddp_allreduce", start, perf_counter_ns(), ctx, parent, thread)
+            _emit(DDP_SPAN, DDP_COLLECTIVE, start, perf_counter_ns(), ctx, parent, thread)
         return fut.value()
 
     return future.then(done)

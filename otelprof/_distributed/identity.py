@@ -61,13 +61,18 @@ def _candidate_run_id(env: Mapping[str, str]) -> str:
 
 
 def resolve(
-    options: Mapping[str, Any], env: Mapping[str, str] | None = None
+    options: Mapping[str, Any],
+    env: Mapping[str, str] | None = None,
+    *,
+    run_id: str | None = None,
 ) -> tuple[dict[str, str], dict[str, Any], bool]:
     """(environment, options, settled) to build settings and the resource from.
 
     With a process group, the environment carries its ranks and the options rank 0's run id;
     `settled` says whether this identity is final (a process group existed, or a single
-    process whose launcher gave no ranks is not waiting for one).
+    process whose launcher gave no ranks is not waiting for one). `run_id`: the id this
+    process already runs under (a group that appeared after `instrument()`); rank 0 proposes
+    it, so the directory rank 0 already named on the console stays the job's.
     """
     environment = dict(os.environ if env is None else env)
     opts = dict(options)
@@ -76,7 +81,7 @@ def resolve(
     ident = ranks.detect(environment)
     environment.update(ident.env())
     if ident.world_size > 1 and not run_id_explicit(opts, environment):
-        opts["run_id"] = ranks.agree_run_id(_candidate_run_id(environment), ident.rank)
+        opts["run_id"] = ranks.agree_run_id(run_id or _candidate_run_id(environment), ident.rank)
     ranks.next_generation()
     return environment, opts, True
 
@@ -128,6 +133,11 @@ def relocate(old: Mapping[str, Path], new: Mapping[str, Path], resource: Mapping
             with contextlib.suppress(OSError):
                 (directory / ".otelprof-relocate.lock").unlink()
                 directory.rmdir()
+        elif not any(p.parent == directory and p.exists() for p in old.values()):
+            # the job's directory (rank 0 kept its own): no pre-rank file is left for
+            # another process to move, so nobody needs the lock any more
+            with contextlib.suppress(OSError):
+                (directory / ".otelprof-relocate.lock").unlink()
 
 
 @contextlib.contextmanager

@@ -60,3 +60,15 @@ def number(v: float | None) -> str:
     if magnitude >= 1:
         return f"{v:.4g}"
     return f"{v:.3g}"
+
+
+def cell(value: object) -> str:
+    """A section's table cell, text and HTML alike: figures by `number`, a flag as yes or
+    blank (not Python's True/False), nothing as '-'."""
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return number(value)
+    return str(value)

@@ -208,7 +208,8 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     for extra in sections or ():
         columns = list(extra.rows[0]) if extra.rows else []
         parts.append(f"<h2>{escape(extra.title)}</h2>")
-        parts.append(_table(columns, [[_cell(row.get(c)) for c in columns] for row in extra.rows]))
+        cells = [[fmt.cell(row.get(c)) for c in columns] for row in extra.rows]
+        parts.append(_table(columns, cells))
         parts.extend(f"<p class='note'>{escape(n)}</p>" for n in extra.notes)
     if summary.counters:
         parts.append(
@@ -220,14 +221,6 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
         parts.append("<p>This run holds no spans and no gauges.</p>")
     parts.append("</body></html>\n")
     return "".join(parts)
-
-
-def _cell(value: object) -> str:
-    if value is None or (isinstance(value, float) and value != value):
-        return "-"
-    if isinstance(value, float):
-        return fmt.number(value)
-    return str(value)
 
 
 def write_html(

@@ -103,18 +103,10 @@ def section_table(section: Section) -> Table:
     for col in columns:
         table.add_column(col, overflow="fold")
     for row in section.rows:
-        table.add_row(*(_cell(row.get(col)) for col in columns))
+        table.add_row(*(fmt.cell(row.get(col)) for col in columns))
     if section.notes:
         table.caption = "\n".join(section.notes)
     return table
-
-
-def _cell(value: object) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return fmt.number(value)
-    return str(value)
 
 
 def render(

@@ -26,7 +26,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from otelprof._schema import ATTR_COLLECTIVE, STEP_SPAN
+from otelprof._schema import (
+    ATTR_COLLECTIVE,
+    COLLECTIVE_SPAN_PREFIX,
+    DDP_COLLECTIVE,
+    DDP_SPAN,
+    STEP_SPAN,
+)
 from otelprof.analysis.reader import Resource, SpanRec
 
 UNTIMED = "(untimed)"
@@ -42,6 +48,11 @@ class _StepGroup:
     step_s: float = 0.0
     children: list[tuple[str, str, str, int, int, bool]] = field(default_factory=list)
     collectives: list[tuple[str, str, str, int, int]] = field(default_factory=list)
+
+
+def collective_span(op: str) -> str:
+    """The span a collective's waiting is recorded on (`otelprof.collective` → span name)."""
+    return DDP_SPAN if op == DDP_COLLECTIVE else f"{COLLECTIVE_SPAN_PREFIX}{op}"
 
 
 @dataclass
@@ -116,8 +127,9 @@ class StragglerReport:
     def waiting_sentence(self) -> str:
         """What the others' waiting measures, in words (headline and evidence)."""
         wait = self.others_wait_in
-        if self.others_wait_op and self.others_wait_op != wait:
-            wait = f"{wait}, in {self.others_wait_op}"
+        op = collective_span(self.others_wait_op) if self.others_wait_op else ""
+        if op and op != wait:  # the collective, named as in the timings table
+            wait = f"{wait}, in {op}"
         name = self.name(self.straggler) if self.straggler is not None else "it"
         return (
             f"the other ranks wait for it: they spend {1e3 * self.others_wait_s:.1f} ms per step "

@@ -78,16 +78,25 @@ class ExportPipelines:
                 _log.warning("otelprof: closing exporter resource raised %r", error)
 
 
-def file_suffix(world_size: int, rank: int, attempt: int | None = None) -> str:
+def file_suffix(
+    world_size: int, rank: int, attempt: int | None = None, provisional: int | None = None
+) -> str:
     """ "", ".rank3" or ".rank3.attempt1": ranks of one job share a run directory, and each
-    restart of an elastic job (attempt > 0) writes its own files, so nothing is overwritten."""
-    suffix = f".rank{rank}" if world_size > 1 else ""
+    restart of an elastic job (attempt > 0) writes its own files, so nothing is overwritten.
+    `provisional` (a pid): the process's rank is not known yet, ".pid<pid>" until it is (a
+    guessed rank's name would be another rank's file)."""
+    if provisional is not None:
+        suffix = f".pid{provisional}"
+    else:
+        suffix = f".rank{rank}" if world_size > 1 else ""
     return suffix + (f".attempt{attempt}" if attempt else "")
 
 
-def file_names(world_size: int, rank: int, attempt: int | None = None) -> tuple[str, str]:
+def file_names(
+    world_size: int, rank: int, attempt: int | None = None, provisional: int | None = None
+) -> tuple[str, str]:
     """(metrics, traces) file names of one process of a job."""
-    suffix = file_suffix(world_size, rank, attempt)
+    suffix = file_suffix(world_size, rank, attempt, provisional)
     return f"metrics{suffix}.jsonl", f"traces{suffix}.jsonl"
 
 
@@ -103,6 +112,8 @@ def refuse_reused_run(settings: Settings, env: Mapping[str, str]) -> None:
     if not settings.detached:
         return
     ids = detect_attributes(env)
+    if int(ids["otelprof.world_size"]) > 1 and not env.get("RANK"):
+        return  # no rank yet: its files are named after this pid (file_suffix's provisional)
     attempt = ids.get("otelprof.attempt")
     suffix = file_suffix(
         int(ids["otelprof.world_size"]),
@@ -211,12 +222,13 @@ def _add_files(
     world_size: int,
     rank: int,
     attempt: int | None = None,
+    provisional: int | None = None,
 ) -> None:
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
     run_dir = settings.run_dir
     _private_files.make_dir(run_dir, settings.shared_run_dir)  # owner-only unless shared
-    metrics_name, traces_name = file_names(world_size, rank, attempt)
+    metrics_name, traces_name = file_names(world_size, rank, attempt, provisional)
     compress = getattr(settings, "compress", False)
     if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member
         metrics_name, traces_name = f"{metrics_name}.gz", f"{traces_name}.gz"
@@ -351,12 +363,13 @@ def build_pipelines(
     rank: int = 0,
     attempt: int | None = None,
     local_rank: int = 0,
+    provisional: int | None = None,
 ) -> ExportPipelines:
     """Create every exporter the settings enable; raises only on setup errors (bad port...)."""
     pipelines = ExportPipelines()
     try:
         if settings.detached:
-            _add_files(pipelines, settings, counters, world_size, rank, attempt)
+            _add_files(pipelines, settings, counters, world_size, rank, attempt, provisional)
         if settings.endpoint:
             _add_otlp(pipelines, settings, counters)
         if settings.prometheus_port is not None:
