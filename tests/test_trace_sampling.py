@@ -13,14 +13,18 @@ import pytest
 import otelprof
 from otelprof.timings import _sampling
 from otelprof.timings._sampling import TraceSampler
+from otelprof.timings._trace_ids import RunTraces
 from tests.otlp_files import read_spans, timing_histograms
 
 
 class _Ctx:
-    """Stands for a recorder StepContext: the sampler only reads and writes `kept`."""
+    """Stands for a recorder StepContext: the sampler reads its phase and number (head
+    sampling) and reads and writes `kept`."""
 
-    def __init__(self) -> None:
+    def __init__(self, number: int = -1, phase: str = "train") -> None:
         self.kept: bool | None = None
+        self.number = number
+        self.phase = phase
 
 
 class _Clock:
@@ -40,7 +44,7 @@ def _run_steps(
     """Feed one child span + the step span per duration; return step numbers in order."""
     t = 1_000_000_000
     for number, seconds in enumerate(durations):
-        ctx = _Ctx()
+        ctx = _Ctx(number)
         end = t + int(seconds * 1e9)
         error = ("builtins.ValueError", "x", "") if number in errors else None
         child = ("train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error)
@@ -175,13 +179,23 @@ def test_steps_with_an_error_are_kept_while_the_head_budget_is_spent() -> None:
 
 
 def test_the_head_budget_bounds_the_spans_written_per_second() -> None:
-    sampler, out, clock = _sampler(budget=40.0, head_burst=2.0, tail_burst=0.0)
+    sampler, out, clock = _sampler(budget=40.0, head_burst=200.0, tail_burst=0.0)
     durations = [0.001] * 20_000  # 20 s of 1 ms steps, two spans each
     _run_steps(sampler, durations, clock)
-    head = [f for f in _kept_steps(out).values() if f[6]["otelprof.sampled"] == "head"]
-    # head gets half the budget: 20 spans/s -> 10 two-span steps per second, over 20 s
-    assert 190 <= len(head) <= 202
+    head = {i: f for i, f in _kept_steps(out).items() if f[6]["otelprof.sampled"] == "head"}
+    # head gets half the budget: at most 20 spans/s over 20 s plus the burst, and at least
+    # half of that (one step in 2**level, the lowest level that fits)
+    assert 100 <= len(head) and 2 * len(head) <= 20 * 20 + 200
     assert sampler.sampled_out + len(out) == 2 * len(durations)
+    # after the first second (the burst), the head steps are exactly those every rank
+    # selects at the level the load gives: 2,000 spans/s against 20 -> one step in 128
+    assert sampler.head_level == 7
+    traces = RunTraces("", 0)
+    later = range(1000, len(durations))
+    assert {i for i in head if i in later} == {
+        i for i in later if traces.head_selected("train", i, 7)
+    }
+    assert sampler.head_refused == 0
 
 
 def _train(prof: Any, steps: int) -> None:
