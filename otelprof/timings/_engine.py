@@ -383,6 +383,8 @@ class TimingsEngine:
             "spans_sampled_out": builder.sampler.sampled_out,
             "steps_sampled_out_on_thread": builder.steps_on_thread,
             "anomalies": builder.sampler.anomalies,
+            # head-selected steps the head budget had no room for (this rank lacks them)
+            "head_steps_refused": builder.sampler.head_refused,
         }
         for why, count in builder.sampler.kept_steps.items():
             stats[f"steps_kept.{why}"] = count
