@@ -308,10 +308,12 @@ class TraceSampler:
             self.sampled_out += 1
 
     def flush(self) -> None:
-        """An explicit flush: steps still open are written now if the head budget allows
-        (their tail decision is lost), else they stay buffered."""
+        """An explicit flush: steps still open that head sampling selects are written now
+        if the head budget allows (their tail decision is lost), others stay buffered."""
         for ctx, pending in list(self._pending.items()):
-            if self.keep_all or self._head.take(len(pending.fields) + 1):
+            if self.keep_all or (
+                self.head_selects(ctx) and self._head.take(len(pending.fields) + 1)
+            ):
                 self._release(ctx, pending, "head")
 
     def finish(self) -> None:
