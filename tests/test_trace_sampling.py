@@ -282,3 +282,37 @@ def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
     assert batch.buckets == one.buckets
     assert (batch.count, batch.min, batch.max) == (one.count, one.min, one.max)
     assert batch.sum == pytest.approx(one.sum, rel=1e-12)
+
+
+def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_equal_ones() -> (
+    None
+):
+    """Two ranks at the same step rate, one recording twice the spans per step: against the
+    same budget the busier one picks a level one higher, so its head steps are a subset of
+    the other's (every step it keeps, both keep). With `head_fraction` both pick the same."""
+
+    def head_steps(
+        spans_per_step: int, budget: float = 40.0, **kw: Any
+    ) -> tuple[set[int], int | None]:
+        sampler, out, clock = _sampler(budget=budget, head_burst=200.0, tail_burst=0.0, **kw)
+        t = 1_000_000_000
+        for number in range(20_000):  # 1 ms steps
+            ctx = _Ctx(number)
+            for child in range(spans_per_step - 1):
+                item = ("x", 1, child + 10, 9, t, t + 1, {}, None)
+                sampler.span(ctx, item, False, 0.001, False)
+            step = ("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
+            sampler.span(ctx, step, True, 0.001, False, "step")
+            t += 1_000_000
+            clock.now += 0.001
+        kept = _kept_steps(out)
+        later = {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "head" and i >= 1000}
+        return later, sampler.head_level
+
+    light, light_level = head_steps(2)
+    busy, busy_level = head_steps(4)
+    assert (light_level, busy_level) == (7, 8)
+    assert busy and busy < light
+    # a fixed fraction: the same steps, while the budget's head half has room for them
+    fixed = [head_steps(n, budget=100.0, head_fraction=0.01) for n in (2, 4)]
+    assert fixed[0] == fixed[1] and fixed[0][1] == 7  # 0.01 -> one step in 128
