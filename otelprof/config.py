@@ -401,6 +401,12 @@ class Settings:
     trace_budget: float = field(
         default=10.0, metadata=opt(env=("OTELPROF_TRACE_BUDGET",), parse=number(0, allow_inf=True))
     )
+    # a fixed share of steps for head sampling, the same steps on every rank (None: the
+    # share follows trace_budget)
+    trace_head_fraction: float | None = field(
+        default=None,
+        metadata=opt(env=("OTELPROF_TRACE_HEAD_FRACTION",), parse=number(0, 1)),
+    )
     compress: bool = field(default=False, metadata=opt(env=("OTELPROF_COMPRESS",), parse=boolean))
     max_trace_bytes: int | None = field(
         default=1 << 30,

@@ -3,7 +3,9 @@
 Run under torchrun (`python -m torch.distributed.run ... tests/ddp_job.py`) or as
 `python tests/ddp_job.py --spawn N` (torch.multiprocessing.spawn, the PyTorch tutorial
 pattern: no launcher environment, ranks only from the process group). Options:
-`--slow-rank R --slow-ms MS` sleeps on rank R each step outside any timing (a straggler);
+`--slow-rank R --slow-ms MS` sleeps on rank R each step outside any timing (a straggler;
+with `--slow-at STEP`, at that step only); `--validate-every N` runs a validation phase of
+three batches (each with an all-reduce) after every N steps;
 `--raise-rank R --raise-at STEP` raises there; `--kill-rank R --kill-at STEP` SIGKILLs itself;
 `--instrument-first` calls otelprof.instrument() before init_process_group;
 `--forget-local-rank` drops LOCAL_RANK first (a launcher that sets none: otelprof learns the
@@ -41,6 +43,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-ms", type=float, default=20.0)
+    p.add_argument("--slow-at", type=int, default=-1)
+    p.add_argument("--validate-every", type=int, default=0)
     p.add_argument("--raise-rank", type=int, default=-1)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--fail-at", type=int, default=10)
@@ -82,7 +86,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     try:
         with prof:  # an exception leaving the block is recorded as this rank's end
             for step in range(args.steps):
-                if rank == args.slow_rank:
+                if rank == args.slow_rank and args.slow_at in (-1, step):
                     time.sleep(args.slow_ms / 1000)  # extra work outside any timing
                 if failing and step == args.fail_at and rank == args.raise_rank:
                     raise RuntimeError(f"rank {rank} failed at step {step}")
@@ -99,12 +103,24 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
                     value = loss.detach().clone()
                     dist.all_reduce(value)
                 prof.step()
+                if args.validate_every and step % args.validate_every == args.validate_every - 1:
+                    _validate(prof, model, data)
             dist.barrier()
     finally:
         dist.destroy_process_group()
         codes = [child.wait(timeout=120) for child in children]
         if any(codes):
             raise SystemExit(f"child processes exited with {codes}")
+
+
+def _validate(prof: otelprof.Profiler, model: torch.nn.Module, data: torch.Tensor) -> None:
+    with otelprof.phase("validation"), torch.no_grad():
+        for batch in range(3):
+            with otelprof.timing("eval_batch"):
+                value = model(data).sum()
+                dist.all_reduce(value)
+            if batch < 2:
+                prof.step()  # the next batch of the phase
 
 
 def _launch_like_lightning(world_size: int) -> list[subprocess.Popen[bytes]]:

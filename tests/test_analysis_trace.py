@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from otelprof.analysis.chrome_trace import write_trace
+import otelprof
+from otelprof.analysis.chrome_trace import ALL_RANKS, write_trace
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.cli import main as cli_main
 from tests.otlp_files import read_points, read_spans
@@ -40,6 +42,15 @@ def _spans(*run_dirs: Path) -> list[Any]:
     return [s for d in run_dirs for f in sorted(d.glob("traces*.jsonl")) for s in read_spans(f)]
 
 
+def _rank_processes(events: list[dict[str, Any]]) -> dict[int, str]:
+    """pid -> name of every process but the "all ranks" view."""
+    return {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e["name"] == "process_name" and e["args"]["name"] != ALL_RANKS
+    }
+
+
 def test_trace_has_a_process_per_rank_slices_for_spans_and_counter_tracks(
     tmp_path: Path,
 ) -> None:
@@ -47,10 +58,10 @@ def test_trace_has_a_process_per_rank_slices_for_spans_and_counter_tracks(
     out = tmp_path / "trace.json"
     assert cli_main(["trace", str(run), "-o", str(out)]) == 0
     events = load_chrome_trace(out)
-    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    names = _rank_processes(events)
     assert sorted(names) == [0, 1]
     assert names[0].startswith("rank 0 @ node0") and names[1].startswith("rank 1 @ node0")
-    slices = [e for e in events if e["ph"] == "X"]
+    slices = [e for e in events if e["ph"] == "X" and e["pid"] in names]
     spans = _spans(run)
     assert len(slices) == len(spans)
     by_pid = defaultdict(set)
@@ -101,7 +112,7 @@ def test_two_nodes_run_directories_merge_on_one_time_axis(tmp_path: Path) -> Non
     out = tmp_path / "merged.json.gz"
     assert cli_main(["trace", str(node0), str(node1), "-o", str(out)]) == 0
     events = load_chrome_trace(out)
-    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    names = _rank_processes(events)
     assert sorted(names) == [0, 1, 2, 3]
     assert "@ node1" in names[3] and "@ node0" in names[0]
     first_step = {
@@ -152,3 +163,52 @@ def test_each_track_of_a_process_has_its_own_name(tmp_path: Path) -> None:
     for pid, tracks in names.items():
         assert len(tracks) == len(set(tracks)), (pid, tracks)
     assert sorted(names[0]) == ["MainThread", "steps"]
+
+
+def _rank_run(out: Path, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank of a 2-rank job, run in this process (the launcher's variables say which):
+    6 steps, rank 1 slower at step 3, a validation batch after step 2."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", 2)):
+        monkeypatch.setenv(name, str(value))
+    with otelprof.instrument(
+        output_dir=str(out), run_id="job", trace_budget=float("inf"),
+        host_metrics=False, process_metrics=False,
+    ) as prof:  # fmt: skip
+        for step in range(6):
+            with otelprof.timing("train_batch"):
+                time.sleep(0.2 if (rank, step) == (1, 3) else 0.001)
+            prof.step()
+            if step == 2:
+                with otelprof.phase("validation"), otelprof.timing("eval_batch"):
+                    pass
+
+
+def test_steps_of_all_ranks_are_one_slice_each_in_an_all_ranks_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for rank in (0, 1):
+        _rank_run(tmp_path / "runs", rank, monkeypatch)
+    run = tmp_path / "runs" / "job"
+    out = tmp_path / "t.json"
+    result = write_trace(open_run([run]), out, WarningLog(sink=lambda _m: None))
+    events = load_chrome_trace(out)
+    (view,) = [e["pid"] for e in events if e.get("args", {}).get("name") == ALL_RANKS]
+    assert {"name": "process_sort_index", "pid": view, "tid": 0, "args": {"sort_index": -1}} in [
+        {k: e[k] for k in ("name", "pid", "tid", "args")} for e in events if e["ph"] == "M"
+    ]
+    steps = {e["name"]: e for e in events if e["ph"] == "X" and e["pid"] == view}
+    assert result.steps == len(steps) == 7  # 6 steps and the validation batch
+    assert set(steps) == {f"step {n}" for n in range(6)} | {"validation (at step 3)"}
+    roots = [e for e in events if e["ph"] == "X" and e["pid"] in (0, 1) and e["name"] == "step"]
+    for n in range(6):
+        both = [e for e in roots if e["args"]["otelprof.step"] == n]
+        assert len(both) == 2 and len({e["args"]["trace_id"] for e in both}) == 1
+        view_slice = steps[f"step {n}"]
+        assert view_slice["args"]["trace_id"] == both[0]["args"]["trace_id"]
+        assert view_slice["args"]["ranks"] == 2
+        # it spans both ranks' parts: from the first start to the last end
+        assert view_slice["ts"] == pytest.approx(min(e["ts"] for e in both), abs=1e-3)
+        ends = [e["ts"] + e["dur"] for e in both]
+        assert view_slice["ts"] + view_slice["dur"] == pytest.approx(max(ends), abs=1e-3)
+    slow = steps["step 3"]["args"]
+    assert slow["rank 1 ms"] >= 200 > slow["rank 0 ms"]

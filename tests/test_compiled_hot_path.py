@@ -435,8 +435,9 @@ def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
 
 
 def _decide_steps(r: _Recording) -> None:
-    """Steps against published limits: head and tail tokens, the slowest recent step, the
-    anomaly threshold, holds after it, errors, a full layout table, a full batch of rows."""
+    """Steps against published limits: head-selected numbers (steps and phase batches) and
+    those past the published ones, tail tokens, the slowest recent step, the anomaly
+    threshold, holds after it, errors, a full layout table, a full batch of rows."""
     r.cuda_on()
     _quiet_steps.reset()
     r.patch.setattr(_quiet_steps, "ROWS_PER_ITEM", 3)
@@ -448,6 +449,7 @@ def _decide_steps(r: _Recording) -> None:
     ) -> None:
         ctx = _step(r, names, ns)
         ctx.phase = phase
+        ctx_attrs.setdefault("step", 8)  # not head-selected
         for key, value in ctx_attrs.items():
             setattr(ctx, key, value)
         end = ctx.start_ns + took if took else r.clock.now + ns * len(names)
@@ -456,11 +458,14 @@ def _decide_steps(r: _Recording) -> None:
 
     decide(("a", "b"), 100)  # nothing published: to the builder
     _quiet_steps.publish({
-        "train": [3.0, 4.0, 1e6, 5e7],
-        "validation": [0.0, 0.0, 0.0, float("inf")],
+        "train": [1000.0, 4.0, 1e6, 5e7, frozenset({7, 9})],
+        "validation": [1e9, 0.0, 0.0, float("inf"), frozenset({3})],
     })  # fmt: skip
-    decide(("a", "b"), 100)  # 3 spans fit the 3 head tokens
-    decide(("a", "b"), 100)  # head spent; tail has 4 but the step is not the slowest
+    decide(("a", "b"), 100, step=7)  # head-selected: to the builder
+    decide(("a", "b"), 100, step=1000)  # past the published numbers: to the builder
+    decide(("a", "b"), 100, step=3, batch=9)  # numbered by its batch: selected
+    decide(("x",), 100, phase="validation", step=7, batch=3)  # a selected phase batch
+    decide(("a", "b"), 100)  # tail has 4 but the step is not the slowest
     decide(("a", "b"), 100, took=1_000_000)  # as slow as the slowest lately: sampled out
     decide(("a", "b", "c"), 600_000)  # slowest lately: 4 spans take the tail's 4 tokens
     decide(("a", "b", "c"), 600_000)  # no tokens left

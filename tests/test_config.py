@@ -125,6 +125,8 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", 1e12, "must be > 0 and <= 3600"),
     ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", math.nan, "expected a finite number"),
     ("trace_budget", "OTELPROF_TRACE_BUDGET", math.nan, "expected a finite number"),
+    ("trace_head_fraction", "OTELPROF_TRACE_HEAD_FRACTION", 1.5, "must be >= 0 and <= 1"),
+    ("trace_head_fraction", "OTELPROF_TRACE_HEAD_FRACTION", -0.1, "must be >= 0"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1.5, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", math.inf, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1 << 40, "must be between 1 and"),

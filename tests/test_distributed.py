@@ -236,12 +236,24 @@ def test_elastic_restart_keeps_each_attempt_apart_and_records_the_rank_that_rais
         assert peer_end["signal"] == "SIGTERM", peer_end
     for name in ("run.rank0.attempt1.json", "run.rank1.attempt1.json"):
         assert infos[name]["attempt"] == 1 and infos[name]["end"]["status"] == "clean"
+    step_traces: dict[tuple[int, int], dict[int, str]] = {}
     for rank in (0, 1):  # attempt 0's spans were not overwritten by attempt 1
         first = read_spans(run_dir / f"traces.rank{rank}.jsonl")
         second = read_spans(run_dir / f"traces.rank{rank}.attempt1.jsonl")
         assert {s.resource["otelprof.attempt"] for s in first} == {0}
         assert {s.resource["otelprof.attempt"] for s in second} == {1}
         assert [s.name for s in second].count("step") >= 30
+        for attempt, spans in enumerate((first, second)):
+            step_traces[rank, attempt] = {
+                s.attributes["otelprof.step"]: s.trace_id for s in spans if s.name == "step"
+            }
+    # a step of both ranks is one trace, and a restart's step N is another trace than the
+    # first attempt's (torchrun keeps the run id; the attempt tells them apart)
+    assert step_traces[0, 1] == step_traces[1, 1]
+    shared = step_traces[0, 0].keys() & step_traces[1, 0].keys()  # rank 1 raised at step 5
+    assert len(shared) >= 5
+    assert all(step_traces[0, 0][n] == step_traces[1, 0][n] for n in shared)
+    assert not set(step_traces[0, 0].values()) & set(step_traces[0, 1].values())
     report = _report(str(run_dir))
     problems = report.split("problems")[1].split("Timings")[0]
     assert "rank 1" in problems and "rank 1 failed at step 5" in problems

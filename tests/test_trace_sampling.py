@@ -13,14 +13,18 @@ import pytest
 import otelprof
 from otelprof.timings import _sampling
 from otelprof.timings._sampling import TraceSampler
+from otelprof.timings._trace_ids import RunTraces
 from tests.otlp_files import read_spans, timing_histograms
 
 
 class _Ctx:
-    """Stands for a recorder StepContext: the sampler only reads and writes `kept`."""
+    """Stands for a recorder StepContext: the sampler reads its phase and number (head
+    sampling) and reads and writes `kept`."""
 
-    def __init__(self) -> None:
+    def __init__(self, number: int = -1, phase: str = "train") -> None:
         self.kept: bool | None = None
+        self.number = number
+        self.phase = phase
 
 
 class _Clock:
@@ -40,7 +44,7 @@ def _run_steps(
     """Feed one child span + the step span per duration; return step numbers in order."""
     t = 1_000_000_000
     for number, seconds in enumerate(durations):
-        ctx = _Ctx()
+        ctx = _Ctx(number)
         end = t + int(seconds * 1e9)
         error = ("builtins.ValueError", "x", "") if number in errors else None
         child = ("train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error)
@@ -175,13 +179,23 @@ def test_steps_with_an_error_are_kept_while_the_head_budget_is_spent() -> None:
 
 
 def test_the_head_budget_bounds_the_spans_written_per_second() -> None:
-    sampler, out, clock = _sampler(budget=40.0, head_burst=2.0, tail_burst=0.0)
+    sampler, out, clock = _sampler(budget=40.0, head_burst=200.0, tail_burst=0.0)
     durations = [0.001] * 20_000  # 20 s of 1 ms steps, two spans each
     _run_steps(sampler, durations, clock)
-    head = [f for f in _kept_steps(out).values() if f[6]["otelprof.sampled"] == "head"]
-    # head gets half the budget: 20 spans/s -> 10 two-span steps per second, over 20 s
-    assert 190 <= len(head) <= 202
+    head = {i: f for i, f in _kept_steps(out).items() if f[6]["otelprof.sampled"] == "head"}
+    # head gets half the budget: at most 20 spans/s over 20 s plus the burst, and at least
+    # half of that (one step in 2**level, the lowest level that fits)
+    assert 100 <= len(head) and 2 * len(head) <= 20 * 20 + 200
     assert sampler.sampled_out + len(out) == 2 * len(durations)
+    # after the first second (the burst), the head steps are exactly those every rank
+    # selects at the level the load gives: 2,000 spans/s against 20 -> one step in 128
+    assert sampler.head_level == 7
+    traces = RunTraces("", 0)
+    later = range(1000, len(durations))
+    assert {i for i in head if i in later} == {
+        i for i in later if traces.head_selected("train", i, 7)
+    }
+    assert sampler.head_refused == 0
 
 
 def _train(prof: Any, steps: int) -> None:
@@ -268,3 +282,37 @@ def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
     assert batch.buckets == one.buckets
     assert (batch.count, batch.min, batch.max) == (one.count, one.min, one.max)
     assert batch.sum == pytest.approx(one.sum, rel=1e-12)
+
+
+def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_equal_ones() -> (
+    None
+):
+    """Two ranks at the same step rate, one recording twice the spans per step: against the
+    same budget the busier one picks a level one higher, so its head steps are a subset of
+    the other's (every step it keeps, both keep). With `head_fraction` both pick the same."""
+
+    def head_steps(
+        spans_per_step: int, budget: float = 40.0, **kw: Any
+    ) -> tuple[set[int], int | None]:
+        sampler, out, clock = _sampler(budget=budget, head_burst=200.0, tail_burst=0.0, **kw)
+        t = 1_000_000_000
+        for number in range(20_000):  # 1 ms steps
+            ctx = _Ctx(number)
+            for child in range(spans_per_step - 1):
+                item = ("x", 1, child + 10, 9, t, t + 1, {}, None)
+                sampler.span(ctx, item, False, 0.001, False)
+            step = ("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
+            sampler.span(ctx, step, True, 0.001, False, "step")
+            t += 1_000_000
+            clock.now += 0.001
+        kept = _kept_steps(out)
+        later = {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "head" and i >= 1000}
+        return later, sampler.head_level
+
+    light, light_level = head_steps(2)
+    busy, busy_level = head_steps(4)
+    assert (light_level, busy_level) == (7, 8)
+    assert busy and busy < light
+    # a fixed fraction: the same steps, while the budget's head half has room for them
+    fixed = [head_steps(n, budget=100.0, head_fraction=0.01) for n in (2, 4)]
+    assert fixed[0] == fixed[1] and fixed[0][1] == 7  # 0.01 -> one step in 128

@@ -4,7 +4,14 @@ Each process (rank) becomes a trace process, its spans complete ("X") slices and
 hardware gauges counter ("C") tracks; all files of all given run directories share one time
 axis (microseconds since the run's start), which is what Composer's merged trace gives,
 here from OTel data. Events are streamed to the output as they are read, so memory does not
-grow with the run; viewers sort events themselves.
+grow with the run's spans; viewers sort events themselves.
+
+A step of every rank is one trace (its trace id is derived from the run, attempt, phase and
+step on every rank), so with several ranks a process "all ranks" on top shows each step
+(and phase batch) once: a slice from the first rank's start to the last rank's end, named
+after the step, with each rank's duration and the rank that ended last in its args. The
+ranks' own step slices below it carry the same trace id. It holds one small entry per kept
+step (at most `MAX_STEP_GROUPS`; past that, steps are left out and counted in a warning).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from otelprof.analysis.reader import (
 )
 
 SPAN_TID = 1
+MAX_STEP_GROUPS = 1_000_000
+"""Steps (traces with a root span) the "all ranks" process holds; ~200 bytes each."""
+ALL_RANKS = "all ranks"
 
 
 @dataclass
@@ -39,6 +49,7 @@ class TraceResult:
     slices: int
     counters: int
     origin_ns: int
+    steps: int = 0  # slices of the "all ranks" process
 
 
 def _first_timestamp(path: Path) -> int | None:
@@ -159,12 +170,71 @@ class _Processes:
             )
         return pid
 
+    def extra(self, name: str, sort_index: int) -> int:
+        """A process that is no resource (the "all ranks" view), on a free pid."""
+        while self.next_free in self.used:
+            self.next_free += 1
+        pid = self.next_free
+        self.used.add(pid)
+        for meta, args in (
+            ("process_name", {"name": name}),
+            ("process_sort_index", {"sort_index": sort_index}),
+        ):
+            self.out.emit({"ph": "M", "name": meta, "pid": pid, "tid": 0, "args": args})
+        return pid
+
     def thread(self, pid: int, tid: int, name: str) -> None:
         if (pid, tid) not in self.threads:
             self.threads.add((pid, tid))
             self.out.emit(
                 {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
             )
+
+
+class _StepGroups:
+    """Root spans (steps, phase batches) by trace id: every rank's part of one step."""
+
+    def __init__(self) -> None:
+        # trace id -> [name, step, first start, last end, {rank label: (start, end)}]
+        self.groups: dict[str, list[Any]] = {}
+        self.left_out = 0
+
+    def add(self, rec: SpanRec, who: str) -> None:
+        group = self.groups.get(rec.trace_id)
+        if group is None:
+            if len(self.groups) >= MAX_STEP_GROUPS:
+                self.left_out += 1
+                return
+            step = rec.attr("otelprof.step")
+            group = self.groups[rec.trace_id] = [rec.name, step, rec.start_ns, rec.end_ns, {}]
+        group[2] = min(group[2], rec.start_ns)
+        group[3] = max(group[3], rec.end_ns)
+        group[4][who] = (rec.start_ns, rec.end_ns)
+
+    def emit(self, out: _EventWriter, pid: int, origin: int) -> int:
+        """One slice per step of all ranks; returns how many."""
+        for trace_id, (name, step, start, end, ranks) in self.groups.items():
+            if step is None:
+                title = name
+            elif name == "step":
+                title = f"step {step}"
+            else:  # a phase batch (or the time after the last step)
+                title = f"{name} (at step {step})"
+            last = max(ranks, key=lambda who: ranks[who][1])
+            args: dict[str, Any] = {
+                "trace_id": trace_id,
+                "ranks": len(ranks),
+                "last_to_end": last,
+                "end_spread_ms": round((end - min(e for _, e in ranks.values())) / 1e6, 3),
+            }
+            for who, (s, e) in sorted(ranks.items()):
+                args[f"{who} ms"] = round((e - s) / 1e6, 3)
+            out.raw(
+                f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
+                f'"tid":{SPAN_TID},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
+                f'"args":{json.dumps(args, separators=(",", ":"), default=str)}}}'
+            )
+        return len(self.groups)
 
 
 def _counter_name(point: PointRec) -> str:
@@ -199,6 +269,7 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
         out.write(',"traceEvents":[')
         events = _EventWriter(out)
         procs = _Processes(events)
+        steps = _StepGroups()
         kinds = frozenset({"traces", "metrics"} if metrics else {"traces"})
         for rec in iter_records(files.jsonl, warn, stats, kinds):
             pid = procs.pid(rec.resource)
@@ -217,6 +288,9 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
                 args["trace_id"] = rec.trace_id
                 if rec.parent_span_id:
                     args["parent_span_id"] = rec.parent_span_id
+                else:  # a step's (or phase batch's) root: this rank's part of the step
+                    rank = rec.resource.rank
+                    steps.add(rec, f"rank {rank}" if rank is not None else f"pid {pid}")
                 if rec.status_code == 2:
                     args["status"] = "ERROR"
                 start = _us(rec.start_ns - origin)
@@ -237,5 +311,13 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
                     f'"ts":{_us(rec.time_ns - origin)},"args":{{"value":{rec.value!r}}}}}'
                 )
                 counters += 1
+        step_slices = 0
+        if len(procs.pids) > 1 and steps.groups:
+            step_slices = steps.emit(events, procs.extra(ALL_RANKS, -1), origin)
+        if steps.left_out:
+            warn(
+                f"{steps.left_out} steps past the first {MAX_STEP_GROUPS:,} are not in the "
+                f'"{ALL_RANKS}" view (each rank\'s own tracks have them)'
+            )
         out.write("\n]}\n")
-    return TraceResult(len(procs.pids), slices, counters, origin)
+    return TraceResult(len(procs.pids), slices, counters, origin, step_slices)

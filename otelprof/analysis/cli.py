@@ -189,8 +189,9 @@ def _trace(args: argparse.Namespace) -> int:
     result = write_trace(files, args.output, warn, metrics=not args.no_metrics)
     print(
         f"wrote {args.output}: {result.processes} process(es), {result.slices:,} slices, "
-        f"{result.counters:,} counter samples; open it in https://ui.perfetto.dev or "
-        "chrome://tracing"
+        f"{result.counters:,} counter samples"
+        + (f', {result.steps:,} steps of all ranks ("all ranks" on top)' if result.steps else "")
+        + "; open it in https://ui.perfetto.dev or chrome://tracing"
     )
     _finish(warn)
     return 0

@@ -56,6 +56,7 @@ from otelprof.timings._sampling import (
     _Pending,
 )
 from otelprof.timings._targets import SpanTargets
+from otelprof.timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -148,6 +149,8 @@ class SpanBuilder:
         max_pending_cuda: int = 65536,
         version: str = "0",
         trace_budget: float = math.inf,
+        traces: RunTraces | None = None,
+        head_fraction: float | None = None,
     ) -> None:
         """`targets`: the tracer provider's active span processor (see `_targets`);
         `resource`: the provider's. `trace_budget`: spans per second of step traces kept
@@ -187,7 +190,13 @@ class SpanBuilder:
         # steps ended from another thread than their own: (ctx, frames taken) to look at
         # once more for a range that thread was appending right then
         self._recheck: list[tuple[rec.StepContext, int]] = []
-        self.sampler = TraceSampler(trace_budget, self._output, build=self._fields_or_none)
+        self.sampler = TraceSampler(
+            trace_budget,
+            self._output,
+            build=self._fields_or_none,
+            traces=traces,
+            head_fraction=head_fraction,
+        )
         self.sampler.on_sampled_out = self._release_cuda
 
     # ---- lifecycle ----
@@ -358,10 +367,20 @@ class SpanBuilder:
             self._fold_batches()
             self._sweep_decided()
             _quiet_steps.publish(
-                _quiet_steps.limits_for(sampler._recent_by_root, sampler.quiet)
+                _quiet_steps.limits_for(sampler._recent_by_root, sampler.quiet, self._head_of)
                 if not stop.is_set()
                 else {}
             )
+
+    def _head_of(self, phase: str) -> tuple[float, frozenset[int]]:
+        """Head selection of `phase`'s next steps, from the recording step's number (the
+        training thread runs ahead of the builder) or the last one decided."""
+        current = rec.recorder.current
+        if current is not None and current.phase == phase:
+            start = current.number
+        else:
+            start = self.sampler.last_number.get(phase, 0)
+        return self.sampler.head_window(phase, start)
 
     def _sweep_decided(self) -> None:
         """Ranges of other threads buffered for a step that was then sampled out on its
@@ -403,6 +422,7 @@ class SpanBuilder:
                 signature[1].extend(group)
             self.sampler._recent_of(root).extend(d / 1e9 for d in map(_get_step, group))
         self.sampler.sampled_out += spans
+        self.sampler.offered(spans + len(rows))
         self.steps_on_thread += len(rows)
 
     def _fold_batches(self) -> None:

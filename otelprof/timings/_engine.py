@@ -37,7 +37,7 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 
 from otelprof import _torch_compat
-from otelprof._schema import PHASE_AFTER_TRAINING, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import ATTR_ATTEMPT, PHASE_AFTER_TRAINING, PHASE_TRAIN, STEP_SPAN
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
@@ -46,6 +46,7 @@ from otelprof.timings._builder import Clock, SpanBuilder
 from otelprof.timings._sampling import KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
 from otelprof.timings._targets import SpanTargets
+from otelprof.timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _lock = threading.Lock()
@@ -104,6 +105,11 @@ class TimingsEngine:
         if self._torch is None and settings.cuda_events:
             self._torch = _import_torch()
         self._cuda = self._make_cuda_timer()
+        # every rank of the run attempt derives the same trace ids and head sampling
+        attempt = resource.attributes.get(ATTR_ATTEMPT)
+        self.traces = RunTraces(
+            str(getattr(settings, "run_id", "") or ""), attempt if isinstance(attempt, int) else 0
+        )
         self._builder = SpanBuilder(
             targets,
             resource,
@@ -112,6 +118,8 @@ class TimingsEngine:
             cuda_timer=self._cuda,
             version=_version(),
             trace_budget=getattr(settings, "trace_budget", math.inf),
+            traces=self.traces,
+            head_fraction=getattr(settings, "trace_head_fraction", None),
         )
         self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
         self._kineto: Any = None
@@ -121,6 +129,7 @@ class TimingsEngine:
         self._step = 0
         self._epoch: int | None = None
         self._batch_in_epoch = 0
+        self._phase_batches: dict[str, int] = {}  # batches begun per phase other than train
         self._step_start = 0
         self._ctx: rec.StepContext | None = None
         self._kineto_action = ScheduleAction.NONE
@@ -152,7 +161,7 @@ class TimingsEngine:
                 raise RuntimeError("another TimingsEngine is running; shut it down first")
             _active = self
             self._running = True
-        rec.recorder.start(self._settings.max_queued_spans)
+        rec.recorder.start(self._settings.max_queued_spans, self.traces)
         _quiet_steps.reset()
         if self._calibrate is not None:
             # for the overhead gauge: what one range costs this thread (before the builder runs)
@@ -374,6 +383,8 @@ class TimingsEngine:
             "spans_sampled_out": builder.sampler.sampled_out,
             "steps_sampled_out_on_thread": builder.steps_on_thread,
             "anomalies": builder.sampler.anomalies,
+            # head-selected steps the head budget had no room for (this rank lacks them)
+            "head_steps_refused": builder.sampler.head_refused,
         }
         for why, count in builder.sampler.kept_steps.items():
             stats[f"steps_kept.{why}"] = count
@@ -401,6 +412,10 @@ class TimingsEngine:
                     self._step_from_start if trim_start is None else trim_start,
                     self._phase,
                 )
+                if self._phase != PHASE_TRAIN:  # numbered by its batch (`_trace_ids`)
+                    batch = self._phase_batches.get(self._phase, 0)
+                    self._phase_batches[self._phase] = batch + 1
+                    previous.batch = batch
             self._ctx = previous
         else:
             self._ctx = None

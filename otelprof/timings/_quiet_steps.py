@@ -31,12 +31,14 @@ from otelprof.timings._sampling import CAPTURE_STEPS
 ROWS_PER_ITEM = 64
 """Sampled-out steps per queue item: the histograms lag the training thread by at most this."""
 
-quiet: dict[str, list[float]] = {}
-"""Published by the span builder: phase -> [head tokens, tail tokens, the slowest recent
-step in ns, the anomaly threshold in ns]. A step of `n` spans with `n` <= head tokens, or
-<= tail tokens and slower than the slowest recent one, or at or over the threshold, goes to
-the builder (which may keep it); tokens so handed over are subtracted here until the next
-publication. A phase not in it: every step goes to the builder."""
+quiet: dict[str, list[Any]] = {}
+"""Published by the span builder: phase -> [the first step (batch) number head selection
+is not known for, tail tokens, the slowest recent step in ns, the anomaly threshold in ns,
+the numbers below the first that head sampling selects (a frozenset)]. A step whose number
+is selected or not known, or of `n` spans with `n` <= tail tokens and slower than the
+slowest recent one, or at or over the threshold, goes to the builder (which may keep it);
+tail tokens so handed over are subtracted here until the next publication. A phase not in
+it: every step goes to the builder."""
 
 layouts: dict[int, tuple[str, str, tuple[str, ...]]] = {}
 """Row layout id -> (phase, root span name, range names in close order); written on the
@@ -46,7 +48,7 @@ MAX_LAYOUTS = 256
 _get_name = itemgetter(F_NAME)
 
 
-def publish(quiet_by_phase: dict[str, list[float]]) -> None:
+def publish(quiet_by_phase: dict[str, list[Any]]) -> None:
     """Replace what steps must exceed to go to the builder (one atomic rebinding)."""
     global quiet
     quiet = quiet_by_phase
@@ -81,10 +83,12 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
     frames = ctx.frames
     if not frames:
         return False
-    spans = len(frames) + 1
-    if spans <= limits[0]:  # the head budget keeps it: spent here until the next publish
-        limits[0] -= spans
+    number = ctx.batch
+    if number is None:
+        number = ctx.step
+    if number >= limits[0] or number in limits[4]:  # head sampling may keep it (every rank)
         return False
+    spans = len(frames) + 1
     if spans <= limits[1] and duration > limits[2]:  # maybe the slowest lately: tail's
         limits[1] -= spans
         return False
@@ -128,18 +132,23 @@ def hand_rows(state: rec.ThreadState) -> None:
 
 
 def limits_for(
-    roots: dict[str, Any], quiet_of: Callable[[str], tuple[float, float, float, Any] | None]
-) -> dict[str, list[float]]:
-    """What the builder publishes: per phase, from `TraceSampler.quiet(root)` of its root."""
-    out: dict[str, list[float]] = {}
+    roots: dict[str, Any],
+    quiet_of: Callable[[str], tuple[float, float, Any] | None],
+    head_of: Callable[[str], tuple[float, frozenset[int]]],
+) -> dict[str, list[Any]]:
+    """What the builder publishes: per phase, from `TraceSampler.quiet(root)` of its root
+    and `head_of(phase)` (`TraceSampler.head_window` from the phase's current number)."""
+    out: dict[str, list[Any]] = {}
     for root in roots:
         found = quiet_of(root)
         if found is None:
             continue
-        head, tail, anomaly_ns, recent = found
-        if max(head, tail) < math.inf:  # a full bucket takes a step of any size
-            phase = PHASE_TRAIN if root == STEP_SPAN else root
-            out[phase] = [head, tail, max(recent) * 1e9 if recent else 0.0, anomaly_ns]
+        tail, anomaly_ns, recent = found
+        phase = PHASE_TRAIN if root == STEP_SPAN else root
+        unknown, selected = head_of(phase)
+        if unknown > -math.inf:  # else every step may be head sampling's
+            slowest = max(recent) * 1e9 if recent else 0.0
+            out[phase] = [unknown, tail, slowest, anomaly_ns, selected]
     return out
 
 

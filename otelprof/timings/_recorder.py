@@ -61,6 +61,7 @@ from otelprof.timings._frames import (
     rows_item,
     step_item,
 )
+from otelprof.timings._trace_ids import RunTraces
 
 CHUNK = 512
 """Ranges a step collects on its thread before they are handed to the builder mid-step
@@ -85,6 +86,7 @@ class StepContext:
         "_span_id",
         "_trace_id",
         "attrs",
+        "batch",
         "drop_if_empty",
         "epoch",
         "error",
@@ -113,12 +115,15 @@ class StepContext:
         self.step = step
         self.epoch = epoch
         self.phase = phase
+        # the batch's place in its phase over the run (phases other than "train", set by
+        # the engine); None: the step number numbers it (see `_trace_ids`)
+        self.batch: int | None = None
         # A step cut short by a phase change (training interrupted by validation) is not
         # exported when no range was recorded in it: it was no real step.
         self.drop_if_empty = False
         # attributes of the step span itself (e.g. the step's samples/tokens/FLOPs)
         self.attrs: dict[str, Any] | None = None
-        self._trace_id = 0  # drawn on first use: most steps are sampled out, never written
+        self._trace_id = 0  # derived on first use: most steps are sampled out, never written
         self._span_id = 0
         self.start_ns = start_ns
         # A side of the step with no step() call (the start of the first step, opened by
@@ -139,11 +144,23 @@ class StepContext:
         self.error = False  # a range of it (on its own thread) ended with an exception
 
     @property
+    def number(self) -> int:
+        """What numbers it among its phase's steps on every rank: the step, or the batch."""
+        batch = self.batch
+        return self.step if batch is None else batch
+
+    @property
     def trace_id(self) -> int:
-        """The step's trace id (drawn on the span builder's thread, the only reader)."""
+        """The step's trace id, shared by every rank (`_trace_ids`; derived on the span
+        builder's thread, the only reader, for kept steps). Random outside an engine."""
         trace_id = self._trace_id
         if not trace_id:
-            trace_id = self._trace_id = _getrandbits(128) or 1
+            traces = recorder.traces
+            trace_id = self._trace_id = (
+                traces.trace_id(self.phase, self.number)
+                if traces is not None
+                else _getrandbits(128) or 1
+            )
         return trace_id
 
     @property
@@ -215,6 +232,7 @@ class Recorder:
         "torch_profiler_state",
         "torch_range_enter",
         "torch_range_exit",
+        "traces",
     )
 
     def __init__(self) -> None:
@@ -242,11 +260,15 @@ class Recorder:
         torch.autograd._profiler_enabled()."""
         self.torch_range_enter: Callable[[str, str | None], Any] | None = None
         self.torch_range_exit: Callable[[Any], Any] | None = None
+        self.traces: RunTraces | None = None
+        """The run attempt's trace ids (`_trace_ids`), while an engine runs."""
         self._lock = threading.Lock()  # counts only: the hot path takes no lock
 
     # ---- lifecycle (the engine) ----
-    def start(self, capacity: int) -> None:
-        """An empty queue of `capacity` frames, counters at zero; nothing records yet."""
+    def start(self, capacity: int, traces: RunTraces | None = None) -> None:
+        """An empty queue of `capacity` frames, counters at zero; nothing records yet. Steps
+        take their trace ids from `traces` (random without)."""
+        self.traces = traces
         self.dropped = 0
         self.exhausted = 0
         self.queue.clear()

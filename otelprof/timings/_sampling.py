@@ -7,8 +7,15 @@ every recorded range goes into a per-(timing name, phase) duration histogram (ex
 sum, min, max; buckets for percentiles) exported as the OTel histogram metric
 `otelprof.timing.duration`, and only some steps' traces are written:
 
-- **head**: a token bucket of `budget/2` spans per second (burst `HEAD_BURST` spans, so
-  short runs keep everything) decides when a step ends whether its trace fits;
+- **head**: the same steps on every rank (`_trace_ids`: a deterministic choice from the
+  run, attempt, phase and step, one step in `2**level`), so a step of all ranks is one
+  trace. The level follows the load: 0 (every step) until head sampling has written half
+  the head bucket's burst (`HEAD_BURST` spans, so short runs keep everything; the bucket
+  refills at `budget/2` spans per second), then the lowest level whose share of the
+  offered spans per second fits `budget/2`, re-read every `LEVEL_WINDOW_S` (raised at
+  once, lowered with a margin).
+  `head_fraction` fixes it instead (exact agreement whatever each rank's load). The
+  bucket still caps what head sampling writes (a refused step is counted);
 - **tail** (another `budget/2` spans/s, burst `TAIL_BURST`): a step slower than every one
   of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
 - **anomaly** (documented rule): every step longer than `ANOMALY_FACTOR` x the median of the
@@ -33,7 +40,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from otelprof._schema import ATTR_ANOMALY_RATIO, ATTR_SAMPLED
+from otelprof._schema import ATTR_ANOMALY_RATIO, ATTR_SAMPLED, PHASE_TRAIN
+from otelprof.timings._trace_ids import RunTraces, level_for
 
 BOUNDS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 2) for i in range(61))
 """Histogram bucket bounds in seconds: 1 µs to ~1 ks, a factor √2 apart (percentiles read
@@ -64,6 +72,10 @@ CAPTURE_COOLDOWN_S = 60.0
 KINETO_WINDOW_STEPS = 3
 """With kineto=True an anomaly also runs a torch.profiler window: 1 warm-up step, then this
 many recorded steps, kept in full and linked from the slow step's span."""
+LEVEL_WINDOW_S = 1.0
+"""How often the head level is re-read from the offered load."""
+HEAD_WINDOW = 1 << 14
+"""Numbers ahead whose head selection is computed at once (and published to `_quiet_steps`)."""
 MAX_BUFFERED = 100_000
 """Spans held while their step is undecided; past it the oldest steps are decided early."""
 
@@ -202,9 +214,13 @@ class TraceSampler:
         head_burst: float | None = None,
         tail_burst: float | None = None,
         build: Callable[[Any], tuple[Any, ...] | None] | None = None,
+        traces: RunTraces | None = None,
+        head_fraction: float | None = None,
     ) -> None:
         """`build(item)` turns a buffered item into span fields (None: it could not be
-        built), called only for kept steps, so a sampled-out range costs no span fields."""
+        built), called only for kept steps, so a sampled-out range costs no span fields.
+        `traces`: the run attempt's head selection (`_trace_ids`); `head_fraction`: a
+        fixed share of steps for head sampling (None: follow the budget)."""
         self._build = build or (lambda item: item)
         head_burst = HEAD_BURST if head_burst is None else head_burst
         tail_burst = TAIL_BURST if tail_burst is None else tail_burst
@@ -213,6 +229,18 @@ class TraceSampler:
         self._tail = TokenBucket(budget / 2, tail_burst, clock)
         self._output = output
         self._clock = clock
+        self._traces = traces if traces is not None else RunTraces("", 0)
+        self._fixed_level = head_fraction is not None
+        self.head_level: int | None = (
+            level_for(head_fraction) if head_fraction is not None else (0 if budget > 0 else None)
+        )
+        self._bursting = not self._fixed_level  # level 0 until half the burst is spent
+        self._head_spent = 0
+        self._offered = 0  # spans of steps ended since `_offered_since` (kept or not)
+        self._offered_since = clock()
+        self._windows: dict[str, tuple[int | None, int, int, frozenset[int]]] = {}
+        self.last_number: dict[str, int] = {}  # per phase, of the last step decided
+        self.head_refused = 0  # head-selected steps the head bucket had no room for
         self._pending: dict[Any, _Pending] = {}
         self._buffered = 0
         # per root-span name (`step`, `validation`, ...): phases are not compared
@@ -280,10 +308,12 @@ class TraceSampler:
             self.sampled_out += 1
 
     def flush(self) -> None:
-        """An explicit flush: steps still open are written now if the head budget allows
-        (their tail decision is lost), else they stay buffered."""
+        """An explicit flush: steps still open that head sampling selects are written now
+        if the head budget allows (their tail decision is lost), others stay buffered."""
         for ctx, pending in list(self._pending.items()):
-            if self.keep_all or self._head.take(len(pending.fields) + 1):
+            if self.keep_all or (
+                self.head_selects(ctx) and self._head.take(len(pending.fields) + 1)
+            ):
                 self._release(ctx, pending, "head")
 
     def finish(self) -> None:
@@ -324,12 +354,13 @@ class TraceSampler:
         return recent
 
     # ---- the decision ----
-    def quiet(self, root: str) -> tuple[float, float, float, deque[float]] | None:
-        """What it takes to be kept right now, for steps named `root`: (head tokens, tail
-        tokens, anomaly threshold in ns, the recent-steps window). A step of `n` spans,
-        no error and a duration under the threshold, with `n` above both token counts, is
-        sampled out by `_decide` (tail.slowest needs tail tokens), so a caller may decide a
-        run of such steps without it. None when no step is certainly sampled out now.
+    def quiet(self, root: str) -> tuple[float, float, deque[float]] | None:
+        """What it takes to be kept right now, for steps named `root`: (tail tokens,
+        anomaly threshold in ns, the recent-steps window). A step of `n` spans, not
+        head-selected (`head_window`), no error and a duration under the threshold, with
+        `n` above the tail tokens, is sampled out by `_decide` (tail.slowest needs tail
+        tokens), so a caller may decide a run of such steps without it. None when no step
+        is certainly sampled out now.
         Valid until the next `_decide` (which may take tokens) or for a fraction of a
         second (tokens refill): the builder publishes one per drain (`_quiet_steps`).
         Takes nothing."""
@@ -341,7 +372,81 @@ class TraceSampler:
         # the rule keeps a slow step during a capture's cooldown too: never inf
         median = statistics.median(recent)
         anomaly_ns = max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S) * 1e9
-        return self._head.available(), self._tail.available(), anomaly_ns, recent
+        return self._tail.available(), anomaly_ns, recent
+
+    # ---- head sampling: the same steps on every rank ----
+    def head_selects(self, ctx: Any) -> bool:
+        """Whether head sampling selects step `ctx` (by its phase and number only)."""
+        level = self.head_level
+        if level is None:
+            return False
+        number = getattr(ctx, "number", None)
+        if number is None:
+            return False
+        phase = getattr(ctx, "phase", None) or PHASE_TRAIN
+        self.last_number[phase] = number
+        if level == 0:
+            return number >= 0
+        window = self._windows.get(phase)
+        if window is None or window[0] != level or number >= window[2]:
+            window = self._window(phase, number, level)
+        if number < window[1]:  # behind the published window (the builder lags): compute
+            return self._traces.head_selected(phase, number, level)
+        return number in window[3]
+
+    def head_window(self, phase: str, start: int) -> tuple[float, frozenset[int]]:
+        """For `_quiet_steps`: (numbers at or above it are not known here, the numbers
+        below it that head sampling selects), from `start` on."""
+        level = self.head_level
+        if level is None:
+            return math.inf, frozenset()
+        if level == 0:
+            return -math.inf, frozenset()  # every step: all to the builder
+        _, low, high, selected = self._window(phase, start, level)
+        return (high, selected) if low <= start else (-math.inf, frozenset())
+
+    def _window(
+        self, phase: str, number: int, level: int
+    ) -> tuple[int | None, int, int, frozenset[int]]:
+        window = self._windows.get(phase)
+        if (
+            window is None
+            or window[0] != level
+            or not window[1] <= number < window[2] - HEAD_WINDOW // 2
+        ):
+            low = max(0, number)
+            high = low + HEAD_WINDOW
+            window = (level, low, high, self._traces.head_numbers(phase, low, high, level))
+            self._windows[phase] = window
+        return window
+
+    def offered(self, spans: int) -> None:
+        """Spans of ended steps (kept or not): the load the head level follows."""
+        self._offered += spans
+        now = self._clock()
+        elapsed = now - self._offered_since
+        if elapsed >= LEVEL_WINDOW_S or (  # and as soon as the burst is half spent
+            self._bursting and elapsed > 0 and self._head_spent >= self._head.burst / 2
+        ):
+            self._update_level(self._offered / (now - self._offered_since))
+            self._offered = 0
+            self._offered_since = now
+
+    def _update_level(self, offered_per_s: float) -> None:
+        head = self._head
+        if self._fixed_level or self.keep_all or head.rate <= 0:
+            return
+        if self._bursting:
+            if self._head_spent < head.burst / 2:
+                return  # a short run keeps everything
+            self._bursting = False
+        need = 0 if offered_per_s <= head.rate else math.ceil(math.log2(offered_per_s / head.rate))
+        level = self.head_level or 0
+        if need > level:
+            level = need
+        elif need + 1 < level:  # lowered with a margin: a load near a boundary stays put
+            level = need + 1
+        self.head_level = level
 
     def _decide(
         self, ctx: Any, pending: _Pending, step_item: Any, seconds: float, root: str
@@ -378,6 +483,13 @@ class TraceSampler:
         if why is None and self._capture_left > 0:
             self._capture_left -= 1
             why = "capture"
+        self.offered(n)
+        if why is None and self.head_selects(ctx):
+            if self._head.take(n):
+                why = "head"
+                self._head_spent += n
+            else:
+                self.head_refused += 1
         if why is None and pending.error and self._tail.take(n):
             why = "tail.error"
         if (
@@ -388,8 +500,6 @@ class TraceSampler:
             and self._tail.take(n)
         ):
             why = "tail.slowest"
-        if why is None and self._head.take(n):
-            why = "head"
         recent.append(seconds)
         if why is None:
             ctx.kept = False

@@ -56,7 +56,7 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(phase) X(quiet) X(start_ns) X(hold) X(kept) X(trim_start) X(error)                 \
     X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
     X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext) \
-    X(KIND_RF) X(MAX_DEPTH) X(count_drop)
+    X(KIND_RF) X(MAX_DEPTH) X(count_drop) X(batch) X(step)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -722,18 +722,18 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = 0;
         goto done;
     }
-    if (!PyList_Check(limits) || PyList_GET_SIZE(limits) < 4) {
-        PyErr_SetString(PyExc_TypeError, "otelprof._speedups: quiet limits must be a list of 4");
+    if (!PyList_Check(limits) || PyList_GET_SIZE(limits) < 5) {
+        PyErr_SetString(PyExc_TypeError, "otelprof._speedups: quiet limits must be a list of 5");
         goto done;
     }
     long long end_ns, start_ns;
-    double head, tail, slowest, anomaly;
+    double unknown, tail, slowest, anomaly;
     PyObject *start_obj = PyObject_GetAttr(ctx, S(start_ns));
     if (start_obj == NULL)
         goto done;
     int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
     Py_DECREF(start_obj);
-    if (bad || as_double(PyList_GET_ITEM(limits, 0), &head) < 0 ||
+    if (bad || as_double(PyList_GET_ITEM(limits, 0), &unknown) < 0 ||
         as_double(PyList_GET_ITEM(limits, 1), &tail) < 0 ||
         as_double(PyList_GET_ITEM(limits, 2), &slowest) < 0 ||
         as_double(PyList_GET_ITEM(limits, 3), &anomaly) < 0)
@@ -782,12 +782,29 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = 0;
         goto done;
     }
-    Py_ssize_t n = PyList_GET_SIZE(frames);
-    Py_ssize_t spans = n + 1;
-    if ((double)spans <= head) { /* the head budget keeps it: spent until the next publish */
-        result = spend(limits, 0, head, spans) < 0 ? -1 : 0;
+    /* head sampling may keep it (the same steps on every rank): its number is selected,
+     * or past what was published */
+    PyObject *number = PyObject_GetAttr(ctx, S(batch));
+    if (number == Py_None) {
+        Py_DECREF(number);
+        number = PyObject_GetAttr(ctx, S(step));
+    }
+    if (number == NULL)
+        goto done;
+    double at = PyFloat_Check(number) ? PyFloat_AS_DOUBLE(number) : PyLong_AsDouble(number);
+    int head = at == -1.0 && PyErr_Occurred() ? -1 : at >= unknown;
+    if (head == 0) {
+        PyObject *selected = PyList_GET_ITEM(limits, 4);
+        head = PyAnySet_Check(selected) ? PySet_Contains(selected, number)
+                                        : PySequence_Contains(selected, number);
+    }
+    Py_DECREF(number);
+    if (head != 0) {
+        result = head < 0 ? -1 : 0;
         goto done;
     }
+    Py_ssize_t n = PyList_GET_SIZE(frames);
+    Py_ssize_t spans = n + 1;
     if ((double)spans <= tail && (double)duration > slowest) { /* maybe the tail's */
         result = spend(limits, 1, tail, spans) < 0 ? -1 : 0;
         goto done;
