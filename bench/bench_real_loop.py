@@ -86,8 +86,9 @@ class Model:
         self.loader = DataLoader(data, batch_size=batch, shuffle=True)
 
 
-def bare_loop(m: Model, seconds: float, _prof: Any) -> int:
-    """The baseline: the README's loop with the same copies and no otelprof call."""
+def bare_loop(m: Model, seconds: float, prof: Any) -> int:
+    """The baseline: the README's loop with the same copies and no otelprof call (with
+    `prof`, another tool's `prof.step()` ends each step: bench_compare's torch.profiler)."""
     model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
     steps = 0
     total = 0.0
@@ -102,6 +103,8 @@ def bare_loop(m: Model, seconds: float, _prof: Any) -> int:
             scheduler.step()
             out = loss.detach().cpu()
             total += out.item()
+            if prof is not None:
+                prof.step()
             steps += 1
             if time.perf_counter() >= deadline:
                 return steps
