@@ -3,6 +3,7 @@ optimizer and LR-scheduler steps."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections import namedtuple
 from pathlib import Path
@@ -75,6 +76,20 @@ def test_to_device_moves_nested_structures_and_keeps_their_types(tmp_path: Path)
     assert moved["batch"].labels[0].device.type == "meta"
     assert moved["count"] == 3
     assert data["pair"].x.device.type == "cpu", "the input is not modified"
+    assert len(by_name(run.finish(), "to_device")) == 1
+
+
+def test_to_device_keeps_container_subclasses_and_honours_non_blocking(tmp_path: Path) -> None:
+    class Tagged(list):  # type: ignore[type-arg]
+        pass
+
+    data = collections.OrderedDict(a=Tagged([torch.ones(1), "label"]), b=(torch.ones(2), 7))
+    run = start_run(tmp_path)
+    moved = to_device(data, "meta", non_blocking=True)
+    assert type(moved) is collections.OrderedDict and list(moved) == ["a", "b"]
+    assert type(moved["a"]) is Tagged and moved["a"][1] == "label"
+    assert moved["a"][0].device.type == "meta" and moved["b"][0].device.type == "meta"
+    assert type(moved["b"]) is tuple and moved["b"][1] == 7
     assert len(by_name(run.finish(), "to_device")) == 1
 
 

@@ -1,0 +1,361 @@
+"""Cost of otelprof on the loop the README teaches: a real model, torch's ranges bridged.
+
+    .venv/bin/python bench/bench_real_loop.py [--step-ms 0.3 1 30] [--pairs 30]
+        [--block-seconds 0.5] [--option timings=false ...] [--aa]
+
+Per step, instrumented (otelprof's default `instrument()`, detached, hardware metrics on):
+
+    for x, y in otelprof.timed_dataloader(loader):           # dataloader_next (+ torch's range)
+        x, y = otelprof.to_device((x, y), "cpu")                # to_device
+        with otelprof.train_batch():                            # train_batch
+            optimizer.zero_grad()                               # torch's Optimizer.zero_grad#SGD
+            loss = loss_fn(model(x), y); loss.backward()
+            optimizer.step()                                    # torch's Optimizer.step#SGD
+        with otelprof.timing("step_lr_schedulers"):
+            scheduler.step()
+        out = otelprof.from_device(loss)                        # from_device
+        with otelprof.reduce_metrics():                         # reduce_metrics
+            total += out.item()
+        prof.step()
+
+and bare: the same loop, the same copies (`x.to("cpu")`, `y.to("cpu")`, `loss.detach().cpu()`),
+no otelprof call. The model is torch's own (an MLP, SGD, CrossEntropyLoss, a real DataLoader
+over a TensorDataset, 1 intra-op thread); the batch size is calibrated so that a bare step
+uses `--step-ms` of the training thread's CPU (a Linear layer below 0.5 ms, a 2-hidden-layer
+MLP 128 wide below 5 ms, 1024 wide above); pairs whose bare block strays beyond 1.25x of it
+are not counted.
+
+Method (`bench_step_rate.py --method interleaved`'s): one `instrument()` session stays up in
+its steady state (the head and tail budgets' initial bursts spent, every background thread
+free to run), and short blocks alternate A-B-B-A between the bare and the instrumented loop;
+an instrumented block's time includes the span builder's catch-up after it. Before the
+pairs, bare blocks with no session at all are compared with bare blocks under the running
+session (`bare outside`/`bare inside`): a profiler that slowed every torch op would show
+there, where the A-B pairs cannot see it.
+
+Printed per step length: the step-rate ratio (median of the pairs' bare/instrumented
+ratios, quartiles), the training thread's own CPU per step (its thread CPU clock) bare and
+instrumented, the background threads' CPU per step, and the wall-time cost the training
+thread's own CPU does not explain (interpreter-lock waits, the scheduler), plus the
+detached data written per hour. `--option NAME=VALUE` passes options to `instrument()`
+(`timings=false`, `record_function=false`, ...) to find where a cost goes; `--aa` runs the
+bare loop in both arms (the method's noise floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _machine import background_cpu, cpu_model
+from bench_step_rate import GcClock
+from torch.utils.data import DataLoader, TensorDataset
+
+import otelprof
+
+FEATURES = 32
+TOLERANCE = 1.25
+
+
+class Model:
+    """A model, its optimizer, scheduler and an endless supply of DataLoader epochs."""
+
+    def __init__(self, step_ms: float, batch: int) -> None:
+        if step_ms < 0.5:
+            layers: list[torch.nn.Module] = [torch.nn.Linear(FEATURES, 10)]
+        else:
+            width = 128 if step_ms < 5 else 1024
+            layers = [torch.nn.Linear(FEATURES, width), torch.nn.ReLU()]
+            layers += [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 10)]
+        self.model = torch.nn.Sequential(*layers)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=1000)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.batch = batch
+        rows = batch * 64
+        data = TensorDataset(torch.randn(rows, FEATURES), torch.randint(0, 10, (rows,)))
+        self.loader = DataLoader(data, batch_size=batch, shuffle=True)
+
+
+def bare_loop(m: Model, seconds: float, prof: Any) -> int:
+    """The baseline: the README's loop with the same copies and no otelprof call (with
+    `prof`, another tool's `prof.step()` ends each step: bench_compare's torch.profiler)."""
+    model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
+    steps = 0
+    total = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        for x, y in m.loader:
+            x, y = x.to("cpu"), y.to("cpu")
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            out = loss.detach().cpu()
+            total += out.item()
+            if prof is not None:
+                prof.step()
+            steps += 1
+            if time.perf_counter() >= deadline:
+                return steps
+
+
+def instrumented_loop(m: Model, seconds: float, prof: Any) -> int:
+    """The README's loop with its helpers."""
+    model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
+    steps = 0
+    total = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        for x, y in otelprof.timed_dataloader(m.loader):
+            x, y = otelprof.to_device((x, y), "cpu")
+            with otelprof.train_batch():
+                optimizer.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step()
+            with otelprof.timing("step_lr_schedulers"):
+                scheduler.step()
+            out = otelprof.from_device(loss)
+            with otelprof.reduce_metrics():
+                total += out.item()
+            prof.step()
+            steps += 1
+            if time.perf_counter() >= deadline:
+                return steps
+
+
+def calibrate(step_ms: float) -> Model:
+    """A model whose bare step uses `step_ms` of the training thread's CPU (batch size
+    scaled, up to 6 tries). CPU, not wall time: on a loaded machine a step's wall time is
+    mostly waiting for a core, and the figure should be the step's own length."""
+    batch = 8
+    m = Model(step_ms, batch)
+    for _ in range(6):
+        bare_loop(m, 0.1, None)
+        cpu = time.thread_time()
+        steps = bare_loop(m, 0.3, None)
+        measured = (time.thread_time() - cpu) * 1e3 / max(steps, 1)
+        if abs(measured / step_ms - 1) < 0.07:
+            break
+        batch = max(1, round(batch * step_ms / measured))
+        m = Model(step_ms, batch)
+    return m
+
+
+def _block(
+    loop: Callable[[Model, float, Any], int], m: Model, seconds: float, prof: Any, builder: Any
+) -> dict[str, float]:
+    own = time.thread_time()
+    background = background_cpu()
+    start = time.perf_counter()
+    steps = loop(m, seconds, prof)
+    if builder is not None:
+        builder.flush()
+    wall = time.perf_counter() - start
+    n = max(steps, 1)
+    return {
+        "step_us": wall / n * 1e6,
+        "thread_us": (time.thread_time() - own) / n * 1e6,
+        "background_us": (background_cpu() - background) / n * 1e6,
+        "steps": steps,
+    }
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    ordered = sorted(values)
+    n = len(ordered)
+    return ordered[n // 4], statistics.median(ordered), ordered[(3 * n) // 4]
+
+
+def _outside_inside(m: Model, args: Any, make: Callable[[], Any]) -> None:
+    """Bare blocks with no session against bare blocks under a running session (steady)."""
+    ratios: list[float] = []
+    for pair in range(max(4, args.pairs // 4)):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        times: dict[bool, float] = {}
+        for inside in order:
+            if inside:
+                prof = make()
+                instrumented_loop(m, 1.0, prof)  # the session busy, as it is when training
+                prof._timings._builder.flush()
+                times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
+                prof.shutdown()
+            else:
+                times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
+        ratios.append(times[False] / times[True])
+    low, mid, high = _quartiles(ratios)
+    print(
+        f"  bare loop under a running session vs none (step-rate ratio): {mid:.3f} "
+        f"(quartiles {low:.3f} / {high:.3f}, {len(ratios)} pairs)"
+    )
+
+
+def run(step_ms: float, args: Any, out: Path, index: int) -> None:
+    m = calibrate(step_ms)
+    options: dict[str, Any] = dict(args.options)
+    sessions = iter(range(1000))
+
+    def make() -> Any:
+        return otelprof.instrument(
+            output_dir=str(out), run_id=f"r{index}-{next(sessions)}", **options
+        )
+
+    if args.outside:
+        _outside_inside(m, args, make)
+    prof = make()
+    builder = prof._timings._builder if prof._timings is not None else None
+    inst_loop = bare_loop if args.aa else instrumented_loop
+    try:
+        waited = 0.0  # steady state, as in bench_step_rate
+        while waited < 120 and (
+            prof.stats().get("timings.steps_sampled_out_on_thread", 0) < 1000
+            and prof.stats().get("timings.spans_sampled_out", 0) < 1
+        ):
+            instrumented_loop(m, 0.25, prof)
+            waited += 0.25
+        instrumented_loop(m, 0.5, prof)
+        if builder is not None:
+            builder.flush()
+        blocks: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+        off = 0
+        gc_ns = {False: 0, True: 0}
+        with GcClock() as collector:
+            for pair in range(args.pairs):
+                order = (False, True) if pair % 2 == 0 else (True, False)
+                result: dict[bool, dict[str, float]] = {}
+                for instrumented in order:
+                    before = collector.ns
+                    if instrumented:
+                        result[True] = _block(inst_loop, m, args.block_seconds, prof, builder)
+                    else:
+                        result[False] = _block(bare_loop, m, args.block_seconds, None, None)
+                    gc_ns[instrumented] += collector.ns - before
+                if not 1 / TOLERANCE <= result[False]["thread_us"] / 1e3 / step_ms <= TOLERANCE:
+                    off += 1
+                    continue
+                for kind in (False, True):
+                    blocks[kind].append(result[kind])
+        stats = prof.stats()
+    finally:
+        prof.shutdown()
+    bare, inst = blocks[False], blocks[True]
+    print(
+        f"step {step_ms} ms (batch {m.batch}; {len(bare)} of {args.pairs} pairs counted, {off} off "
+        f"target), options {options or 'default'}{' A/A' if args.aa else ''}"
+    )
+    if not bare:
+        return
+    ratios = [b["step_us"] / i["step_us"] for b, i in zip(bare, inst, strict=True)]
+    low, mid, high = _quartiles(ratios)
+    bare_step = statistics.median(b["step_us"] for b in bare)
+    inst_step = statistics.median(i["step_us"] for i in inst)
+    own = [i["thread_us"] - b["thread_us"] for b, i in zip(bare, inst, strict=True)]
+    background = statistics.median(i["background_us"] for i in inst)
+    wall = [i["step_us"] - b["step_us"] for b, i in zip(bare, inst, strict=True)]
+    print(
+        f"  step-rate ratio {mid:.3f} (quartiles {low:.3f} / {high:.3f}); bare step "
+        f"{bare_step:.0f} µs, instrumented {inst_step:.0f} µs"
+    )
+    own_mid = statistics.median(own)
+    print(
+        f"  training-thread CPU per step: bare "
+        f"{statistics.median(b['thread_us'] for b in bare):.1f} µs, instrumented "
+        f"{statistics.median(i['thread_us'] for i in inst):.1f} µs; paired extra "
+        f"{own_mid:+.1f} µs (quartiles {_quartiles(own)[0]:+.1f} / {_quartiles(own)[2]:+.1f})"
+    )
+    print(
+        f"  background threads' CPU per step {background:.1f} µs; wall time per step "
+        f"{statistics.median(wall):+.1f} µs, of which not the training thread's own CPU "
+        f"{statistics.median(wall) - own_mid:+.1f} µs (waits: interpreter lock, scheduler)"
+    )
+    steps = sum(b["steps"] for b in blocks[True])
+    print(
+        f"  garbage collection per step: bare {gc_ns[False] / max(steps, 1) / 1e3:.2f} µs, "
+        f"instrumented {gc_ns[True] / max(steps, 1) / 1e3:.2f} µs; dropped "
+        f"{stats.get('dropped_total', 0)}"
+    )
+    if args.volume_seconds > 0 and not args.aa:
+        print(f"  data written: {volume(m, args.volume_seconds, out, index, options):.1f} MB/hour")
+    print(flush=True)
+
+
+def _run_bytes(run_dir: Path) -> int:
+    if not run_dir.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in run_dir.iterdir() if p.is_file())
+
+
+def volume(m: Model, seconds: float, out: Path, index: int, options: dict[str, Any]) -> float:
+    """MB per hour the detached files grow in the steady state (both window ends flushed)."""
+    run_id = f"v{index}"
+    prof = otelprof.instrument(output_dir=str(out), run_id=run_id, **options)
+    try:
+        waited = 0.0
+        while waited < 120 and not prof.stats().get("timings.spans_sampled_out", 0):
+            instrumented_loop(m, 0.5, prof)
+            waited += 0.5
+        instrumented_loop(m, 2.0, prof)
+        tail = prof._timings._builder.sampler._tail  # inf when slow steps do not draw on it
+        for _ in range(60):  # the tail budget's burst spent too (bench_step_rate's _volume)
+            if not 20 < tail.available() < math.inf:
+                break
+            instrumented_loop(m, 1.0, prof)
+        prof.tracer_provider.force_flush()
+        prof.meter_provider.force_flush()
+        before, t0 = _run_bytes(out / run_id), time.perf_counter()
+        instrumented_loop(m, seconds, prof)
+        prof.tracer_provider.force_flush()
+        prof.meter_provider.force_flush()
+        after, t1 = _run_bytes(out / run_id), time.perf_counter()
+    finally:
+        prof.shutdown()
+    return (after - before) / (t1 - t0) * 3600 / 1e6
+
+
+def _option(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    lowered = value.lower()
+    parsed: Any = {"true": True, "false": False}.get(lowered, value)
+    if isinstance(parsed, str):
+        with contextlib.suppress(ValueError):
+            parsed = float(value) if "." in value else int(value)
+    return name, parsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 1.0, 30.0])
+    parser.add_argument("--pairs", type=int, default=30)
+    parser.add_argument("--block-seconds", type=float, default=0.5)
+    parser.add_argument("--volume-seconds", type=float, default=20.0)
+    parser.add_argument("--option", type=_option, action="append", default=[], dest="options")
+    parser.add_argument("--aa", action="store_true", help="bare loop in both arms")
+    parser.add_argument(
+        "--no-outside", dest="outside", action="store_false",
+        help="skip the bare-outside/bare-inside check",
+    )  # fmt: skip
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
+    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{args.pairs} A-B-B-A pairs of {args.block_seconds} s blocks per step length\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, step_ms in enumerate(args.step_ms):
+            run(step_ms, args, Path(tmp), index)
+    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
