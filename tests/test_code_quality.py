@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def run(*command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def run(*command: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_ruff_finds_no_lint_errors() -> None:
@@ -24,6 +26,9 @@ def test_code_is_ruff_formatted() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+# mypy reads torch's inline types from a cold cache in a fresh clone: minutes on a quiet
+# 2-core machine, past 10 on a loaded one. What the test checks is the verdict, not the time.
+@pytest.mark.timeout(2400)
 def test_mypy_finds_no_type_errors() -> None:
-    result = run(str(BIN / "mypy"))
+    result = run(str(BIN / "mypy"), timeout=2300)
     assert result.returncode == 0, result.stdout + result.stderr
