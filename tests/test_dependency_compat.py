@@ -95,3 +95,16 @@ def test_the_compiled_hot_path_was_built_with_the_compat_headers_guards() -> Non
     assert speedups.CPYTHON_CHECKED
     # dict version tags exist (and are used) up to 3.13, not from 3.14 on
     assert speedups.VERSION_TAGS == (sys.version_info < (3, 14))
+
+
+def test_the_timing_histograms_ride_on_the_exporters_only_while_the_sdk_lacks_producers() -> None:
+    """The timing histograms are merged by the counting exporters and re-served on the pull
+    endpoint because this SDK has no MetricProducer seam (ARCHITECTURE.md). An upgrade that
+    adds `metric_producers=` to MetricReader fails here: move them onto it then."""
+    import inspect
+
+    import opentelemetry.sdk.metrics.export as export
+    from opentelemetry.sdk.metrics.export import MetricReader
+
+    assert not hasattr(export, "MetricProducer")
+    assert "metric_producers" not in inspect.signature(MetricReader.__init__).parameters
