@@ -12,9 +12,11 @@ defaults to `DEFAULT_VALUE_LENGTH_LIMIT` characters. Each truncated value is cou
 
 The limits bound one value; the byte budget bounds them all: every attribute dict made here
 is charged its size (`attribute_bytes`) while it is alive (it lives as long as a range that
-carries it waits in the recorder's queue, the span builder or a held step), and handed back
-when it is freed. A dict that would pass the budget (`max_attribute_bytes`, 64 MiB by
-default) is not kept: the range keeps its timing and gets the one shared marker
+carries it waits in the recorder's queue, the span builder or a held step; the span built
+from the range takes the charge over with the values, so spans waiting in an exporter's
+queue, OTLP's while the collector is down, count too), and handed back when it is freed.
+A dict that would pass the budget (`max_attribute_bytes`, 64 MiB by default) is not kept:
+the range keeps its timing and gets the one shared marker
 `{"otelprof.attributes_dropped": "memory budget"}` instead, counted as
 `timings.attributes_dropped_over_budget` (part of `dropped_total`). Only ranges with
 attributes pay for this (at `timing(name, **attributes)`, already a Python call); a plain

@@ -89,3 +89,31 @@ def test_attributes_past_the_byte_budget_are_dropped_counted_and_memory_stays_bo
     assert all(len(s.attributes["batch"]) == VALUE for s in kept)
     assert stats["timings.attributes_dropped_over_budget"] == len(over)
     assert stats["dropped_total"] >= len(over)
+
+
+def test_the_charge_moves_with_the_values_into_the_built_span() -> None:
+    # A span built for an exporter's queue (OTLP, while the collector is down) holds the
+    # attribute values after the range's frame is gone: the budget still counts them.
+    from opentelemetry.sdk.resources import Resource
+
+    from otelprof.timings import _recorder as rec
+    from otelprof.timings._builder import Clock
+    from otelprof.timings._frames import timing_frame
+    from otelprof.timings._targets import SpanTargets
+
+    before = _limits.budget.held_bytes()
+    timing = otelprof.timing("load_batch", batch="y" * VALUE)
+    charged = _limits.budget.held_bytes() - before
+    assert charged > VALUE
+    builder = SpanBuilder(SpanTargets(), Resource({"service.name": "t"}), Clock())
+    ctx = rec.StepContext(1, None, 0)
+    frame = timing_frame("load_batch", None, ctx, rec.thread_state(), timing.attributes, None)
+    frame[7] = 10  # F_END
+    span = builder.build(frame)
+    del timing, frame
+    gc.collect()
+    assert span.attributes is not None and span.attributes["batch"] == "y" * VALUE
+    assert _limits.budget.held_bytes() == before + charged  # held by the span now
+    del span
+    gc.collect()
+    assert _limits.budget.held_bytes() == before
