@@ -31,7 +31,7 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from otelprof._schema import ATTR_ATTRIBUTES_DROPPED
@@ -167,19 +167,6 @@ def attribute_bytes(attributes: Mapping[str, Any]) -> int:
     return total
 
 
-class HeldAttributes(dict[str, Any]):
-    """An attribute dict charged to `budget` while it lives (a plain dict to every reader;
-    `nbytes` is set right after it is made: 0 until charged)."""
-
-    __slots__ = ("nbytes",)
-
-    nbytes: int
-
-    def __del__(self) -> None:
-        if self.nbytes:
-            _release(self.nbytes)
-
-
 class AttributeBudget:
     """Bytes of attributes alive at once, at most `limit`; what would pass it is counted.
 
@@ -226,6 +213,21 @@ class AttributeBudget:
 
 
 budget = AttributeBudget()
-_release = budget._released.append  # what a freed dict calls: one C call
+
+
+class HeldAttributes(dict[str, Any]):
+    """An attribute dict charged to `budget` while it lives (a plain dict to every reader;
+    `nbytes` is set right after it is made: 0 until charged)."""
+
+    __slots__ = ("nbytes",)
+
+    nbytes: int
+
+    def __del__(self, _release: Callable[[int], None] = budget._released.append) -> None:
+        # bound at definition: at interpreter exit module globals may already be gone
+        if self.nbytes:
+            _release(self.nbytes)
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=budget._after_fork)
