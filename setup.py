@@ -8,6 +8,7 @@ setup(
         Extension(
             "otelprof.timings._speedups",
             ["otelprof/timings/_speedups.c"],
+            depends=["otelprof/timings/_cpython_compat.h"],
             optional=True,
         )
     ]

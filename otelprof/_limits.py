@@ -9,18 +9,37 @@ is read from `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT` (`OTEL_SPAN_ATTRIBUTE_VALUE_LEN
 first, as the SDK reads it for spans). Unlike the SDK (unlimited by default), otelprof
 defaults to `DEFAULT_VALUE_LENGTH_LIMIT` characters. Each truncated value is counted
 (`timings.attributes_truncated` in `Profiler.stats()`).
+
+The limits bound one value; the byte budget bounds them all: every attribute dict made here
+is charged its size (`attribute_bytes`) while it is alive (it lives as long as a range that
+carries it waits in the recorder's queue, the span builder or a held step; the span built
+from the range takes the charge over with the values, so spans waiting in an exporter's
+queue, OTLP's while the collector is down, count too), and handed back when it is freed.
+A dict that would pass the budget (`max_attribute_bytes`, 64 MiB by default) is not kept:
+the range keeps its timing and gets the one shared marker
+`{"otelprof.attributes_dropped": "memory budget"}` instead, counted as
+`timings.attributes_dropped_over_budget` (part of `dropped_total`). Only ranges with
+attributes pay for this (at `timing(name, **attributes)`, already a Python call); a plain
+range costs nothing more, and frames themselves are bounded by count (`max_queued_spans`),
+a few hundred bytes each.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from otelprof._schema import ATTR_ATTRIBUTES_DROPPED
 
 _log = logging.getLogger("otelprof")
 
 DEFAULT_VALUE_LENGTH_LIMIT = 4096
+DEFAULT_ATTRIBUTE_BYTES = 64 << 20
 COUNT_LIMIT = 128
 ENV_VARS = ("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT")
 
@@ -78,10 +97,137 @@ def _cut(value: Any, limit: int) -> Any:
 def limit_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """`attributes` with every string value at most `value_length_limit` characters, and
     at most `COUNT_LIMIT` of them (the SDK's default attribute count limit; the rest are
-    left out and counted too)."""
+    left out and counted too), charged to the byte budget while alive (`OVER_BUDGET`
+    instead when it does not fit). Sizes are summed in the same pass (`attribute_bytes`
+    gives the same figure): this runs at every `timing(name, **attributes)`."""
     global truncated
     limit = value_length_limit
     if len(attributes) > COUNT_LIMIT:
         truncated += len(attributes) - COUNT_LIMIT
         attributes = dict(list(attributes.items())[:COUNT_LIMIT])
-    return {key: _cut(value, limit) for key, value in attributes.items()}
+    held = HeldAttributes()
+    held.nbytes = 0
+    nbytes = DICT_BYTES
+    for key, value in attributes.items():
+        if type(value) is str:
+            if len(value) > limit:
+                truncated += 1
+                value = value[:limit]
+            # a str's size without sys.getsizeof's method call: 1 byte a character when
+            # ASCII (its header included in ENTRY_BYTES), else the exact figure
+            nbytes += ENTRY_BYTES + (len(value) if value.isascii() else _getsizeof(value))
+        else:
+            value = _cut(value, limit)
+            nbytes += ENTRY_BYTES + _value_bytes(value)
+        held[key] = value
+    # budget.charge(nbytes), inline (runs at every timing() with attributes)
+    b = budget
+    with b._lock:
+        total = b.held
+        released = b._released
+        while released:
+            total -= released.popleft()
+        if total + nbytes > b.limit:
+            b.held = total
+            b.over += 1
+            return OVER_BUDGET
+        b.held = total + nbytes
+    held.nbytes = nbytes  # from now on its __del__ hands the bytes back
+    return held
+
+
+# ---- the byte budget ----
+OVER_BUDGET: dict[str, Any] = {ATTR_ATTRIBUTES_DROPPED: "memory budget"}
+"""What a range carries instead of attributes that did not fit (one shared, uncharged dict)."""
+
+_getsizeof = sys.getsizeof
+DICT_BYTES = 232
+"""A small dict's own size (sys.getsizeof of a dict of up to 5 entries, CPython 3.11)."""
+ENTRY_BYTES = 112
+"""Per attribute: a key's share (keys are short, often interned), the dict's slot and an
+ASCII string's header (49 bytes), rounded up."""
+
+
+def _value_bytes(value: Any) -> int:
+    if isinstance(value, (list, tuple)):
+        return _getsizeof(value) + sum(_getsizeof(v) for v in value)
+    return _getsizeof(value)
+
+
+def attribute_bytes(attributes: Mapping[str, Any]) -> int:
+    """Bytes an attribute dict holds, as the budget counts them: `DICT_BYTES`, and per entry
+    `ENTRY_BYTES` (the key's share, the dict's slot, a string's header) plus its value's
+    size (a sequence's strings included; objects shared with the caller counted anyway)."""
+    total = DICT_BYTES
+    for value in attributes.values():
+        if type(value) is str:
+            total += ENTRY_BYTES + (len(value) if value.isascii() else _getsizeof(value))
+        else:
+            total += ENTRY_BYTES + _value_bytes(value)
+    return total
+
+
+class AttributeBudget:
+    """Bytes of attributes alive at once, at most `limit`; what would pass it is counted.
+
+    Charges are taken under a lock (only at `timing(name, **attributes)`); a freed dict
+    hands its bytes back from its `__del__`, which may run on any thread, inside a garbage
+    collection too, so it only appends to a deque (atomic) and never takes the lock."""
+
+    def __init__(self, limit: int = DEFAULT_ATTRIBUTE_BYTES) -> None:
+        self.limit = limit
+        self.held = 0
+        self.over = 0
+        """Attribute dicts dropped for the budget so far in this process."""
+        self._released: deque[int] = deque()
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int) -> bool:
+        with self._lock:
+            if self._released:
+                self._settle()
+            held = self.held + nbytes
+            if held > self.limit:
+                self.over += 1
+                return False
+            self.held = held
+            return True
+
+    def release(self, nbytes: int) -> None:
+        self._released.append(nbytes)
+
+    def _settle(self) -> None:
+        released, held = self._released, self.held
+        while released:
+            held -= released.popleft()
+        self.held = held
+
+    def held_bytes(self) -> int:
+        """Bytes charged now (those of dicts freed since the last charge handed back)."""
+        with self._lock:
+            self._settle()
+            return self.held
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+
+budget = AttributeBudget()
+
+
+class HeldAttributes(dict[str, Any]):
+    """An attribute dict charged to `budget` while it lives (a plain dict to every reader;
+    `nbytes` is set right after it is made: 0 until charged)."""
+
+    __slots__ = ("nbytes",)
+
+    nbytes: int
+
+    def __del__(self, _release: Callable[[int], None] = budget._released.append) -> None:
+        # bound at definition: at interpreter exit module globals may already be gone
+        if self.nbytes:
+            _release(self.nbytes)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=budget._after_fork)

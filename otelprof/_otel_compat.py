@@ -61,3 +61,16 @@ def count_span_queue_drops(processor: Any, on_drop: Callable[[int, str], None]) 
         return False
     batch._metrics = _DropCountingMetrics(metrics, on_drop)
     return True
+
+
+OTLP_EXPORTER_LOGGERS = ("opentelemetry.exporter.otlp.proto.grpc.exporter",)
+"""Loggers of the OTLP gRPC exporter's per-export failure and retry records (checked:
+exporter 1.45.1); `export/_outage.py` filters those about otelprof's destination. A logger
+that moved only lets the SDK's lines through again."""
+
+
+def otlp_log_destination(exporter: Any) -> str | None:
+    """The destination as the OTLP gRPC exporter names it in its log records (its
+    `_endpoint`: host:port, the scheme stripped; checked: 1.45.1); None when unknown."""
+    destination = getattr(exporter, "_endpoint", None)
+    return destination if isinstance(destination, str) and destination else None

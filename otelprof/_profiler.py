@@ -143,6 +143,9 @@ class _Session:
             )
         # string attributes cut at the OTel value length limit, counted (otelprof/_limits.py)
         self._truncated_before = _limits.truncated
+        # ... and the attributes alive at once bounded in bytes, what passes it counted
+        _limits.budget.limit = settings.max_attribute_bytes
+        self._over_budget_before = _limits.budget.over
         self.tracer_provider = TracerProvider(
             resource=self.resource,
             active_span_processor=self.span_targets,
@@ -209,6 +212,10 @@ class _Session:
                 for key, value in self.timings.stats().items():
                     counts[f"timings.{key}"] = int(value)
         counts["timings.attributes_truncated"] = _limits.truncated - self._truncated_before
+        counts["timings.attributes_dropped_over_budget"] = (
+            _limits.budget.over - self._over_budget_before
+        )
+        counts["timings.attribute_bytes_held"] = _limits.budget.held_bytes()
         counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
         return counts
 

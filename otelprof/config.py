@@ -384,6 +384,11 @@ class Settings:
         default=65536,
         metadata=opt(env=("OTELPROF_MAX_QUEUED_SPANS",), parse=integer(1, 1 << 30)),
     )
+    # bytes of `timing()` attributes held at once (otelprof/_limits.py: AttributeBudget)
+    max_attribute_bytes: int = field(
+        default=64 << 20,
+        metadata=opt(env=("OTELPROF_MAX_ATTRIBUTE_BYTES",), parse=integer(1, 1 << 40)),
+    )
     resource_attributes: Mapping[str, str] = field(
         default_factory=dict, metadata=opt(env=("OTEL_RESOURCE_ATTRIBUTES",), parse=attributes)
     )

@@ -130,6 +130,8 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1.5, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", math.inf, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1 << 40, "must be between 1 and"),
+    ("max_attribute_bytes", "OTELPROF_MAX_ATTRIBUTE_BYTES", 0, "must be between 1 and"),
+    ("max_attribute_bytes", "OTELPROF_MAX_ATTRIBUTE_BYTES", 1.5, "expected an integer"),
     ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", 1.5, "expected an integer"),
     ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", math.inf, "expected an integer"),
     ("max_metrics_bytes", "OTELPROF_MAX_METRICS_BYTES", 2.5, "expected an integer"),

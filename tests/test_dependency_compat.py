@@ -3,6 +3,9 @@ pinned versions (an upgrade that removes one fails here, not silently in a run).
 
 from __future__ import annotations
 
+import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,3 +58,53 @@ def test_missing_torch_internals_degrade_to_none_or_a_safe_answer() -> None:
     assert _torch_compat.profile_class(object()) is None
     assert _torch_compat.profiler_enabled(object()) is True  # cannot tell: assume one runs
     assert _torch_compat.default_store(dist) is None  # no process group here
+
+
+def test_the_otlp_exporters_log_records_name_the_destination_otelprof_filters_on() -> None:
+    import logging
+
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+    exporter = OTLPMetricExporter(endpoint="http://127.0.0.1:1", insecure=True)
+    try:
+        assert _otel_compat.otlp_log_destination(exporter) == "127.0.0.1:1"
+    finally:
+        exporter.shutdown(timeout_millis=100)
+    for name in _otel_compat.OTLP_EXPORTER_LOGGERS:
+        assert name in logging.Logger.manager.loggerDict, name
+
+
+SPEEDUPS = Path(__file__).resolve().parents[1] / "otelprof" / "timings" / "_speedups.c"
+PRIVATE_CPYTHON = re.compile(
+    r"\b(_Py\w+|ma_version_tag|d_member|PyMemberDescr\w*|PyDictObject|PyThreadState_\w+|"
+    r"T_OBJECT_EX|Py_T_\w+|PY_VERSION_HEX)\b|structmember\.h"
+)
+
+
+def test_the_c_hot_path_reaches_cpython_internals_only_through_its_compat_header() -> None:
+    code = re.sub(r"/\*.*?\*/", "", SPEEDUPS.read_text(), flags=re.S)  # comments aside
+    found = sorted({m.group(0) for m in PRIVATE_CPYTHON.finditer(code)})
+    assert not found, f"_speedups.c uses {found}: move them to _cpython_compat.h"
+    header = (SPEEDUPS.parent / "_cpython_compat.h").read_text()
+    assert "ma_version_tag" in header and "PyMemberDescrObject" in header
+
+
+def test_the_compiled_hot_path_was_built_with_the_compat_headers_guards() -> None:
+    from otelprof.timings import _speedups as speedups  # built whatever the path in use
+
+    assert speedups.CPYTHON_CHECKED
+    # dict version tags exist (and are used) up to 3.13, not from 3.14 on
+    assert speedups.VERSION_TAGS == (sys.version_info < (3, 14))
+
+
+def test_the_timing_histograms_ride_on_the_exporters_only_while_the_sdk_lacks_producers() -> None:
+    """The timing histograms are merged by the counting exporters and re-served on the pull
+    endpoint because this SDK has no MetricProducer seam (ARCHITECTURE.md). An upgrade that
+    adds `metric_producers=` to MetricReader fails here: move them onto it then."""
+    import inspect
+
+    import opentelemetry.sdk.metrics.export as export
+    from opentelemetry.sdk.metrics.export import MetricReader
+
+    assert not hasattr(export, "MetricProducer")
+    assert "metric_producers" not in inspect.signature(MetricReader.__init__).parameters

@@ -23,14 +23,26 @@ from tests.otlp_files import read_spans
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 1500
+TRIALS = 32
+"""Signals sent at random points of shutdown: each trial is a real child process."""
+PARALLEL = 4
+"""Children run side by side (each mostly waits on its builder thread and files), so 32
+trials take about the time of 8 in a row."""
+MAX_DELAY_S = 0.4
+"""Signals land up to this long after shutdown() begins; shutdown takes ~0.3-2 s here, so
+most land in it, the rest just after it (the signal then acts at once)."""
+SEED = int(os.environ.get("OTELPROF_SIGNAL_SEED") or random.SystemRandom().randrange(1 << 31))
+"""Random per CI run, printed; `OTELPROF_SIGNAL_SEED=N` replays a run's trials."""
 
 # Fast steps with three timings each and every span kept: at shutdown the span builder still
 # has a backlog to drain (thousands of spans), so shutdown lasts long enough for a signal
-# sent at a random moment to land in it.
+# sent at a random moment to land in it. The signal comes from a thread of the child, timed
+# from the moment shutdown() begins (so the point in shutdown does not depend on how fast
+# the parent is scheduled); `in-shutdown` says whether shutdown() had not returned yet.
 CHILD = f"""
-import os, sys, time
+import os, signal, sys, threading, time
 import otelprof
-out = sys.argv[1]
+out, signum, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 prof = otelprof.instrument(output_dir=out, interval=0.2, trace_budget=float("inf"))
 for _ in range({STEPS}):
     with otelprof.timing("train_batch"):
@@ -39,19 +51,30 @@ for _ in range({STEPS}):
         with otelprof.timing("backward"):
             pass
     prof.step()
-open(os.path.join(out, "shutting-down"), "w").close()
+begins, returned = threading.Event(), threading.Event()
+
+def send():
+    begins.wait()
+    time.sleep(delay)
+    if not returned.is_set():
+        open(os.path.join(out, "in-shutdown"), "w").close()
+    os.kill(os.getpid(), signum)
+
+threading.Thread(target=send, daemon=True).start()
+begins.set()
 prof.shutdown()
+returned.set()
 time.sleep(30)  # the signal acts here at the latest
 """
 
 
-def _start(tmp_path: Path, script: str) -> subprocess.Popen[str]:
+def _start(tmp_path: Path, script: str, *args: str) -> subprocess.Popen[str]:
     path = tmp_path / "child.py"
     path.write_text(script)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     return subprocess.Popen(
-        [sys.executable, str(path), str(tmp_path / "runs")],
+        [sys.executable, str(path), str(tmp_path / "runs"), *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -75,32 +98,58 @@ def _run_dir(tmp_path: Path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("trial", range(6))
-def test_a_signal_at_a_random_point_of_shutdown_loses_no_span_and_the_end_is_told(
-    tmp_path: Path, trial: int
-) -> None:
-    rng = random.Random(trial)
-    signum = (signal.SIGINT, signal.SIGTERM)[trial % 2]
-    delay = rng.uniform(0.0, 0.2)  # shutdown takes ~0.3-2 s here: anywhere in it
-    child = _start(tmp_path, CHILD)
-    (tmp_path / "runs").mkdir(exist_ok=True)
-    _wait_for(tmp_path / "runs" / "shutting-down", child)
-    time.sleep(delay)
-    child.send_signal(signum)
+def _trial_problem(path: Path, child: subprocess.Popen[str]) -> str | None:
+    """What went wrong in one finished trial (None: nothing lost, the end told)."""
     try:
-        _, stderr = child.communicate(timeout=60)
+        _, stderr = child.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         child.kill()
-        pytest.fail(f"{signum.name} after {delay:.3f} s: the child did not end")
-    assert child.returncode != 0, stderr  # the signal still acted, once shutdown was done
-    run = _run_dir(tmp_path)
-    names = [span.name for span in read_spans(run / "traces.jsonl")]
-    assert names.count("step") == STEPS, (signum.name, delay, stderr)
-    assert names.count("train_batch") == STEPS
-    (info,) = open_run([run]).run_info
-    assert "finished_unix_nano" in info, (signum.name, delay, info)
+        return "the child did not end"
+    if child.returncode == 0:  # the signal must still act once shutdown is done
+        return f"exit status 0: {stderr[-2000:]}"
+    names = [span.name for span in read_spans(_run_dir(path) / "traces.jsonl")]
+    if names.count("step") != STEPS or names.count("train_batch") != STEPS:
+        return (
+            f"{names.count('step')} step and {names.count('train_batch')} train_batch spans "
+            f"of {STEPS}: {stderr[-2000:]}"
+        )
+    (info,) = open_run([_run_dir(path)]).run_info
+    if "finished_unix_nano" not in info:
+        return f"run.json not finalized: {info}"
     finding = _end_finding(info)
-    assert finding is None or finding.kind != "unfinalized", (signum.name, delay, finding)
+    if finding is not None and finding.kind == "unfinalized":
+        return f"the run's end is told as {finding}"
+    return None
+
+
+def test_signals_at_random_points_of_shutdown_lose_no_span_and_the_end_is_told(
+    tmp_path: Path,
+) -> None:
+    rng = random.Random(SEED)
+    trials = [
+        (i, (signal.SIGINT, signal.SIGTERM)[i % 2], rng.uniform(0.0, MAX_DELAY_S))
+        for i in range(TRIALS)
+    ]
+    print(f"signal trials: seed {SEED} (OTELPROF_SIGNAL_SEED={SEED} replays them)")
+    problems: list[str] = []
+    inside = 0
+    running: list[tuple[tuple[int, signal.Signals, float], Path, subprocess.Popen[str]]] = []
+    pending = list(trials)
+    while pending or running:
+        while pending and len(running) < PARALLEL:
+            trial = pending.pop(0)
+            path = tmp_path / f"trial{trial[0]}"
+            (path / "runs").mkdir(parents=True)
+            running.append(
+                (trial, path, _start(path, CHILD, str(int(trial[1])), f"{trial[2]:.4f}"))
+            )
+        trial, path, child = running.pop(0)
+        problem = _trial_problem(path, child)
+        inside += (path / "runs" / "in-shutdown").exists()
+        if problem is not None:
+            problems.append(f"trial {trial[0]}: {trial[1].name} {trial[2]:.3f} s in: {problem}")
+    print(f"signal trials: {inside} of {TRIALS} signals landed before shutdown() returned")
+    assert not problems, f"seed {SEED}:\n" + "\n".join(problems)
 
 
 HANDLED = """

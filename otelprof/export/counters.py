@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from otelprof._otel_compat import count_span_queue_drops
+from otelprof.export._outage import OutageLog
 from otelprof.system._stamps import apply_read_times
 
 _log = logging.getLogger("otelprof.export")
@@ -149,12 +150,21 @@ class _Abandonable:
 
 
 class CountingSpanExporter(_Abandonable, SpanExporter):
-    """Delegates to `inner`, counting spans exported and spans lost to failed exports."""
+    """Delegates to `inner`, counting spans exported and spans lost to failed exports.
+    With an `outage` (`_outage.OutageLog`), failures are logged once per outage and its end
+    once; without, the first failure is logged."""
 
-    def __init__(self, name: str, inner: SpanExporter, counters: ExportCounters) -> None:
+    def __init__(
+        self,
+        name: str,
+        inner: SpanExporter,
+        counters: ExportCounters,
+        outage: OutageLog | None = None,
+    ) -> None:
         self.name = name
         self._inner = inner
         self._counters = counters
+        self._outage = outage
         self._init_abandon()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
@@ -170,8 +180,13 @@ class CountingSpanExporter(_Abandonable, SpanExporter):
             result = SpanExportResult.FAILURE
         if result is SpanExportResult.SUCCESS:
             self._counters.add(f"{self.name}.spans_exported", len(spans))
+            if self._outage is not None:
+                self._outage.succeeded()
         else:
             self._counters.add(f"{self.name}.spans_failed", len(spans))
+            if self._outage is not None:
+                self._outage.failed("spans", len(spans))
+                return result
             self._counters.warn_once(
                 f"{self.name}.span_failure",
                 "otelprof: %s span export failed; spans are dropped and counted "
@@ -200,13 +215,21 @@ def preferences_of(inner: MetricExporter) -> dict[str, Any]:
 
 
 class CountingMetricExporter(_Abandonable, MetricExporter):
-    """Delegates to `inner`, counting data points exported and lost."""
+    """Delegates to `inner`, counting data points exported and lost (failures logged like
+    `CountingSpanExporter`'s)."""
 
-    def __init__(self, name: str, inner: MetricExporter, counters: ExportCounters) -> None:
+    def __init__(
+        self,
+        name: str,
+        inner: MetricExporter,
+        counters: ExportCounters,
+        outage: OutageLog | None = None,
+    ) -> None:
         super().__init__(**preferences_of(inner))
         self.name = name
         self._inner = inner
         self._counters = counters
+        self._outage = outage
         self._init_abandon()
 
     def export(
@@ -237,9 +260,14 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
             result = MetricExportResult.FAILURE
         if result is MetricExportResult.SUCCESS:
             self._counters.add(f"{self.name}.metric_points_exported", points)
+            if self._outage is not None:
+                self._outage.succeeded()
         else:
             self._counters.add(f"{self.name}.metric_points_failed", points)
             self._counters.add(f"{self.name}.metric_exports_failed")
+            if self._outage is not None:
+                self._outage.failed("metric points", points)
+                return result
             self._counters.warn_once(
                 f"{self.name}.metric_failure",
                 "otelprof: %s metric export failed; points are dropped and counted "

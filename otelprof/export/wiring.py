@@ -18,9 +18,11 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof import _private_files
+from otelprof._otel_compat import otlp_log_destination
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
+from otelprof.export._outage import OutageLog, quiet_sdk_logs
 from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter, encode_span
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
@@ -159,9 +161,13 @@ def _writer_alive(info: dict[str, Any]) -> bool:
 
 
 def _span_processor(
-    pipelines: ExportPipelines, name: str, exporter: Any, counters: ExportCounters
+    pipelines: ExportPipelines,
+    name: str,
+    exporter: Any,
+    counters: ExportCounters,
+    outage: OutageLog | None = None,
 ) -> SpanProcessor:
-    counting = CountingSpanExporter(name, exporter, counters)
+    counting = CountingSpanExporter(name, exporter, counters, outage)
     pipelines.exporters.append(counting)
     return CountingBatchSpanProcessor(
         name,
@@ -179,8 +185,9 @@ def _metric_reader(
     exporter: Any,
     settings: Settings,
     counters: ExportCounters,
+    outage: OutageLog | None = None,
 ) -> MetricReader:
-    counting = CountingMetricExporter(name, exporter, counters)
+    counting = CountingMetricExporter(name, exporter, counters, outage)
     pipelines.exporters.append(counting)
     return PeriodicExportingMetricReader(
         counting,
@@ -290,12 +297,17 @@ def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCo
         "headers": dict(settings.headers) or None,
         "timeout": settings.export_timeout_s,
     }
+    metric_exporter = OTLPMetricExporter(**common)
+    # one line per outage of the collector instead of the SDK's per export and retry
+    destination = otlp_log_destination(metric_exporter) or str(settings.endpoint)
+    outage = OutageLog("otlp", destination)
+    pipelines.closers.append(quiet_sdk_logs(outage, destination))
     pipelines.metric_readers.append(
-        _metric_reader(pipelines, "otlp", OTLPMetricExporter(**common), settings, counters)
+        _metric_reader(pipelines, "otlp", metric_exporter, settings, counters, outage)
     )
     if settings.timings:
         pipelines.span_processors.append(
-            _span_processor(pipelines, "otlp", OTLPSpanExporter(**common), counters)
+            _span_processor(pipelines, "otlp", OTLPSpanExporter(**common), counters, outage)
         )
 
 

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otelprof._limits import HeldAttributes
 from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof.timings import _quiet_steps
@@ -781,8 +782,14 @@ class SpanBuilder:
             attributes["thread.id"] = thread.ident
             if thread.name != "MainThread":
                 attributes["thread.name"] = thread.name
-        if frame[F_ATTRS]:
-            attributes.update(_clean_attributes(frame[F_ATTRS]))
+        raw = frame[F_ATTRS]
+        if raw:
+            attributes.update(_clean_attributes(raw))
+            if type(raw) is HeldAttributes and raw.nbytes:
+                # the values now live in the span (an exporter's queue may hold it): the
+                # byte budget's charge moves with them (otelprof/_limits.py)
+                attributes = HeldAttributes(attributes)
+                attributes.nbytes, raw.nbytes = raw.nbytes, 0
         cuda = frame[F_CUDA]
         if cuda is not None:
             seconds = self._cuda.elapsed_s(cuda)

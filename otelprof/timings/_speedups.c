@@ -14,15 +14,9 @@
  * unseen name) to the Python implementation. Those stay the reference: both paths run the
  * same tests (tests/test_compiled_hot_path.py).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
+#include "_cpython_compat.h" /* CPython's private/unstable parts: only there */
 #include <string.h>
 #include <time.h>
-
-#ifndef Py_T_OBJECT_EX
-#define Py_T_OBJECT_EX T_OBJECT_EX
-#endif
 
 /* frame layout: _frames.F_* (exported as FRAME_LAYOUT; _recorder uses this module only when
  * it equals _frames.LAYOUT) */
@@ -65,13 +59,8 @@ static PyObject *strings[K_COUNT]; /* interned */
 #define S(n) strings[K_##n]
 
 /* Module globals are read many times per range. A dict's version tag changes whenever the
- * dict does, so a value looked up at the dict's current version is still its value (on
- * Python < 3.14; later versions look it up every time). */
-#if PY_VERSION_HEX < 0x030E0000
-#define VERSION_TAGS 1
-#else
-#define VERSION_TAGS 0
-#endif
+ * dict does, so a value looked up at the dict's current version is still its value (where
+ * CPython has version tags: _cpython_compat.h; elsewhere it is looked up every time). */
 
 typedef struct {
     PyObject *values[K_COUNT]; /* borrowed, like PyDict_GetItem's */
@@ -80,29 +69,12 @@ typedef struct {
 
 static Cache rec_cache, quiet_cache;
 
-static inline uint64_t
-version_of(PyObject *dict)
-{
-#if VERSION_TAGS
-#if defined(__GNUC__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-#endif
-    return ((PyDictObject *)dict)->ma_version_tag;
-#if defined(__GNUC__)
-#pragma GCC diagnostic pop
-#endif
-#else
-    return 0;
-#endif
-}
-
 /* A module global (borrowed); NULL with an error set when it is missing. */
 static PyObject *
 global(PyObject *globals, Cache *cache, int key)
 {
-    uint64_t version = version_of(globals);
-    if (VERSION_TAGS && version != 0 && cache->at[key] == version)
+    uint64_t version = compat_dict_version(globals);
+    if (COMPAT_VERSION_TAGS && version != 0 && cache->at[key] == version)
         return cache->values[key];
     PyObject *value = PyDict_GetItemWithError(globals, strings[key]);
     if (value == NULL) {
@@ -163,12 +135,10 @@ slot_init(Slot *slot, PyObject *cls, PyObject *name)
     PyObject *descr = PyObject_GetAttr(cls, name);
     if (descr == NULL)
         return -1;
-    if (PyType_Check(cls) && Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-        PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-        if (member->type == Py_T_OBJECT_EX) {
-            slot->type = (PyTypeObject *)cls;
-            slot->offset = member->offset;
-        }
+    Py_ssize_t offset = compat_object_slot_offset(cls, descr);
+    if (offset >= 0) {
+        slot->type = (PyTypeObject *)cls;
+        slot->offset = offset;
     }
     Py_DECREF(descr);
     return 0;
@@ -216,7 +186,7 @@ get_thread_state(int make)
     PyObject *local = REC(_local);
     if (local == NULL)
         return NULL;
-    uint64_t id = PyThreadState_GetID(PyThreadState_Get());
+    uint64_t id = compat_thread_id();
     if (id == last_thread_id && local == last_local && last_state != NULL)
         return Py_NewRef(last_state);
     PyObject *state = PyObject_GetAttr(local, S(state));
@@ -1138,6 +1108,11 @@ PyInit__speedups(void)
     if (layout == NULL || PyModule_AddObject(module, "FRAME_LAYOUT", layout) < 0) {
         Py_XDECREF(layout);
         Py_XDECREF(module);
+        return NULL;
+    }
+    if (PyModule_AddStringConstant(module, "CPYTHON_CHECKED", OTELPROF_CPYTHON_CHECKED) < 0 ||
+        PyModule_AddIntConstant(module, "VERSION_TAGS", COMPAT_VERSION_TAGS) < 0) {
+        Py_DECREF(module);
         return NULL;
     }
     return module;
