@@ -122,3 +122,17 @@ def test_read_plan_windows_yield_whole_lines_in_order_from_start_to_end(tmp_path
     assert read[0] == 0 and read[-1] == 5999  # the file's start and its end
     assert len(read) < len(lines)
     assert ReadPlan.for_files([path], size).windows == {}  # within the budget: whole
+
+
+def test_the_tail_window_reads_a_final_line_longer_than_the_window(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    body = [json.dumps({"resourceMetrics": [{"n": i, "pad": "y" * 300}]}) for i in range(20000)]
+    final = json.dumps({"resourceMetrics": [{"n": "final", "pad": "z" * (300 << 10)}]})
+    path.write_text("\n".join([*body, final]) + "\n")
+    plan = ReadPlan.for_files([path], path.stat().st_size // 10)
+    assert plan.windows[path][-1][1] - plan.windows[path][-1][0] < len(final)
+    read = [
+        line.body["resourceMetrics"][0]["n"]
+        for line in iter_lines([path], print, ReadStats(), plan)
+    ]
+    assert read[-1] == "final" and read[0] == 0

@@ -56,7 +56,7 @@ def register(subparsers: Any) -> None:
         default=DEFAULT_READ_BUDGET,
         metavar="SIZE",
         help="read at most this much of the run's files (e.g. 500M, 4G; default "
-        f"{DEFAULT_READ_BUDGET >> 30}G): a larger run is read in evenly spaced parts of "
+        f"{DEFAULT_READ_BUDGET >> 20}M): a larger run is read in evenly spaced parts of "
         "every file, timing figures staying exact (see README)",
     )
     budget.add_argument(

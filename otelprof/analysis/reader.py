@@ -220,25 +220,26 @@ class WarningLog:
         return f"{self.count} warnings in total ({self.count - self.limit} not shown)"
 
 
-DEFAULT_READ_BUDGET = 1 << 30
+DEFAULT_READ_BUDGET = 512 << 20
 """Bytes of run files a report reads at most by default. A run within it is read whole; a
 larger one (hundreds of ranks, hours) is read in evenly spaced parts of every file (see
 `ReadPlan`), which keeps the report's time and memory bounded: the timing figures stay exact
 (the histograms are cumulative and the tail of every file holds the last ones), the sampled
 traces and gauges are read as a sample spread over the whole run."""
 
-_TAIL_MIN = 256 << 10  # the tail of every file is read: the final export, run's last lines
-_WINDOW_MIN = 256 << 10
+_TAIL = 64 << 10  # every file's last lines: the final export (exact histograms), the end
+_WINDOW_MIN = 16 << 10
 _MAX_WINDOWS = 64
 
 
 @dataclass(frozen=True)
 class ReadPlan:
     """Which parts of each run file are read: the whole of every file when the run fits the
-    budget; else, per uncompressed file, a share of the budget proportional to its size
-    (at least its last 256 KiB) in evenly spaced windows, the first at the file's start and
-    the last ending at its end. A window yields the whole lines that start in it, so every
-    line read is intact. Compressed files cannot be read in parts and are read whole."""
+    budget; else, per uncompressed file, a share of the budget proportional to its size in
+    evenly spaced windows from the file's start, plus its tail. A window yields the whole
+    lines that start in it; the tail (the last window) every line that ends in it, so the
+    final export, which carries the exact cumulative histograms, is read however long its
+    line. Compressed files cannot be read in parts and are read whole."""
 
     windows: dict[Path, tuple[tuple[int, int], ...]]  # files read in parts; others whole
     total_bytes: int = 0  # size of every file (compressed size for *.gz)
@@ -268,16 +269,17 @@ class ReadPlan:
         plain_total = sum(plain.values()) or 1
         windows: dict[Path, tuple[tuple[int, int], ...]] = {}
         for path, size in plain.items():
-            share = max(left * size // plain_total, min(size, _TAIL_MIN))
+            share = max(left * size // plain_total, _TAIL)
             if share >= size:
                 continue
-            count = max(1, min(_MAX_WINDOWS, share // _WINDOW_MIN))
-            width = share // count
-            if count == 1:
-                windows[path] = ((size - width, size),)
-                continue
-            step = (size - width) / (count - 1)
-            windows[path] = tuple((round(i * step), round(i * step) + width) for i in range(count))
+            body = size - _TAIL  # the windows before the tail
+            count = min(_MAX_WINDOWS, (share - _TAIL) // _WINDOW_MIN)
+            parts: list[tuple[int, int]] = []
+            if count:
+                width = (share - _TAIL) // count
+                step = (body - width) / max(1, count - 1)
+                parts = [(round(i * step), round(i * step) + width) for i in range(count)]
+            windows[path] = (*parts, (body, size))
         return cls(windows, total, budget)
 
 
@@ -323,19 +325,38 @@ def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
         warn(f"{path}: compressed data ends early ({exc}); lines after it skipped")
 
 
+def _line_start(handle: IO[bytes], position: int) -> int:
+    """Where the line holding byte `position` starts (scanning back for a newline)."""
+    while position > 0:
+        begin = max(0, position - (64 << 10))
+        handle.seek(begin)
+        newline = handle.read(position - begin).rfind(b"\n")
+        if newline >= 0:
+            return begin + newline + 1
+        position = begin
+    return 0
+
+
 def _window_lines(handle: IO[bytes], windows: tuple[tuple[int, int], ...]) -> Iterator[bytes]:
-    """The whole lines that start inside each (start, end) byte window of a plain file."""
-    for start, end in windows:
-        if start > 0:
+    """The whole lines that start inside each (start, end) byte window of a plain file;
+    for the last window (the file's tail), every line that ends in it."""
+    done = 0  # lines before this offset were read already (windows may touch)
+    for index, (start, end) in enumerate(windows):
+        if index == len(windows) - 1:
+            handle.seek(max(done, _line_start(handle, start)))
+        elif start > 0:
             handle.seek(start - 1)
             if handle.read(1) != b"\n":
                 handle.readline()  # the rest of a line that started before the window
+        if handle.tell() < done:
+            handle.seek(done)
         position = handle.tell()
         while position < end:
             raw = handle.readline()
             if not raw:
                 break
             position += len(raw)
+            done = position
             yield raw
 
 
