@@ -237,9 +237,10 @@ class ReadPlan:
     """Which parts of each run file are read: the whole of every file when the run fits the
     budget; else, per uncompressed file, a share of the budget proportional to its size in
     evenly spaced windows from the file's start, plus its tail. A window yields the whole
-    lines that start in it; the tail (the last window) every line that ends in it, so the
-    final export, which carries the exact cumulative histograms, is read however long its
-    line. Compressed files cannot be read in parts and are read whole."""
+    lines that start in it; the tail (the last window) of a metrics file every line that
+    ends in it, so the final export, which carries the exact cumulative histograms, is read
+    however long its line (the budget is then exceeded by at most that line per file).
+    Compressed files cannot be read in parts and are read whole."""
 
     windows: dict[Path, tuple[tuple[int, int], ...]]  # files read in parts; others whole
     total_bytes: int = 0  # size of every file (compressed size for *.gz)
@@ -325,6 +326,9 @@ def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
         warn(f"{path}: compressed data ends early ({exc}); lines after it skipped")
 
 
+_METRICS_START = b'{"resourceMetrics"'  # how the exporters' metrics lines begin
+
+
 def _line_start(handle: IO[bytes], position: int) -> int:
     """Where the line holding byte `position` starts (scanning back for a newline)."""
     while position > 0:
@@ -339,10 +343,13 @@ def _line_start(handle: IO[bytes], position: int) -> int:
 
 def _window_lines(handle: IO[bytes], windows: tuple[tuple[int, int], ...]) -> Iterator[bytes]:
     """The whole lines that start inside each (start, end) byte window of a plain file;
-    for the last window (the file's tail), every line that ends in it."""
+    in a metrics file, for the last window (the file's tail), every line that ends in it:
+    the final export, with the exact cumulative histograms, however long its line."""
     done = 0  # lines before this offset were read already (windows may touch)
+    metrics = handle.read(len(_METRICS_START)) == _METRICS_START
+    handle.seek(0)
     for index, (start, end) in enumerate(windows):
-        if index == len(windows) - 1:
+        if index == len(windows) - 1 and metrics:
             handle.seek(max(done, _line_start(handle, start)))
         elif start > 0:
             handle.seek(start - 1)
