@@ -119,7 +119,8 @@ def main() -> int:
                 print(
                     f"report ({name}, {' '.join(extra) if name == 'this tree' else ''}): "
                     f"{json.dumps(figures)}; processes {doc['run']['processes']}, "
-                    f"spans read {doc['run']['spans']:,}, bytes read {doc['run']['bytes'] / 1e6:.0f} MB, "
+                    f"spans read {doc['run']['spans']:,}, "
+                    f"bytes read {doc['run']['bytes'] / 1e6:.0f} MB, "
                     f"steps {doc['steps'].get('count')}",
                     flush=True,
                 )
