@@ -1,4 +1,4 @@
-"""Many ranks' one-hour detached runs, derived from one real short run (for bench_scale.py).
+"""Many ranks' one-hour detached runs, derived from one real short run (for scale_report.py).
 
 A real run is a few minutes of a real job (tests/ddp_job.py under torchrun, default
 settings). One hour of a rank is built from it as a real hour looks at default settings:
@@ -21,6 +21,7 @@ host metrics (local rank 0) stands for each node's local rank 0, the other for t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,3 +382,26 @@ def write_ranks(
         if started:
             info["finished_unix_nano"] = started + int(templates[True].hour_s * 1e9)
         yield written
+
+
+def record_source_run(out: Path, steps: int = 12_000) -> Path:
+    """The real short run: tests/ddp_job.py under torchrun, 2 ranks, gloo on CPU, default
+    settings, detached (about 1.5 minutes); returns its run directory."""
+    import socket
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTELPROF_", "OTEL_"))}
+    env.update(OTELPROF_OUTPUT_DIR=str(out), PYTHONPATH=str(repo), GLOO_SOCKET_IFNAME="lo")
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}",
+         str(repo / "tests" / "ddp_job.py"), "--steps", str(steps)],
+        env=env, check=True, timeout=1800, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    [run] = [p for p in out.iterdir() if p.is_dir()]
+    return run

@@ -6,8 +6,8 @@ the real CLI runs in child processes: wall time, CPU time (user + system) and pe
 `--baseline PATH` also runs the otelprof package found under PATH (an older checkout) on the
 same files, alternated with this tree's (A-B-A-B).
 
-    .venv/bin/python bench/bench_report_scale.py --source RUN_DIR --ranks 1024 --dir DIR
-    .venv/bin/python bench/bench_report_scale.py --reuse DIR/run1024 --runs 2 --baseline OLD
+    .venv/bin/python bench/scale_report.py --source RUN_DIR --ranks 1024 --dir DIR
+    .venv/bin/python bench/scale_report.py --reuse DIR/run1024 --runs 2 --baseline OLD
 
 A thousand one-hour ranks are ~24 GB of JSON: `--dir` should be on a file system that
 compresses (e.g. btrfs mounted with compress-force=zstd, ~2 GB on disk) or have the room.
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from _machine import cpu_model
-from _scale_runs import build_templates, write_ranks
+from _scale_runs import build_templates, record_source_run, write_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +68,9 @@ def run_cli(args: list[str], tree: Path, out: Path | None = None) -> dict[str, f
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--source", type=Path, help="a real 2-rank detached run directory")
+    parser.add_argument(
+        "--source", type=Path, help="a real 2-rank detached run (default: record one now)"
+    )
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--hours", type=float, default=1.0)
     parser.add_argument("--dir", type=Path, help="where to generate (default: a temp dir)")
@@ -86,9 +88,9 @@ def main() -> int:
     if args.reuse:
         run = args.reuse
     else:
-        if args.source is None:
-            parser.error("--source or --reuse is needed")
         base = Path(tempfile.mkdtemp(prefix="otelprof-scale-", dir=args.dir))
+        if args.source is None:
+            args.source = record_source_run(base / "source")
         run = base / f"run{args.ranks}"
         begun = time.perf_counter()
         templates = build_templates(args.source, args.hours * 3600)

@@ -14,16 +14,18 @@ the straggler panel's query time (the dashboard's PromQL, instant and 15-min ran
 once one rank starts waiting less in collectives (a straggler), how long until the live
 straggler panel names it, in scrape intervals.
 
-    .venv/bin/python bench/bench_scale_live.py --source RUN_DIR            # 64 256 1024
-    .venv/bin/python bench/bench_scale_live.py --source RUN_DIR --ranks 64 --measure-s 30
+    .venv/bin/python bench/scale_live.py --source RUN_DIR            # 64 256 1024
+    .venv/bin/python bench/scale_live.py --source RUN_DIR --ranks 64 --measure-s 30
 
 RUN_DIR: a detached run of tests/ddp_job.py under torchrun with 2 ranks (ranks 0 and 1;
-rank 0 has host metrics and stands for each node's local rank 0).
+rank 0 has host metrics and stands for each node's local rank 0); without --source one is
+recorded first (about 1.5 minutes). `make bench-scale` runs this and scale_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -40,6 +42,7 @@ from typing import Any
 import grpc
 import httpx
 from _machine import cpu_model
+from _scale_runs import record_source_run
 from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -572,7 +575,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--source", type=Path, required=True, help="a 2-rank detached run directory"
+        "--source", type=Path, help="a real 2-rank detached run (default: record one now)"
     )
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--warmup-s", type=float, default=40.0)
@@ -588,14 +591,22 @@ def main() -> int:
         f"# {platform.node()} {cpu_model()} {os.cpu_count()} CPUs; load {load_avg[0]:.1f}",
         flush=True,
     )
-    for world in args.ranks:
-        with tempfile.TemporaryDirectory(prefix=f"scale{world}-") as tmp:
-            result = measure(
-                world, args.source, Path(tmp), args.warmup_s, args.measure_s, args.remote_write
-            )
-        result["load_avg_after"] = round(os.getloadavg()[0], 1)
-        print(json.dumps(result), flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.source is None:
+            recorded = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            args.source = record_source_run(recorded)
+        for world in args.ranks:
+            _measure_one(args, world)
     return 0
+
+
+def _measure_one(args: argparse.Namespace, world: int) -> None:
+    with tempfile.TemporaryDirectory(prefix=f"scale{world}-") as tmp:
+        result = measure(
+            world, args.source, Path(tmp), args.warmup_s, args.measure_s, args.remote_write
+        )
+    result["load_avg_after"] = round(os.getloadavg()[0], 1)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
