@@ -508,7 +508,10 @@ def measure(
             if not remote_write:  # one scrape of the collector's /metrics, timed here
                 begun = time.perf_counter()
                 url = f"http://{collector.prometheus_target}/metrics"
-                exporter_mb = len(httpx.get(url, timeout=300).content) / 1e6
+                try:
+                    exporter_mb = len(httpx.get(url, timeout=300).content) / 1e6
+                except httpx.HTTPError as error:  # the exporter gave up on the request
+                    exporter_mb = f"failed: {error!r:.100}"  # type: ignore[assignment]
                 exporter_s = time.perf_counter() - begun
             run_series = prom.values(f'count({{otelprof_run_id="{run_id}"}})')
             one_rank = prom.query(
@@ -566,7 +569,9 @@ def measure(
         "metrics_path": "remote write" if remote_write else "scrape of the prometheus exporter",
         "targets": scrapes,
         "exporter_scrape_s": None if exporter_s is None else round(exporter_s, 2),
-        "exporter_scrape_mb": None if exporter_mb is None else round(exporter_mb, 1),
+        "exporter_scrape_mb": exporter_mb
+        if not isinstance(exporter_mb, float)
+        else round(exporter_mb, 1),
     }
 
 
