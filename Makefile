@@ -15,7 +15,7 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
 
-.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench gpu-check dashboards-png clean
+.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,12 @@ lint: venv
 ## bench: run the benchmarks (figures go to BENCHMARKS.md)
 bench: venv
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+## bench-scale: issue #25's figures at 64-1,024 ranks (about 1.5 h; 24 GB of temporary
+## run files: set TMPDIR to a file system with room, or one that compresses)
+bench-scale: venv collector
+	$(PY) bench/scale_live.py
+	$(PY) bench/scale_report.py --trace
 
 ## gpu-check: on a machine with an NVIDIA GPU: GPU tests, the demo on CUDA, GPU benchmarks
 gpu-check: venv

@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from otelprof.analysis.reader import RunDirError, WarningLog, latest_run, open_run
+from otelprof.analysis.reader import (
+    DEFAULT_READ_BUDGET,
+    RunDirError,
+    WarningLog,
+    latest_run,
+    open_run,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -43,6 +49,23 @@ def register(subparsers: Any) -> None:
         help="also write a self-contained HTML report with plots",
     )
     report.add_argument("--width", type=int, default=None, help="terminal width for tables")
+    budget = report.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--read-budget",
+        type=_size,
+        default=DEFAULT_READ_BUDGET,
+        metavar="SIZE",
+        help="read at most this much of the run's files (e.g. 500M, 4G; default "
+        f"{DEFAULT_READ_BUDGET >> 20}M): a larger run is read in evenly spaced parts of "
+        "every file, timing figures staying exact (see README)",
+    )
+    budget.add_argument(
+        "--read-all",
+        dest="read_budget",
+        action="store_const",
+        const=None,
+        help="read every byte of the run's files, however large",
+    )
     report.set_defaults(func=_report)
 
     trace = subparsers.add_parser(
@@ -99,6 +122,22 @@ def register(subparsers: Any) -> None:
     replay.set_defaults(func=_replay)
 
 
+def _size(text: str) -> int:
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip(), ""
+    if number[-1:].upper() in units:
+        number, unit = number[:-1], number[-1].upper()
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a number with K, M, G or T"
+        ) from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the read budget must be over 0")
+    return int(value)
+
+
 def _step_range(text: str) -> tuple[int | None, int | None]:
     low, sep, high = text.partition(":")
     try:
@@ -147,7 +186,7 @@ def _report(args: argparse.Namespace) -> int:
     files = _open(args, warn)
     if files is None:
         return 2
-    summary = summarize(files, warn, steps=args.steps)
+    summary = summarize(files, warn, steps=args.steps, read_budget=args.read_budget)
     verdict = judge(summary)
     from otelprof.analysis.sections import build_sections
 

@@ -40,7 +40,14 @@ from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof._schema import ATTR_SAMPLES as SAMPLES_ATTR
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof._schema import STEP_SPAN
-from otelprof.analysis.reader import PointRec, ReadStats, SpanRec, Warn, iter_records
+from otelprof.analysis.reader import (
+    PointRec,
+    ReadPlan,
+    ReadStats,
+    SpanRec,
+    Warn,
+    iter_records,
+)
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary
 
@@ -187,8 +194,9 @@ class _Series:
         self.points: list[tuple[int, float]] = []
 
 
-def analyze(files: Iterable[Path], warn: Warn) -> GpuEnergy | None:
-    """One pass over a run's files; None when the run has no GPU samples or no spans."""
+def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> GpuEnergy | None:
+    """One pass over a run's files (the parts `plan` reads; default: all); None when the
+    run has no GPU samples or no spans."""
     phases: dict[tuple[str, str], IntervalSet] = {}
     timings: dict[tuple[str, str], IntervalSet] = {}
     timing_names: set[str] = set()
@@ -196,7 +204,7 @@ def analyze(files: Iterable[Path], warn: Warn) -> GpuEnergy | None:
     samples = 0.0
     samples_seen = False
     series: dict[tuple[str, str, str], _Series] = {}
-    for rec in iter_records(files, warn, ReadStats()):
+    for rec in iter_records(files, warn, ReadStats(), plan=plan):
         if isinstance(rec, SpanRec):
             host = rec.resource.host
             phase = rec.attr(PHASE_ATTR)
@@ -346,7 +354,7 @@ def gpu_energy_section(summary: RunSummary) -> Section | None:
     """The report's "GPU energy and idle time by phase" section (text, HTML and --json)."""
     if not any(s.name in (UTILIZATION, POWER) for s in summary.series.values()):
         return None  # no GPU samples: skip the second pass over the files
-    result = analyze(summary.files.jsonl, lambda _message: None)  # summarize warned already
+    result = analyze(summary.files.jsonl, lambda _message: None, summary.plan)  # warned already
     if result is None:
         return None
     notes = summary_notes(result)

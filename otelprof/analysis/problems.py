@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from otelprof.analysis import format as fmt
 from otelprof.analysis.summary import RunSummary
 
 STEP0_OUTLIER_FACTOR = 3.0
@@ -160,6 +161,15 @@ def notes(summary: RunSummary) -> list[str]:
         out.append(
             "timings cover every step (otelprof.timing.duration histograms); traces were "
             f"sampled ({summary.read.spans:,} spans kept), so percentiles are approximate (~)"
+        )
+    if summary.plan.partial:
+        read = summary.read
+        out.append(
+            f"the run ({fmt.size(read.total_bytes)}) is over the report's read budget: "
+            f"{fmt.size(read.bytes)} read, in evenly spaced parts of {read.partial_files} "
+            "file(s) (each file's end included); timing counts, totals and means stay exact "
+            "(otelprof.timing.duration histograms), traces, hardware gauges and stragglers "
+            "come from the parts read; `--read-all` reads everything"
         )
     step = summary.step
     ranks = [r for r in summary.ranks.values() if r.steps.count]

@@ -220,12 +220,78 @@ class WarningLog:
         return f"{self.count} warnings in total ({self.count - self.limit} not shown)"
 
 
+DEFAULT_READ_BUDGET = 512 << 20
+"""Bytes of run files a report reads at most by default. A run within it is read whole; a
+larger one (hundreds of ranks, hours) is read in evenly spaced parts of every file (see
+`ReadPlan`), which keeps the report's time and memory bounded: the timing figures stay exact
+(the histograms are cumulative and the tail of every file holds the last ones), the sampled
+traces and gauges are read as a sample spread over the whole run."""
+
+_TAIL = 64 << 10  # every file's last lines: the final export (exact histograms), the end
+_WINDOW_MIN = 16 << 10
+_MAX_WINDOWS = 64
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Which parts of each run file are read: the whole of every file when the run fits the
+    budget; else, per uncompressed file, a share of the budget proportional to its size in
+    evenly spaced windows from the file's start, plus its tail. A window yields the whole
+    lines that start in it; the tail (the last window) of a metrics file every line that
+    ends in it, so the final export, which carries the exact cumulative histograms, is read
+    however long its line (the budget is then exceeded by at most that line per file).
+    Compressed files cannot be read in parts and are read whole."""
+
+    windows: dict[Path, tuple[tuple[int, int], ...]]  # files read in parts; others whole
+    total_bytes: int = 0  # size of every file (compressed size for *.gz)
+    budget: int | None = None
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.windows)
+
+    @classmethod
+    def whole(cls) -> ReadPlan:
+        return cls({})
+
+    @classmethod
+    def for_files(cls, files: Iterable[Path], budget: int | None) -> ReadPlan:
+        sizes: dict[Path, int] = {}
+        for path in files:
+            try:
+                sizes[path] = path.stat().st_size
+            except OSError:
+                sizes[path] = 0  # iter_lines names the unreadable file
+        total = sum(sizes.values())
+        if budget is None or total <= budget:
+            return cls({}, total, budget)
+        plain = {p: n for p, n in sizes.items() if not p.name.endswith(".gz")}
+        left = max(0, budget - (total - sum(plain.values())))
+        plain_total = sum(plain.values()) or 1
+        windows: dict[Path, tuple[tuple[int, int], ...]] = {}
+        for path, size in plain.items():
+            share = max(left * size // plain_total, _TAIL)
+            if share >= size:
+                continue
+            body = size - _TAIL  # the windows before the tail
+            count = min(_MAX_WINDOWS, (share - _TAIL) // _WINDOW_MIN)
+            parts: list[tuple[int, int]] = []
+            if count:
+                width = (share - _TAIL) // count
+                step = (body - width) / max(1, count - 1)
+                parts = [(round(i * step), round(i * step) + width) for i in range(count)]
+            windows[path] = (*parts, (body, size))
+        return cls(windows, total, budget)
+
+
 @dataclass
 class ReadStats:
     """What was read and skipped, for the report's footer."""
 
     files: int = 0
-    bytes: int = 0
+    bytes: int = 0  # bytes of the lines read
+    total_bytes: int = 0  # size of the files (more than `bytes` when read in parts)
+    partial_files: int = 0  # files read in evenly spaced parts (a ReadPlan over budget)
     lines: int = 0
     bad_lines: int = 0
     spans: int = 0
@@ -260,8 +326,54 @@ def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
         warn(f"{path}: compressed data ends early ({exc}); lines after it skipped")
 
 
-def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[Line]:
-    """Yield every intact OTLP request line; skip and report the others."""
+_METRICS_START = b'{"resourceMetrics"'  # how the exporters' metrics lines begin
+
+
+def _line_start(handle: IO[bytes], position: int) -> int:
+    """Where the line holding byte `position` starts (scanning back for a newline)."""
+    while position > 0:
+        begin = max(0, position - (64 << 10))
+        handle.seek(begin)
+        newline = handle.read(position - begin).rfind(b"\n")
+        if newline >= 0:
+            return begin + newline + 1
+        position = begin
+    return 0
+
+
+def _window_lines(handle: IO[bytes], windows: tuple[tuple[int, int], ...]) -> Iterator[bytes]:
+    """The whole lines that start inside each (start, end) byte window of a plain file;
+    in a metrics file, for the last window (the file's tail), every line that ends in it:
+    the final export, with the exact cumulative histograms, however long its line."""
+    done = 0  # lines before this offset were read already (windows may touch)
+    metrics = handle.read(len(_METRICS_START)) == _METRICS_START
+    handle.seek(0)
+    for index, (start, end) in enumerate(windows):
+        if index == len(windows) - 1 and metrics:
+            handle.seek(max(done, _line_start(handle, start)))
+        elif start > 0:
+            handle.seek(start - 1)
+            if handle.read(1) != b"\n":
+                handle.readline()  # the rest of a line that started before the window
+        if handle.tell() < done:
+            handle.seek(done)
+        position = handle.tell()
+        while position < end:
+            raw = handle.readline()
+            if not raw:
+                break
+            position += len(raw)
+            done = position
+            yield raw
+
+
+def iter_lines(
+    files: Iterable[Path], warn: Warn, stats: ReadStats, plan: ReadPlan | None = None
+) -> Iterator[Line]:
+    """Yield every intact OTLP request line (of the parts `plan` reads; default: all);
+    skip and report the others."""
+    plan = plan if plan is not None else ReadPlan.whole()
+    stats.total_bytes += plan.total_bytes
     for path in files:
         stats.files += 1
         try:
@@ -269,9 +381,13 @@ def iter_lines(files: Iterable[Path], warn: Warn, stats: ReadStats) -> Iterator[
         except OSError as exc:
             warn(f"{path}: cannot open ({exc}); skipped")
             continue
+        windows = plan.windows.get(path)
+        if windows:
+            stats.partial_files += 1
         with handle:
-            number = 0
-            for raw in _raw_lines(handle, path, warn):
+            number = 0  # in a file read in parts: the number among the lines read
+            source = _window_lines(handle, windows) if windows else _raw_lines(handle, path, warn)
+            for raw in source:
                 number += 1
                 stats.lines += 1
                 stats.bytes += len(raw)
@@ -601,10 +717,11 @@ def iter_records(
     warn: Warn,
     stats: ReadStats | None = None,
     kinds: frozenset[str] = frozenset({"traces", "metrics"}),
+    plan: ReadPlan | None = None,
 ) -> Iterator[SpanRec | PointRec]:
     """Spans and gauge/sum points of every intact line, file by file, in file order."""
     # no HistRec comes without histograms=True
-    yield from iter_all_records(files, warn, stats, kinds, histograms=False)  # type: ignore[misc]
+    yield from iter_all_records(files, warn, stats, kinds, histograms=False, plan=plan)  # type: ignore[misc]
 
 
 def iter_all_records(
@@ -613,11 +730,12 @@ def iter_all_records(
     stats: ReadStats | None = None,
     kinds: frozenset[str] = frozenset({"traces", "metrics"}),
     histograms: bool = True,
+    plan: ReadPlan | None = None,
 ) -> Iterator[SpanRec | PointRec | HistRec]:
     """Like `iter_records`, plus the points of the timing histograms (`HistRec`)."""
     stats = stats if stats is not None else ReadStats()
     cache = _ResourceCache()
-    for line in iter_lines(files, warn, stats):
+    for line in iter_lines(files, warn, stats, plan):
         if line.kind not in kinds:
             stats.other_lines += 1
             continue

@@ -21,6 +21,7 @@ from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     PointRec,
+    ReadPlan,
     ReadStats,
     Resource,
     RunFiles,
@@ -29,6 +30,7 @@ from otelprof.analysis.reader import (
     iter_all_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
+from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass
 
 
 def timing_key(name: str, phase: Any) -> str:
@@ -188,6 +190,8 @@ class RunSummary:
     stragglers: StragglerReport | None = None  # per-rank waiting vs own work (stragglers.py)
     timings_from_histograms: bool = False  # timing figures from otelprof.timing.duration
     series_over_limit: int = 0  # metric points of series beyond the report's series cap
+    throughput: list[PhaseThroughput] = field(default_factory=list)  # throughput_pass.py
+    plan: ReadPlan = field(default_factory=ReadPlan.whole)  # the parts of the files read
 
     @property
     def step_total_s(self) -> float:
@@ -342,13 +346,17 @@ def summarize(
     window: int = 50_000,
     exact_cap: int = 200_000,
     steps: tuple[int | None, int | None] | None = None,
+    read_budget: int | None = None,
 ) -> RunSummary:
-    """Read the whole run once and aggregate it.
+    """Read the run once and aggregate it (the throughput figures in the same pass).
 
     `window` bounds the span ids remembered to link children to steps; `exact_cap` the
     durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
-    `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`).
+    `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
+    `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`.
     """
+    plan = ReadPlan.for_files(files.jsonl, read_budget)
+    work = ThroughputPass(steps)
     failed: dict[str, int] = {}
     step0: list[float] = []
     read = ReadStats()
@@ -364,8 +372,9 @@ def summarize(
     first_ns: int | None = None
     last_ns: int | None = None
     hists: list[HistRec] = []
-    records = iter_all_records(files.jsonl, warn, read, histograms=steps is None)
+    records = iter_all_records(files.jsonl, warn, read, histograms=steps is None, plan=plan)
     for rec in records:
+        work.feed(rec)
         if isinstance(rec, HistRec):
             hists.append(rec)
             continue
@@ -459,6 +468,8 @@ def summarize(
         step0_s=step0,
         steps_range=steps,
         stragglers=straggler_pass.result(),
+        throughput=work.result(),
+        plan=plan,
     )
     # in-process histograms cover every step, the kept traces only a sample of them
     summary.timings_from_histograms = apply_aggregates(

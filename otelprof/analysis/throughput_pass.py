@@ -1,0 +1,212 @@
+"""Throughput and MFU per phase, from the work recorded on step spans.
+
+`otelprof.step_work()` (or a framework integration) puts `otelprof.samples`,
+`otelprof.tokens`, `otelprof.flops` and `otelprof.peak_flops` on each step's root span:
+`step` in training, the phase's root span (`validation`, ...) elsewhere. Here, per phase and
+process: samples/s = Σsamples / Σ(root span durations), likewise tokens/s and FLOP/s; MFU =
+FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics.
+A job's samples/s and tokens/s are the sum over its processes; its MFU is their mean.
+
+Under trace sampling the kept step spans are a sample of the steps; when a process's
+training-step histogram (`otelprof.timing.duration`, timing `step`) counts more steps than
+its kept spans, its training row is taken from the aggregates instead: the exported
+`otelprof.train.samples` / `otelprof.train.tokens` counters over the histogram's total step
+time (every step, step 0 included), and FLOP/s (MFU) from the kept steps' rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from otelprof._schema import (
+    ATTR_FLOPS,
+    ATTR_SAMPLES,
+    ATTR_STEP,
+    ATTR_TOKENS,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    TRAIN_SAMPLES,
+    TRAIN_TOKENS,
+)
+from otelprof._schema import ATTR_PEAK_FLOPS as PEAK_ATTR
+from otelprof._schema import ATTR_PHASE as PHASE_ATTR
+from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.reader import (
+    PointRec,
+    ReadPlan,
+    ReadStats,
+    Resource,
+    SpanRec,
+    Warn,
+    iter_all_records,
+)
+
+WORK_ATTRS = (ATTR_SAMPLES, ATTR_TOKENS, ATTR_FLOPS)
+COUNTERS = {TRAIN_SAMPLES: "samples", TRAIN_TOKENS: "tokens"}
+
+
+@dataclass
+class _Acc:
+    steps: int = 0
+    seconds: float = 0.0
+    samples: float | None = None
+    tokens: float | None = None
+    flops: float | None = None
+    peak: float | None = None
+
+
+@dataclass
+class PhaseThroughput:
+    phase: str
+    processes: int
+    steps: int
+    seconds: float
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    flops_per_s: float | None
+    mfu: float | None
+    peak_flops: float | None
+    from_aggregates: bool = False  # counters + step histogram: traces were sampled
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class ThroughputPass:
+    """The throughput figures fed one record at a time, so the summary's single pass over
+    the files computes them too (`analyze` for a pass of its own)."""
+
+    def __init__(self, steps: tuple[int | None, int | None] | None = None) -> None:
+        self.steps = steps
+        self.accs: dict[tuple[str, Resource], _Acc] = {}
+        self.kept_steps: dict[Resource, int] = {}  # kept training step spans, step 0 included
+        self.step_hists: dict[Resource, HistRec] = {}  # latest cumulative step histogram
+        self.counters: dict[tuple[Resource, str], tuple[int, float]] = {}  # latest (time, total)
+
+    def feed(self, rec: SpanRec | PointRec | HistRec) -> None:
+        steps = self.steps
+        if isinstance(rec, HistRec):
+            if rec.timing == STEP_SPAN and rec.phase == PHASE_TRAIN:
+                seen = self.step_hists.get(rec.resource)
+                if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
+                    self.step_hists[rec.resource] = rec
+            return
+        if isinstance(rec, PointRec):
+            what = COUNTERS.get(rec.name)
+            if (
+                what
+                and rec.kind == "sum"
+                and dict(rec.attributes).get(PHASE_ATTR, PHASE_TRAIN) == PHASE_TRAIN
+            ):
+                key = (rec.resource, what)
+                if rec.time_ns >= self.counters.get(key, (0, 0.0))[0]:
+                    self.counters[key] = (rec.time_ns, rec.value)
+            return
+        if not isinstance(rec, SpanRec) or rec.parent_span_id:
+            return
+        if rec.name == STEP_SPAN and (rec.attr(PHASE_ATTR) or PHASE_TRAIN) == PHASE_TRAIN:
+            self.kept_steps[rec.resource] = self.kept_steps.get(rec.resource, 0) + 1
+        phase = rec.attr(PHASE_ATTR)
+        number = rec.attr(ATTR_STEP)
+        if steps is not None and isinstance(number, int):
+            low, high = steps
+            if (low is not None and number < low) or (high is not None and number >= high):
+                return
+        if rec.name == STEP_SPAN:
+            phase = phase or PHASE_TRAIN
+            if phase == PHASE_TRAIN and number == 0 and steps is None:
+                return
+        elif not phase or phase != rec.name:
+            return  # a root span that is no phase's batch
+        work = [_number(rec.attr(key)) for key in WORK_ATTRS]
+        if all(w is None for w in work):
+            return
+        acc = self.accs.setdefault((str(phase), rec.resource), _Acc())
+        acc.steps += 1
+        acc.seconds += max(0, rec.end_ns - rec.start_ns) / 1e9
+        for name, amount in zip(("samples", "tokens", "flops"), work, strict=True):
+            if amount is not None:
+                setattr(acc, name, (getattr(acc, name) or 0.0) + amount)
+        peak = _number(rec.attr(PEAK_ATTR))
+        if peak:
+            acc.peak = peak
+
+    def result(self) -> list[PhaseThroughput]:
+        """A row per phase that recorded any work."""
+        accs = self.accs
+        sampled = False
+        if self.steps is None:  # the histograms cannot be filtered by step number
+            sampled = _from_aggregates(accs, self.kept_steps, self.step_hists, self.counters)
+        by_phase: dict[str, list[_Acc]] = {}
+        for (phase, _resource), acc in accs.items():
+            by_phase.setdefault(phase, []).append(acc)
+        out = []
+        for phase, group in sorted(by_phase.items(), key=lambda kv: (kv[0] != PHASE_TRAIN, kv[0])):
+
+            def rate(name: str, group: list[_Acc] = group) -> float | None:
+                values = [
+                    getattr(a, name) / a.seconds for a in group if getattr(a, name) is not None
+                ]
+                return sum(values) if values and all(a.seconds > 0 for a in group) else None
+
+            mfus = [a.flops / a.seconds / a.peak for a in group if a.flops and a.peak and a.seconds]
+            peaks = [a.peak for a in group if a.peak]
+            out.append(
+                PhaseThroughput(
+                    phase=phase,
+                    processes=len(group),
+                    steps=sum(a.steps for a in group),
+                    seconds=sum(a.seconds for a in group),
+                    samples_per_s=rate("samples"),
+                    tokens_per_s=rate("tokens"),
+                    flops_per_s=rate("flops"),
+                    mfu=sum(mfus) / len(mfus) if mfus else None,
+                    peak_flops=max(peaks) if peaks else None,
+                    from_aggregates=sampled and phase == PHASE_TRAIN,
+                )
+            )
+        return out
+
+
+def analyze(
+    files: Iterable[Path],
+    warn: Warn,
+    steps: tuple[int | None, int | None] | None = None,
+    plan: ReadPlan | None = None,
+) -> list[PhaseThroughput]:
+    """One pass over the spans; a row per phase that recorded any work. `steps` (A, B):
+    only steps A <= n < B (`otelprof report --steps A:B`); else every step but step 0."""
+    work = ThroughputPass(steps)
+    for rec in iter_all_records(files, warn, ReadStats(), plan=plan):
+        work.feed(rec)
+    return work.result()
+
+
+def _from_aggregates(
+    accs: dict[tuple[str, Resource], _Acc],
+    kept_steps: dict[Resource, int],
+    step_hists: dict[Resource, HistRec],
+    counters: dict[tuple[Resource, str], tuple[int, float]],
+) -> bool:
+    """Replace each sampled process's training figures by its counters over its step
+    histogram; True if any was replaced."""
+    replaced = False
+    for resource, hist in step_hists.items():
+        acc = accs.get((PHASE_TRAIN, resource))
+        if acc is None or hist.count <= kept_steps.get(resource, 0) or hist.sum <= 0:
+            continue  # all steps were kept (exact spans stay), or no work was recorded
+        flops_rate = acc.flops / acc.seconds if acc.flops is not None and acc.seconds else None
+        acc.steps, acc.seconds = hist.count, hist.sum
+        acc.samples = (
+            counters[(resource, "samples")][1] if (resource, "samples") in counters else None
+        )
+        acc.tokens = counters[(resource, "tokens")][1] if (resource, "tokens") in counters else None
+        acc.flops = flops_rate * hist.sum if flops_rate is not None else None
+        replaced = True
+    return replaced
