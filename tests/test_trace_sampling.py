@@ -220,8 +220,9 @@ def test_injected_slow_steps_of_a_real_run_all_reach_the_trace_file(
         for s in read_spans(prof.files["traces"])
         if s.name == "step"
     }
-    assert slow <= set(steps), (
-        f"slow steps missing from the trace file: {sorted(slow - set(steps))}"
+    assert slow <= set(steps), (  # (other anomalies took the burst's tokens? see stats)
+        f"slow steps missing from the trace file: {sorted(slow - set(steps))}; "
+        f"{ {k: v for k, v in prof.stats().items() if 'anomal' in k} }"
     )
     assert all(steps[i].attributes["otelprof.sampled"] in ("anomaly", "capture") for i in slow)
     stats = prof.stats()
