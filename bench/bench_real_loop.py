@@ -254,7 +254,8 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         f"step {step_ms} ms (batch {m.batch}; {len(bare)} of {args.pairs} pairs counted, {off} off "
         f"target), options {options or 'default'}{' A/A' if args.aa else ''}"
     )
-    if not bare:
+    if not bare:  # (--pairs 0: the data volume only)
+        _print_volume(m, args, out, index, options)
         return
     ratios = [b["step_us"] / i["step_us"] for b, i in zip(bare, inst, strict=True)]
     low, mid, high = _quartiles(ratios)
@@ -285,9 +286,17 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         f"instrumented {gc_ns[True] / max(steps, 1) / 1e3:.2f} µs; dropped "
         f"{stats.get('dropped_total', 0)}"
     )
-    if args.volume_seconds > 0 and not args.aa:
-        print(f"  data written: {volume(m, args.volume_seconds, out, index, options):.1f} MB/hour")
+    _print_volume(m, args, out, index, options)
     print(flush=True)
+
+
+def _print_volume(m: Model, args: Any, out: Path, index: int, options: dict[str, Any]) -> None:
+    if args.volume_seconds > 0 and not args.aa:
+        mb_per_hour, anomalies, refused, steps = volume(m, args.volume_seconds, out, index, options)
+        print(
+            f"  data written: {mb_per_hour:.1f} MB/hour; steps kept as anomaly {anomalies} of "
+            f"{steps} ({100 * anomalies / max(steps, 1):.1f} %), anomalies refused {refused}"
+        )
 
 
 def _run_bytes(run_dir: Path) -> int:
@@ -296,8 +305,11 @@ def _run_bytes(run_dir: Path) -> int:
     return sum(p.stat().st_size for p in run_dir.iterdir() if p.is_file())
 
 
-def volume(m: Model, seconds: float, out: Path, index: int, options: dict[str, Any]) -> float:
-    """MB per hour the detached files grow in the steady state (both window ends flushed)."""
+def volume(
+    m: Model, seconds: float, out: Path, index: int, options: dict[str, Any]
+) -> tuple[float, int, int, int]:
+    """MB per hour the detached files grow in the steady state (both window ends flushed),
+    and in that window: steps kept as anomalies, anomalies their budget refused, steps."""
     run_id = f"v{index}"
     prof = otelprof.instrument(output_dir=str(out), run_id=run_id, **options)
     try:
@@ -313,14 +325,25 @@ def volume(m: Model, seconds: float, out: Path, index: int, options: dict[str, A
             instrumented_loop(m, 1.0, prof)
         prof.tracer_provider.force_flush()
         prof.meter_provider.force_flush()
+        first = prof.stats()
         before, t0 = _run_bytes(out / run_id), time.perf_counter()
         instrumented_loop(m, seconds, prof)
         prof.tracer_provider.force_flush()
         prof.meter_provider.force_flush()
         after, t1 = _run_bytes(out / run_id), time.perf_counter()
+        last = prof.stats()
     finally:
         prof.shutdown()
-    return (after - before) / (t1 - t0) * 3600 / 1e6
+
+    def grew(key: str) -> int:
+        return last.get(key, 0) - first.get(key, 0)
+
+    return (
+        (after - before) / (t1 - t0) * 3600 / 1e6,
+        grew("timings.steps_kept.anomaly"),
+        grew("timings.anomalies_refused"),
+        grew("timings.steps"),
+    )
 
 
 def _option(text: str) -> tuple[str, Any]:

@@ -412,6 +412,11 @@ class Settings:
         default=None,
         metadata=opt(env=("OTELPROF_TRACE_HEAD_FRACTION",), parse=number(0, 1)),
     )
+    # anomaly steps kept per minute (their own token bucket, burst 20; inf: every one)
+    trace_anomaly_budget: float = field(
+        default=10.0,
+        metadata=opt(env=("OTELPROF_TRACE_ANOMALY_BUDGET",), parse=number(0, allow_inf=True)),
+    )
     compress: bool = field(default=False, metadata=opt(env=("OTELPROF_COMPRESS",), parse=boolean))
     max_trace_bytes: int | None = field(
         default=1 << 30,

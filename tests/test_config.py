@@ -127,6 +127,8 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("trace_budget", "OTELPROF_TRACE_BUDGET", math.nan, "expected a finite number"),
     ("trace_head_fraction", "OTELPROF_TRACE_HEAD_FRACTION", 1.5, "must be >= 0 and <= 1"),
     ("trace_head_fraction", "OTELPROF_TRACE_HEAD_FRACTION", -0.1, "must be >= 0"),
+    ("trace_anomaly_budget", "OTELPROF_TRACE_ANOMALY_BUDGET", -1, "must be >= 0"),
+    ("trace_anomaly_budget", "OTELPROF_TRACE_ANOMALY_BUDGET", math.nan, "expected a finite"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1.5, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", math.inf, "expected an integer"),
     ("max_queued_spans", "OTELPROF_MAX_QUEUED_SPANS", 1 << 40, "must be between 1 and"),
@@ -264,6 +266,9 @@ def test_valid_edge_values_are_kept_exactly(tmp_path: Path) -> None:
     s = settings(tmp_path, trace_budget=math.inf, max_queued_spans=2.0, interval=3600)
     assert (s.trace_budget, s.max_queued_spans, s.interval_s) == (math.inf, 2, 3600.0)
     assert settings(tmp_path, env={"OTELPROF_TRACE_BUDGET": "inf"}).trace_budget == math.inf
+    anomalies = {"OTELPROF_TRACE_ANOMALY_BUDGET": "inf"}
+    assert settings(tmp_path, env=anomalies).trace_anomaly_budget == math.inf
+    assert settings(tmp_path, trace_anomaly_budget=0).trace_anomaly_budget == 0.0
     # nothing collected and nowhere to send it is not a contradiction (the A/A benchmark)
     nothing = {"timings": False, "host_metrics": False, "process_metrics": False, "gpus": "none"}
     assert settings(tmp_path, detached=False, **nothing).detached is False

@@ -144,6 +144,7 @@ def test_a_slow_step_after_steps_sampled_out_on_their_thread_is_kept_with_the_ne
     stats = prof.stats()
     assert stats["timings.steps_sampled_out_on_thread"] > 50
     assert stats["timings.anomalies"] == 1
+    assert stats["timings.anomalies_refused"] == 0
     steps = {
         s.attributes["otelprof.step"]: s
         for s in read_spans(prof.files["traces"])

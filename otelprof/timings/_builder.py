@@ -50,6 +50,7 @@ from otelprof.timings._frames import (
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
 from otelprof.timings._sampling import (
+    ANOMALY_BUDGET,
     MAX_BUFFERED,
     Aggregates,
     DurationHistogram,
@@ -152,6 +153,7 @@ class SpanBuilder:
         trace_budget: float = math.inf,
         traces: RunTraces | None = None,
         head_fraction: float | None = None,
+        anomaly_budget: float = ANOMALY_BUDGET,
     ) -> None:
         """`targets`: the tracer provider's active span processor (see `_targets`);
         `resource`: the provider's. `trace_budget`: spans per second of step traces kept
@@ -197,6 +199,7 @@ class SpanBuilder:
             build=self._fields_or_none,
             traces=traces,
             head_fraction=head_fraction,
+            anomaly_budget=anomaly_budget,
         )
         self.sampler.on_sampled_out = self._release_cuda
 

@@ -43,7 +43,7 @@ from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._sampling import KINETO_WINDOW_STEPS
+from otelprof.timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
 from otelprof.timings._targets import SpanTargets
 from otelprof.timings._trace_ids import RunTraces
@@ -120,6 +120,7 @@ class TimingsEngine:
             trace_budget=getattr(settings, "trace_budget", math.inf),
             traces=self.traces,
             head_fraction=getattr(settings, "trace_head_fraction", None),
+            anomaly_budget=getattr(settings, "trace_anomaly_budget", ANOMALY_BUDGET),
         )
         self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
         self._kineto: Any = None
@@ -383,6 +384,8 @@ class TimingsEngine:
             "spans_sampled_out": builder.sampler.sampled_out,
             "steps_sampled_out_on_thread": builder.steps_on_thread,
             "anomalies": builder.sampler.anomalies,
+            # ... that the anomaly budget refused (not a loss: histograms have them)
+            "anomalies_refused": builder.sampler.anomalies_refused,
             # head-selected steps the head budget had no room for (this rank lacks them)
             "head_steps_refused": builder.sampler.head_refused,
         }

@@ -18,11 +18,27 @@ sum, min, max; buckets for percentiles) exported as the OTel histogram metric
   bucket still caps what head sampling writes (a refused step is counted);
 - **tail** (another `budget/2` spans/s, burst `TAIL_BURST`): a step slower than every one
   of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
-- **anomaly** (documented rule): every step longer than `ANOMALY_FACTOR` x the median of the
-  previous `SLOW_WINDOW` steps (and at least `ANOMALY_MIN_S` longer) is kept, whatever the
-  budgets; the next `CAPTURE_STEPS` steps are kept in full ("deep capture", linked to the
-  slow step), at most once per `CAPTURE_COOLDOWN_S` (the cooldown limits the capture, never
-  the slow step itself).
+- **anomaly** (documented rule, `anomaly_threshold`): a step at least `ANOMALY_FACTOR` x
+  the median of the previous `SLOW_WINDOW` steps and at least `ANOMALY_MIN_S` longer than
+  that median. The floor on the excess is what keeps the machine's own noise out: a thread
+  the OS preempts waits one or a few scheduler slices (a few ms each; Linux's are 0.75-3 ms,
+  up to ~24 ms under CFS on a busy many-core host), and a Python thread waits up to the
+  interpreter's 5 ms switch interval each time another thread holds the GIL. At sub-ms
+  steps 3x the median is well under one such wait (a loaded 2-core VM at 1 ms steps had
+  24 % of its steps over a 1 ms floor), so the floor is 20 ms: four GIL switch intervals,
+  about one CFS latency period. It only matters below 10 ms steps (the factor rules from
+  there: 3x a 10 ms step is already 20 ms more), and a delay under it still shows in the
+  histograms' max and upper buckets and, if it is the slowest lately, in the tail sample.
+  Anomalies have their own budget, apart from head and tail: a token bucket of
+  `anomaly_budget` steps per minute (the `trace_anomaly_budget` option, default
+  `ANOMALY_BUDGET`) with a burst of `ANOMALY_BURST` steps, so a real anomaly is kept while
+  the head and tail budgets are spent and a flood of them (a machine that stalls every few
+  steps) is bounded; a step the rule fires on that the bucket refuses is counted
+  (`anomalies_refused`) and goes on to head/tail sampling like any other. The next
+  `CAPTURE_STEPS` steps after a kept anomaly are kept in full ("deep capture", linked to
+  the slow step), at most once per `CAPTURE_COOLDOWN_S`; the anomaly that starts a capture
+  is kept even when the bucket is empty (at most one per cooldown), so a flood cannot hide
+  the first anomaly of each cooldown.
 
 Sampled-out spans are counted (`spans_sampled_out`), not "dropped": their durations are in
 the histograms. A kept step's span carries `otelprof.sampled` = why it was kept.
@@ -66,7 +82,12 @@ HEAD_BURST = 5000.0
 TAIL_BURST = 500.0
 SLOW_WINDOW = 100
 ANOMALY_FACTOR = 3.0
-ANOMALY_MIN_S = 0.001
+ANOMALY_MIN_S = 0.020
+"""The least excess over the recent median that is an anomaly (see the module docstring)."""
+ANOMALY_BUDGET = 10.0
+"""Anomaly steps kept per minute (default of the `trace_anomaly_budget` option)."""
+ANOMALY_BURST = 20.0
+"""Anomaly steps the anomaly bucket holds when full (a burst of real stalls is kept)."""
 CAPTURE_STEPS = 5
 CAPTURE_COOLDOWN_S = 60.0
 KINETO_WINDOW_STEPS = 3
@@ -78,6 +99,12 @@ HEAD_WINDOW = 1 << 14
 """Numbers ahead whose head selection is computed at once (and published to `_quiet_steps`)."""
 MAX_BUFFERED = 100_000
 """Spans held while their step is undecided; past it the oldest steps are decided early."""
+
+
+def anomaly_threshold(median: float) -> float:
+    """The duration in seconds at or above which a step is an anomaly, given the median of
+    the recent steps: `ANOMALY_FACTOR` x it, and at least `ANOMALY_MIN_S` more than it."""
+    return max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S)
 
 
 class DurationHistogram:
@@ -216,17 +243,25 @@ class TraceSampler:
         build: Callable[[Any], tuple[Any, ...] | None] | None = None,
         traces: RunTraces | None = None,
         head_fraction: float | None = None,
+        anomaly_budget: float = ANOMALY_BUDGET,
     ) -> None:
         """`build(item)` turns a buffered item into span fields (None: it could not be
         built), called only for kept steps, so a sampled-out range costs no span fields.
         `traces`: the run attempt's head selection (`_trace_ids`); `head_fraction`: a
-        fixed share of steps for head sampling (None: follow the budget)."""
+        fixed share of steps for head sampling (None: follow the budget);
+        `anomaly_budget`: anomaly steps kept per minute (inf: every one; 0: none)."""
         self._build = build or (lambda item: item)
         head_burst = HEAD_BURST if head_burst is None else head_burst
         tail_burst = TAIL_BURST if tail_burst is None else tail_burst
         self.keep_all = math.isinf(budget)
         self._head = TokenBucket(budget / 2, head_burst, clock)
         self._tail = TokenBucket(budget / 2, tail_burst, clock)
+        self._every_anomaly = math.isinf(anomaly_budget)
+        self._anomaly = TokenBucket(
+            0.0 if self._every_anomaly else anomaly_budget / 60,
+            ANOMALY_BURST if anomaly_budget > 0 else 0.0,
+            clock,
+        )
         self._output = output
         self._clock = clock
         self._traces = traces if traces is not None else RunTraces("", 0)
@@ -252,7 +287,8 @@ class TraceSampler:
         self._last_capture = -math.inf
         self.sampled_out = 0
         self.kept_steps: dict[str, int] = {}
-        self.anomalies = 0
+        self.anomalies = 0  # steps the rule fired on, kept or not
+        self.anomalies_refused = 0  # ... that the anomaly budget had no room for
         self.on_anomaly: Callable[[Any, float], bool] | None = None
         self.on_sampled_out: Callable[[list[Any]], None] | None = None
         """Called with a sampled-out step's buffered items (e.g. to recycle their resources)."""
@@ -370,8 +406,8 @@ class TraceSampler:
         if recent is None or len(recent) < 10:
             return None
         # the rule keeps a slow step during a capture's cooldown too: never inf
-        median = statistics.median(recent)
-        anomaly_ns = max(ANOMALY_FACTOR * median, median + ANOMALY_MIN_S) * 1e9
+        # (a step over it the anomaly budget refuses still goes to `_decide`, to be counted)
+        anomaly_ns = anomaly_threshold(statistics.median(recent)) * 1e9
         return self._tail.available(), anomaly_ns, recent
 
     # ---- head sampling: the same steps on every rank ----
@@ -466,20 +502,24 @@ class TraceSampler:
             ratio = seconds / median if median > 0 else math.inf
             now = self._clock()
             # a slow step inside a running capture stays one of its captured steps
-            if (
-                seconds >= ANOMALY_FACTOR * median
-                and seconds - median >= ANOMALY_MIN_S
-                and self._capture_left == 0
-            ):
+            if seconds >= anomaly_threshold(median) and self._capture_left == 0:
                 self.anomalies += 1
-                why = "anomaly"
-                self._tail.take(n)  # counted against the tail budget, never refused
-                if now - self._last_capture >= CAPTURE_COOLDOWN_S:
-                    self._last_capture = now
-                    captures = True
-                    self._capture_left = CAPTURE_STEPS
-                    if self.on_anomaly is not None and self.on_anomaly(ctx, ratio):
-                        self._awaiting_window = KINETO_WINDOW_STEPS
+                starts = now - self._last_capture >= CAPTURE_COOLDOWN_S
+                if (
+                    self.keep_all
+                    or self._every_anomaly
+                    or self._anomaly.take(1)
+                    or (starts and self._anomaly.burst > 0)  # one per cooldown, always
+                ):
+                    why = "anomaly"
+                    if starts:
+                        self._last_capture = now
+                        captures = True
+                        self._capture_left = CAPTURE_STEPS
+                        if self.on_anomaly is not None and self.on_anomaly(ctx, ratio):
+                            self._awaiting_window = KINETO_WINDOW_STEPS
+                else:
+                    self.anomalies_refused += 1  # head and tail sampling may still keep it
         if why is None and self._capture_left > 0:
             self._capture_left -= 1
             why = "capture"
