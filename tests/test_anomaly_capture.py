@@ -52,25 +52,25 @@ def test_an_anomaly_runs_a_kineto_window_whose_steps_the_slow_step_links_to(
     steps = {s.span_id: s for s in spans if s.name == "step"}
     anomalous = [s for s in steps.values() if s.attributes.get("otelprof.sampled") == "anomaly"]
     # the steps kept as anomalies are the rule's (the profiler's own window may slow some
-    # more steps past its threshold; the anomaly budget's burst keeps them); only the
-    # injected one started the capture
+    # more steps past its threshold; the anomaly budget's burst keeps them)
     assert all(s.attributes["otelprof.anomaly.ratio"] >= 3 for s in anomalous), [
         (s.attributes["otelprof.step"], s.attributes["otelprof.anomaly.ratio"]) for s in anomalous
     ]
-    anomalous = [s for s in anomalous if s.attributes["otelprof.step"] == 150]
-    assert len(anomalous) == 1
+    assert 150 in {s.attributes["otelprof.step"] for s in anomalous}  # the injected one
     window = [s for s in steps.values() if s.attributes.get("otelprof.sampled") == "capture.kineto"]
     assert len(window) == 3
-    assert all(w.start_ns > anomalous[0].end_ns for w in window)
-    # the slow step links to the steps captured after it, the Kineto window's among them
-    (links,) = [
-        line_span["links"]
+    # The capture follows the anomaly that started it, which links to the steps captured
+    # after it, the Kineto window's among them. That is the injected step, or, on a machine
+    # loaded enough to stall an earlier step past the rule, that earlier (real) anomaly:
+    # one capture per cooldown either way.
+    links = {
+        line_span["spanId"]: {link["spanId"] for link in line_span.get("links", [])}
         for request in _requests(prof.files["traces"])
         for line_span in request
-        if line_span["spanId"] == anomalous[0].span_id
-    ]
-    linked = {link["spanId"] for link in links}
-    assert {w.span_id for w in window} <= linked
+    }
+    window_ids = {w.span_id for w in window}
+    (starter,) = [s for s in anomalous if window_ids <= links.get(s.span_id, set())]
+    assert all(w.start_ns > starter.end_ns for w in window)
     # the window's operator events are child spans of those steps
     kineto = [s for s in spans if s.attributes.get("otelprof.source") == "kineto"]
     window_traces = {w.trace_id for w in window}
