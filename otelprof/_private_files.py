@@ -35,6 +35,17 @@ def file_mode(shared: bool = False) -> int:
     return SHARED_FILE if shared else PRIVATE_FILE
 
 
+def file_mode_in(directory: str | os.PathLike[str]) -> int:
+    """The mode for a new file in `directory`: as private as the directory (group-readable
+    only in a directory `make_dir(shared=True)` made so), for writers that are handed a path,
+    not the run's settings."""
+    try:
+        shared = bool(os.stat(directory).st_mode & 0o040)
+    except OSError:
+        shared = False
+    return file_mode(shared)
+
+
 def open_append(path: str | os.PathLike[str], shared: bool = False) -> IO[bytes]:
     """Open for appending, creating the file with an owner-only mode whatever the umask."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(shared))

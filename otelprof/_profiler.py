@@ -28,7 +28,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
-from otelprof import _limits
+from otelprof import _limits, _private_files
 from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
 from otelprof._schema import (
     ATTR_ATTEMPT,
@@ -377,7 +377,8 @@ class _Session:
         path = self.identity.run_info_path()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(info, indent=2, default=str) + "\n")
+            with _private_files.open_new(tmp, s.shared_run_dir) as out:  # owner-only
+                out.write((json.dumps(info, indent=2, default=str) + "\n").encode())
             tmp.replace(path)
         except OSError as error:
             with contextlib.suppress(OSError):
@@ -588,7 +589,9 @@ class Profiler:
             metrics, traces = new.file_names()
             run_dir = new.settings.run_dir
             new_files = {"metrics": run_dir / metrics, "traces": run_dir / traces}
-            identity.relocate(old_files, new_files, new.resource.attributes)
+            identity.relocate(
+                old_files, new_files, new.resource.attributes, new.settings.shared_run_dir
+            )
         with _lock:
             self._current = self._new_session(new, named)
             _active = self

@@ -161,7 +161,7 @@ def test_an_existing_spool_directory_open_to_others_is_tightened(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("shared", "mode"), [(False, 0o700), (True, 0o750)])
-def test_the_run_directory_is_owner_only_unless_shared(
+def test_the_run_directory_and_its_files_are_owner_only_unless_shared(
     tmp_path: Path, shared: bool, mode: int
 ) -> None:
     import otelprof
@@ -175,15 +175,21 @@ def test_the_run_directory_is_owner_only_unless_shared(
             host_metrics=False,
             process_metrics=False,
             gpus="none",
-            timings=False,
         )
     finally:
         os.umask(old)
     try:
         assert prof.run_dir is not None
         assert stat.S_IMODE(prof.run_dir.stat().st_mode) == mode
+        with otelprof.timing("train_batch"):
+            pass
+        prof.step()
     finally:
         prof.shutdown()
+    # every file the run left (run.json rewritten at the end included) is as private
+    files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in prof.run_dir.iterdir()}
+    assert {"run.json", "metrics.jsonl", "traces.jsonl"} <= set(files), files
+    assert set(files.values()) == {mode & 0o666}, files
 
 
 def test_a_master_token_file_others_can_read_is_warned_about(

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,9 @@ def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
         "traces.rank1.jsonl",
     ]
     _check_ranks(run_dir, relocated=True)
+    # the files relocation made or rewrote are owner-only, like every run file
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run_dir.glob("*.json*")}
+    assert set(modes.values()) == {0o600}, modes
     assert "rank 0 is the straggler" in _report(str(run_dir))
     # the console names only the directory that holds the data, once per rank
     assert _named_dirs(result.stderr) == [run_dir, run_dir], result.stderr[-3000:]

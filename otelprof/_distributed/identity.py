@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from otelprof import _private_files
 from otelprof._distributed import ranks
 from otelprof._patch import Patches
 from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
@@ -98,10 +99,16 @@ def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     return False
 
 
-def relocate(old: Mapping[str, Path], new: Mapping[str, Path], resource: Mapping[str, Any]) -> None:
+def relocate(
+    old: Mapping[str, Path],
+    new: Mapping[str, Path],
+    resource: Mapping[str, Any],
+    shared: bool = False,
+) -> None:
     """Move what this process wrote before its identity was known into its new files, with
     the rank attributes of `resource`. Only this process's lines move (ranks that shared a
-    run id wrote the same pre-rank file names); emptied files and directories are removed."""
+    run id wrote the same pre-rank file names); emptied files and directories are removed.
+    The files it makes are owner-only like every run file (`shared`: group-readable)."""
     pid = resource.get("process.pid")
     for signal, source in old.items():
         target = new.get(signal)
@@ -115,11 +122,12 @@ def relocate(old: Mapping[str, Path], new: Mapping[str, Path], resource: Mapping
                 for line in lines:
                     request = _parse(line)
                     (mine if request is None or _pid(request) == pid else others).append(line)
-            with target.open("a", encoding="utf-8") as out:
-                out.writelines(_relabel(line, resource) for line in mine)
+            with _private_files.open_append(target, shared) as out:
+                out.writelines(_relabel(line, resource).encode() for line in mine)
             if others:
                 tmp = source.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text("".join(others), encoding="utf-8")
+                with _private_files.open_new(tmp, shared) as rest:
+                    rest.write("".join(others).encode())
                 tmp.replace(source)
             else:
                 source.unlink()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from otelprof import _private_files
+
 WRITTEN = "written"
 WRITE_ERROR = "write_error"
 GONE = "run_dir_gone"
@@ -43,7 +45,8 @@ class WholeRecordFile:
         """Open (create) the file now; raises OSError (callers that must not fail catch it)."""
         if self._fd is not None:
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        fd = os.open(self.path, flags, _private_files.file_mode_in(self.path.parent))
         stat = os.fstat(fd)
         self._fd = fd
         self._identity = (stat.st_dev, stat.st_ino)
