@@ -120,7 +120,9 @@ def limit_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
             value = _cut(value, limit)
             nbytes += ENTRY_BYTES + _value_bytes(value)
         held[key] = value
-    # budget.charge(nbytes), inline (runs at every timing() with attributes)
+    # the charge, inline (runs at every timing() with attributes): settle what freed dicts
+    # handed back, then take `nbytes` if they fit (the budget has no method for it: this is
+    # its only taker; `HeldAttributes.__del__` its only giver)
     b = budget
     with b._lock:
         total = b.held
@@ -181,20 +183,6 @@ class AttributeBudget:
         """Attribute dicts dropped for the budget so far in this process."""
         self._released: deque[int] = deque()
         self._lock = threading.Lock()
-
-    def charge(self, nbytes: int) -> bool:
-        with self._lock:
-            if self._released:
-                self._settle()
-            held = self.held + nbytes
-            if held > self.limit:
-                self.over += 1
-                return False
-            self.held = held
-            return True
-
-    def release(self, nbytes: int) -> None:
-        self._released.append(nbytes)
 
     def _settle(self) -> None:
         released, held = self._released, self.held
