@@ -46,7 +46,7 @@ from otelprof._throughput import ThroughputTracker
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
 from otelprof.export.counters import is_loss as _is_loss
-from otelprof.export.wiring import file_names, file_suffix
+from otelprof.export.wiring import file_names, file_suffix, provisional_pid
 from otelprof.resource import build_resource
 from otelprof.timings._targets import SpanTargets
 
@@ -82,12 +82,8 @@ class _Identity:
         self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
         attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
-        self.provisional: int | None = None
-        """This pid, when the launcher gave a world size but no rank (Lightning's copies of
-        the script): its files are named after it until the process group gives the rank,
-        so none takes the name of another rank's files."""
-        if not settled and self.world_size > 1 and not env.get("RANK"):
-            self.provisional = os.getpid()
+        self.provisional = None if settled else provisional_pid(self.world_size, env)
+        """This pid while the process has a world size but no rank (`provisional_pid`)."""
 
     def file_names(self) -> tuple[str, str]:
         """(metrics, traces) file names of this process (detached mode)."""

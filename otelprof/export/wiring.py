@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,13 @@ def file_suffix(
     return suffix + (f".attempt{attempt}" if attempt else "")
 
 
+def provisional_pid(world_size: int, env: Mapping[str, str]) -> int | None:
+    """This pid, when the launcher gave a world size but no rank (Lightning's copies of the
+    script): the process's files are named after it (`file_suffix`'s `provisional`) until
+    the process group gives the rank, so none takes the name of another rank's files."""
+    return os.getpid() if world_size > 1 and not env.get("RANK") else None
+
+
 def file_names(
     world_size: int, rank: int, attempt: int | None = None, provisional: int | None = None
 ) -> tuple[str, str]:
@@ -114,8 +122,8 @@ def refuse_reused_run(settings: Settings, env: Mapping[str, str]) -> None:
     if not settings.detached:
         return
     ids = detect_attributes(env)
-    if int(ids["otelprof.world_size"]) > 1 and not env.get("RANK"):
-        return  # no rank yet: its files are named after this pid (file_suffix's provisional)
+    if provisional_pid(int(ids["otelprof.world_size"]), env) is not None:
+        return  # no rank yet: its files are named after this pid, no other run's
     attempt = ids.get("otelprof.attempt")
     suffix = file_suffix(
         int(ids["otelprof.world_size"]),
