@@ -178,10 +178,6 @@ def _tensor_type() -> type:
     return _tensor_class
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, _tensor_type())
-
-
 def _map_nested(data: Any, fn: Any) -> Any:
     """Apply `fn` to every tensor in nested dict/list/tuple/namedtuple/dataclass data.
 
