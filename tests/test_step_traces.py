@@ -57,6 +57,9 @@ def test_head_selection_keeps_one_step_per_block_nested_across_levels() -> None:
     }
     assert (level_for(1.0), level_for(0.5), level_for(0.3), level_for(0.125)) == (0, 1, 2, 3)
     assert level_for(0.0) is None and not traces.head_selected("train", 3, None)
+    # each phase's first step is kept at every level (a one-batch phase still shows)
+    for phase in ("train", "validation", "test"):
+        assert all(traces.head_selected(phase, 0, level) for level in range(48))
 
 
 def _steps_by_trace(path: Path) -> dict[str, list[tuple[str, int | None]]]:

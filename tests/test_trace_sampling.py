@@ -385,3 +385,27 @@ def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_
     # a fixed fraction: the same steps, while the budget's head half has room for them
     fixed = [head_steps(n, budget=100.0, head_fraction=0.01) for n in (2, 4)]
     assert fixed[0] == fixed[1] and fixed[0][1] == 7  # 0.01 -> one step in 128
+
+
+def test_a_phase_of_one_batch_keeps_its_span_after_fast_steps_raised_the_head_level() -> None:
+    """The report learns that a phase ran (and when) from its root spans: a one-batch
+    validation after thousands of fast training steps must not be sampled out with them."""
+    sampler, out, clock = _sampler(budget=40.0, head_burst=200.0, tail_burst=0.0)
+    durations = [0.001] * 5_000
+    t = 1_000_000_000
+    for number, seconds in enumerate(durations):
+        ctx = _Ctx(number)
+        step = ("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
+        sampler.span(ctx, step, True, seconds, False, "step")
+        t += 1_000_000
+        clock.now += seconds
+    assert sampler.head_level is not None and sampler.head_level >= 5
+    assert len(_kept_steps(out)) < len(durations) // 8  # the training steps are sampled
+    for phase in ("validation", "test", "sanity_check"):
+        ctx = _Ctx(0, phase)
+        root = ("validate", 1, 99, 0, t, t + 5_000_000, {"otelprof.phase": phase}, None)
+        sampler.span(ctx, root, True, 0.005, False, "validate")
+        assert ctx.kept, phase
+        assert out[-1][0] == "validate" and out[-1][6]["otelprof.sampled"] == "head"
+        t += 5_000_000
+        clock.now += 0.005

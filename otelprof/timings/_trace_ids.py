@@ -13,9 +13,12 @@ order, so they agree on both.
 Head selection is stratified and nested: at level `k` exactly one number of each block of
 `2**k` consecutive numbers is selected (a pseudo-random one, so a period in the loop, like
 gradient accumulation every 4 steps, never aliases with it), and every number selected at
-level `k + 1` is also selected at level `k`. A rank that had to pick a higher level than
-another (more ranges per step against the same budget) keeps a subset of its steps; the
-steps the sparsest rank keeps are kept everywhere.
+level `k + 1` is also selected at level `k`. The first block's choice is always number 0:
+each phase's first step (batch) is kept at every level, so a phase that runs a single batch
+(a one-batch validation, a sanity check) while the training steps have raised the level still
+has a root span, which the report needs to know the phase ran and when. A rank that had to
+pick a higher level than another (more ranges per step against the same budget) keeps a
+subset of its steps; the steps the sparsest rank keeps are kept everywhere.
 
 Nothing here runs on the training thread: the builder derives ids for kept steps only, and
 publishes the selected numbers of the next steps for `_quiet_steps`.
@@ -84,6 +87,8 @@ class RunTraces:
         """The number head sampling selects in block `block` (numbers `block << level` to
         `(block + 1 << level) - 1`) at `level`: chosen top-down, one half per level, so the
         choice at `level` lies in the choice at `level - 1`'s block."""
+        if block <= 0:
+            return 0  # each phase's first step, at every level (nested: 0 stays chosen)
         high = self._seed(phase)[0]
         number = block << level
         for j in range(level, 0, -1):
