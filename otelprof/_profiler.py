@@ -472,7 +472,7 @@ class Profiler:
 
     def step(self) -> None:
         """Mark a training-step boundary (like `torch.profiler.profile.step()`)."""
-        timings = self._session.timings
+        timings = self._owner._current.timings  # `_session`, inline: once per step
         if timings is not None:
             timings.step()
 

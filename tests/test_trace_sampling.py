@@ -348,6 +348,11 @@ def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
         one.add(ns / 1e9)
     batch.add_ns(values[:1000])
     batch.add_ns(values[1000:])
+    # batches within one bucket, a single duration, and one spanning every bucket, unsorted
+    for extra in ([5_000, 5_001, 5_002], [7], [10**13, 0, *_sampling.BOUNDS_NS[::-1]]):
+        for ns in extra:
+            one.add(ns / 1e9)
+        batch.add_ns(list(extra))
     assert batch.buckets == one.buckets
     assert (batch.count, batch.min, batch.max) == (one.count, one.min, one.max)
     assert batch.sum == pytest.approx(one.sum, rel=1e-12)
