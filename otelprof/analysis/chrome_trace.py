@@ -36,6 +36,7 @@ from otelprof.analysis.reader import (
     iter_records,
     open_lines,
 )
+from otelprof.analysis.trace_windows import TracePlan, plan_trace
 
 SPAN_TID = 1
 MAX_STEP_GROUPS = 1_000_000
@@ -50,6 +51,10 @@ class TraceResult:
     counters: int
     origin_ns: int
     steps: int = 0  # slices of the "all ranks" process
+    spans_read: int = 0
+    bytes_read: int = 0
+    total_bytes: int = 0
+    sample: dict[str, Any] | None = None  # the time windows read, when a sample
 
 
 def _first_timestamp(path: Path) -> int | None:
@@ -249,9 +254,37 @@ def _counter_name(point: PointRec) -> str:
     return f"{point.name}{' [' + where + ']' if where else ''}{unit}"
 
 
-def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True) -> TraceResult:
-    """Write the Chrome trace of a run; return what it holds."""
+def _sample_note(plan: TracePlan, origin: int) -> dict[str, Any] | None:
+    if not plan.sampled:
+        return None
+    windows = [w.describe(origin) for w in plan.windows]
+    spans = ", ".join(f"{w['from_s']:g}-{w['to_s']:g} s" for w in windows)
+    return {
+        "read_budget": plan.read_budget,
+        "run_bytes": plan.plan.total_bytes,
+        "windows": windows,
+        "note": (
+            f"a sample of the run: the run's files ({plan.plan.total_bytes / 1e6:,.0f} MB) "
+            f"are over the read budget ({(plan.read_budget or 0) / 1e6:,.0f} MB), so this "
+            f"trace holds {len(windows)} time windows, the same on every rank (seconds "
+            f"from the run's start): {spans}; each keeps whole steps on every rank. "
+            "Everything: otelprof trace --read-all (or a larger --read-budget)"
+        ),
+    }
+
+
+def write_trace(
+    files: RunFiles,
+    output: Path,
+    warn: Warn,
+    metrics: bool = True,
+    read_budget: int | None = None,
+) -> TraceResult:
+    """Write the Chrome trace of a run; return what it holds. A run over `read_budget`
+    bytes (None: no limit) is read in time windows common to every rank (`trace_windows`)."""
     origin = time_origin(files)
+    plan = plan_trace(files.jsonl, read_budget, origin, warn)
+    sample = _sample_note(plan, origin)
     opener = gzip.open if output.suffix == ".gz" else open
     slices = counters = 0
     stats = ReadStats()
@@ -263,6 +296,7 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
                     "generator": "otelprof trace",
                     "origin_unix_nano": str(origin),
                     "run_dirs": [str(d) for d in files.dirs],
+                    **({"sample": sample} if sample else {}),
                 }
             )
         )
@@ -271,7 +305,11 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
         procs = _Processes(events)
         steps = _StepGroups()
         kinds = frozenset({"traces", "metrics"} if metrics else {"traces"})
-        for rec in iter_records(files.jsonl, warn, stats, kinds):
+        for rec in iter_records(files.jsonl, warn, stats, kinds, plan.plan):
+            if plan.sampled and not (
+                plan.keeps_span(rec) if isinstance(rec, SpanRec) else plan.keeps_time(rec.time_ns)
+            ):
+                continue
             pid = procs.pid(rec.resource)
             if isinstance(rec, SpanRec):
                 if rec.end_ns < rec.start_ns:
@@ -320,4 +358,14 @@ def write_trace(files: RunFiles, output: Path, warn: Warn, metrics: bool = True)
                 f'"{ALL_RANKS}" view (each rank\'s own tracks have them)'
             )
         out.write("\n]}\n")
-    return TraceResult(len(procs.pids), slices, counters, origin, step_slices)
+    return TraceResult(
+        len(procs.pids),
+        slices,
+        counters,
+        origin,
+        step_slices,
+        stats.spans,
+        stats.bytes,
+        stats.total_bytes,
+        sample,
+    )

@@ -1,0 +1,313 @@
+"""Which parts of a run over the read budget `otelprof trace` reads: the same time windows on
+every rank, and whole steps in them.
+
+Why not `ReadPlan`'s byte windows as they are: evenly spaced bytes of each file are different
+moments on different ranks (a rank with host metrics or more kept steps writes more bytes a
+second), so the "all ranks" track and a step seen across ranks would show pieces. Here the
+windows are chosen in time, once for the run, and each file is read at the bytes that hold
+them:
+
+- **Time to bytes, cheaply.** The exporters append lines in time order and every span or
+  point carries its time as text (`"endTimeUnixNano":"…"`, `"timeUnixNano":"…"`), so a few
+  small reads at bisected offsets of a file find where a moment is (`byte_offset_at`), with
+  no JSON decoded; each file's window is then a `ReadPlan` byte window, whole lines.
+- **Windows.** The run's start and windows spread evenly to its end, of one width. How many
+  and how wide is decided against the budget from one reference rank (the first traces and
+  metrics files, whose lines are indexed whole): what its lines overlapping a window weigh,
+  scaled to all files of that kind. More windows while each stays `GOOD_WIDTH_S` wide, else
+  fewer and wider; at least the start and one more.
+- **Whole steps on every rank.** Ranks start step N a little apart, so a time cut would keep
+  step N on one rank and not on its neighbour. A window keeps, per phase, the range of step
+  (batch) numbers whose step spans start in it on the reference rank; every span carries its
+  step and phase, so every rank keeps exactly the spans of those steps (one with no step, by
+  its start time). Each file is read with a margin around the window (the longest of those
+  steps plus `MARGIN_S`) so a step's spans on a rank a little behind are read too.
+- Hardware gauges are kept when their time is in a window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otelprof.analysis.reader import (
+    ReadPlan,
+    ReadStats,
+    SpanRec,
+    Warn,
+    _line_start,
+    iter_records,
+    open_lines,
+)
+
+GOOD_WIDTH_S = 5.0
+"""Windows narrower than this (seconds) are traded for fewer, wider ones."""
+MAX_WINDOWS = 16
+MARGIN_S = 1.0
+_PROBE = 4 << 10
+_CLOSE_ENOUGH = 32 << 10
+_TIME = re.compile(rb'"(?:endTimeUnixNano|timeUnixNano)"\s*:\s*"?(\d+)')
+
+
+@dataclass(frozen=True)
+class Window:
+    """One time window [start_ns, end_ns) and the step numbers it keeps, per phase."""
+
+    start_ns: int
+    end_ns: int
+    steps: dict[str, tuple[int, int]] = field(default_factory=dict)  # phase -> [lo, hi]
+
+    def describe(self, origin: int) -> dict[str, Any]:
+        return {
+            "from_s": round((self.start_ns - origin) / 1e9, 3),
+            "to_s": round((self.end_ns - origin) / 1e9, 3),
+            "steps": {phase: list(bounds) for phase, bounds in sorted(self.steps.items())},
+        }
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """The parts of a run a trace reads: `plan` (byte windows of every file, or all of it)
+    and, when sampled, the time windows and step ranges every rank keeps."""
+
+    plan: ReadPlan
+    windows: tuple[Window, ...] = ()
+    read_budget: int | None = None
+    estimated_bytes: int = 0
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.windows)
+
+    def keeps_span(self, rec: SpanRec) -> bool:
+        if not self.windows:
+            return True
+        step, phase = rec.attr("otelprof.step"), rec.attr("otelprof.phase")
+        if isinstance(step, int):
+            phase = phase if isinstance(phase, str) else "train"
+            for window in self.windows:
+                bounds = window.steps.get(phase)
+                if bounds is not None and bounds[0] <= step <= bounds[1]:
+                    return True
+            return False
+        return self.keeps_time(rec.start_ns)
+
+    def keeps_time(self, time_ns: int) -> bool:
+        return not self.windows or any(w.start_ns <= time_ns < w.end_ns for w in self.windows)
+
+
+def _time_after(handle: Any, offset: int) -> int | None:
+    """The first span end or point time written at or after `offset` (None: none)."""
+    handle.seek(offset)
+    data = b""
+    for _ in range(16):  # a span's attributes may be long: look up to 64 KiB on
+        chunk = handle.read(_PROBE)
+        if not chunk:
+            return None
+        data = data[-64:] + chunk
+        found = _TIME.search(data)
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def byte_offset_at(handle: Any, size: int, time_ns: int) -> int:
+    """An offset of a plain run file before the first record of `time_ns` or later, within
+    `_CLOSE_ENOUGH` of it (lines are written in time order; a few small reads: interpolation
+    on the times found, every other step a bisection so a lumpy file costs at most twice
+    a bisection)."""
+    low, high = 0, size
+    t_low = _time_after(handle, 0)
+    if t_low is None or t_low >= time_ns:
+        return 0
+    t_high = _time_after(handle, max(0, size - _PROBE))
+    if t_high is None or t_high < time_ns:
+        return max(0, size - _PROBE)
+    high = max(0, size - _PROBE)
+    turn = 0
+    while high - low > _CLOSE_ENOUGH:
+        turn += 1
+        quarter = (high - low) // 8
+        if turn % 2 and t_high > t_low:
+            guess = low + int((time_ns - t_low) / (t_high - t_low) * (high - low))
+            middle = min(max(guess, low + quarter), high - quarter)
+        else:
+            middle = (low + high) // 2
+        found = _time_after(handle, middle)
+        if found is None or found >= time_ns:
+            high, t_high = middle, found if found is not None else t_high
+        else:
+            low, t_low = middle, found
+    return low
+
+
+@dataclass
+class _LineIndex:
+    """Lines of one reference file: (start offset, end offset, first time, last time)."""
+
+    lines: list[tuple[int, int, int, int]]
+    size: int
+
+    @classmethod
+    def of(cls, path: Path) -> _LineIndex:
+        lines = []
+        offset = 0
+        with open_lines(path) as handle:
+            for raw in handle:
+                times = [int(m) for m in _TIME.findall(raw)]
+                if times:
+                    lines.append((offset, offset + len(raw), min(times), max(times)))
+                offset += len(raw)
+        return cls(lines, offset)
+
+    def bytes_in(self, start_ns: int, end_ns: int) -> int:
+        """Bytes of the lines a read of [start_ns, end_ns) takes (those overlapping it)."""
+        return sum(e - s for s, e, t0, t1 in self.lines if t1 >= start_ns and t0 < end_ns)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        if not self.lines:
+            return None
+        return min(t for _, _, t, _ in self.lines), max(t for *_, t in self.lines)
+
+
+def _reference(files: Iterable[Path], prefix: str) -> Path | None:
+    plain = [p for p in files if not p.name.endswith(".gz")]
+    named = [p for p in plain if p.name.startswith(prefix)]
+    return (named or [])[0] if named else None
+
+
+def _starts(origin: int, end: int, count: int, width: int) -> list[int]:
+    if count == 1:
+        return [origin]
+    gap = (end - origin - width) / (count - 1)
+    return [origin + round(i * gap) for i in range(count)]
+
+
+def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: Warn) -> TracePlan:
+    """Read everything when the run fits `budget` (or it is None); else choose the windows."""
+    whole = ReadPlan.for_files(files, budget)
+    if budget is None or not whole.partial:
+        return TracePlan(whole, read_budget=budget)
+    ref_traces = _reference(files, "traces")
+    ref_metrics = _reference(files, "metrics")
+    indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
+    sizes = {p: p.stat().st_size for p in files}
+    for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
+        if ref is None:
+            continue
+        index = _LineIndex.of(ref)
+        kind_bytes = sum(n for p, n in sizes.items() if p.name.startswith(prefix))
+        if index.size:
+            indexes.append((index, kind_bytes / index.size))
+    spans = [s for index, _ in indexes if (s := index.span) is not None]
+    if not spans:  # no file with times we can find: the byte windows of a report
+        return TracePlan(whole, read_budget=budget)
+    start = min(origin, *(s for s, _ in spans))
+    end = max(e for _, e in spans) + 1
+    margin = int(MARGIN_S * 1e9)
+
+    def cost(count: int, width: int) -> float:
+        total = 0.0
+        for begin in _starts(start, end, count, width):
+            for index, scale in indexes:
+                total += index.bytes_in(begin - margin, begin + width + margin) * scale
+        return total
+
+    best: tuple[int, int, float] | None = None
+    for count in (MAX_WINDOWS, 12, 8, 6, 4, 3, 2):
+        high = (end - start) // count
+        if high <= 0:
+            continue
+        if cost(count, 1) > budget:
+            continue
+        low = 1
+        while high - low > max(1, high // 1000):  # the widest width within the budget
+            middle = (low + high) // 2
+            if cost(count, middle) <= budget:
+                low = middle
+            else:
+                high = middle
+        best = (count, low, cost(count, low))
+        if low >= GOOD_WIDTH_S * 1e9:
+            break
+    if best is None:  # even the start and one more, 1 ns wide, is over: read them anyway
+        best = (2, int(MARGIN_S * 1e9), cost(2, int(MARGIN_S * 1e9)))
+        warn(
+            f"the read budget ({budget:,} bytes) is smaller than the whole lines that hold "
+            f"two moments of every file; reading about {best[2] / 1e6:,.0f} MB"
+        )
+    count, width, estimate = best
+    bounds = [(b, b + width) for b in _starts(start, end, count, width)]
+    windows = _step_ranges(ref_traces, bounds, warn) if ref_traces else None
+    if windows is None:
+        windows = [Window(a, b) for a, b in bounds]
+    longest = max((w.end_ns - w.start_ns for w in windows), default=0) - width
+    reach = margin + max(0, longest)
+    byte_windows = {}
+    for path in files:
+        if path.name.endswith(".gz"):
+            continue  # cannot be read in parts: read whole, filtered by the windows
+        byte_windows[path] = _byte_windows(path, sizes[path], windows, reach)
+    return TracePlan(
+        ReadPlan(byte_windows, whole.total_bytes, budget),
+        tuple(windows),
+        budget,
+        int(estimate),
+    )
+
+
+def _step_ranges(ref: Path, bounds: list[tuple[int, int]], warn: Warn) -> list[Window] | None:
+    """Each window with the step numbers (per phase) whose step spans start in it on the
+    reference rank; its end grows to the latest end of those steps (so "in the window"
+    means the whole step)."""
+    margin = int(MARGIN_S * 1e9)
+    size = ref.stat().st_size
+    with ref.open("rb") as handle:
+        parts = _byte_windows_of(handle, size, [(a - margin, b + margin) for a, b in bounds])
+    found: list[dict[str, tuple[int, int]]] = [{} for _ in bounds]
+    ends = [b for _, b in bounds]
+    plan = ReadPlan({ref: parts}, size)
+    for rec in iter_records([ref], warn, ReadStats(), frozenset({"traces"}), plan):
+        if not isinstance(rec, SpanRec) or rec.parent_span_id:
+            continue
+        step = rec.attr("otelprof.step")
+        if not isinstance(step, int):
+            continue
+        phase = rec.attr("otelprof.phase")
+        phase = phase if isinstance(phase, str) else "train"
+        for i, (a, b) in enumerate(bounds):
+            if a <= rec.start_ns < b:
+                lo, hi = found[i].get(phase, (step, step))
+                found[i][phase] = (min(lo, step), max(hi, step))
+                ends[i] = max(ends[i], rec.end_ns)
+    return [Window(a, ends[i], found[i]) for i, (a, _) in enumerate(bounds)]
+
+
+def _byte_windows_of(
+    handle: Any, size: int, times: list[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    parts: list[tuple[int, int]] = []
+    for a, b in times:
+        lo = _line_start(handle, byte_offset_at(handle, size, a))
+        hi = min(size, byte_offset_at(handle, size, b) + _CLOSE_ENOUGH + _PROBE)
+        if parts and lo <= parts[-1][1]:
+            parts[-1] = (parts[-1][0], max(parts[-1][1], hi))
+        else:
+            parts.append((lo, hi))
+    return tuple(parts)
+
+
+def _byte_windows(
+    path: Path, size: int, windows: list[Window], reach: int
+) -> tuple[tuple[int, int], ...]:
+    try:
+        with path.open("rb") as handle:
+            return _byte_windows_of(
+                handle, size, [(w.start_ns - reach, w.end_ns + reach) for w in windows]
+            )
+    except OSError:
+        return ((0, size),)  # iter_lines names the unreadable file
