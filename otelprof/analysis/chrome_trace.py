@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import io
 import json
 import math
 import zlib
@@ -100,6 +101,23 @@ def time_origin(files: RunFiles) -> int:
     return min(candidates) if candidates else 0
 
 
+_compact = json.JSONEncoder(separators=(",", ":"), default=str).encode
+"""Events' args as compact JSON (one encoder, not one per `json.dumps` call)."""
+
+GZIP_LEVEL = 3
+"""A .gz trace is compressed for speed (level 9 took 12 % of the conversion for ~20 % less
+size); `gzip -9` the file for the smallest."""
+
+
+def _open_output(output: Path) -> IO[str]:
+    """The trace file, written in 1 MiB blocks (a .gz one compressed at `GZIP_LEVEL`)."""
+    if output.suffix == ".gz":
+        raw = gzip.GzipFile(output, "wb", compresslevel=GZIP_LEVEL)
+        buffered = io.BufferedWriter(raw, 1 << 20)
+        return io.TextIOWrapper(buffered, encoding="utf-8")
+    return open(output, "w", encoding="utf-8", buffering=1 << 20)
+
+
 def _us(ns: int) -> str:
     """Nanoseconds as exact decimal microseconds (no float rounding of nested slices)."""
     sign = "-" if ns < 0 else ""
@@ -115,12 +133,14 @@ class _EventWriter:
         self.first = True
 
     def raw(self, event_json: str) -> None:
-        self.out.write("\n" if self.first else ",\n")
-        self.first = False
-        self.out.write(event_json)
+        if self.first:
+            self.first = False
+            self.out.write("\n" + event_json)
+        else:
+            self.out.write(",\n" + event_json)
 
     def emit(self, event: dict[str, Any]) -> None:
-        self.raw(json.dumps(event, separators=(",", ":"), default=str))
+        self.raw(_compact(event))
 
 
 class _Processes:
@@ -237,7 +257,7 @@ class _StepGroups:
             out.raw(
                 f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
                 f'"tid":{SPAN_TID},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
-                f'"args":{json.dumps(args, separators=(",", ":"), default=str)}}}'
+                f'"args":{_compact(args)}}}'
             )
         return len(self.groups)
 
@@ -285,10 +305,9 @@ def write_trace(
     origin = time_origin(files)
     plan = plan_trace(files.jsonl, read_budget, origin, warn)
     sample = _sample_note(plan, origin)
-    opener = gzip.open if output.suffix == ".gz" else open
     slices = counters = 0
     stats = ReadStats()
-    with opener(output, "wt", encoding="utf-8") as out:
+    with _open_output(output) as out:
         out.write('{"displayTimeUnit":"ms","otherData":')
         out.write(
             json.dumps(
@@ -337,7 +356,7 @@ def write_trace(
                 events.raw(
                     f'{{"ph":"X","cat":"otelprof","name":{json.dumps(rec.name)},"pid":{pid},'
                     f'"tid":{tid},"ts":{start},"dur":{dur},'
-                    f'"args":{json.dumps(args, separators=(",", ":"), default=str)}}}'
+                    f'"args":{_compact(args)}}}'
                 )
                 slices += 1
             else:
