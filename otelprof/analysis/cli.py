@@ -246,6 +246,8 @@ def _trace(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {result.processes} process(es), {result.slices:,} slices, "
         f"{result.counters:,} counter samples"
         + (f', {result.steps:,} steps of all ranks ("all ranks" on top)' if result.steps else "")
+        + f"; read {result.spans_read:,} spans, {result.bytes_read / 1e6:,.0f} of "
+        f"{result.total_bytes / 1e6:,.0f} MB"
         + "; open it in https://ui.perfetto.dev or chrome://tracing"
     )
     _finish(warn)
