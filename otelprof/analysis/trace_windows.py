@@ -174,6 +174,13 @@ class _LineIndex:
         return min(t for _, _, t, _ in self.lines), max(t for *_, t in self.lines)
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # iter_lines names the unreadable file
+
+
 def _reference(files: Iterable[Path], prefix: str) -> Path | None:
     plain = [p for p in files if not p.name.endswith(".gz")]
     named = [p for p in plain if p.name.startswith(prefix)]
@@ -195,11 +202,14 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
     ref_traces = _reference(files, "traces")
     ref_metrics = _reference(files, "metrics")
     indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
-    sizes = {p: p.stat().st_size for p in files}
+    sizes = {p: _size(p) for p in files}
     for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
         if ref is None:
             continue
-        index = _LineIndex.of(ref)
+        try:
+            index = _LineIndex.of(ref)
+        except OSError:
+            continue
         kind_bytes = sum(n for p, n in sizes.items() if p.name.startswith(prefix))
         if index.size:
             indexes.append((index, kind_bytes / index.size))
