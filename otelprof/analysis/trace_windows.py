@@ -11,11 +11,14 @@ them:
   point carries its time as text (`"endTimeUnixNano":"…"`, `"timeUnixNano":"…"`), so a few
   small reads at bisected offsets of a file find where a moment is (`byte_offset_at`), with
   no JSON decoded; each file's window is then a `ReadPlan` byte window, whole lines.
-- **Windows.** The run's start and windows spread evenly to its end, of one width. How many
-  and how wide is decided against the budget from one reference rank (the first traces and
-  metrics files, whose lines are indexed whole): what its lines overlapping a window weigh,
-  scaled to all files of that kind. More windows while each stays `GOOD_WIDTH_S` wide, else
-  fewer and wider; at least the start and one more.
+- **Windows.** The run's start (its first span) and windows centred in equal segments of
+  the rest of the run, up to its last span. How many and how wide is decided against the
+  budget from one reference rank (the first traces and metrics files, whose lines are
+  indexed whole): what its lines overlapping a window weigh, scaled to all files of that
+  kind. Each window gets an equal share of the budget and is as wide as its share buys (a
+  window's width is what it costs to read on every rank: the dense start of a run is
+  narrower than its steady middle); as many windows as keep each one after the start
+  `GOOD_WIDTH_S` wide, at least the start and one more.
 - **Whole steps on every rank.** Ranks start step N a little apart, so a time cut would keep
   step N on one rank and not on its neighbour. A window keeps, per phase, the range of step
   (batch) numbers whose step spans start in it on the reference rank; every span carries its
@@ -48,7 +51,7 @@ GOOD_WIDTH_S = 5.0
 MAX_WINDOWS = 16
 MARGIN_S = 1.0
 _PROBE = 4 << 10
-_CLOSE_ENOUGH = 32 << 10
+_CLOSE_ENOUGH = 4 << 10
 _TIME = re.compile(rb'"(?:endTimeUnixNano|timeUnixNano)"\s*:\s*"?(\d+)')
 
 
@@ -108,9 +111,9 @@ def _time_after(handle: Any, offset: int) -> int | None:
         if not chunk:
             return None
         data = data[-64:] + chunk
-        found = _TIME.search(data)
-        if found:
-            return int(found.group(1))
+        found = _TIME.findall(data)
+        if found:  # the latest: a metrics line's exemplars carry older times than its points
+            return max(int(t) for t in found)
     return None
 
 
@@ -152,14 +155,19 @@ class _LineIndex:
     size: int
 
     @classmethod
-    def of(cls, path: Path) -> _LineIndex:
+    def of(cls, path: Path, exported_at: bool = False) -> _LineIndex:
+        """`exported_at`: a line is one moment, its latest time (a metrics export: its
+        points' time; the exemplars in it are older)."""
         lines = []
         offset = 0
         with open_lines(path) as handle:
             for raw in handle:
                 times = [int(m) for m in _TIME.findall(raw)]
                 if times:
-                    lines.append((offset, offset + len(raw), min(times), max(times)))
+                    last = max(times)
+                    lines.append(
+                        (offset, offset + len(raw), last if exported_at else min(times), last)
+                    )
                 offset += len(raw)
         return cls(lines, offset)
 
@@ -187,11 +195,15 @@ def _reference(files: Iterable[Path], prefix: str) -> Path | None:
     return (named or [])[0] if named else None
 
 
-def _starts(origin: int, end: int, count: int, width: int) -> list[int]:
-    if count == 1:
-        return [origin]
-    gap = (end - origin - width) / (count - 1)
-    return [origin + round(i * gap) for i in range(count)]
+def _place(start: int, end: int, count: int, index: int, width: int) -> tuple[int, int]:
+    """Window `index` of `count`: the first at the start, the others centred in equal
+    segments of the rest of the run."""
+    if index == 0:
+        return start, start + width
+    segment = (end - start) / (count - 1)
+    centre = start + round((index - 0.5) * segment)
+    begin = max(start, centre - width // 2)
+    return begin, begin + width
 
 
 def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: Warn) -> TracePlan:
@@ -207,7 +219,7 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
         if ref is None:
             continue
         try:
-            index = _LineIndex.of(ref)
+            index = _LineIndex.of(ref, exported_at=prefix == "metrics")
         except OSError:
             continue
         kind_bytes = sum(n for p, n in sizes.items() if p.name.startswith(prefix))
@@ -216,52 +228,56 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
     spans = [s for index, _ in indexes if (s := index.span) is not None]
     if not spans:  # no file with times we can find: the byte windows of a report
         return TracePlan(whole, read_budget=budget)
-    start = min(origin, *(s for s, _ in spans))
-    end = max(e for _, e in spans) + 1
     margin = int(MARGIN_S * 1e9)
+    # the training's span: from the first span to the last (the metrics run on before the
+    # first step and after the last one); a run without spans, the metrics' span
+    start, end = spans[0]
+    start, end = max(min(origin, start), start - margin), end + 1
 
-    def cost(count: int, width: int) -> float:
-        total = 0.0
-        for begin in _starts(start, end, count, width):
-            for index, scale in indexes:
-                total += index.bytes_in(begin - margin, begin + width + margin) * scale
-        return total
+    def cost(bounds: tuple[int, int]) -> float:
+        return sum(
+            index.bytes_in(bounds[0] - margin, bounds[1] + margin) * scale
+            for index, scale in indexes
+        )
 
-    best: tuple[int, int, float] | None = None
-    for count in (MAX_WINDOWS, 12, 8, 6, 4, 3, 2):
-        high = (end - start) // count
-        if high <= 0:
-            continue
-        if cost(count, 1) > budget:
-            continue
+    def widest(count: int, index: int, share: float) -> int | None:
+        """The widest window `index` of `count` within `share` bytes (None: not even 1 ns)."""
+        high = (end - start) // (2 * count - 2) if index == 0 else (end - start) // (count - 1)
+        if high <= 0 or cost(_place(start, end, count, index, 1)) > share:
+            return None
         low = 1
-        while high - low > max(1, high // 1000):  # the widest width within the budget
+        while high - low > max(1, high // 1000):
             middle = (low + high) // 2
-            if cost(count, middle) <= budget:
+            if cost(_place(start, end, count, index, middle)) <= share:
                 low = middle
             else:
                 high = middle
-        best = (count, low, cost(count, low))
-        if low >= GOOD_WIDTH_S * 1e9:
-            break
-    if best is None:  # even the start and one more, 1 ns wide, is over: read them anyway
-        best = (2, int(MARGIN_S * 1e9), cost(2, int(MARGIN_S * 1e9)))
+        return low
+
+    chosen: list[tuple[int, int]] = []
+    for count in (MAX_WINDOWS, 12, 8, 6, 4, 3, 2):
+        widths = [widest(count, i, budget / count) for i in range(count)]
+        if any(w is None for w in widths):
+            continue
+        chosen = [_place(start, end, count, i, w or 1) for i, w in enumerate(widths)]
+        if min(w or 0 for w in widths[1:]) >= GOOD_WIDTH_S * 1e9:
+            break  # each window after the start wide enough: as many as that
+    if not chosen:  # even the start and one more, 1 ns wide, are over: read them anyway
+        chosen = [_place(start, end, 2, i, margin) for i in range(2)]
         warn(
             f"the read budget ({budget:,} bytes) is smaller than the whole lines that hold "
-            f"two moments of every file; reading about {best[2] / 1e6:,.0f} MB"
+            f"two moments of every file; reading about "
+            f"{sum(cost(b) for b in chosen) / 1e6:,.0f} MB"
         )
-    count, width, estimate = best
-    bounds = [(b, b + width) for b in _starts(start, end, count, width)]
-    windows = _step_ranges(ref_traces, bounds, warn) if ref_traces else None
+    estimate = sum(cost(b) for b in chosen)
+    windows = _step_ranges(ref_traces, chosen, warn) if ref_traces else None
     if windows is None:
-        windows = [Window(a, b) for a, b in bounds]
-    longest = max((w.end_ns - w.start_ns for w in windows), default=0) - width
-    reach = margin + max(0, longest)
+        windows = [Window(a, b) for a, b in chosen]
     byte_windows = {}
     for path in files:
         if path.name.endswith(".gz"):
             continue  # cannot be read in parts: read whole, filtered by the windows
-        byte_windows[path] = _byte_windows(path, sizes[path], windows, reach)
+        byte_windows[path] = _byte_windows(path, sizes[path], windows, margin)
     return TracePlan(
         ReadPlan(byte_windows, whole.total_bytes, budget),
         tuple(windows),
