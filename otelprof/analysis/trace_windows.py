@@ -52,6 +52,7 @@ MAX_WINDOWS = 16
 MARGIN_S = 1.0
 _PROBE = 4 << 10
 _CLOSE_ENOUGH = 4 << 10
+_START = re.compile(rb'"startTimeUnixNano"\s*:\s*"?(\d+)')  # a traces file's index only
 _TIME = re.compile(rb'"(?:endTimeUnixNano|timeUnixNano)"\s*:\s*"?(\d+)')
 
 
@@ -147,6 +148,10 @@ def byte_offset_at(handle: Any, size: int, time_ns: int) -> int:
     return low
 
 
+def _starts_in(raw: bytes) -> list[int]:
+    return [int(m) for m in _START.findall(raw)]
+
+
 @dataclass
 class _LineIndex:
     """Lines of one reference file: (start offset, end offset, first time, last time)."""
@@ -229,10 +234,10 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
     if not spans:  # no file with times we can find: the byte windows of a report
         return TracePlan(whole, read_budget=budget)
     margin = int(MARGIN_S * 1e9)
-    # the training's span: from the first span to the last (the metrics run on before the
-    # first step and after the last one); a run without spans, the metrics' span
+    # the training's span: from the first span's start to the last span's end (the metrics
+    # run on before the first step and after the last one); without spans, the metrics'
     start, end = spans[0]
-    start, end = max(min(origin, start), start - margin), end + 1
+    end += 1
 
     def cost(bounds: tuple[int, int]) -> float:
         return sum(
