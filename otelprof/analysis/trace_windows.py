@@ -170,9 +170,8 @@ class _LineIndex:
                 times = [int(m) for m in _TIME.findall(raw)]
                 if times:
                     last = max(times)
-                    lines.append(
-                        (offset, offset + len(raw), last if exported_at else min(times), last)
-                    )
+                    first = last if exported_at else min(times + _starts_in(raw))
+                    lines.append((offset, offset + len(raw), first, last))
                 offset += len(raw)
         return cls(lines, offset)
 
