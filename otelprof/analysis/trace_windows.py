@@ -49,7 +49,7 @@ from otelprof.analysis.reader import (
 GOOD_WIDTH_S = 5.0
 """Windows narrower than this (seconds) are traded for fewer, wider ones."""
 MAX_WINDOWS = 16
-MARGIN_S = 1.0
+MARGIN_S = 0.25
 _PROBE = 4 << 10
 _CLOSE_ENOUGH = 4 << 10
 _START = re.compile(rb'"startTimeUnixNano"\s*:\s*"?(\d+)')  # a traces file's index only
@@ -244,11 +244,9 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
             for index, scale in indexes
         )
 
-    def widest(count: int, index: int, share: float) -> int | None:
-        """The widest window `index` of `count` within `share` bytes (None: not even 1 ns)."""
+    def widest(count: int, index: int, share: float) -> int:
+        """The widest window `index` of `count` within `share` bytes (at least 1 ns)."""
         high = (end - start) // (2 * count - 2) if index == 0 else (end - start) // (count - 1)
-        if high <= 0 or cost(_place(start, end, count, index, 1)) > share:
-            return None
         low = 1
         while high - low > max(1, high // 1000):
             middle = (low + high) // 2
@@ -260,19 +258,24 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
 
     chosen: list[tuple[int, int]] = []
     for count in (MAX_WINDOWS, 12, 8, 6, 4, 3, 2):
-        widths = [widest(count, i, budget / count) for i in range(count)]
-        if any(w is None for w in widths):
+        if (end - start) // (2 * count - 2) <= 0:
             continue
-        chosen = [_place(start, end, count, i, w or 1) for i, w in enumerate(widths)]
-        if min(w or 0 for w in widths[1:]) >= GOOD_WIDTH_S * 1e9:
+        least = [cost(_place(start, end, count, i, 1)) for i in range(count)]
+        over = sum(least) > budget
+        if over and count > 2:
+            continue
+        # each window its least cost (the whole lines a moment takes) and an equal part of
+        # what is left; over the budget even so (a few lines per file): as wide as free
+        left = 0.0 if over else (budget - sum(least)) / count
+        widths = [widest(count, i, least[i] + left) for i in range(count)]
+        chosen = [_place(start, end, count, i, w) for i, w in enumerate(widths)]
+        if over:
+            warn(
+                f"the read budget ({budget:,} bytes) is smaller than the whole lines that "
+                f"hold two moments of every file; reading about {sum(least) / 1e6:,.0f} MB"
+            )
+        if over or min(widths[1:]) >= GOOD_WIDTH_S * 1e9:
             break  # each window after the start wide enough: as many as that
-    if not chosen:  # even the start and one more, 1 ns wide, are over: read them anyway
-        chosen = [_place(start, end, 2, i, margin) for i in range(2)]
-        warn(
-            f"the read budget ({budget:,} bytes) is smaller than the whole lines that hold "
-            f"two moments of every file; reading about "
-            f"{sum(cost(b) for b in chosen) / 1e6:,.0f} MB"
-        )
     estimate = sum(cost(b) for b in chosen)
     windows = _step_ranges(ref_traces, chosen, warn) if ref_traces else None
     if windows is None:
