@@ -80,6 +80,10 @@ def main() -> int:
     parser.add_argument("--baseline", type=Path, help="a tree with an older otelprof")
     parser.add_argument("--trace", action="store_true", help="also time `otelprof trace`")
     parser.add_argument(
+        "--trace-only", action="store_true", help="time `otelprof trace` only (no report)"
+    )
+    parser.add_argument("--trace-args", default="", help="extra trace arguments, e.g. '--read-all'")
+    parser.add_argument(
         "--report-args", default="", help="extra report arguments, e.g. '--read-all'"
     )
     args = parser.parse_args()
@@ -108,7 +112,7 @@ def main() -> int:
         if args.baseline:
             trees.append(("baseline", args.baseline))
         extra = args.report_args.split()
-        for i in range(args.runs):
+        for i in range(0 if args.trace_only else args.runs):
             for name, tree in trees if i % 2 == 0 else trees[::-1]:
                 out = Path(tempfile.mkstemp(suffix=".json")[1])
                 report_args = ["report", "--json", str(run)]
@@ -126,12 +130,22 @@ def main() -> int:
                     f"steps {doc['steps'].get('count')}",
                     flush=True,
                 )
-        if args.trace:
-            with tempfile.TemporaryDirectory() as tmp:
-                figures = run_cli(["trace", str(run), "-o", f"{tmp}/trace.json.gz"], REPO)
-                figures["output_mb"] = round(Path(f"{tmp}/trace.json.gz").stat().st_size / 1e6)
-            figures["load"] = round(os.getloadavg()[0], 1)
-            print(f"trace: {json.dumps(figures)}", flush=True)
+        if args.trace or args.trace_only:
+            for i in range(args.runs):
+                for name, tree in trees if i % 2 == 0 else trees[::-1]:
+                    trace_args = args.trace_args.split() if name == "this tree" else []
+                    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                        output = Path(tmp) / "trace.json.gz"
+                        said = Path(tmp) / "said.txt"
+                        figures = run_cli(["trace", str(run), "-o", str(output), *trace_args],
+                                          tree, said)  # fmt: skip
+                        figures["output_mb"] = round(output.stat().st_size / 1e6, 1)
+                        wrote = said.read_text().strip()
+                    figures["load"] = round(os.getloadavg()[0], 1)
+                    print(
+                        f"trace ({name}, {' '.join(trace_args)}): {json.dumps(figures)}; {wrote}",
+                        flush=True,
+                    )
     finally:
         if base is not None and not args.keep:
             shutil.rmtree(base, ignore_errors=True)

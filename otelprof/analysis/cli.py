@@ -49,22 +49,9 @@ def register(subparsers: Any) -> None:
         help="also write a self-contained HTML report with plots",
     )
     report.add_argument("--width", type=int, default=None, help="terminal width for tables")
-    budget = report.add_mutually_exclusive_group()
-    budget.add_argument(
-        "--read-budget",
-        type=_size,
-        default=DEFAULT_READ_BUDGET,
-        metavar="SIZE",
-        help="read at most this much of the run's files (e.g. 500M, 4G; default "
-        f"{DEFAULT_READ_BUDGET >> 20}M): a larger run is read in evenly spaced parts of "
-        "every file, timing figures staying exact (see README)",
-    )
-    budget.add_argument(
-        "--read-all",
-        dest="read_budget",
-        action="store_const",
-        const=None,
-        help="read every byte of the run's files, however large",
+    _add_read_budget(
+        report,
+        "a larger run is read in evenly spaced parts of every file, timing figures staying exact",
     )
     report.set_defaults(func=_report)
 
@@ -82,6 +69,11 @@ def register(subparsers: Any) -> None:
     )
     trace.add_argument(
         "--no-metrics", action="store_true", help="leave hardware counter tracks out"
+    )
+    _add_read_budget(
+        trace,
+        "a larger run is read in time windows that are the same on every rank (its start "
+        "and windows spread to its end, whole steps), noted in the trace",
     )
     trace.set_defaults(func=_trace)
 
@@ -120,6 +112,26 @@ def register(subparsers: Any) -> None:
     )
     replay.add_argument("--signals", choices=("all", "traces", "metrics"), default="all")
     replay.set_defaults(func=_replay)
+
+
+def _add_read_budget(parser: Any, larger: str) -> None:
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--read-budget",
+        type=_size,
+        default=DEFAULT_READ_BUDGET,
+        metavar="SIZE",
+        help="read at most this much of the run's files (e.g. 500M, 4G; default "
+        f"{DEFAULT_READ_BUDGET >> 20}M): "
+        f"{larger} (see README)",
+    )
+    budget.add_argument(
+        "--read-all",
+        dest="read_budget",
+        action="store_const",
+        const=None,
+        help="read every byte of the run's files, however large",
+    )
 
 
 def _size(text: str) -> int:
@@ -225,11 +237,17 @@ def _trace(args: argparse.Namespace) -> int:
     files = _open(args, warn)
     if files is None:
         return 2
-    result = write_trace(files, args.output, warn, metrics=not args.no_metrics)
+    result = write_trace(
+        files, args.output, warn, metrics=not args.no_metrics, read_budget=args.read_budget
+    )
+    if result.sample:
+        print(f"otelprof trace: {result.sample['note']}", file=sys.stderr)
     print(
         f"wrote {args.output}: {result.processes} process(es), {result.slices:,} slices, "
         f"{result.counters:,} counter samples"
         + (f', {result.steps:,} steps of all ranks ("all ranks" on top)' if result.steps else "")
+        + f"; read {result.spans_read:,} spans, {result.bytes_read / 1e6:,.0f} of "
+        f"{result.total_bytes / 1e6:,.0f} MB"
         + "; open it in https://ui.perfetto.dev or chrome://tracing"
     )
     _finish(warn)

@@ -454,7 +454,21 @@ def _key(item: Any) -> str:
 
 def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
     """Decode an OTLP JSON attribute list into a dict (raises one of `MALFORMED` if damaged)."""
-    return {_key(item): any_value(item.get("value")) for item in _list(items, "attributes")}
+    out: dict[str, Any] = {}
+    for item in _list(items, "attributes"):
+        key = _key(item)
+        value = item.get("value")
+        if type(value) is dict and len(value) == 1:  # the common cases inline (hot path)
+            raw = value.get("stringValue")
+            if raw is not None:
+                out[key] = raw
+                continue
+            raw = value.get("intValue")
+            if type(raw) is str:
+                out[key] = int(raw)
+                continue
+        out[key] = any_value(value)
+    return out
 
 
 def _check_attributes(items: Any) -> None:

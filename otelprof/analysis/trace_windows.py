@@ -1,0 +1,346 @@
+"""Which parts of a run over the read budget `otelprof trace` reads: the same time windows on
+every rank, and whole steps in them.
+
+Why not `ReadPlan`'s byte windows as they are: evenly spaced bytes of each file are different
+moments on different ranks (a rank with host metrics or more kept steps writes more bytes a
+second), so the "all ranks" track and a step seen across ranks would show pieces. Here the
+windows are chosen in time, once for the run, and each file is read at the bytes that hold
+them:
+
+- **Time to bytes, cheaply.** The exporters append lines in time order and every span or
+  point carries its time as text (`"endTimeUnixNano":"…"`, `"timeUnixNano":"…"`), so a few
+  small reads at bisected offsets of a file find where a moment is (`byte_offset_at`), with
+  no JSON decoded; each file's window is then a `ReadPlan` byte window, whole lines.
+- **Windows.** The run's start (its first span) and windows centred in equal segments of
+  the rest of the run, up to its last span. How many and how wide is decided against the
+  budget from one reference rank (the first traces and metrics files, whose lines are
+  indexed whole): what its lines overlapping a window weigh, scaled to all files of that
+  kind. Each window gets an equal share of the budget and is as wide as its share buys (a
+  window's width is what it costs to read on every rank: the dense start of a run is
+  narrower than its steady middle); as many windows as keep each one after the start
+  `GOOD_WIDTH_S` wide, at least the start and one more.
+- **Whole steps on every rank.** Ranks start step N a little apart, so a time cut would keep
+  step N on one rank and not on its neighbour. A window keeps, per phase, the range of step
+  (batch) numbers whose step spans start in it on the reference rank; every span carries its
+  step and phase, so every rank keeps exactly the spans of those steps (one with no step, by
+  its start time). Each file is read with a margin around the window (the longest of those
+  steps plus `MARGIN_S`) so a step's spans on a rank a little behind are read too.
+- Hardware gauges are kept when their time is in a window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otelprof.analysis.reader import (
+    ReadPlan,
+    ReadStats,
+    SpanRec,
+    Warn,
+    _line_start,
+    iter_records,
+    open_lines,
+)
+
+GOOD_WIDTH_S = 5.0
+"""Windows narrower than this (seconds) are traded for fewer, wider ones."""
+MAX_WINDOWS = 16
+MARGIN_S = 0.25
+_PROBE = 4 << 10
+_CLOSE_ENOUGH = 4 << 10
+_START = re.compile(rb'"startTimeUnixNano"\s*:\s*"?(\d+)')  # a traces file's index only
+_TIME = re.compile(rb'"(?:endTimeUnixNano|timeUnixNano)"\s*:\s*"?(\d+)')
+
+
+@dataclass(frozen=True)
+class Window:
+    """One time window [start_ns, end_ns) and the step numbers it keeps, per phase."""
+
+    start_ns: int
+    end_ns: int
+    steps: dict[str, tuple[int, int]] = field(default_factory=dict)  # phase -> [lo, hi]
+
+    def describe(self, origin: int) -> dict[str, Any]:
+        return {
+            "from_s": round((self.start_ns - origin) / 1e9, 3),
+            "to_s": round((self.end_ns - origin) / 1e9, 3),
+            "steps": {phase: list(bounds) for phase, bounds in sorted(self.steps.items())},
+        }
+
+
+@dataclass(frozen=True)
+class TracePlan:
+    """The parts of a run a trace reads: `plan` (byte windows of every file, or all of it)
+    and, when sampled, the time windows and step ranges every rank keeps."""
+
+    plan: ReadPlan
+    windows: tuple[Window, ...] = ()
+    read_budget: int | None = None
+    estimated_bytes: int = 0
+
+    @property
+    def sampled(self) -> bool:
+        return bool(self.windows)
+
+    def keeps_span(self, rec: SpanRec) -> bool:
+        if not self.windows:
+            return True
+        step, phase = rec.attr("otelprof.step"), rec.attr("otelprof.phase")
+        if isinstance(step, int):
+            phase = phase if isinstance(phase, str) else "train"
+            for window in self.windows:
+                bounds = window.steps.get(phase)
+                if bounds is not None and bounds[0] <= step <= bounds[1]:
+                    return True
+            return False
+        return self.keeps_time(rec.start_ns)
+
+    def keeps_time(self, time_ns: int) -> bool:
+        return not self.windows or any(w.start_ns <= time_ns < w.end_ns for w in self.windows)
+
+
+def _time_after(handle: Any, offset: int) -> int | None:
+    """The first span end or point time written at or after `offset` (None: none)."""
+    handle.seek(offset)
+    data = b""
+    for _ in range(16):  # a span's attributes may be long: look up to 64 KiB on
+        chunk = handle.read(_PROBE)
+        if not chunk:
+            return None
+        data = data[-64:] + chunk
+        found = _TIME.findall(data)
+        if found:  # the latest: a metrics line's exemplars carry older times than its points
+            return max(int(t) for t in found)
+    return None
+
+
+def byte_offset_at(handle: Any, size: int, time_ns: int) -> int:
+    """An offset of a plain run file before the first record of `time_ns` or later, within
+    `_CLOSE_ENOUGH` of it (lines are written in time order; a few small reads: interpolation
+    on the times found, every other step a bisection so a lumpy file costs at most twice
+    a bisection)."""
+    low, high = 0, size
+    t_low = _time_after(handle, 0)
+    if t_low is None or t_low >= time_ns:
+        return 0
+    t_high = _time_after(handle, max(0, size - _PROBE))
+    if t_high is None or t_high < time_ns:
+        return max(0, size - _PROBE)
+    high = max(0, size - _PROBE)
+    turn = 0
+    while high - low > _CLOSE_ENOUGH:
+        turn += 1
+        quarter = (high - low) // 8
+        if turn % 2 and t_high > t_low:
+            guess = low + int((time_ns - t_low) / (t_high - t_low) * (high - low))
+            middle = min(max(guess, low + quarter), high - quarter)
+        else:
+            middle = (low + high) // 2
+        found = _time_after(handle, middle)
+        if found is None or found >= time_ns:
+            high, t_high = middle, found if found is not None else t_high
+        else:
+            low, t_low = middle, found
+    return low
+
+
+def _starts_in(raw: bytes) -> list[int]:
+    return [int(m) for m in _START.findall(raw)]
+
+
+@dataclass
+class _LineIndex:
+    """Lines of one reference file: (start offset, end offset, first time, last time)."""
+
+    lines: list[tuple[int, int, int, int]]
+    size: int
+
+    @classmethod
+    def of(cls, path: Path, exported_at: bool = False) -> _LineIndex:
+        """`exported_at`: a line is one moment, its latest time (a metrics export: its
+        points' time; the exemplars in it are older)."""
+        lines = []
+        offset = 0
+        with open_lines(path) as handle:
+            for raw in handle:
+                times = [int(m) for m in _TIME.findall(raw)]
+                if times:
+                    last = max(times)
+                    first = last if exported_at else min(times + _starts_in(raw))
+                    lines.append((offset, offset + len(raw), first, last))
+                offset += len(raw)
+        return cls(lines, offset)
+
+    def bytes_in(self, start_ns: int, end_ns: int) -> int:
+        """Bytes of the lines a read of [start_ns, end_ns) takes (those overlapping it)."""
+        return sum(e - s for s, e, t0, t1 in self.lines if t1 >= start_ns and t0 < end_ns)
+
+    @property
+    def span(self) -> tuple[int, int] | None:
+        if not self.lines:
+            return None
+        return min(t for _, _, t, _ in self.lines), max(t for *_, t in self.lines)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # iter_lines names the unreadable file
+
+
+def _reference(files: Iterable[Path], prefix: str) -> Path | None:
+    plain = [p for p in files if not p.name.endswith(".gz")]
+    named = [p for p in plain if p.name.startswith(prefix)]
+    return (named or [])[0] if named else None
+
+
+def _place(start: int, end: int, count: int, index: int, width: int) -> tuple[int, int]:
+    """Window `index` of `count`: the first at the start, the others centred in equal
+    segments of the rest of the run."""
+    if index == 0:
+        return start, start + width
+    segment = (end - start) / (count - 1)
+    centre = start + round((index - 0.5) * segment)
+    begin = max(start, centre - width // 2)
+    return begin, begin + width
+
+
+def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: Warn) -> TracePlan:
+    """Read everything when the run fits `budget` (or it is None); else choose the windows."""
+    whole = ReadPlan.for_files(files, budget)
+    if budget is None or not whole.partial:
+        return TracePlan(whole, read_budget=budget)
+    ref_traces = _reference(files, "traces")
+    ref_metrics = _reference(files, "metrics")
+    indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
+    sizes = {p: _size(p) for p in files}
+    for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
+        if ref is None:
+            continue
+        try:
+            index = _LineIndex.of(ref, exported_at=prefix == "metrics")
+        except OSError:
+            continue
+        kind_bytes = sum(n for p, n in sizes.items() if p.name.startswith(prefix))
+        if index.size:
+            indexes.append((index, kind_bytes / index.size))
+    spans = [s for index, _ in indexes if (s := index.span) is not None]
+    if not spans:  # no file with times we can find: the byte windows of a report
+        return TracePlan(whole, read_budget=budget)
+    margin = int(MARGIN_S * 1e9)
+    # the training's span: from the first span's start to the last span's end (the metrics
+    # run on before the first step and after the last one); without spans, the metrics'
+    start, end = spans[0]
+    end += 1
+
+    def cost(bounds: tuple[int, int]) -> float:
+        return sum(
+            index.bytes_in(bounds[0] - margin, bounds[1] + margin) * scale
+            for index, scale in indexes
+        )
+
+    def widest(count: int, index: int, share: float) -> int:
+        """The widest window `index` of `count` within `share` bytes (at least 1 ns)."""
+        high = (end - start) // (2 * count - 2) if index == 0 else (end - start) // (count - 1)
+        low = 1
+        while high - low > max(1, high // 1000):
+            middle = (low + high) // 2
+            if cost(_place(start, end, count, index, middle)) <= share:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    chosen: list[tuple[int, int]] = []
+    for count in (MAX_WINDOWS, 12, 8, 6, 4, 3, 2):
+        if (end - start) // (2 * count - 2) <= 0:
+            continue
+        least = [cost(_place(start, end, count, i, 1)) for i in range(count)]
+        over = sum(least) > budget
+        if over and count > 2:
+            continue
+        # each window its least cost (the whole lines a moment takes) and an equal part of
+        # what is left; over the budget even so (a few lines per file): as wide as free
+        left = 0.0 if over else (budget - sum(least)) / count
+        widths = [widest(count, i, least[i] + left) for i in range(count)]
+        chosen = [_place(start, end, count, i, w) for i, w in enumerate(widths)]
+        if over:
+            warn(
+                f"the read budget ({budget:,} bytes) is smaller than the whole lines that "
+                f"hold two moments of every file; reading about {sum(least) / 1e6:,.0f} MB"
+            )
+        if over or min(widths[1:]) >= GOOD_WIDTH_S * 1e9:
+            break  # each window after the start wide enough: as many as that
+    estimate = sum(cost(b) for b in chosen)
+    windows = _step_ranges(ref_traces, chosen, warn) if ref_traces else None
+    if windows is None:
+        windows = [Window(a, b) for a, b in chosen]
+    byte_windows = {}
+    for path in files:
+        if path.name.endswith(".gz"):
+            continue  # cannot be read in parts: read whole, filtered by the windows
+        byte_windows[path] = _byte_windows(path, sizes[path], windows, margin)
+    return TracePlan(
+        ReadPlan(byte_windows, whole.total_bytes, budget),
+        tuple(windows),
+        budget,
+        int(estimate),
+    )
+
+
+def _step_ranges(ref: Path, bounds: list[tuple[int, int]], warn: Warn) -> list[Window] | None:
+    """Each window with the step numbers (per phase) whose step spans start in it on the
+    reference rank; its end grows to the latest end of those steps (so "in the window"
+    means the whole step)."""
+    margin = int(MARGIN_S * 1e9)
+    size = ref.stat().st_size
+    with ref.open("rb") as handle:
+        parts = _byte_windows_of(handle, size, [(a - margin, b + margin) for a, b in bounds])
+    found: list[dict[str, tuple[int, int]]] = [{} for _ in bounds]
+    ends = [b for _, b in bounds]
+    plan = ReadPlan({ref: parts}, size)
+    for rec in iter_records([ref], warn, ReadStats(), frozenset({"traces"}), plan):
+        if not isinstance(rec, SpanRec) or rec.parent_span_id:
+            continue
+        step = rec.attr("otelprof.step")
+        if not isinstance(step, int):
+            continue
+        phase = rec.attr("otelprof.phase")
+        phase = phase if isinstance(phase, str) else "train"
+        for i, (a, b) in enumerate(bounds):
+            if a <= rec.start_ns < b:
+                lo, hi = found[i].get(phase, (step, step))
+                found[i][phase] = (min(lo, step), max(hi, step))
+                ends[i] = max(ends[i], rec.end_ns)
+    return [Window(a, ends[i], found[i]) for i, (a, _) in enumerate(bounds)]
+
+
+def _byte_windows_of(
+    handle: Any, size: int, times: list[tuple[int, int]]
+) -> tuple[tuple[int, int], ...]:
+    parts: list[tuple[int, int]] = []
+    for a, b in times:
+        lo = _line_start(handle, byte_offset_at(handle, size, a))
+        hi = min(size, byte_offset_at(handle, size, b) + _CLOSE_ENOUGH + _PROBE)
+        if parts and lo <= parts[-1][1]:
+            parts[-1] = (parts[-1][0], max(parts[-1][1], hi))
+        else:
+            parts.append((lo, hi))
+    return tuple(parts)
+
+
+def _byte_windows(
+    path: Path, size: int, windows: list[Window], reach: int
+) -> tuple[tuple[int, int], ...]:
+    try:
+        with path.open("rb") as handle:
+            return _byte_windows_of(
+                handle, size, [(w.start_ns - reach, w.end_ns + reach) for w in windows]
+            )
+    except OSError:
+        return ((0, size),)  # iter_lines names the unreadable file
