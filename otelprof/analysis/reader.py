@@ -256,12 +256,7 @@ class ReadPlan:
 
     @classmethod
     def for_files(cls, files: Iterable[Path], budget: int | None) -> ReadPlan:
-        sizes: dict[Path, int] = {}
-        for path in files:
-            try:
-                sizes[path] = path.stat().st_size
-            except OSError:
-                sizes[path] = 0  # iter_lines names the unreadable file
+        sizes = {path: file_size(path) for path in files}
         total = sum(sizes.values())
         if budget is None or total <= budget:
             return cls({}, total, budget)
@@ -282,6 +277,15 @@ class ReadPlan:
                 parts = [(round(i * step), round(i * step) + width) for i in range(count)]
             windows[path] = (*parts, (body, size))
         return cls(windows, total, budget)
+
+
+def file_size(path: Path) -> int:
+    """A run file's size for read planning; 0 for one that cannot be stat'ed (the reading
+    pass, `iter_lines`, names it)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 @dataclass
@@ -329,7 +333,7 @@ def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
 _METRICS_START = b'{"resourceMetrics"'  # how the exporters' metrics lines begin
 
 
-def _line_start(handle: IO[bytes], position: int) -> int:
+def line_start(handle: IO[bytes], position: int) -> int:
     """Where the line holding byte `position` starts (scanning back for a newline)."""
     while position > 0:
         begin = max(0, position - (64 << 10))
@@ -350,7 +354,7 @@ def _window_lines(handle: IO[bytes], windows: tuple[tuple[int, int], ...]) -> It
     handle.seek(0)
     for index, (start, end) in enumerate(windows):
         if index == len(windows) - 1 and metrics:
-            handle.seek(max(done, _line_start(handle, start)))
+            handle.seek(max(done, line_start(handle, start)))
         elif start > 0:
             handle.seek(start - 1)
             if handle.read(1) != b"\n":

@@ -36,13 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE, ATTR_STEP, PHASE_TRAIN
 from otelprof.analysis.reader import (
     ReadPlan,
     ReadStats,
     SpanRec,
     Warn,
-    _line_start,
+    file_size,
     iter_records,
+    line_start,
     open_lines,
 )
 
@@ -89,18 +91,27 @@ class TracePlan:
     def keeps_span(self, rec: SpanRec) -> bool:
         if not self.windows:
             return True
-        step, phase = rec.attr("otelprof.step"), rec.attr("otelprof.phase")
-        if isinstance(step, int):
-            phase = phase if isinstance(phase, str) else "train"
-            for window in self.windows:
-                bounds = window.steps.get(phase)
-                if bounds is not None and bounds[0] <= step <= bounds[1]:
-                    return True
-            return False
-        return self.keeps_time(rec.start_ns)
+        of_step = _step_of(rec)
+        if of_step is None:
+            return self.keeps_time(rec.start_ns)
+        phase, step = of_step
+        for window in self.windows:
+            bounds = window.steps.get(phase)
+            if bounds is not None and bounds[0] <= step <= bounds[1]:
+                return True
+        return False
 
     def keeps_time(self, time_ns: int) -> bool:
         return not self.windows or any(w.start_ns <= time_ns < w.end_ns for w in self.windows)
+
+
+def _step_of(rec: SpanRec) -> tuple[str, int] | None:
+    """(phase, step number) of a span that belongs to a step (None: one that does not)."""
+    step = rec.attr(ATTR_STEP)
+    if not isinstance(step, int):
+        return None
+    phase = rec.attr(ATTR_PHASE)
+    return (phase if isinstance(phase, str) else PHASE_TRAIN), step
 
 
 def _time_after(handle: Any, offset: int) -> int | None:
@@ -186,17 +197,10 @@ class _LineIndex:
         return min(t for _, _, t, _ in self.lines), max(t for *_, t in self.lines)
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0  # iter_lines names the unreadable file
-
-
 def _reference(files: Iterable[Path], prefix: str) -> Path | None:
-    plain = [p for p in files if not p.name.endswith(".gz")]
-    named = [p for p in plain if p.name.startswith(prefix)]
-    return (named or [])[0] if named else None
+    """The first plain (indexable) file of a kind: the rank the windows are planned on."""
+    plain = (p for p in files if p.name.startswith(prefix) and not p.name.endswith(".gz"))
+    return next(plain, None)
 
 
 def _place(start: int, end: int, count: int, index: int, width: int) -> tuple[int, int]:
@@ -218,7 +222,7 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
     ref_traces = _reference(files, "traces")
     ref_metrics = _reference(files, "metrics")
     indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
-    sizes = {p: _size(p) for p in files}
+    sizes = {p: file_size(p) for p in files}
     for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
         if ref is None:
             continue
@@ -277,8 +281,9 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
         if over or min(widths[1:]) >= GOOD_WIDTH_S * 1e9:
             break  # each window after the start wide enough: as many as that
     estimate = sum(cost(b) for b in chosen)
-    windows = _step_ranges(ref_traces, chosen, warn) if ref_traces else None
-    if windows is None:
+    if ref_traces is not None:
+        windows = _step_ranges(ref_traces, sizes[ref_traces], chosen, warn)
+    else:
         windows = [Window(a, b) for a, b in chosen]
     byte_windows = {}
     for path in files:
@@ -293,12 +298,11 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
     )
 
 
-def _step_ranges(ref: Path, bounds: list[tuple[int, int]], warn: Warn) -> list[Window] | None:
+def _step_ranges(ref: Path, size: int, bounds: list[tuple[int, int]], warn: Warn) -> list[Window]:
     """Each window with the step numbers (per phase) whose step spans start in it on the
     reference rank; its end grows to the latest end of those steps (so "in the window"
     means the whole step)."""
     margin = int(MARGIN_S * 1e9)
-    size = ref.stat().st_size
     with ref.open("rb") as handle:
         parts = _byte_windows_of(handle, size, [(a - margin, b + margin) for a, b in bounds])
     found: list[dict[str, tuple[int, int]]] = [{} for _ in bounds]
@@ -307,11 +311,10 @@ def _step_ranges(ref: Path, bounds: list[tuple[int, int]], warn: Warn) -> list[W
     for rec in iter_records([ref], warn, ReadStats(), frozenset({"traces"}), plan):
         if not isinstance(rec, SpanRec) or rec.parent_span_id:
             continue
-        step = rec.attr("otelprof.step")
-        if not isinstance(step, int):
+        of_step = _step_of(rec)
+        if of_step is None:
             continue
-        phase = rec.attr("otelprof.phase")
-        phase = phase if isinstance(phase, str) else "train"
+        phase, step = of_step
         for i, (a, b) in enumerate(bounds):
             if a <= rec.start_ns < b:
                 lo, hi = found[i].get(phase, (step, step))
@@ -325,7 +328,7 @@ def _byte_windows_of(
 ) -> tuple[tuple[int, int], ...]:
     parts: list[tuple[int, int]] = []
     for a, b in times:
-        lo = _line_start(handle, byte_offset_at(handle, size, a))
+        lo = line_start(handle, byte_offset_at(handle, size, a))
         hi = min(size, byte_offset_at(handle, size, b) + _CLOSE_ENOUGH + _PROBE)
         if parts and lo <= parts[-1][1]:
             parts[-1] = (parts[-1][0], max(parts[-1][1], hi))
