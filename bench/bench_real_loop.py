@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 from _machine import background_cpu, cpu_model
-from bench_step_rate import GcClock
+from bench_step_rate import GcClock, between_steps
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
@@ -189,7 +189,8 @@ def _outside_inside(m: Model, args: Any, make: Callable[[], Any]) -> None:
                 prof = make()
                 instrumented_loop(m, 1.0, prof)  # the session busy, as it is when training
                 prof._timings._builder.flush()
-                times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
+                with between_steps(prof):
+                    times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
                 prof.shutdown()
             else:
                 times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
@@ -239,7 +240,8 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
                     if instrumented:
                         result[True] = _block(inst_loop, m, args.block_seconds, prof, builder)
                     else:
-                        result[False] = _block(bare_loop, m, args.block_seconds, None, None)
+                        with between_steps(prof):
+                            result[False] = _block(bare_loop, m, args.block_seconds, None, None)
                     gc_ns[instrumented] += collector.ns - before
                 if not 1 / TOLERANCE <= result[False]["thread_us"] / 1e3 / step_ms <= TOLERANCE:
                     off += 1

@@ -41,6 +41,7 @@ Printed per step length:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -48,6 +49,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,31 @@ SHARES = (0.2, 0.05, 0.6, 0.05, 0.05, 0.05)
 TOLERANCE = 1.25
 """A pair counts only if its bare block's measured step is within this factor of the target:
 a load change mid-pair otherwise turns a "0.3 ms" figure into one for 0.15 ms steps."""
+
+
+@contextlib.contextmanager
+def between_steps(prof: Any) -> Iterator[None]:
+    """Run a bare block of an interleaved pair with no step open, as a user's loop never
+    runs hundreds of ms of work outside `prof.step()`. Without it the step the instrumented
+    block's last `prof.step()` began spans the whole bare block: torch's own bridged ranges
+    there (DataLoader, Optimizer) are recorded into it, and the next instrumented block
+    pays for one 0.5 s step of thousands of ranges, while the bare block pays the bridge.
+    The step's clock restarts when the bare block ends; background threads run throughout."""
+    from otelprof.timings import _recorder
+
+    engine = prof._timings
+    ctx = engine._ctx
+    _recorder.recorder.record(None)
+    try:
+        yield
+    finally:
+        now = time.perf_counter_ns()
+        if ctx is not None:
+            ctx.start_ns = now
+        engine._step_start = now
+        if engine._train_t0 is not None:
+            engine._train_t0 = now
+        _recorder.recorder.record(ctx)
 
 
 class GcClock:
@@ -242,9 +269,10 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
                         background += background_cpu() - cpu
                         ranges += steps * (len(TIMINGS) + 1)
                     else:
-                        start = time.perf_counter()
-                        steps = _bare_loop(work, units, args.block_seconds)
-                        wall = time.perf_counter() - start
+                        with between_steps(prof):
+                            start = time.perf_counter()
+                            steps = _bare_loop(work, units, args.block_seconds)
+                            wall = time.perf_counter() - start
                     times[instrumented] = wall / max(steps, 1) * 1e3
                     thread_cpu[instrumented] = (time.thread_time() - own) / max(steps, 1) * 1e6
                     gc_ns[instrumented] += collector.ns - collected[0]
