@@ -414,3 +414,53 @@ def test_a_phase_of_one_batch_keeps_its_span_after_fast_steps_raised_the_head_le
         assert out[-1][0] == "validate" and out[-1][6]["otelprof.sampled"] == "head"
         t += 5_000_000
         clock.now += 0.005
+
+
+def test_the_head_level_holds_while_sampled_out_steps_arrive_in_batches() -> None:
+    """30 ms steps of 11 spans: the training thread samples out the steps head sampling does
+    not select and hands them over 64 at a time (2 s apart), as `_quiet_steps` does. The
+    level follows the load averaged over seconds, not each second's share of a batch, so it
+    settles once; each window of published numbers costs one hash per selected number."""
+    windows: list[int] = []
+
+    class CountedTraces(RunTraces):
+        def head_numbers(self, phase: str, low: int, high: int, level: int | None) -> Any:
+            found = super().head_numbers(phase, low, high, level)
+            windows.append(len(found))
+            return found
+
+    sampler, out, clock = _sampler(
+        budget=10.0, head_burst=50.0, tail_burst=0.0, traces=CountedTraces("", 0)
+    )
+    spans, step_s, levels = 11, 0.030, []
+    batched, published, next_publish = 0, (-math.inf, frozenset[int]()), 0.0
+    t = 1_000_000_000
+    for number in range(4_000):  # two minutes
+        if clock.now >= next_publish:  # the builder's drain, every 0.2 s
+            published = sampler.head_window("train", number)
+            next_publish = clock.now + 0.2
+        unknown, selected = published
+        if number >= unknown or number in selected:
+            ctx = _Ctx(number)
+            step = ("step", 1, 9, 0, t, t + 30_000_000, {"otelprof.step": number}, None)
+            for child in range(spans - 1):
+                sampler.span(ctx, ("x", 1, child + 10, 9, t, t + 1, {}, None), False, step_s, False)
+            sampler.span(ctx, step, True, step_s, False, "step")
+        else:
+            batched += 1
+            if batched == 64:
+                sampler.sampled_out += 64 * spans
+                sampler.offered(64 * spans)
+                batched = 0
+        if sampler.head_level != (levels[-1] if levels else None):
+            levels.append(sampler.head_level)
+        t += 30_000_000
+        clock.now += step_s
+    # 366 spans/s offered against the head's 5: one step in 128, reached and kept
+    assert levels[-1] == 7, levels
+    assert len(levels) <= 3, levels  # (None,) 0 -> 7 at most, no swinging
+    assert windows and max(windows) <= _sampling.HEAD_WINDOW_SELECTED
+    traces = RunTraces("", 0)
+    head = {n for n, f in _kept_steps(out).items() if f[6]["otelprof.sampled"] == "head"}
+    later = {n for n in head if n >= 1000}
+    assert later and all(traces.head_selected("train", n, 7) for n in later)

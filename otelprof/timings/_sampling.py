@@ -94,8 +94,18 @@ KINETO_WINDOW_STEPS = 3
 many recorded steps, kept in full and linked from the slow step's span."""
 LEVEL_WINDOW_S = 1.0
 """How often the head level is re-read from the offered load."""
+LEVEL_RATE_S = 8.0
+"""The offered load the level follows is averaged over this long: steps sampled out on their
+thread reach the builder in batches (`_quiet_steps.ROWS_PER_ITEM` steps, 2 s of 30 ms
+steps), so a one-second rate swings between none and a batch's worth, and every level
+change recomputes the head window (a burst of the builder's GIL time)."""
 HEAD_WINDOW = 1 << 14
 """Numbers ahead whose head selection is computed at once (and published to `_quiet_steps`)."""
+HEAD_WINDOW_SELECTED = 256
+"""At most this many selected numbers per computed window: a window costs one hash per
+selected number (~30 ms of GIL time for the 8,192 of a full window at level 1), so at low
+levels it spans `HEAD_WINDOW_SELECTED << level` numbers, still tens of seconds of the
+step rate that level means."""
 MAX_BUFFERED = 100_000
 """Spans held while their step is undecided; past it the oldest steps are decided early."""
 
@@ -285,6 +295,8 @@ class TraceSampler:
         self._head_spent = 0
         self._offered = 0  # spans of steps ended since `_offered_since` (kept or not)
         self._offered_since = clock()
+        # (start, spans) of the last LEVEL_RATE_S of level windows, the current one excluded
+        self._offered_windows: deque[tuple[float, int]] = deque()
         self._windows: dict[str, tuple[int | None, int, int, frozenset[int]]] = {}
         self.last_number: dict[str, int] = {}  # per phase, of the last step decided
         self.head_refused = 0  # head-selected steps the head bucket had no room for
@@ -460,10 +472,10 @@ class TraceSampler:
         if (
             window is None
             or window[0] != level
-            or not window[1] <= number < window[2] - HEAD_WINDOW // 2
+            or not window[1] <= number < (window[1] + window[2]) // 2
         ):
             low = max(0, number)
-            high = low + HEAD_WINDOW
+            high = low + min(HEAD_WINDOW, HEAD_WINDOW_SELECTED << level)
             window = (level, low, high, self._traces.head_numbers(phase, low, high, level))
             self._windows[phase] = window
         return window
@@ -476,7 +488,11 @@ class TraceSampler:
         if elapsed >= LEVEL_WINDOW_S or (  # and as soon as the burst is half spent
             self._bursting and elapsed > 0 and self._head_spent >= self._head.burst / 2
         ):
-            self._update_level(self._offered / (now - self._offered_since))
+            windows = self._offered_windows
+            windows.append((self._offered_since, self._offered))
+            while len(windows) > 1 and now - windows[1][0] >= LEVEL_RATE_S:
+                windows.popleft()
+            self._update_level(sum(n for _, n in windows) / (now - windows[0][0]))
             self._offered = 0
             self._offered_since = now
 
