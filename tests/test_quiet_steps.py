@@ -237,3 +237,29 @@ def test_cuda_events_of_sampled_out_steps_are_reused(
         rec.recorder.cuda_timer = None
         prof.shutdown()
         _StandInEvent.completed = False
+
+
+def test_a_second_session_sampling_out_the_same_ranges_gives_exact_histograms(
+    tmp_path: Path, clock: _FakeClock
+) -> None:
+    """Row layouts are numbered per session (`_quiet_steps.reset()`), while the training
+    thread remembers the last layout it found: a new session's first rows of the same
+    ranges must name the new session's layouts, never the last session's numbers."""
+    first = _instrument(tmp_path, "s1")
+    try:
+        _train(first, clock, 150)
+    finally:
+        first.shutdown()
+    second = _instrument(tmp_path, "s2")
+    try:
+        # a range the first session never had, so the layouts are numbered differently
+        with otelprof.timing("warmup"):
+            clock.now += 1_000
+        second.step()
+        expected = _train(second, clock, 300)
+        expected[("warmup", "train")] = [1_000]
+        expected[("step", "train")].append(1_000)  # the first step starts at its first range
+    finally:
+        second.shutdown()
+    assert second.stats()["timings.steps_sampled_out_on_thread"] > 100
+    _assert_histograms_are(timing_histograms(second.files["metrics"]), expected)

@@ -590,9 +590,72 @@ spend(PyObject *limits, Py_ssize_t index, double have, Py_ssize_t spans)
 
 /* The layout id of a step whose ranges closed in this name order, -1 when the table is
  * full (the step goes to the builder), -2 on error. */
+/* The layout `layout_of` found last, as `layouts` holds it: a step nearly always has the
+ * previous step's ranges, so comparing their names with it (by identity, else equality)
+ * skips building and hashing a tuple of names and two dict lookups. Valid only while
+ * `layouts[id]` is still this very entry (`_quiet_steps.reset()` clears them). */
+static PyObject *last_layout; /* (phase, root, names), a strong reference, or NULL */
+static long last_layout_id = -1;
+
+static int
+same_object(PyObject *a, PyObject *b)
+{
+    if (a == b)
+        return 1;
+    int equal = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (equal < 0)
+        PyErr_Clear();
+    return equal > 0;
+}
+
+static long
+last_layout_of(PyObject *phase, PyObject *frames)
+{
+    if (last_layout == NULL || !same_object(PyTuple_GET_ITEM(last_layout, 0), phase))
+        return -1;
+    PyObject *names = PyTuple_GET_ITEM(last_layout, 2);
+    Py_ssize_t n = PyList_GET_SIZE(frames);
+    if (!PyTuple_Check(names) || PyTuple_GET_SIZE(names) != n)
+        return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *frame = PyList_GET_ITEM(frames, i);
+        if (!PyList_Check(frame) || PyList_GET_SIZE(frame) <= F_NAME ||
+            !same_object(PyList_GET_ITEM(frame, F_NAME), PyTuple_GET_ITEM(names, i)))
+            return -1;
+    }
+    PyObject *layouts = QUIET(layouts);
+    PyObject *key = layouts == NULL ? NULL : PyLong_FromLong(last_layout_id);
+    PyObject *entry = key == NULL ? NULL : PyObject_GetItem(layouts, key);
+    Py_XDECREF(key);
+    Py_XDECREF(entry); /* compared by identity only */
+    if (entry != last_layout) {
+        PyErr_Clear();
+        return -1;
+    }
+    return last_layout_id;
+}
+
+static void
+remember_layout(PyObject *layouts, long id)
+{
+    PyObject *key = PyLong_FromLong(id);
+    PyObject *entry = key == NULL ? NULL : PyObject_GetItem(layouts, key);
+    Py_XDECREF(key);
+    if (entry == NULL || !PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3) {
+        PyErr_Clear();
+        Py_XDECREF(entry);
+        return;
+    }
+    Py_XSETREF(last_layout, entry);
+    last_layout_id = id;
+}
+
 static long
 layout_of(PyObject *phase, PyObject *frames)
 {
+    long cached = last_layout_of(phase, frames);
+    if (cached >= 0)
+        return cached;
     Py_ssize_t n = PyList_GET_SIZE(frames);
     PyObject *names = PyTuple_New(n);
     if (names == NULL)
@@ -627,6 +690,8 @@ layout_of(PyObject *phase, PyObject *frames)
         id = PyLong_AsLong(known);
         if (id == -1 && PyErr_Occurred())
             id = -2;
+        else
+            remember_layout(layouts, id);
         goto done;
     }
     if (PyErr_Occurred())
@@ -658,11 +723,31 @@ layout_of(PyObject *phase, PyObject *frames)
                  PyDict_SetItem(by_names, names, key) < 0;
     Py_XDECREF(entry);
     Py_XDECREF(key);
-    if (!failed)
+    if (!failed) {
         id = (long)count;
+        remember_layout(layouts, id);
+    }
 done:
     Py_DECREF(names);
     return id;
+}
+
+/* end - start: in C for the clock's ints (a range's duration fits a small int, while the
+ * subtraction of two big ns readings as Python ints costs ~200 instructions), else Python's */
+static PyObject *
+duration_of(PyObject *start, PyObject *end)
+{
+    if (PyLong_CheckExact(start) && PyLong_CheckExact(end)) {
+        int over_start, over_end;
+        long long s = PyLong_AsLongLongAndOverflow(start, &over_start);
+        long long e = PyLong_AsLongLongAndOverflow(end, &over_end);
+        long long took;
+        if (!over_start && !over_end && !((s == -1 || e == -1) && PyErr_Occurred()) &&
+            !__builtin_sub_overflow(e, s, &took))
+            return PyLong_FromLongLong(took);
+        PyErr_Clear();
+    }
+    return PyNumber_Subtract(end, start);
 }
 
 /* `_quiet_steps.sample_out` (see there): 1 if the step was sampled out here, 0 if it goes to
@@ -793,8 +878,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     int atoms = 1; /* only numbers in it: no reference cycle can pass through it */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *frame = PyList_GET_ITEM(frames, i);
-        PyObject *took = PyNumber_Subtract(PyList_GET_ITEM(frame, F_END),
-                                           PyList_GET_ITEM(frame, F_START));
+        PyObject *took = duration_of(PyList_GET_ITEM(frame, F_START), PyList_GET_ITEM(frame, F_END));
         if (took == NULL)
             goto done;
         PyTuple_SET_ITEM(row, i, took);
