@@ -46,7 +46,7 @@ TIMEOUT_S = 120.0  # collectors start in seconds, minutes on a loaded machine
 def _tier(
     binary: Path, tier: str, workdir: Path, env: dict[str, str], *, prometheus: bool = False
 ) -> Collector:
-    names = ("grpc", "health", "telemetry", *(("prometheus",) if prometheus else ()))
+    names = ("grpc", "health", "telemetry", *(("prometheus", "straggler") if prometheus else ()))
     ports = {name: free_port() for name in names}
     full_env = {
         "PATH": "/usr/bin:/bin",
@@ -55,7 +55,10 @@ def _tier(
         "OTELCOL_TELEMETRY_PORT": str(ports["telemetry"]),
         "OTELCOL_BATCH_TIMEOUT": "200ms",
         **(
-            {"OTELCOL_PROMETHEUS_ENDPOINT": f"127.0.0.1:{ports['prometheus']}"}
+            {
+                "OTELCOL_PROMETHEUS_ENDPOINT": f"127.0.0.1:{ports['prometheus']}",
+                "OTELCOL_STRAGGLER_ENDPOINT": f"127.0.0.1:{ports['straggler']}",
+            }
             if prometheus
             else {}
         ),
