@@ -22,6 +22,7 @@ endpoint's series count and scrape duration, and how old the newest sample of ea
 node, samplers sharded by resource): K collectors with the shipped config, each taking the
 exports of whole nodes (node i goes to collector i mod K), Prometheus scraping every one's
 full and straggler endpoints; CPU and RSS are the collectors' sums.
+--without-straggler-path runs the shipped config minus that pipeline (the path's cost, A/B).
 
     .venv/bin/python bench/scale_live.py --source RUN_DIR            # 64 256 1024
     .venv/bin/python bench/scale_live.py --source RUN_DIR --ranks 64 --measure-s 30
@@ -50,6 +51,7 @@ from typing import Any
 
 import grpc
 import httpx
+import yaml
 from _machine import cpu_model
 from _scale_runs import record_source_run
 from google.protobuf import json_format
@@ -61,7 +63,12 @@ sys.path.insert(0, str(REPO))
 
 from otelprof.analysis.replay import _fix_ids  # noqa: E402
 from tests.dashboard_queries import DASHBOARD_DIR, load, queries  # noqa: E402
-from tests.services import running, start_collector, start_prometheus  # noqa: E402
+from tests.services import (  # noqa: E402
+    COLLECTOR_CONFIG,
+    running,
+    start_collector,
+    start_prometheus,
+)
 
 RANKS_PER_NODE = 8
 COLLECTIVE = "otelprof.collective.duration"
@@ -500,30 +507,44 @@ def measure(
     measure_s: float,
     remote_write: bool = False,
     n_collectors: int = 1,
+    straggler_path: bool = True,
 ) -> dict[str, Any]:
     scrape_s = 5.0
     run_id = f"scale-{world}"
+    config = COLLECTOR_CONFIG
+    if not straggler_path:  # the shipped config without the metrics/straggler pipeline
+        shipped = yaml.safe_load(COLLECTOR_CONFIG.read_text())
+        del shipped["service"]["pipelines"]["metrics/straggler"]
+        config = workdir / "otelcol-without-straggler-path.yaml"
+        workdir.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump(shipped))
     if remote_write:  # the collector pushes to Prometheus (OTELCOL_*_EXPORTERS)
         collectors = [
             start_collector(
                 workdir / f"otelcol{i}",
                 metrics_exporters=["prometheus_remote_write"],
                 straggler_exporters=["prometheus_remote_write/straggler"],
+                config=config,
                 wait=False,
             )
             for i in range(n_collectors)
         ]
         targets: dict[str, list[str]] = {"otelcol-self": [c.telemetry_target for c in collectors]}
     else:  # the shipped setup: Prometheus scrapes the full and the straggler endpoints
-        collectors = [start_collector(workdir / f"otelcol{i}") for i in range(n_collectors)]
+        collectors = [
+            start_collector(workdir / f"otelcol{i}", config=config) for i in range(n_collectors)
+        ]
         targets = {
             "otelcol": [c.prometheus_target for c in collectors],
             "otelcol-straggler": [c.straggler_target for c in collectors],
             "otelcol-self": [c.telemetry_target for c in collectors],
         }
+        if not straggler_path:
+            del targets["otelcol-straggler"]
     prom = start_prometheus(
         workdir / "prom", scrape_targets=targets, scrape_interval=f"{scrape_s:g}s"
     )
+    prom.client.timeout = httpx.Timeout(120.0)  # counting 0.8 M series takes a while here
     if remote_write:
         for collector in collectors:
             collector.env["OTELCOL_REMOTE_WRITE_URL"] = prom.remote_write_url
@@ -554,8 +575,9 @@ def measure(
                     (t["health"], round(t["lastScrapeDuration"], 3), t["lastError"][:120])
                 )
             exporter = straggler_endpoint = None
-            if not remote_write:  # one scrape of collector 0's endpoints, timed here
+            if not remote_write and straggler_path:
                 straggler_endpoint = _get(f"http://{collectors[0].straggler_target}/metrics")
+            if not remote_write:  # one scrape of collector 0's endpoints, timed here
                 exporter = _get(f"http://{collectors[0].prometheus_target}/metrics")
             run = f'otelprof_run_id="{run_id}"'
             run_series = prom.values(f"count({{{run}}})")
@@ -593,6 +615,7 @@ def measure(
     return {
         "ranks": world,
         "collectors": n_collectors,
+        "straggler_path": straggler_path,
         "sends_per_s": round(ticks / (t1 - t0), 2),
         "tick_s_median": round(statistics.median(feed.tick_s), 3),
         "failed_requests": feed.failed,
@@ -645,6 +668,11 @@ def main() -> int:
         help="collectors sharing the ranks by node (a sharded deployment's agents)",
     )
     parser.add_argument(
+        "--without-straggler-path",
+        action="store_true",
+        help="the shipped collector config without its metrics/straggler pipeline (A/B)",
+    )
+    parser.add_argument(
         "--remote-write",
         action="store_true",
         help="the collector pushes with prometheus_remote_write instead of being scraped",
@@ -674,6 +702,7 @@ def _measure_one(args: argparse.Namespace, world: int) -> None:
             args.measure_s,
             args.remote_write,
             args.collectors,
+            not args.without_straggler_path,
         )
     result["load_avg_after"] = round(os.getloadavg()[0], 1)
     print(json.dumps(result), flush=True)
