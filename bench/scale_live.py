@@ -6,13 +6,23 @@ every `interval` (1 s) one metrics export (every hardware gauge, the timing hist
 the collective counters, overhead gauges: one point per series, as the periodic reader
 exports them) and one kept step trace (the spans of one step, ~10 spans/s: the default
 `trace_budget`), over OTLP gRPC, into the shipped collector config (span_metrics, the
-prometheus exporter) scraped by Prometheus every 5 s (the shipped prometheus.yml).
+prometheus exporter, and the straggler path: the metrics/straggler pipeline's small
+endpoint) scraped by Prometheus every 5 s (the shipped prometheus.yml's jobs).
 
 Measured per rank count, after a warm-up: collector CPU (utime+stime over the window) and
 memory (RSS, peak), Prometheus active series (TSDB status API, and per rank by label),
 the straggler panel's query time (the dashboard's PromQL, instant and 15-min range), and,
 once one rank starts waiting less in collectives (a straggler), how long until the live
-straggler panel names it, in scrape intervals.
+straggler panel names it, in scrape intervals: the dashboard's query (the straggler path's
+series, falling back to the full endpoint's) and, beside it, the same query on the full
+endpoint's series alone (the panel before the straggler path). Also the straggler
+endpoint's series count and scrape duration, and how old the newest sample of each copy is.
+
+--collectors K models the sharded deployment of a cluster (deploy/collector/: an agent per
+node, samplers sharded by resource): K collectors with the shipped config, each taking the
+exports of whole nodes (node i goes to collector i mod K), Prometheus scraping every one's
+full and straggler endpoints; CPU and RSS are the collectors' sums.
+--without-straggler-path runs the shipped config minus that pipeline (the path's cost, A/B).
 
     .venv/bin/python bench/scale_live.py --source RUN_DIR            # 64 256 1024
     .venv/bin/python bench/scale_live.py --source RUN_DIR --ranks 64 --measure-s 30
@@ -41,6 +51,7 @@ from typing import Any
 
 import grpc
 import httpx
+import yaml
 from _machine import cpu_model
 from _scale_runs import record_source_run
 from google.protobuf import json_format
@@ -52,10 +63,16 @@ sys.path.insert(0, str(REPO))
 
 from otelprof.analysis.replay import _fix_ids  # noqa: E402
 from tests.dashboard_queries import DASHBOARD_DIR, load, queries  # noqa: E402
-from tests.services import running, start_collector, start_prometheus  # noqa: E402
+from tests.services import (  # noqa: E402
+    COLLECTOR_CONFIG,
+    running,
+    start_collector,
+    start_prometheus,
+)
 
 RANKS_PER_NODE = 8
 COLLECTIVE = "otelprof.collective.duration"
+COLLECTIVE_PROM = "otelprof_collective_duration_seconds_total"
 STRAGGLER_WAIT = 0.3  # the straggler's collective waiting, as a share of the others'
 RANK_NOISE = 0.05  # ranks' collective waiting differs by up to ±5 %
 _METRICS_METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
@@ -272,7 +289,9 @@ def _set_identity(resource: Any, rank: int, world: int, run_id: str) -> None:
 class Feed:
     """Every rank's export each interval, sent over a few gRPC channels (raw bytes)."""
 
-    def __init__(self, endpoint: str, source: Path, world: int, run_id: str, seed: int = 1) -> None:
+    def __init__(
+        self, endpoints: list[str], source: Path, world: int, run_id: str, seed: int = 1
+    ) -> None:
         self.world = world
         self.run_id = run_id
         self.metrics = {
@@ -295,7 +314,11 @@ class Feed:
         self.wait_clock = [0.0] * world  # each rank's seconds of collective waiting, scaled
         self._last_tick: float | None = None
         self.straggler: int | None = None
-        self.channels = [grpc.insecure_channel(endpoint) for _ in range(8)]
+        # ranks of node i go to endpoints[i % len(endpoints)], each over a few channels
+        per = max(1, 8 // len(endpoints))
+        self.per_endpoint = per
+        self.n_endpoints = len(endpoints)
+        self.channels = [grpc.insecure_channel(e) for e in endpoints for _ in range(per)]
         identity = lambda b: b  # noqa: E731  (requests are serialized here, once per rank)
         self.send_metrics = [
             c.unary_unary(
@@ -381,7 +404,8 @@ class Feed:
                         c.point.as_double = value
             own = b"".join(_ld(0x12, sm.SerializeToString()) for sm in mt.rank_scopes)
             resource = self.resources[host_rank][rank]
-            channel = rank % len(self.channels)
+            node = rank // RANKS_PER_NODE
+            channel = (node % self.n_endpoints) * self.per_endpoint + rank % self.per_endpoint
             body = _ld(0x0A, resource + shared_metrics[host_rank] + own)
             futures.append(self.send_metrics[channel].future(body, timeout=10))
             body = _ld(0x0A, resource + shared_spans[host_rank])
@@ -456,6 +480,25 @@ def _timed(fn: Any, repeat: int = 5) -> tuple[float, Any]:
     return statistics.median(times), result
 
 
+def _straggler_top(prom: Any, expr: str, target: int) -> bool:
+    result = prom.query(expr)
+    if not result:
+        return False
+    top = max(result, key=lambda s: float(s["value"][1]))
+    return bool(top["metric"].get("otelprof_rank") == str(target))
+
+
+def _get(url: str) -> tuple[float, Any]:
+    """One scrape of an exporter's /metrics, timed: (seconds, (MB, series) or an error)."""
+    begun = time.perf_counter()
+    try:
+        body = httpx.get(url, timeout=300).content
+    except httpx.HTTPError as error:  # the exporter gave up on the request
+        return time.perf_counter() - begun, f"failed: {error!r:.100}"
+    series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
+    return time.perf_counter() - begun, (round(len(body) / 1e6, 3), series)
+
+
 def measure(
     world: int,
     source: Path,
@@ -463,64 +506,92 @@ def measure(
     warmup_s: float,
     measure_s: float,
     remote_write: bool = False,
+    n_collectors: int = 1,
+    straggler_path: bool = True,
 ) -> dict[str, Any]:
     scrape_s = 5.0
     run_id = f"scale-{world}"
-    if remote_write:  # the collector pushes to Prometheus (OTELCOL_METRICS_EXPORTERS)
-        collector = start_collector(
-            workdir / "otelcol", metrics_exporters=["prometheus_remote_write"], wait=False
+    config = COLLECTOR_CONFIG
+    if not straggler_path:  # the shipped config without the metrics/straggler pipeline
+        shipped = yaml.safe_load(COLLECTOR_CONFIG.read_text())
+        del shipped["service"]["pipelines"]["metrics/straggler"]
+        config = workdir / "otelcol-without-straggler-path.yaml"
+        workdir.mkdir(parents=True, exist_ok=True)
+        config.write_text(yaml.safe_dump(shipped))
+    if remote_write:  # the collector pushes to Prometheus (OTELCOL_*_EXPORTERS)
+        collectors = [
+            start_collector(
+                workdir / f"otelcol{i}",
+                metrics_exporters=["prometheus_remote_write"],
+                straggler_exporters=["prometheus_remote_write/straggler"],
+                config=config,
+                wait=False,
+            )
+            for i in range(n_collectors)
+        ]
+        targets: dict[str, list[str]] = {"otelcol-self": [c.telemetry_target for c in collectors]}
+    else:  # the shipped setup: Prometheus scrapes the full and the straggler endpoints
+        collectors = [
+            start_collector(workdir / f"otelcol{i}", config=config) for i in range(n_collectors)
+        ]
+        targets = {
+            "otelcol": [c.prometheus_target for c in collectors],
+            "otelcol-straggler": [c.straggler_target for c in collectors],
+            "otelcol-self": [c.telemetry_target for c in collectors],
+        }
+        if not straggler_path:
+            del targets["otelcol-straggler"]
+    prom = start_prometheus(
+        workdir / "prom", scrape_targets=targets, scrape_interval=f"{scrape_s:g}s"
+    )
+    prom.client.timeout = httpx.Timeout(120.0)  # counting 0.8 M series takes a while here
+    if remote_write:
+        for collector in collectors:
+            collector.env["OTELCOL_REMOTE_WRITE_URL"] = prom.remote_write_url
+            collector.start()
+    with running(*collectors, prom):
+        pids = [c.process.process.pid for c in collectors]  # type: ignore[union-attr]
+        feed = Feed(
+            [c.otlp_endpoint.removeprefix("http://") for c in collectors], source, world, run_id
         )
-        prom = start_prometheus(
-            workdir / "prom",
-            scrape_targets={"otelcol-self": collector.telemetry_target},
-            scrape_interval=f"{scrape_s:g}s",
-        )
-        collector.env["OTELCOL_REMOTE_WRITE_URL"] = prom.remote_write_url
-        collector.start()
-    else:  # the shipped setup: Prometheus scrapes the collector's prometheus exporter
-        collector = start_collector(workdir / "otelcol")
-        prom = start_prometheus(
-            workdir / "prom", collector=collector, scrape_interval=f"{scrape_s:g}s"
-        )
-    with running(collector, prom):
-        pid = collector.process.process.pid  # type: ignore[union-attr]
-        feed = Feed(collector.otlp_endpoint.removeprefix("http://"), source, world, run_id)
         feed.start()
         try:
             time.sleep(warmup_s)
             ppid = prom.process.process.pid  # type: ignore[union-attr]
             pcpu0 = _proc_cpu_s(ppid)
-            cpu0, t0, ticks0 = _proc_cpu_s(pid), time.monotonic(), feed.ticks
+            cpu0, t0, ticks0 = sum(map(_proc_cpu_s, pids)), time.monotonic(), feed.ticks
             rss = []
             while time.monotonic() - t0 < measure_s:
                 time.sleep(1.0)
-                rss.append(_proc_mem(pid)[0])
-            cpu1, t1, ticks1 = _proc_cpu_s(pid), time.monotonic(), feed.ticks
+                rss.append(sum(_proc_mem(pid)[0] for pid in pids))
+            cpu1, t1, ticks1 = sum(map(_proc_cpu_s, pids)), time.monotonic(), feed.ticks
             pcpu1 = _proc_cpu_s(ppid)
-            _rss, peak = _proc_mem(pid)
+            peak = sum(_proc_mem(pid)[1] for pid in pids)
             prom_rss, prom_peak = _proc_mem(ppid)
             tsdb = prom._api("status/tsdb", {})
-            scrapes = {
-                t["labels"].get("job"): (t["health"], t["lastScrapeDuration"], t["lastError"][:120])
-                for t in prom.targets()
+            scrapes: dict[str, list[Any]] = {}
+            for t in prom.targets():
+                scrapes.setdefault(t["labels"].get("job"), []).append(
+                    (t["health"], round(t["lastScrapeDuration"], 3), t["lastError"][:120])
+                )
+            exporter = straggler_endpoint = None
+            if not remote_write and straggler_path:
+                straggler_endpoint = _get(f"http://{collectors[0].straggler_target}/metrics")
+            if not remote_write:  # one scrape of collector 0's endpoints, timed here
+                exporter = _get(f"http://{collectors[0].prometheus_target}/metrics")
+            run = f'otelprof_run_id="{run_id}"'
+            run_series = prom.values(f"count({{{run}}})")
+            path_series = prom.values(f"count(straggler_{COLLECTIVE_PROM}{{{run}}})")
+            # how old each copy's newest sample is (a backlog shows here)
+            ages = {
+                name: prom.values(f"time() - max(timestamp({name}{{{run}}}))")
+                for name in (COLLECTIVE_PROM, "straggler_" + COLLECTIVE_PROM)
             }
-            exporter_s = exporter_mb = None
-            if not remote_write:  # one scrape of the collector's /metrics, timed here
-                begun = time.perf_counter()
-                url = f"http://{collector.prometheus_target}/metrics"
-                try:
-                    exporter_mb = len(httpx.get(url, timeout=300).content) / 1e6
-                except httpx.HTTPError as error:  # the exporter gave up on the request
-                    exporter_mb = f"failed: {error!r:.100}"  # type: ignore[assignment]
-                exporter_s = time.perf_counter() - begun
-            run_series = prom.values(f'count({{otelprof_run_id="{run_id}"}})')
-            one_rank = prom.query(
-                f'count by (__name__) ({{otelprof_run_id="{run_id}", otelprof_rank="1"}})'
-            )
-            one_node0 = prom.query(
-                f'count by (__name__) ({{otelprof_run_id="{run_id}", otelprof_rank="0"}})'
-            )
+            one_rank = prom.query(f'count by (__name__) ({{{run}, otelprof_rank="1"}})')
+            one_node0 = prom.query(f'count by (__name__) ({{{run}, otelprof_rank="0"}})')
             expr = straggler_expr(run_id, f"{4 * scrape_s:g}s")
+            # the panel before the straggler path: the full endpoint's copy alone
+            full_expr = expr.replace("straggler_" + COLLECTIVE_PROM, COLLECTIVE_PROM)
             instant_s, now_result = _timed(lambda: prom.query(expr))
             end = time.time()
             range_s, _ = _timed(lambda: prom.query_range(expr, end - 900, end, 15.0))
@@ -528,25 +599,30 @@ def measure(
             target = world // 2 + 3
             feed.straggler = target
             changed = time.time()
-            named_after = None
-            while time.time() - changed < 12 * scrape_s:
-                result = prom.query(expr)
-                if result:
-                    top = max(result, key=lambda s: float(s["value"][1]))
-                    if top["metric"].get("otelprof_rank") == str(target):
-                        named_after = time.time() - changed
-                        break
+            named: dict[str, float | None] = {"panel": None, "full_endpoint_only": None}
+            while time.time() - changed < 12 * scrape_s and None in named.values():
+                for key, query in (("panel", expr), ("full_endpoint_only", full_expr)):
+                    if named[key] is None and _straggler_top(prom, query, target):
+                        named[key] = time.time() - changed
                 time.sleep(0.25)
         finally:
             feed.stop()
     ticks = ticks1 - ticks0
+
+    def scrapes_of(seconds: float | None) -> float | None:
+        return None if seconds is None else round(seconds / scrape_s, 2)
+
     return {
         "ranks": world,
+        "collectors": n_collectors,
+        "straggler_path": straggler_path,
         "sends_per_s": round(ticks / (t1 - t0), 2),
         "tick_s_median": round(statistics.median(feed.tick_s), 3),
         "failed_requests": feed.failed,
         "collector_cpu_s_per_s": round((cpu1 - cpu0) / (t1 - t0), 3),
-        "collector_cpu_ms_per_rank_s": round(1e3 * (cpu1 - cpu0) / (t1 - t0) / world, 3),
+        "collector_cpu_ms_per_rank_export": round(
+            1e3 * (cpu1 - cpu0) / max(1, world * (ticks1 - ticks0)), 3
+        ),
         "collector_rss_mib_median": round(statistics.median(rss), 1),
         "collector_rss_mib_peak": round(peak, 1),
         "collector_rss_kib_per_rank": round(1024 * statistics.median(rss) / world, 1),
@@ -556,22 +632,22 @@ def measure(
         "prometheus_head_series": tsdb["headStats"]["numSeries"],
         "run_series": int(run_series[0]) if run_series else 0,
         "series_per_rank": round(run_series[0] / world, 1) if run_series else 0,
+        "straggler_path_series": int(path_series[0]) if path_series else 0,
+        "newest_sample_age_s": {k: round(v[0], 1) if v else None for k, v in ages.items()},
         "series_rank1": {s["metric"]["__name__"]: int(s["value"][1]) for s in one_rank},
         "series_rank0": sum(int(s["value"][1]) for s in one_node0),
         "straggler_instant_query_s": round(instant_s, 3),
         "straggler_range_query_s_15min_15s_step": round(range_s, 3),
         "straggler_panel_rows": len(now_result or []),
-        "straggler_named_after_s": None if named_after is None else round(named_after, 2),
-        "straggler_named_after_scrapes": None
-        if named_after is None
-        else round(named_after / scrape_s, 2),
+        "straggler_named_after_s": {
+            k: None if v is None else round(v, 2) for k, v in named.items()
+        },
+        "straggler_named_after_scrapes": {k: scrapes_of(v) for k, v in named.items()},
         "scrape_interval_s": scrape_s,
-        "metrics_path": "remote write" if remote_write else "scrape of the prometheus exporter",
-        "targets": scrapes,
-        "exporter_scrape_s": None if exporter_s is None else round(exporter_s, 2),
-        "exporter_scrape_mb": exporter_mb
-        if not isinstance(exporter_mb, float)
-        else round(exporter_mb, 1),
+        "metrics_path": "remote write" if remote_write else "scrape of the prometheus exporters",
+        "targets (health, last scrape s, error)": scrapes,
+        "straggler_endpoint_scrape (s, (MB, series))": straggler_endpoint,
+        "full_endpoint_scrape (s, (MB, series))": exporter,
     }
 
 
@@ -585,6 +661,17 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--warmup-s", type=float, default=40.0)
     parser.add_argument("--measure-s", type=float, default=60.0)
+    parser.add_argument(
+        "--collectors",
+        type=int,
+        default=1,
+        help="collectors sharing the ranks by node (a sharded deployment's agents)",
+    )
+    parser.add_argument(
+        "--without-straggler-path",
+        action="store_true",
+        help="the shipped collector config without its metrics/straggler pipeline (A/B)",
+    )
     parser.add_argument(
         "--remote-write",
         action="store_true",
@@ -608,7 +695,14 @@ def main() -> int:
 def _measure_one(args: argparse.Namespace, world: int) -> None:
     with tempfile.TemporaryDirectory(prefix=f"scale{world}-") as tmp:
         result = measure(
-            world, args.source, Path(tmp), args.warmup_s, args.measure_s, args.remote_write
+            world,
+            args.source,
+            Path(tmp),
+            args.warmup_s,
+            args.measure_s,
+            args.remote_write,
+            args.collectors,
+            not args.without_straggler_path,
         )
     result["load_avg_after"] = round(os.getloadavg()[0], 1)
     print(json.dumps(result), flush=True)

@@ -749,9 +749,20 @@ MULTI_RANK_PANELS = (COLLECTIVE_WAIT_PANEL, STRAGGLER_PANEL)
 """Panels that need a multi-process job (collectives); proven by tests/test_distributed.py."""
 
 
+COLLECTIVE = "otelprof_collective_duration_seconds_total"
+STRAGGLER_PATH = "straggler_" + COLLECTIVE
+"""The collector's straggler path (its metrics/straggler pipeline and small endpoint, job
+otelcol-straggler): the same counter under the `straggler` namespace, scraped apart from the
+hundreds of series per rank of the full endpoint."""
+
+
 def _collective_wait_by_rank() -> str:
-    metric = "otelprof_collective_duration_seconds_total"
-    return f"sum by ({RANK_KEY}) ({_rate(metric, RANK_SEL)})"
+    # the straggler path's copy where a collector serves it; the full endpoint's otherwise
+    # (otelprof's own pull endpoint, a Prometheus without the job): `or` takes a rank's
+    # series from the right side only where the left has none for that rank
+    by_path = f"sum by ({RANK_KEY}) ({_rate(STRAGGLER_PATH, RANK_SEL)})"
+    full = f"sum by ({RANK_KEY}) ({_rate(COLLECTIVE, RANK_SEL)})"
+    return f"({by_path} or {full})"
 
 
 def _mean_step_by_rank(step: str) -> str:

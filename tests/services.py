@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -238,6 +238,11 @@ class Collector:
         return f"127.0.0.1:{self.ports['prometheus']}"
 
     @property
+    def straggler_target(self) -> str:
+        """host:port of the straggler path's small /metrics (prometheus/straggler)."""
+        return f"127.0.0.1:{self.ports['straggler']}"
+
+    @property
     def telemetry_target(self) -> str:
         """host:port of the collector's own metrics (accepted/refused/failed counters)."""
         return f"127.0.0.1:{self.ports['telemetry']}"
@@ -298,6 +303,10 @@ class Collector:
         """The prometheus exporter's current /metrics text."""
         return httpx.get(f"http://{self.prometheus_target}/metrics", timeout=5.0).text
 
+    def scrape_straggler(self) -> str:
+        """The straggler path's current /metrics text."""
+        return httpx.get(f"http://{self.straggler_target}/metrics", timeout=5.0).text
+
     def self_metrics(self) -> str:
         """The collector's own /metrics text (otelcol_receiver_accepted_spans, ...)."""
         return httpx.get(f"http://{self.telemetry_target}/metrics", timeout=5.0).text
@@ -309,6 +318,7 @@ def collector_env(
     ports: Mapping[str, int],
     traces_exporters: Iterable[str] = ("span_metrics",),
     metrics_exporters: Iterable[str] = ("prometheus",),
+    straggler_exporters: Iterable[str] = ("prometheus/straggler",),
     spanmetrics_flush_interval: str = "1s",
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
@@ -320,6 +330,7 @@ def collector_env(
             "OTELCOL_OTLP_HTTP_ENDPOINT": f"127.0.0.1:{ports['http']}",
             "OTELCOL_HEALTH_ENDPOINT": f"127.0.0.1:{ports['health']}",
             "OTELCOL_PROMETHEUS_ENDPOINT": f"127.0.0.1:{ports['prometheus']}",
+            "OTELCOL_STRAGGLER_ENDPOINT": f"127.0.0.1:{ports['straggler']}",
             "OTELCOL_TELEMETRY_HOST": "127.0.0.1",
             "OTELCOL_TELEMETRY_PORT": str(ports["telemetry"]),
             "OTELCOL_DEBUG_DIR": str(workdir / "debug"),
@@ -327,6 +338,7 @@ def collector_env(
             "OTELCOL_BATCH_TIMEOUT": "200ms",
             "OTELCOL_TRACES_EXPORTERS": "[" + ", ".join(traces_exporters) + "]",
             "OTELCOL_METRICS_EXPORTERS": "[" + ", ".join(metrics_exporters) + "]",
+            "OTELCOL_STRAGGLER_EXPORTERS": "[" + ", ".join(straggler_exporters) + "]",
         }
     )
     env.update(extra or {})
@@ -338,6 +350,7 @@ def start_collector(
     *,
     traces_exporters: Iterable[str] = ("span_metrics",),
     metrics_exporters: Iterable[str] = ("prometheus",),
+    straggler_exporters: Iterable[str] = ("prometheus/straggler",),
     spanmetrics_flush_interval: str = "1s",
     extra_env: Mapping[str, str] | None = None,
     config: Path = COLLECTOR_CONFIG,
@@ -346,20 +359,25 @@ def start_collector(
 ) -> Collector:
     """Start the built collector with the shipped config on free loopback ports.
 
-    `traces_exporters` / `metrics_exporters` are the config's switches (exporter names, e.g.
-    "file/traces", "prometheus_remote_write"); `extra_env` overrides any OTELCOL_* variable.
+    `traces_exporters` / `metrics_exporters` / `straggler_exporters` are the config's
+    switches (exporter names, e.g. "file/traces", "prometheus_remote_write"); `extra_env`
+    overrides any OTELCOL_* variable.
     `overlays` are further config files merged over `config` (e.g. collector-config/replay.yaml).
     With wait=False the collector is prepared but not started (call `.start()`), which is how
     a test begins with the collector down.
     """
     binary = require_collector()
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = {name: free_port() for name in ("grpc", "http", "health", "prometheus", "telemetry")}
+    ports = {
+        name: free_port()
+        for name in ("grpc", "http", "health", "prometheus", "straggler", "telemetry")
+    }
     env = collector_env(
         workdir,
         ports=ports,
         traces_exporters=traces_exporters,
         metrics_exporters=metrics_exporters,
+        straggler_exporters=straggler_exporters,
         spanmetrics_flush_interval=spanmetrics_flush_interval,
         extra=extra_env,
     )
@@ -483,15 +501,17 @@ class PromQueryError(RuntimeError):
 
 
 def prometheus_config(
-    scrape_targets: Mapping[str, str],
+    scrape_targets: Mapping[str, str | Sequence[str]],
     *,
     scrape_interval: str = "1s",
     template: Path = PROMETHEUS_CONFIG,
 ) -> dict[str, Any]:
     """The shipped prometheus/prometheus.yml with its jobs' targets replaced.
 
-    `scrape_targets` maps job names of the template ("otelcol", "otelcol-self") to
-    host:port; jobs not named are dropped, so the test scrapes only what it started.
+    `scrape_targets` maps job names of the template ("otelcol", "otelcol-straggler",
+    "otelcol-self") to
+    host:port (or a list of them); jobs not named are dropped, so the test scrapes only what
+    it started.
     """
     config = yaml.safe_load(template.read_text())
     config.setdefault("global", {})
@@ -501,7 +521,10 @@ def prometheus_config(
     for job in config.get("scrape_configs", []):
         name = job["job_name"]
         if name in scrape_targets:
-            job["static_configs"] = [{"targets": [scrape_targets[name]]}]
+            given = scrape_targets[name]
+            job["static_configs"] = [
+                {"targets": [given] if isinstance(given, str) else list(given)}
+            ]
             jobs.append(job)
     unknown = set(scrape_targets) - {job["job_name"] for job in jobs}
     if unknown:
@@ -514,26 +537,29 @@ def start_prometheus(
     workdir: Path,
     *,
     collector: Collector | None = None,
-    scrape_targets: Mapping[str, str] | None = None,
+    scrape_targets: Mapping[str, str | Sequence[str]] | None = None,
     scrape_interval: str = "1s",
     timeout_s: float = 60.0,
 ) -> Prometheus:
     """Start Debian's Prometheus with a generated config on a free loopback port.
 
-    Scrapes `collector`'s prometheus exporter (job "otelcol", honor_labels) and its own
-    metrics (job "otelcol-self"), or the explicit `scrape_targets`. The remote-write
+    Scrapes `collector`'s prometheus exporter (job "otelcol", honor_labels), its straggler
+    path (job "otelcol-straggler") and its own metrics (job "otelcol-self"), or the explicit
+    `scrape_targets`. The remote-write
     receiver and exemplar storage are on, as in compose.yaml.
     """
     binary = require_prometheus()
     workdir.mkdir(parents=True, exist_ok=True)
-    targets = dict(scrape_targets or {})
+    targets: dict[str, str | Sequence[str]] = dict(scrape_targets or {})
     if collector is not None:
         targets.setdefault("otelcol", collector.prometheus_target)
+        targets.setdefault("otelcol-straggler", collector.straggler_target)
         targets.setdefault("otelcol-self", collector.telemetry_target)
     config_path = workdir / "prometheus.yml"
     config_path.write_text(
         yaml.safe_dump(prometheus_config(targets, scrape_interval=scrape_interval))
     )
+    expected = sum(1 if isinstance(t, str) else len(t) for t in targets.values())
     last_error: Exception | None = None
     for _attempt in range(3):  # a free port can be taken between choosing and binding
         port = free_port()
@@ -561,8 +587,8 @@ def start_prometheus(
 
             # Service discovery hands targets to the scrape manager at most every 5 s:
             # return once they are active, so callers do not race the first scrape.
-            def active(prom: Prometheus = prom) -> bool:
-                return len(prom.targets()) >= len(targets)
+            def active(prom: Prometheus = prom, expected: int = expected) -> bool:
+                return len(prom.targets()) >= expected
 
             wait_for(active, timeout_s=timeout_s, what="Prometheus to activate its scrape targets")
             return prom

@@ -214,10 +214,15 @@ def test_collector_publishes_exactly_the_ports_its_config_listens_on(
         _port(env["OTELCOL_OTLP_HTTP_ENDPOINT"]): 4318,
         _port(env["OTELCOL_HEALTH_ENDPOINT"]): 13133,
         _port(env["OTELCOL_PROMETHEUS_ENDPOINT"]): 8889,
+        _port(env["OTELCOL_STRAGGLER_ENDPOINT"]): 8890,
     }
     assert all(port == expected for port, expected in listening.items()), listening
     assert set(_published(otelcol)) == set(listening)
-    for key in ("OTELCOL_OTLP_GRPC_ENDPOINT", "OTELCOL_PROMETHEUS_ENDPOINT"):
+    for key in (
+        "OTELCOL_OTLP_GRPC_ENDPOINT",
+        "OTELCOL_PROMETHEUS_ENDPOINT",
+        "OTELCOL_STRAGGLER_ENDPOINT",
+    ):
         assert env[key].startswith("0.0.0.0:"), "inside the container it must listen on all"
     mounted = {v["target"]: v["source"] for v in otelcol["volumes"] if v["type"] == "bind"}
     config_arg = otelcol["command"][0].removeprefix("--config=")
@@ -232,9 +237,11 @@ def test_prometheus_scrapes_the_collector_where_compose_runs_it(project: dict[st
         job["job_name"]: job["static_configs"][0]["targets"][0] for job in scrape["scrape_configs"]
     }
     assert targets["otelcol"] == f"otelcol:{_port(env['OTELCOL_PROMETHEUS_ENDPOINT'])}"
+    assert targets["otelcol-straggler"] == f"otelcol:{_port(env['OTELCOL_STRAGGLER_ENDPOINT'])}"
     assert targets["otelcol-self"] == f"otelcol:{env['OTELCOL_TELEMETRY_PORT']}"
     jobs = {job["job_name"]: job for job in scrape["scrape_configs"]}
     assert jobs["otelcol"]["honor_labels"] is True
+    assert jobs["otelcol-straggler"]["honor_labels"] is True
     command = services["prometheus"]["command"]
     assert "--web.enable-remote-write-receiver" in command
     assert "--enable-feature=exemplar-storage" in command

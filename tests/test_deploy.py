@@ -126,6 +126,7 @@ def test_sampler_config_validates_with_remote_write_instead_of_the_scrape_endpoi
 ) -> None:
     env = _kubelet_env(_container(_tier_workload("sampler")))
     env["OTELCOL_METRICS_EXPORTERS"] = "[prometheus_remote_write]"
+    env["OTELCOL_STRAGGLER_EXPORTERS"] = "[prometheus_remote_write/straggler]"
     result = _run_validate(collector_binary, CONFIGS / "sampler.yaml", env)
     assert result.returncode == 0, result.stderr + result.stdout
 
@@ -175,8 +176,22 @@ def test_agent_span_metrics_and_sampler_exporters_match_the_single_collector() -
     agent = yaml.safe_load((CONFIGS / "agent.yaml").read_text())
     sampler = yaml.safe_load((CONFIGS / "sampler.yaml").read_text())
     assert agent["connectors"]["span_metrics"] == single["connectors"]["span_metrics"]
-    for name in ("prometheus", "prometheus_remote_write"):
+    for name in (
+        "prometheus",
+        "prometheus_remote_write",
+        "prometheus/straggler",
+        "prometheus_remote_write/straggler",
+    ):
         assert sampler["exporters"][name] == single["exporters"][name], name
+    # the straggler path: the same filter, into the same exporters
+    assert sampler["processors"]["filter/straggler"] == single["processors"]["filter/straggler"]
+    pipelines = sampler["service"]["pipelines"], single["service"]["pipelines"]
+    for pipeline in pipelines:
+        assert "filter/straggler" in pipeline["metrics/straggler"]["processors"]
+    assert (
+        pipelines[0]["metrics/straggler"]["exporters"]
+        == pipelines[1]["metrics/straggler"]["exporters"]
+    )
     deleted = single["processors"]["resource"]["attributes"]
     assert agent["processors"]["resource"]["attributes"][1:] == deleted
 
@@ -352,6 +367,35 @@ def test_tiers_name_each_others_services_and_ports() -> None:
 
     agent_ports = {p["name"]: p for p in _container(_tier_workload("agent"))["ports"]}
     assert agent_ports["otlp-grpc"]["hostPort"] == 4317
+
+
+def test_the_straggler_path_is_published_admitted_and_scraped_on_every_sampler() -> None:
+    objects = _objects()
+    env = _kubelet_env(_container(_tier_workload("sampler")))
+    port = int(env["OTELCOL_STRAGGLER_ENDPOINT"].rsplit(":", 1)[1])
+    assert env["OTELCOL_STRAGGLER_ENDPOINT"] == f"0.0.0.0:{port}"
+    container_ports = {
+        p["name"]: p["containerPort"] for p in _container(_tier_workload("sampler"))["ports"]
+    }
+    assert container_ports["straggler"] == port
+    service_ports = {
+        p["name"]: p for p in objects[("Service", "otelprof-sampler")]["spec"]["ports"]
+    }
+    assert service_ports["straggler"]["port"] == port
+    assert service_ports["straggler"]["targetPort"] == "straggler"
+    policy = objects[("NetworkPolicy", "otelprof-sampler")]["spec"]
+    admitted = {
+        p["port"] for rule in policy["ingress"] if "from" not in rule for p in rule["ports"]
+    }
+    assert {port, container_ports["prometheus"]} <= admitted
+    scrape = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = {
+        job["job_name"]: job for job in scrape["scrape_configs"]
+        if any(sd["port"] == port for sd in job.get("dns_sd_configs", []))
+    }  # fmt: skip
+    (job,) = jobs.values()
+    assert job["honor_labels"] is True  # the exporter's job and instance, as the dashboards expect
+    assert job["dns_sd_configs"][0]["names"] == ["otelprof-sampler.otelprof.svc"]
 
 
 def test_network_policies_admit_each_tier_only_from_the_tier_before_it() -> None:

@@ -11,6 +11,8 @@ manifests set; a real OTLP gRPC server plays Tempo. One test, a few seconds of c
   budget (1 span/s, a bucket of 2: a 3-span trace never fits); an error trace is kept;
 - each agent stamps its node's name on what it forwards, and its span metrics and the
   processes' own metrics come out of the sampler's Prometheus endpoint labelled by node;
+- the collective waiting counter also comes out of the sampler's straggler endpoint (the
+  metrics/straggler pipeline), alone;
 - no tier logs a deprecated component name or a failed export (tokens accepted downstream).
 """
 
@@ -31,7 +33,7 @@ from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from otelprof._schema import ATTR_RANK, ATTR_SAMPLED
+from otelprof._schema import ATTR_RANK, ATTR_SAMPLED, COLLECTIVE_DURATION
 from tests.otlp_sink import OtlpSink
 from tests.services import REPO, Collector, free_port, wait_for
 
@@ -46,7 +48,7 @@ TIMEOUT_S = 120.0  # collectors start in seconds, minutes on a loaded machine
 def _tier(
     binary: Path, tier: str, workdir: Path, env: dict[str, str], *, prometheus: bool = False
 ) -> Collector:
-    names = ("grpc", "health", "telemetry", *(("prometheus",) if prometheus else ()))
+    names = ("grpc", "health", "telemetry", *(("prometheus", "straggler") if prometheus else ()))
     ports = {name: free_port() for name in names}
     full_env = {
         "PATH": "/usr/bin:/bin",
@@ -55,7 +57,10 @@ def _tier(
         "OTELCOL_TELEMETRY_PORT": str(ports["telemetry"]),
         "OTELCOL_BATCH_TIMEOUT": "200ms",
         **(
-            {"OTELCOL_PROMETHEUS_ENDPOINT": f"127.0.0.1:{ports['prometheus']}"}
+            {
+                "OTELCOL_PROMETHEUS_ENDPOINT": f"127.0.0.1:{ports['prometheus']}",
+                "OTELCOL_STRAGGLER_ENDPOINT": f"127.0.0.1:{ports['straggler']}",
+            }
             if prometheus
             else {}
         ),
@@ -174,21 +179,34 @@ def _export_spans(agent: Collector, rank: int, spans: list[trace_pb2.Span], toke
         )
 
 
-def _export_gauge(agent: Collector, rank: int, name: str, value: float) -> None:
-    point = metrics_pb2.NumberDataPoint(time_unix_nano=1_700_000_000_000_000_000, as_double=value)
+def _export_gauge(
+    agent: Collector, rank: int, name: str, value: float, *, counter: bool = False
+) -> None:
+    """One point of a gauge, or of a cumulative counter in seconds (`counter`)."""
+    point = metrics_pb2.NumberDataPoint(
+        start_time_unix_nano=1_699_999_000_000_000_000,
+        time_unix_nano=1_700_000_000_000_000_000,
+        as_double=value,
+    )
+    if counter:
+        metric = metrics_pb2.Metric(
+            name=name,
+            unit="s",
+            sum=metrics_pb2.Sum(
+                data_points=[point],
+                is_monotonic=True,
+                aggregation_temporality=metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE,
+            ),
+        )
+    else:
+        metric = metrics_pb2.Metric(
+            name=name, unit="1", gauge=metrics_pb2.Gauge(data_points=[point])
+        )
     request = metrics_service_pb2.ExportMetricsServiceRequest(
         resource_metrics=[
             metrics_pb2.ResourceMetrics(
                 resource=_resource(rank),
-                scope_metrics=[
-                    metrics_pb2.ScopeMetrics(
-                        metrics=[
-                            metrics_pb2.Metric(
-                                name=name, unit="1", gauge=metrics_pb2.Gauge(data_points=[point])
-                            )
-                        ]
-                    )
-                ],
+                scope_metrics=[metrics_pb2.ScopeMetrics(metrics=[metric])],
             )
         ]
     )
@@ -267,6 +285,7 @@ def test_agents_gateway_and_sampler_keep_a_step_whole_across_nodes_and_label_met
         INGEST_TOKEN,
     )
     _export_gauge(agent_b, 1, "otelprof.test.gauge", 42.0)
+    _export_gauge(agent_b, 1, COLLECTIVE_DURATION, 3.5, counter=True)
 
     wait_for(
         lambda: sum(_decisions(sampler).values()) >= 3,
@@ -300,6 +319,25 @@ def test_agents_gateway_and_sampler_keep_a_step_whole_across_nodes_and_label_met
     calls = [line for line in lines if line.startswith("traces_span_metrics_calls_total{")]
     nodes = {node for line in calls for node in NODES if f'k8s_node_name="{node}"' in line}
     assert nodes == set(NODES), calls
+    # the straggler path: the sampler's small endpoint serves the collective counter, by node,
+    # and nothing else of the process
+    straggler = wait_for(
+        lambda: (
+            text
+            if "straggler_otelprof_collective_duration_seconds_total{"
+            in (text := httpx.get(f"http://{sampler.straggler_target}/metrics", timeout=5).text)
+            else None
+        ),
+        timeout_s=TIMEOUT_S,
+        what="the collective counter at the sampler's straggler endpoint",
+    )
+    served = [line for line in straggler.splitlines() if line and not line.startswith("#")]
+    names = {line.split("{")[0] for line in served}
+    # (straggler_target_info comes with a resource that has service.instance.id)
+    assert names - {"straggler_target_info"} == {
+        "straggler_otelprof_collective_duration_seconds_total"
+    }, served
+    assert all(f'k8s_node_name="{NODES[1]}"' in line for line in served), served
 
     collectors: list[Collector] = [sampler, tiers["gateway"], agent_a, agent_b]
     for collector in collectors:  # current component names only, nothing refused downstream

@@ -305,6 +305,10 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     prometheus.wait_for_series(
         f'otelprof_collective_duration_seconds_total{{service_name="{service}"}}'
     )
+    # the straggler path's copy too (the collector's small endpoint), which the panels read
+    prometheus.wait_for_series(
+        f'straggler_otelprof_collective_duration_seconds_total{{service_name="{service}"}}'
+    )
     time.sleep(2)  # the last export's scrape
 
     def by_rank(title: str) -> dict[str, float]:

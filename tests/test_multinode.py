@@ -134,17 +134,28 @@ def _report(*args: str) -> str:
     return result.stdout
 
 
-def _start_gateway(cluster: nc.Cluster, workdir: Path) -> tuple[ManagedProcess, int]:
+def _start_gateway(cluster: nc.Cluster, workdir: Path) -> tuple[ManagedProcess, dict[str, str]]:
     """The gateway collector (the shipped config) in the hub, receiving OTLP on the bridge;
-    returns it and a root-namespace port relayed to its Prometheus exporter."""
+    returns it and Prometheus's scrape targets: root-namespace ports relayed to its full
+    and straggler-path endpoints."""
     hub = cluster.hub
-    ports = {"grpc": 4317, "http": 4318, "health": 13133, "prometheus": 8889, "telemetry": 8888}
+    ports = {
+        "grpc": 4317,
+        "http": 4318,
+        "health": 13133,
+        "prometheus": 8889,
+        "straggler": 8890,
+        "telemetry": 8888,
+    }
     env = collector_env(
         workdir, ports=ports, extra={"OTELCOL_OTLP_GRPC_ENDPOINT": f"{hub.address}:4317"}
     )
     gateway = hub.start("gateway", [str(require_collector()), f"--config={COLLECTOR_CONFIG}"], env)
     hub.wait_listening(4317, "gateway OTLP receiver", gateway, host=hub.address)
-    return gateway, hub.forward(ports["prometheus"])
+    return gateway, {
+        "otelcol": f"127.0.0.1:{hub.forward(ports['prometheus'])}",
+        "otelcol-straggler": f"127.0.0.1:{hub.forward(ports['straggler'])}",
+    }
 
 
 def _start_agents(cluster: nc.Cluster, gateway: str) -> list[ManagedProcess]:
@@ -172,10 +183,8 @@ def test_two_nodes_live_through_agents_and_a_gateway_name_the_slow_rank_by_node(
     rdzv_id = f"job-{uuid.uuid4().hex[:8]}"
     runs = tmp_path / "runs"
     with nc.Cluster(2, tmp_path / "nodes") as cluster:
-        _gateway, scrape_port = _start_gateway(cluster, tmp_path / "gateway")
-        prometheus = start_prometheus(
-            tmp_path / "prom", scrape_targets={"otelcol": f"127.0.0.1:{scrape_port}"}
-        )
+        _gateway, scrape_targets = _start_gateway(cluster, tmp_path / "gateway")
+        prometheus = start_prometheus(tmp_path / "prom", scrape_targets=scrape_targets)
         try:
             _start_agents(cluster, f"{cluster.hub.address}:4317")
             env = nc.job_env(
@@ -207,6 +216,10 @@ def test_two_nodes_live_through_agents_and_a_gateway_name_the_slow_rank_by_node(
             # -- live: what reached Prometheus through each node's agent and the gateway
             selector = f'service_name="{service}"'
             prometheus.wait_for_series(f"otelprof_collective_duration_seconds_total{{{selector}}}")
+            # and through the gateway's straggler path, which the straggler panel reads first
+            prometheus.wait_for_series(
+                f"straggler_otelprof_collective_duration_seconds_total{{{selector}}}"
+            )
             wait_for(  # the last export of every rank has been scraped
                 lambda: len(_labels(prometheus, f"group by (otelprof_rank) (last_over_time("
                                     f"otelprof_collective_duration_seconds_total{{{selector}}}[10m]))",
