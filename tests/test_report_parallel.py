@@ -217,3 +217,20 @@ def test_merged_duration_stats_are_one_pass_over_both_parts_total_included() -> 
         assert [first.percentile(q) for q in (0, 50, 90, 99, 100)] == [
             whole.percentile(q) for q in (0, 50, 90, 99, 100)
         ]
+
+
+def test_spawned_workers_give_the_report_of_one_process(
+    ranks_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where fork is unsafe (threads) or missing, workers are spawned: the same report."""
+    import multiprocessing
+
+    from otelprof.analysis import parallel_summary
+
+    monkeypatch.setattr(parallel_summary, "_context", lambda: multiprocessing.get_context("spawn"))
+    docs = []
+    for jobs in (1, 2):
+        warn = WarningLog(sink=lambda _m: None)
+        summary = summarize(open_run([ranks_run]), warn, jobs=jobs)
+        docs.append(json.dumps(build_json(summary, judge(summary), build_sections(summary, warn))))
+    assert docs[1] == docs[0]

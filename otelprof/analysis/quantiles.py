@@ -58,6 +58,20 @@ class DurationStats:
         that of one pass over both sequences, float total included; a sketch folds its
         buckets in (the same buckets one pass makes; the total may differ in the last bit)."""
         if other._values is not None:
+            if (
+                self._values is not None
+                and len(self._values) + len(other._values) <= self.exact_cap
+            ):
+                total = self.total  # the same additions, in the same order, as add()
+                for value in other._values:
+                    total += value
+                self.total = total
+                self.count += len(other._values)
+                if other._values:
+                    self.min = min(self.min, other.min)
+                    self.max = max(self.max, other.max)
+                self._values.extend(other._values)
+                return
             add = self.add
             for value in other._values:
                 add(value)
