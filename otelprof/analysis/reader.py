@@ -314,7 +314,7 @@ class Line:
     raw: bytes
 
 
-_READ_BUFFER = 1 << 20  # a line is one export batch (hundreds of KB): few refills per line
+_READ_BUFFER = 64 << 10  # lines are export batches (100s of KB); a window reads little past its end
 
 
 def open_lines(path: Path) -> IO[bytes]:
