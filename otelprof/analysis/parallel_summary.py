@@ -18,12 +18,11 @@ import multiprocessing
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from otelprof.analysis.reader import ReadPlan, RunFiles, Warn
-from otelprof.analysis.summary import _FilePass
 
 MAX_DEFAULT_JOBS = 8
 """Workers by default at most: each holds its own interpreter and one file's aggregates."""
@@ -31,7 +30,18 @@ MAX_DEFAULT_JOBS = 8
 PARALLEL_FROM_BYTES = 64 << 20
 """Below this much to read, one process reads faster than it starts workers."""
 
-PassArgs = tuple[int, int, tuple[int | None, int | None] | None]  # window, exact_cap, steps
+Windows = tuple[tuple[int, int], ...] | None
+
+
+class FilePass(Protocol):
+    """What a worker runs per file and the caller merges (`summary._FilePass`)."""
+
+    def read_file(self, path: Path, windows: Windows, warn: Warn) -> None: ...
+
+    def merge(self, other: Any) -> None: ...
+
+
+P = TypeVar("P", bound=FilePass)
 
 
 def default_jobs(files: RunFiles, read_budget: int | None) -> int:
@@ -49,12 +59,12 @@ def default_jobs(files: RunFiles, read_budget: int | None) -> int:
 
 
 def _read_one(
-    task: tuple[Path, tuple[tuple[int, int], ...] | None, PassArgs],
-) -> tuple[_FilePass, list[str]]:
+    task: tuple[Callable[[], FilePass], Path, Windows],
+) -> tuple[FilePass, list[str]]:
     """A worker's task: one file's aggregates, and the warnings reading it gave, in order."""
-    path, windows, args = task
+    make, path, windows = task
     said: list[str] = []
-    part = _FilePass(*args)
+    part = make()
     part.read_file(path, windows, said.append)
     return part, said
 
@@ -67,21 +77,22 @@ def _context() -> Any:
 
 
 def read_in_workers(
-    files: Sequence[Path], plan: ReadPlan, warn: Warn, jobs: int, args: PassArgs
-) -> _FilePass:
-    """Every file's aggregates from `jobs` worker processes, merged in file order."""
-    total = _FilePass(*args)
+    files: Sequence[Path], plan: ReadPlan, warn: Warn, jobs: int, make: Callable[[], P]
+) -> P:
+    """Every file's pass (`make()`, picklable: a class or a partial of one) from `jobs`
+    worker processes, merged in file order into a pass of its own."""
+    total = make()
     with _context().Pool(min(jobs, len(files))) as pool:
         waiting: deque[Any] = deque()
         queued = iter(files)
         for path in queued:
-            waiting.append(pool.apply_async(_read_one, ((path, plan.windows.get(path), args),)))
+            waiting.append(pool.apply_async(_read_one, ((make, path, plan.windows.get(path)),)))
             if len(waiting) >= 2 * jobs:
                 break
         while waiting:
             part, said = waiting.popleft().get()
             for path in queued:  # keep the workers busy while this file merges
-                waiting.append(pool.apply_async(_read_one, ((path, plan.windows.get(path), args),)))
+                waiting.append(pool.apply_async(_read_one, ((make, path, plan.windows.get(path)),)))
                 break
             for message in said:
                 warn(message)

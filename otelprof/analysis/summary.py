@@ -9,6 +9,7 @@ within the window is counted as unresolved, not guessed).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
+from otelprof.analysis.parallel_summary import read_in_workers
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     PointRec,
@@ -654,9 +656,7 @@ def read_files(
 ) -> _FilePass:
     """One pass per file (in `jobs` worker processes when > 1), merged in file order."""
     if jobs > 1 and len(paths) > 1:
-        from otelprof.analysis.parallel_summary import read_in_workers
-
-        return read_in_workers(paths, plan, warn, jobs, args)
+        return read_in_workers(paths, plan, warn, jobs, functools.partial(_FilePass, *args))
     total = _FilePass(*args)
     for path in paths:
         part = _FilePass(*args)
