@@ -9,11 +9,13 @@ last line, so the warnings' order is checked too.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -234,3 +236,37 @@ def test_spawned_workers_give_the_report_of_one_process(
         summary = summarize(open_run([ranks_run]), warn, jobs=jobs)
         docs.append(json.dumps(build_json(summary, judge(summary), build_sections(summary, warn))))
     assert docs[1] == docs[0]
+
+
+class _DiesInAWorker(_FilePass):
+    """A pass whose worker is killed reading one file (as the out-of-memory killer would)."""
+
+    parent = os.getpid()
+
+    def read_file(self, path: Path, windows: Any, warn: Any) -> None:
+        if os.getpid() != self.parent and path.name == "traces.rank2.jsonl":
+            os._exit(9)
+        super().read_file(path, windows, warn)
+
+
+def test_a_worker_that_dies_leaves_the_rest_to_the_report_process_same_figures(
+    ranks_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+    import multiprocessing
+
+    from otelprof.analysis import parallel_summary
+
+    monkeypatch.setattr(parallel_summary, "_context", lambda: multiprocessing.get_context("fork"))
+    files = open_run([ranks_run])
+    plan = ReadPlan.for_files(files.jsonl, None)
+    args = (50_000, 200_000, None)
+    said: list[str] = []
+    survived = parallel_summary.read_in_workers(
+        files.jsonl, plan, said.append, 2, functools.partial(_DiesInAWorker, *args)
+    )
+    one: list[str] = []
+    serial = read_files(files.jsonl, plan, one.append, 1, args)
+    assert any("worker process ended abruptly" in m for m in said)
+    assert [m for m in said if "abruptly" not in m] == one
+    _assert_same_figures(_state(survived), _state(serial))

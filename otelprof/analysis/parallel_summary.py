@@ -19,6 +19,8 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -80,21 +82,34 @@ def read_in_workers(
     files: Sequence[Path], plan: ReadPlan, warn: Warn, jobs: int, make: Callable[[], P]
 ) -> P:
     """Every file's pass (`make()`, picklable: a class or a partial of one) from `jobs`
-    worker processes, merged in file order into a pass of its own."""
+    worker processes, merged in file order into a pass of its own. A worker that dies (the
+    kernel's out-of-memory killer, a signal) does not hang the report: the files not merged
+    yet are read in this process, with a warning."""
     total = make()
-    with _context().Pool(min(jobs, len(files))) as pool:
-        waiting: deque[Any] = deque()
-        queued = iter(files)
-        for path in queued:
-            waiting.append(pool.apply_async(_read_one, ((make, path, plan.windows.get(path)),)))
-            if len(waiting) >= 2 * jobs:
-                break
-        while waiting:
-            part, said = waiting.popleft().get()
-            for path in queued:  # keep the workers busy while this file merges
-                waiting.append(pool.apply_async(_read_one, ((make, path, plan.windows.get(path)),)))
-                break
-            for message in said:
-                warn(message)
+    paths = list(files)
+    merged = 0
+    try:
+        with ProcessPoolExecutor(min(jobs, len(paths)), mp_context=_context()) as pool:
+            waiting: deque[Future[tuple[FilePass, list[str]]]] = deque()
+            for path in paths[: 2 * jobs]:
+                waiting.append(pool.submit(_read_one, (make, path, plan.windows.get(path))))
+            while waiting:
+                part, said = waiting.popleft().result()
+                queued = merged + len(waiting) + 1
+                if queued < len(paths):  # keep the workers busy while this file merges
+                    path = paths[queued]
+                    waiting.append(pool.submit(_read_one, (make, path, plan.windows.get(path))))
+                for message in said:
+                    warn(message)
+                total.merge(part)
+                merged += 1
+    except BrokenProcessPool as exc:
+        warn(
+            f"a report worker process ended abruptly ({exc}); reading the other "
+            f"{len(paths) - merged} files in this process"
+        )
+        for path in paths[merged:]:
+            part = make()
+            part.read_file(path, plan.windows.get(path), warn)
             total.merge(part)
     return total
