@@ -3,9 +3,10 @@
 A real run is a few minutes of a real job (tests/ddp_job.py under torchrun, default
 settings). One hour of a rank is built from it as a real hour looks at default settings:
 
-- traces: the first traces as written (the sampler keeps the first 5,000 spans of a run
-  whole), then the steady part tiled over the hour: the steps the budget keeps (head and
-  tail samples, captures) at the rate the real run kept them, and at most one anomaly per
+- traces: the run's start as written (the traces of its first tenth, at most 5,000 spans:
+  head sampling keeps more of a run's first steps), then the steady part tiled over the
+  hour: the steps the budget keeps (head and tail samples, captures) at the rate the real
+  run kept them, and at most one anomaly per
   minute (a loaded machine fires the anomaly rule far more often than a healthy job; each
   one is kept whatever the budget, so a burst of them is not what an hour looks like);
 - metrics: the real lines (hardware gauges every interval, the timing histograms every
@@ -29,7 +30,7 @@ from typing import Any
 
 HOUR_S = 3600.0
 RANKS_PER_NODE = 8
-_STEADY_AFTER_SPANS = 5_000  # the sampler keeps a run's first 5,000 spans whole
+_STEADY_AFTER_SPANS = 5_000  # the run's start as written: at most its first 5,000 spans
 _ANOMALY_EVERY_S = 60.0
 _SPANS_PER_LINE = 512  # the span exporter's batch
 
@@ -113,7 +114,13 @@ def _trace_template(path: Path, hour_s: float) -> tuple[bytes, dict[str, int]]:
         traces.setdefault(span["traceId"], []).append(span)
     order = sorted(traces.values(), key=lambda t: min(int(s["startTimeUnixNano"]) for s in t))
     t0 = int(min(int(s["startTimeUnixNano"]) for s in spans))
+    # the run's start as written: its first spans, at most a tenth of the source run
+    head_ns = (max(int(s["endTimeUnixNano"]) for s in spans) - t0) // 10
     head: list[list[dict[str, Any]]] = []
+
+    def span_start(trace: list[dict[str, Any]]) -> int:
+        return min(int(s["startTimeUnixNano"]) for s in trace)
+
     steady: list[list[dict[str, Any]]] = []
     ending: list[list[dict[str, Any]]] = []
     seen = 0
@@ -123,7 +130,7 @@ def _trace_template(path: Path, hour_s: float) -> tuple[bytes, dict[str, int]]:
         if step is None:
             ending.append(trace)  # end-of-run spans (barrier, after_training)
             continue
-        if seen < _STEADY_AFTER_SPANS:
+        if seen < _STEADY_AFTER_SPANS and span_start(trace) - t0 < head_ns:
             head.append(trace)
             seen += len(trace)
             continue
@@ -135,9 +142,6 @@ def _trace_template(path: Path, hour_s: float) -> tuple[bytes, dict[str, int]]:
         steady.append(trace)
     if not steady:
         raise SystemExit(f"{path}: the run is too short to have a steady part; run it longer")
-
-    def span_start(trace: list[dict[str, Any]]) -> int:
-        return min(int(s["startTimeUnixNano"]) for s in trace)
 
     def step_no(trace: list[dict[str, Any]]) -> int:
         return int(_attr(next(s for s in trace if s["name"] == "step"), "otelprof.step"))
@@ -346,42 +350,75 @@ def _fill(template: bytes, identity: dict[str, str]) -> bytes:
 
 
 def write_ranks(
-    templates: dict[bool, RankTemplate], run_dir: Path, world: int, run_id: str
+    templates: dict[bool, RankTemplate],
+    run_dir: Path,
+    world: int,
+    run_id: str,
+    jobs: int = 1,
 ) -> Iterator[int]:
-    """Write every rank's files into one shared run directory; yields bytes per rank."""
+    """Write every rank's files into one shared run directory; yields bytes per rank.
+
+    `jobs` > 1 writes in that many forked processes (each rank's files are independent; the
+    templates are shared by fork, not copied): generation is CPU-bound byte replacement and,
+    on a compressing file system, the kernel's compression, so it scales with cores."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if jobs > 1 and world > 1:
+        import multiprocessing
+
+        global _FORKED  # handed to forked workers by fork, never pickled
+        _FORKED = (templates, run_dir, world, run_id)
+        try:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                yield from pool.imap(_write_forked, range(world), chunksize=4)
+        finally:
+            _FORKED = None
+        return
     for rank in range(world):
-        template = templates[rank % RANKS_PER_NODE == 0]
-        identity = _identity(rank, world, run_id)
-        written = 0
-        for kind, data in (("traces", template.traces), ("metrics", template.metrics)):
-            path = run_dir / f"{kind}.rank{rank}.jsonl"
-            filled = _fill(data, identity)
-            with path.open("wb") as handle:
-                handle.write(filled)
-            written += len(filled)
-        info = json.loads(_fill(json.dumps(template.run_info).encode(), identity))
-        info["run_id"] = run_id
-        info["resource"].update(
-            {
-                "otelprof.rank": rank,
-                "otelprof.local_rank": rank % RANKS_PER_NODE,
-                "otelprof.world_size": world,
-                "host.name": identity["@@HOST@@"],
-                "process.pid": int(identity["@@PID@@"]),
-                "service.instance.id": identity["@@SID@@"],
-                "otelprof.run_id": run_id,
-            }
-        )
-        info["files"] = {
-            "metrics": f"metrics.rank{rank}.jsonl",
-            "traces": f"traces.rank{rank}.jsonl",
+        yield _write_rank(templates, run_dir, world, run_id, rank)
+
+
+_FORKED: tuple[dict[bool, RankTemplate], Path, int, str] | None = None
+
+
+def _write_forked(rank: int) -> int:
+    assert _FORKED is not None
+    return _write_rank(*_FORKED, rank)
+
+
+def _write_rank(
+    templates: dict[bool, RankTemplate], run_dir: Path, world: int, run_id: str, rank: int
+) -> int:
+    template = templates[rank % RANKS_PER_NODE == 0]
+    identity = _identity(rank, world, run_id)
+    written = 0
+    for kind, data in (("traces", template.traces), ("metrics", template.metrics)):
+        path = run_dir / f"{kind}.rank{rank}.jsonl"
+        filled = _fill(data, identity)
+        with path.open("wb") as handle:
+            handle.write(filled)
+        written += len(filled)
+    info = json.loads(_fill(json.dumps(template.run_info).encode(), identity))
+    info["run_id"] = run_id
+    info["resource"].update(
+        {
+            "otelprof.rank": rank,
+            "otelprof.local_rank": rank % RANKS_PER_NODE,
+            "otelprof.world_size": world,
+            "host.name": identity["@@HOST@@"],
+            "process.pid": int(identity["@@PID@@"]),
+            "service.instance.id": identity["@@SID@@"],
+            "otelprof.run_id": run_id,
         }
-        (run_dir / f"run.rank{rank}.json").write_text(json.dumps(info, indent=2))
-        started = int(info.get("started_unix_nano", 0))
-        if started:
-            info["finished_unix_nano"] = started + int(templates[True].hour_s * 1e9)
-        yield written
+    )
+    info["files"] = {
+        "metrics": f"metrics.rank{rank}.jsonl",
+        "traces": f"traces.rank{rank}.jsonl",
+    }
+    (run_dir / f"run.rank{rank}.json").write_text(json.dumps(info, indent=2))
+    started = int(info.get("started_unix_nano", 0))
+    if started:
+        info["finished_unix_nano"] = started + int(templates[True].hour_s * 1e9)
+    return written
 
 
 def record_source_run(out: Path, steps: int = 12_000) -> Path:

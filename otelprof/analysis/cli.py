@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from otelprof.analysis.parallel_summary import (
+    MAX_DEFAULT_JOBS,
+    PARALLEL_FROM_BYTES,
+    default_jobs,
+)
 from otelprof.analysis.reader import (
     DEFAULT_READ_BUDGET,
     RunDirError,
@@ -52,6 +57,16 @@ def register(subparsers: Any) -> None:
     _add_read_budget(
         report,
         "a larger run is read in evenly spaced parts of every file, timing figures staying exact",
+    )
+    report.add_argument(
+        "--jobs",
+        "-j",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help="worker processes that read the run's files (default: one per CPU, at most "
+        f"{MAX_DEFAULT_JOBS}, when more than {PARALLEL_FROM_BYTES >> 20} MiB is read; 1: in "
+        "this process); the report is the same whatever N",
     )
     report.set_defaults(func=_report)
 
@@ -134,6 +149,16 @@ def _add_read_budget(parser: Any, larger: str) -> None:
     )
 
 
+def _jobs(text: str) -> int:
+    try:
+        jobs = int(text)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"--jobs must be a whole number >= 1, not {text!r}")
+    return jobs
+
+
 def _size(text: str) -> int:
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     number, unit = text.strip(), ""
@@ -198,7 +223,8 @@ def _report(args: argparse.Namespace) -> int:
     files = _open(args, warn)
     if files is None:
         return 2
-    summary = summarize(files, warn, steps=args.steps, read_budget=args.read_budget)
+    jobs = args.jobs if args.jobs is not None else default_jobs(files, args.read_budget)
+    summary = summarize(files, warn, steps=args.steps, read_budget=args.read_budget, jobs=jobs)
     verdict = judge(summary)
     from otelprof.analysis.sections import build_sections
 

@@ -52,6 +52,43 @@ class DurationStats:
         else:
             self._bucket_add(value)
 
+    def merge(self, other: DurationStats) -> None:
+        """Fold in `other`, the statistics of values that came after this one's. While
+        `other` still holds its values they are added one by one, so the result is exactly
+        that of one pass over both sequences, float total included; a sketch folds its
+        buckets in (the same buckets one pass makes; the total may differ in the last bit)."""
+        if other._values is not None:
+            if (
+                self._values is not None
+                and len(self._values) + len(other._values) <= self.exact_cap
+            ):
+                total = self.total  # the same additions, in the same order, as add()
+                for value in other._values:
+                    total += value
+                self.total = total
+                self.count += len(other._values)
+                if other._values:
+                    self.min = min(self.min, other.min)
+                    self.max = max(self.max, other.max)
+                self._values.extend(other._values)
+                return
+            add = self.add
+            for value in other._values:
+                add(value)
+            return
+        if not other.count:
+            return
+        if self._values is not None:
+            values, self._values = self._values, None
+            for v in values:
+                self._bucket_add(v)
+        self.count += other.count
+        self.total += other.total
+        self.min = min(self.min, other.min)
+        self.max = max(self.max, other.max)
+        for key, n in other._buckets.items():
+            self._buckets[key] = self._buckets.get(key, 0) + n
+
     def _bucket_add(self, value: float) -> None:
         key = -(10**9) if value <= 0 else math.ceil(math.log(value) / self._gamma_log)
         self._buckets[key] = self._buckets.get(key, 0) + 1

@@ -18,6 +18,7 @@ import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
@@ -313,12 +314,15 @@ class Line:
     raw: bytes
 
 
+_READ_BUFFER = 64 << 10  # lines are export batches (100s of KB); a window reads little past its end
+
+
 def open_lines(path: Path) -> IO[bytes]:
     """A run file for reading lines: `*.gz` files (detached mode's `compress=True`) are
     decompressed on the fly."""
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
-    return path.open("rb")
+    return path.open("rb", buffering=_READ_BUFFER)
 
 
 def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
@@ -485,15 +489,29 @@ def _check_attributes(items: Any) -> None:
         if type(item) is not dict or type(item.get("key")) is not str:
             _key(item)  # raises, naming what is wrong
         value = item.get("value")
-        if type(value) is not dict or len(value) != 1 or "stringValue" not in value:
-            any_value(value)
+        if type(value) is dict and len(value) == 1:  # the common cases inline (hot path)
+            if "stringValue" in value:
+                continue
+            raw = value.get("intValue")
+            if type(raw) is str:
+                int(raw)  # raises ValueError as any_value would
+                continue
+        any_value(value)
 
 
 def attribute(items: list[dict[str, Any]] | None, key: str) -> Any:
     """One attribute without decoding the whole list (the hot path reads a few keys)."""
     for item in items or ():
         if item.get("key") == key:
-            return any_value(item.get("value"))
+            value = item.get("value")
+            if type(value) is dict and len(value) == 1:  # the common cases inline (hot path)
+                raw = value.get("stringValue")
+                if raw is not None:
+                    return raw
+                raw = value.get("intValue")
+                if type(raw) is str:
+                    return int(raw)
+            return any_value(value)
     return None
 
 
@@ -502,6 +520,18 @@ class Resource:
     """A process's resource: the identity of a rank (host, pid, rank)."""
 
     attrs: tuple[tuple[str, Any], ...]
+
+    def __hash__(self) -> int:
+        # every record looks its process up by resource: hash the attributes once
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(self.attrs)
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the attributes only: a cached hash is only valid in the process that made it
+        return (Resource, (self.attrs,))
 
     def get(self, key: str, default: Any = None) -> Any:
         for k, v in self.attrs:
@@ -518,7 +548,7 @@ class Resource:
         rank = self.get("otelprof.rank")
         return rank if isinstance(rank, int) else None
 
-    @property
+    @cached_property
     def label(self) -> str:
         """Short human name: 'rank 3 @ node1 (pid 42)'."""
         parts = []

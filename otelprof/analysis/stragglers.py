@@ -253,12 +253,37 @@ class StragglerPass:
         untimed = max(0.0, group.step_s - timed - inside.get("", 0.0))
         work.own[UNTIMED] = work.own.get(UNTIMED, 0.0) + untimed
 
-    def result(self) -> StragglerReport:
+    def close(self) -> None:
+        """Fold every step still open (the end of the spans fed; each rank's steps fold in
+        the order they came, as the window does)."""
         for resource, groups in self._open.items():
             while groups:
                 _, group = groups.popitem(last=False)
                 self._fold(resource, group)
         self._open.clear()
+
+    def merge(self, other: StragglerPass) -> None:
+        """Fold in a closed pass over other files (sums per rank; a rank's steps all come
+        from its own trace file, so its sums are those of one pass)."""
+        other.close()
+        for resource, theirs in other._ranks.items():
+            work = self._ranks.get(resource)
+            if work is None:
+                self._ranks[resource] = theirs
+                continue
+            work.steps += theirs.steps
+            work.step_s += theirs.step_s
+            work.wait_s += theirs.wait_s
+            for mine, more in (
+                (work.own, theirs.own),
+                (work.wait_in, theirs.wait_in),
+                (work.wait_op, theirs.wait_op),
+            ):
+                for key, value in more.items():
+                    mine[key] = mine.get(key, 0.0) + value
+
+    def result(self) -> StragglerReport:
+        self.close()
         ranks = sorted(
             (w for w in self._ranks.values() if w.steps),
             key=lambda w: (w.resource.rank if w.resource.rank is not None else -1, w.label),

@@ -9,15 +9,19 @@ within the window is counted as unresolved, not guessed).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
+from otelprof.analysis.parallel_summary import read_in_workers
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     PointRec,
@@ -71,6 +75,12 @@ class Downsampler:
                     for i in range(0, len(b) - 1, 2)
                 ]
                 self.stride *= 2
+
+    def merge(self, other: Downsampler) -> None:
+        """Fold in a later part of the same series (its buckets as points: the shape, not
+        every sample, survives; a series comes from one file in every run otelprof writes)."""
+        for t, v in other.points():
+            self.add(t, v)
 
     def points(self) -> list[tuple[float, float]]:
         out = list(self._buckets)
@@ -251,11 +261,36 @@ class _Phases:
             intervals[i][1] = max(intervals[i][1], intervals[i + 1][1])
             del intervals[i + 1]
 
+    def merge(self, other: _Phases) -> None:
+        """Fold in the phases of other files (another rank's copy of a phase overlaps)."""
+        for label, (start, end) in other._epochs.items():
+            span = self._epochs.get(label)
+            if span is None:
+                self._epochs[label] = [start, end]
+            else:
+                span[0] = min(span[0], start)
+                span[1] = max(span[1], end)
+        for name, intervals in other._others.items():
+            for start, end in intervals:
+                self.root(name, start, end)
+
     def result(self) -> list[Phase]:
         phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
         for label, intervals in self._others.items():
-            phases.extend(Phase(label, s, e) for s, e in intervals)
+            phases.extend(Phase(label, s, e) for s, e in _union(intervals))
         return sorted(phases, key=lambda p: (p.start_ns, p.label))
+
+
+def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
+    """Overlapping intervals as one, whatever order they came in (a span that overlaps two
+    kept intervals joins them)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 class _StepResolver:
@@ -340,6 +375,257 @@ def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
     return (low is None or number >= low) and (high is None or number < high)
 
 
+class _FilePass:
+    """The aggregates of one file's records, or of several files' merged in file order.
+
+    A report is the merge, in file order, of one pass per file: the same whether the passes
+    run here one after another or in worker processes (`parallel_summary`), so a parallel
+    report is the serial one. Each merge replays what one pass over both files would do
+    wherever that is exact: timing durations are re-added in order (float totals included),
+    new names, ranks and series keep their first-seen order, the latest cumulative point
+    wins. The windows that link children to steps and gather a step's spans for the
+    straggler figures close at the end of each file (a rank's spans are in its own file)."""
+
+    def __init__(
+        self, window: int, exact_cap: int, steps: tuple[int | None, int | None] | None
+    ) -> None:
+        self.window = window
+        self.exact_cap = exact_cap
+        self.steps = steps
+        self.work = ThroughputPass(steps)
+        self.failed: dict[str, int] = {}
+        self.step0: list[float] = []
+        self.read = ReadStats()
+        self.timings: dict[str, TimingAgg] = {}
+        self.step = DurationStats(exact_cap)
+        self.ranks: dict[Resource, RankAgg] = {}
+        self.series: dict[SeriesKey, SeriesAgg] = {}
+        self.latest: dict[tuple[str, Resource, Any], tuple[int, float]] = {}
+        self.over_limit = 0
+        self.phases = _Phases()
+        self.unresolved = 0
+        self.stragglers = StragglerPass()
+        self.first_ns: int | None = None
+        self.last_ns: int | None = None
+        self.hists: list[HistRec] = []
+
+    def read_file(
+        self, path: Path, windows: tuple[tuple[int, int], ...] | None, warn: Warn
+    ) -> None:
+        """Aggregate one file (`windows`: the parts a read plan reads; None: all of it)."""
+        steps = self.steps
+        exact_cap = self.exact_cap
+        work = self.work
+        failed = self.failed
+        step0 = self.step0
+        timings = self.timings
+        step = self.step
+        ranks = self.ranks
+        series = self.series
+        latest = self.latest
+        phases = self.phases
+        hists = self.hists
+        resolver = _StepResolver(timings, self.window)
+        straggler_pass = StragglerPass()
+        first_ns = self.first_ns
+        last_ns = self.last_ns
+        plan = ReadPlan({path: windows}) if windows else ReadPlan.whole()
+        records = iter_all_records([path], warn, self.read, histograms=steps is None, plan=plan)
+        for rec in records:
+            work.feed(rec)
+            if isinstance(rec, HistRec):
+                hists.append(rec)
+                continue
+            if isinstance(rec, SpanRec):
+                if steps is not None and not _in_range(rec, steps):
+                    continue
+                if rec.status_code == 2:  # STATUS_CODE_ERROR
+                    failed[rec.name] = failed.get(rec.name, 0) + 1
+                start, end = rec.start_ns, rec.end_ns
+                if end < start:
+                    warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
+                    continue
+                dur_s = (end - start) / 1e9
+                if first_ns is None or start < first_ns:
+                    first_ns = start
+                if last_ns is None or end > last_ns:
+                    last_ns = end
+                rank = ranks.get(rec.resource)
+                if rank is None:
+                    rank = ranks[rec.resource] = RankAgg(rec.resource, DurationStats(exact_cap))
+                rank.spans += 1
+                rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
+                rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
+                is_step = rec.name == STEP_SPAN
+                if is_step:  # training steps only: other phases' roots are named after them
+                    step.add(dur_s)
+                    rank.steps.add(dur_s)
+                    rank.step_series.add(start / 1e9, dur_s)
+                    phases.step(rec.attr(ATTR_EPOCH), start, end)
+                    if rec.attr(ATTR_STEP) == 0:
+                        step0.append(dur_s)
+                name = rec.name
+                if not is_step:
+                    name = timing_key(rec.name, rec.attr(PHASE_ATTR))
+                    if name not in timings:
+                        timings[name] = TimingAgg(name, DurationStats(exact_cap))
+                    timings[name].stats.add(dur_s)
+                    if not rec.parent_span_id:
+                        phases.root(rec.name, start, end)
+                resolver.span(rec, dur_s, is_step, name)
+                straggler_pass.span(rec)
+            else:
+                if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest is the total
+                    ckey = (rec.name, rec.resource, rec.attributes)
+                    seen = latest.get(ckey)
+                    if seen is None and len(latest) >= _MAX_SERIES:
+                        self.over_limit += 1
+                    elif seen is None or rec.time_ns >= seen[0]:
+                        latest[ckey] = (rec.time_ns, rec.value)
+                    continue
+                scope = _scope_of(rec)
+                key = (rec.resource.host, scope, rec.name, rec.attributes)
+                agg = series.get(key)
+                if agg is None:
+                    if len(series) >= _MAX_SERIES:
+                        self.over_limit += 1
+                        continue
+                    agg = series[key] = SeriesAgg(
+                        rec.resource.host, scope, rec.name, rec.unit, rec.attributes
+                    )
+                v = rec.value
+                agg.count += 1
+                agg.total += v
+                if v < agg.min:
+                    agg.min = v
+                if v > agg.max:
+                    agg.max = v
+                agg.series.add(rec.time_ns / 1e9, v)
+                if first_ns is None or rec.time_ns < first_ns:
+                    first_ns = rec.time_ns
+                if last_ns is None or rec.time_ns > last_ns:
+                    last_ns = rec.time_ns
+        resolver.finish()
+        straggler_pass.close()
+        self.unresolved += resolver.unresolved
+        self.stragglers.merge(straggler_pass)
+        self.first_ns = first_ns
+        self.last_ns = last_ns
+
+    def merge(self, other: _FilePass) -> None:
+        """Fold in the pass over the files after this one's (see the class docstring)."""
+        self.work.merge(other.work)
+        for name, n in other.failed.items():
+            self.failed[name] = self.failed.get(name, 0) + n
+        self.step0.extend(other.step0)
+        _add_read_stats(self.read, other.read)
+        for name, agg in other.timings.items():
+            mine = self.timings.get(name)
+            if mine is None:
+                self.timings[name] = agg
+            else:
+                _merge_timing(mine, agg)
+        self.step.merge(other.step)
+        for resource, rank in other.ranks.items():
+            have = self.ranks.get(resource)
+            if have is None:
+                self.ranks[resource] = rank
+                continue
+            have.steps.merge(rank.steps)
+            have.spans += rank.spans
+            have.first_ns = _least(have.first_ns, rank.first_ns)
+            have.last_ns = _most(have.last_ns, rank.last_ns)
+            have.step_series.merge(rank.step_series)
+        for key, theirs in other.series.items():
+            have_series = self.series.get(key)
+            if have_series is None:
+                if len(self.series) >= _MAX_SERIES:
+                    self.over_limit += theirs.count
+                    continue
+                self.series[key] = theirs
+                continue
+            have_series.count += theirs.count
+            have_series.total += theirs.total
+            have_series.min = min(have_series.min, theirs.min)
+            have_series.max = max(have_series.max, theirs.max)
+            have_series.series.merge(theirs.series)
+        for ckey, point in other.latest.items():
+            seen = self.latest.get(ckey)
+            if seen is None and len(self.latest) >= _MAX_SERIES:
+                self.over_limit += 1
+            elif seen is None or point[0] >= seen[0]:
+                self.latest[ckey] = point
+        self.over_limit += other.over_limit
+        self.phases.merge(other.phases)
+        self.unresolved += other.unresolved
+        self.stragglers.merge(other.stragglers)
+        self.first_ns = _least(self.first_ns, other.first_ns)
+        self.last_ns = _most(self.last_ns, other.last_ns)
+        self.hists.extend(other.hists)
+
+    def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
+        counters: dict[str, float] = {}
+        for (name, _resource, _attrs), (_time, value) in self.latest.items():
+            counters[name] = counters.get(name, 0.0) + value
+        self.read.total_bytes += plan.total_bytes
+        summary = RunSummary(
+            files=files,
+            read=self.read,
+            timings=self.timings,
+            step=self.step,
+            ranks=self.ranks,
+            series=self.series,
+            phases=self.phases.result(),
+            counters=counters,
+            series_over_limit=self.over_limit,
+            first_ns=self.first_ns,
+            last_ns=self.last_ns,
+            unresolved_children=self.unresolved,
+            failed_spans=self.failed,
+            step0_s=self.step0,
+            steps_range=self.steps,
+            stragglers=self.stragglers.result(),
+            throughput=self.work.result(),
+            plan=plan,
+        )
+        # in-process histograms cover every step, the kept traces only a sample of them
+        summary.timings_from_histograms = apply_aggregates(
+            summary, self.hists, timing_key, lambda name, stats: TimingAgg(name, stats)
+        )
+        return summary
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _most(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _add_read_stats(into: ReadStats, more: ReadStats) -> None:
+    for name in vars(ReadStats()):
+        setattr(into, name, getattr(into, name) + getattr(more, name))
+
+
+def _merge_timing(mine: TimingAgg, theirs: TimingAgg) -> None:
+    mine.stats.merge(theirs.stats)
+    mine.direct_total_s += theirs.direct_total_s
+    mine.direct_count += theirs.direct_count
+    mine.nested_count += theirs.nested_count
+    mine.root_count += theirs.root_count
+    mine.unresolved_count += theirs.unresolved_count
+    for parent, n in theirs.nested_in.items():
+        if parent in mine.nested_in or len(mine.nested_in) < 50:
+            mine.nested_in[parent] = mine.nested_in.get(parent, 0) + n
+    for parent, stats in theirs.by_parent.items():
+        have = mine.by_parent.get(parent)
+        if have is not None:
+            have.merge(stats)
+        elif len(mine.by_parent) < _MAX_PARENTS:
+            mine.by_parent[parent] = stats
+
+
 def summarize(
     files: RunFiles,
     warn: Warn,
@@ -347,132 +633,33 @@ def summarize(
     exact_cap: int = 200_000,
     steps: tuple[int | None, int | None] | None = None,
     read_budget: int | None = None,
+    jobs: int = 1,
 ) -> RunSummary:
     """Read the run once and aggregate it (the throughput figures in the same pass).
 
     `window` bounds the span ids remembered to link children to steps; `exact_cap` the
     durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
     `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
-    `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`.
+    `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`; `jobs` > 1 reads
+    the files in that many worker processes (`parallel_summary`; the same result).
     """
     plan = ReadPlan.for_files(files.jsonl, read_budget)
-    work = ThroughputPass(steps)
-    failed: dict[str, int] = {}
-    step0: list[float] = []
-    read = ReadStats()
-    timings: dict[str, TimingAgg] = {}
-    step = DurationStats(exact_cap)
-    ranks: dict[Resource, RankAgg] = {}
-    series: dict[SeriesKey, SeriesAgg] = {}
-    latest: dict[tuple[str, Resource, Any], tuple[int, float]] = {}  # counter series -> last
-    over_limit = 0
-    phases = _Phases()
-    resolver = _StepResolver(timings, window)
-    straggler_pass = StragglerPass()
-    first_ns: int | None = None
-    last_ns: int | None = None
-    hists: list[HistRec] = []
-    records = iter_all_records(files.jsonl, warn, read, histograms=steps is None, plan=plan)
-    for rec in records:
-        work.feed(rec)
-        if isinstance(rec, HistRec):
-            hists.append(rec)
-            continue
-        if isinstance(rec, SpanRec):
-            if steps is not None and not _in_range(rec, steps):
-                continue
-            if rec.status_code == 2:  # STATUS_CODE_ERROR
-                failed[rec.name] = failed.get(rec.name, 0) + 1
-            start, end = rec.start_ns, rec.end_ns
-            if end < start:
-                warn(f"span {rec.name} ({rec.span_id}) ends before it starts; skipped")
-                continue
-            dur_s = (end - start) / 1e9
-            if first_ns is None or start < first_ns:
-                first_ns = start
-            if last_ns is None or end > last_ns:
-                last_ns = end
-            rank = ranks.get(rec.resource)
-            if rank is None:
-                rank = ranks[rec.resource] = RankAgg(rec.resource, DurationStats(exact_cap))
-            rank.spans += 1
-            rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
-            rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
-            is_step = rec.name == STEP_SPAN
-            if is_step:  # training steps only: other phases' roots are named after them
-                step.add(dur_s)
-                rank.steps.add(dur_s)
-                rank.step_series.add(start / 1e9, dur_s)
-                phases.step(rec.attr(ATTR_EPOCH), start, end)
-                if rec.attr(ATTR_STEP) == 0:
-                    step0.append(dur_s)
-            name = rec.name
-            if not is_step:
-                name = timing_key(rec.name, rec.attr(PHASE_ATTR))
-                if name not in timings:
-                    timings[name] = TimingAgg(name, DurationStats(exact_cap))
-                timings[name].stats.add(dur_s)
-                if not rec.parent_span_id:
-                    phases.root(rec.name, start, end)
-            resolver.span(rec, dur_s, is_step, name)
-            straggler_pass.span(rec)
-        else:
-            if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest point is the total
-                ckey = (rec.name, rec.resource, rec.attributes)
-                seen = latest.get(ckey)
-                if seen is None and len(latest) >= _MAX_SERIES:
-                    over_limit += 1
-                elif seen is None or rec.time_ns >= seen[0]:
-                    latest[ckey] = (rec.time_ns, rec.value)
-                continue
-            scope = _scope_of(rec)
-            key = (rec.resource.host, scope, rec.name, rec.attributes)
-            agg = series.get(key)
-            if agg is None:
-                if len(series) >= _MAX_SERIES:
-                    over_limit += 1
-                    continue
-                agg = series[key] = SeriesAgg(
-                    rec.resource.host, scope, rec.name, rec.unit, rec.attributes
-                )
-            v = rec.value
-            agg.count += 1
-            agg.total += v
-            if v < agg.min:
-                agg.min = v
-            if v > agg.max:
-                agg.max = v
-            agg.series.add(rec.time_ns / 1e9, v)
-            if first_ns is None or rec.time_ns < first_ns:
-                first_ns = rec.time_ns
-            if last_ns is None or rec.time_ns > last_ns:
-                last_ns = rec.time_ns
-    resolver.finish()
-    counters: dict[str, float] = {}
-    for (name, _resource, _attrs), (_time, value) in latest.items():
-        counters[name] = counters.get(name, 0.0) + value
-    summary = RunSummary(
-        files=files,
-        read=read,
-        timings=timings,
-        step=step,
-        ranks=ranks,
-        series=series,
-        phases=phases.result(),
-        counters=counters,
-        series_over_limit=over_limit,
-        first_ns=first_ns,
-        last_ns=last_ns,
-        unresolved_children=resolver.unresolved,
-        failed_spans=failed,
-        step0_s=step0,
-        steps_range=steps,
-        stragglers=straggler_pass.result(),
-        throughput=work.result(),
-        plan=plan,
-    )
-    # in-process histograms cover every step, the kept traces only a sample of them
-    summary.timings_from_histograms = apply_aggregates(
-        summary, hists, timing_key, lambda name, stats: TimingAgg(name, stats)
-    )
-    return summary
+    return read_files(files.jsonl, plan, warn, jobs, (window, exact_cap, steps)).result(files, plan)
+
+
+def read_files(
+    paths: Sequence[Path],
+    plan: ReadPlan,
+    warn: Warn,
+    jobs: int,
+    args: tuple[int, int, tuple[int | None, int | None] | None],
+) -> _FilePass:
+    """One pass per file (in `jobs` worker processes when > 1), merged in file order."""
+    if jobs > 1 and len(paths) > 1:
+        return read_in_workers(paths, plan, warn, jobs, functools.partial(_FilePass, *args))
+    total = _FilePass(*args)
+    for path in paths:
+        part = _FilePass(*args)
+        part.read_file(path, plan.windows.get(path), warn)
+        total.merge(part)
+    return total

@@ -137,6 +137,31 @@ class ThroughputPass:
         if peak:
             acc.peak = peak
 
+    def merge(self, other: ThroughputPass) -> None:
+        """Fold in the pass over later files (the same as feeding their records here)."""
+        for key, acc in other.accs.items():
+            mine = self.accs.get(key)
+            if mine is None:
+                self.accs[key] = acc
+                continue
+            mine.steps += acc.steps
+            mine.seconds += acc.seconds
+            for name in ("samples", "tokens", "flops"):
+                theirs = getattr(acc, name)
+                if theirs is not None:
+                    setattr(mine, name, (getattr(mine, name) or 0.0) + theirs)
+            if acc.peak:
+                mine.peak = acc.peak
+        for resource, kept in other.kept_steps.items():
+            self.kept_steps[resource] = self.kept_steps.get(resource, 0) + kept
+        for resource, rec in other.step_hists.items():
+            seen = self.step_hists.get(resource)
+            if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
+                self.step_hists[resource] = rec
+        for ckey, latest in other.counters.items():
+            if latest[0] >= self.counters.get(ckey, (0, 0.0))[0]:
+                self.counters[ckey] = latest
+
     def result(self) -> list[PhaseThroughput]:
         """A row per phase that recorded any work."""
         accs = self.accs
