@@ -108,8 +108,17 @@ def read_in_workers(
             f"a report worker process ended abruptly ({exc}); reading the other "
             f"{len(paths) - merged} files in this process"
         )
-        for path in paths[merged:]:
-            part = make()
-            part.read_file(path, plan.windows.get(path), warn)
-            total.merge(part)
+        read_serially(paths[merged:], plan, warn, total, make)
+    return total
+
+
+def read_serially(
+    files: Sequence[Path], plan: ReadPlan, warn: Warn, total: P, make: Callable[[], P]
+) -> P:
+    """Every file's pass, one after another in this process, merged in file order into
+    `total` (the workers' result, read here)."""
+    for path in files:
+        part = make()
+        part.read_file(path, plan.windows.get(path), warn)
+        total.merge(part)
     return total

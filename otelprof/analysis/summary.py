@@ -21,7 +21,7 @@ from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
-from otelprof.analysis.parallel_summary import read_in_workers
+from otelprof.analysis.parallel_summary import read_in_workers, read_serially
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     PointRec,
@@ -92,6 +92,7 @@ class Downsampler:
 PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
 PARENT_ROOT = "\0root"
 _MAX_PARENTS = 50
+_MAX_NESTED_IN = 50
 
 
 @dataclass
@@ -116,6 +117,28 @@ class TimingAgg:
                 return
             stats = self.by_parent[parent] = DurationStats(self.stats.exact_cap)
         stats.add(dur_s)
+
+    def count_nested(self, parent: str, n: int = 1) -> None:
+        """`n` more spans nested in `parent` (a bounded set of parents)."""
+        if parent in self.nested_in or len(self.nested_in) < _MAX_NESTED_IN:
+            self.nested_in[parent] = self.nested_in.get(parent, 0) + n
+
+    def merge(self, other: TimingAgg) -> None:
+        """Fold in the same timing's aggregates from later files."""
+        self.stats.merge(other.stats)
+        self.direct_total_s += other.direct_total_s
+        self.direct_count += other.direct_count
+        self.nested_count += other.nested_count
+        self.root_count += other.root_count
+        self.unresolved_count += other.unresolved_count
+        for parent, n in other.nested_in.items():
+            self.count_nested(parent, n)
+        for parent, stats in other.by_parent.items():
+            have = self.by_parent.get(parent)
+            if have is not None:
+                have.merge(stats)
+            elif len(self.by_parent) < _MAX_PARENTS:
+                self.by_parent[parent] = stats
 
     @property
     def main_parent(self) -> str | None:
@@ -319,8 +342,7 @@ class _StepResolver:
     def _nested(self, name: str, parent: str, dur_s: float) -> None:
         agg = self.timings[name]
         agg.nested_count += 1
-        if parent in agg.nested_in or len(agg.nested_in) < 50:
-            agg.nested_in[parent] = agg.nested_in.get(parent, 0) + 1
+        agg.count_nested(parent)
         agg.add_in(parent, dur_s)
 
     def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
@@ -524,7 +546,7 @@ class _FilePass:
             if mine is None:
                 self.timings[name] = agg
             else:
-                _merge_timing(mine, agg)
+                mine.merge(agg)
         self.step.merge(other.step)
         for resource, rank in other.ranks.items():
             have = self.ranks.get(resource)
@@ -608,24 +630,6 @@ def _add_read_stats(into: ReadStats, more: ReadStats) -> None:
         setattr(into, name, getattr(into, name) + getattr(more, name))
 
 
-def _merge_timing(mine: TimingAgg, theirs: TimingAgg) -> None:
-    mine.stats.merge(theirs.stats)
-    mine.direct_total_s += theirs.direct_total_s
-    mine.direct_count += theirs.direct_count
-    mine.nested_count += theirs.nested_count
-    mine.root_count += theirs.root_count
-    mine.unresolved_count += theirs.unresolved_count
-    for parent, n in theirs.nested_in.items():
-        if parent in mine.nested_in or len(mine.nested_in) < 50:
-            mine.nested_in[parent] = mine.nested_in.get(parent, 0) + n
-    for parent, stats in theirs.by_parent.items():
-        have = mine.by_parent.get(parent)
-        if have is not None:
-            have.merge(stats)
-        elif len(mine.by_parent) < _MAX_PARENTS:
-            mine.by_parent[parent] = stats
-
-
 def summarize(
     files: RunFiles,
     warn: Warn,
@@ -655,11 +659,7 @@ def read_files(
     args: tuple[int, int, tuple[int | None, int | None] | None],
 ) -> _FilePass:
     """One pass per file (in `jobs` worker processes when > 1), merged in file order."""
+    make = functools.partial(_FilePass, *args)
     if jobs > 1 and len(paths) > 1:
-        return read_in_workers(paths, plan, warn, jobs, functools.partial(_FilePass, *args))
-    total = _FilePass(*args)
-    for path in paths:
-        part = _FilePass(*args)
-        part.read_file(path, plan.windows.get(path), warn)
-        total.merge(part)
-    return total
+        return read_in_workers(paths, plan, warn, jobs, make)
+    return read_serially(paths, plan, warn, make(), make)
