@@ -598,7 +598,7 @@ static PyObject *last_layout; /* (phase, root, names), a strong reference, or NU
 static long last_layout_id = -1;
 
 static int
-same_object(PyObject *a, PyObject *b)
+same_or_equal(PyObject *a, PyObject *b)
 {
     if (a == b)
         return 1;
@@ -611,7 +611,7 @@ same_object(PyObject *a, PyObject *b)
 static long
 last_layout_of(PyObject *phase, PyObject *frames)
 {
-    if (last_layout == NULL || !same_object(PyTuple_GET_ITEM(last_layout, 0), phase))
+    if (last_layout == NULL || !same_or_equal(PyTuple_GET_ITEM(last_layout, 0), phase))
         return -1;
     PyObject *names = PyTuple_GET_ITEM(last_layout, 2);
     Py_ssize_t n = PyList_GET_SIZE(frames);
@@ -620,7 +620,7 @@ last_layout_of(PyObject *phase, PyObject *frames)
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *frame = PyList_GET_ITEM(frames, i);
         if (!PyList_Check(frame) || PyList_GET_SIZE(frame) <= F_NAME ||
-            !same_object(PyList_GET_ITEM(frame, F_NAME), PyTuple_GET_ITEM(names, i)))
+            !same_or_equal(PyList_GET_ITEM(frame, F_NAME), PyTuple_GET_ITEM(names, i)))
             return -1;
     }
     PyObject *layouts = QUIET(layouts);
