@@ -93,6 +93,26 @@ def test_to_device_keeps_container_subclasses_and_honours_non_blocking(tmp_path:
     assert len(by_name(run.finish(), "to_device")) == 1
 
 
+def test_to_device_and_from_device_on_flat_batches_and_single_tensors(tmp_path: Path) -> None:
+    x, y = torch.ones(2, 3), torch.arange(2)
+    run = start_run(tmp_path)
+    pair = to_device((x, y), "meta")
+    assert type(pair) is tuple and [t.device.type for t in pair] == ["meta", "meta"]
+    mixed = to_device([x, "ids", (y,)], "meta", non_blocking=True)
+    assert type(mixed) is list and mixed[1] == "ids" and type(mixed[2]) is tuple
+    assert mixed[0].device.type == "meta" and mixed[2][0].device.type == "meta"
+    assert to_device(x, "meta").device.type == "meta"
+    assert to_device(x, "meta", non_blocking=True).device.type == "meta"
+    assert to_device((), "meta") == () and to_device("text", "meta") == "text"
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    host = from_device(loss)
+    assert not host.requires_grad and host.device.type == "cpu" and float(host) == 6.0
+    assert from_device(7) == 7
+    spans = run.finish()
+    assert len(by_name(spans, "to_device")) == 6
+    assert len(by_name(spans, "from_device")) == 2
+
+
 def test_from_device_detaches_and_copies_to_host(tmp_path: Path) -> None:
     weight = torch.ones(3, requires_grad=True)
     run = start_run(tmp_path)

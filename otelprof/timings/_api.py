@@ -137,10 +137,10 @@ def timed_items(
     """`iterator`'s items, each `next()` a span named `name`; the `next()` that finds it
     exhausted is no span. `before`/`after` run around every fetch (integrations mark step
     boundaries there)."""
+    span = timing(name)  # once, not per item: the cached span (inside compiled code: none)
     while True:
         if before is not None:
             before()
-        span = timing(name)
         span.__enter__()
         try:
             item = next(iterator)
@@ -221,12 +221,46 @@ def _map_nested(data: Any, fn: Any) -> Any:
     return data
 
 
+def _mover(device: Any, non_blocking: bool) -> Callable[[Any], Any]:
+    if non_blocking:
+        return lambda t: t.to(device, non_blocking=True)
+    return lambda t: t.to(device)
+
+
+_TO_DEVICE = Timing(TO_DEVICE)
+_FROM_DEVICE = Timing(FROM_DEVICE)
+_TRAIN_BATCH = Timing(TRAIN_BATCH)
+_REDUCE_METRICS = Timing(REDUCE_METRICS)
+
+
 def to_device(data: T, device: Any, non_blocking: bool = False) -> T:
     """Move every tensor in `data` to `device` under a `to_device` span."""
-    with timing(TO_DEVICE):
-        if non_blocking:
-            return _map_nested(data, lambda t: t.to(device, non_blocking=True))
-        return _map_nested(data, lambda t: t.to(device))
+    # `_compiling()` and `_map_nested` inline for a flat batch (the hot path: this runs
+    # every step, and each Python call it saves is ~0.1 µs, ~0.3 µs on a busy step's cold
+    # caches); the data's own copies are all it adds on top of the span.
+    check = _rec.is_compiling or _rec._find_is_compiling()
+    if check is not None and check():  # traced by torch.compile: no span, no graph break
+        return _map_nested(data, _mover(device, non_blocking))
+    with _TO_DEVICE:
+        tensor: Any = _tensor_class
+        if tensor is _NoTensor:
+            tensor = _tensor_type()
+        kind: Any = type(data)
+        if kind is tuple or kind is list:
+            moved: list[Any] = []
+            for value in data:  # type: ignore[attr-defined]
+                if not isinstance(value, tensor):
+                    moved.append(_map_nested(value, _mover(device, non_blocking)))
+                elif non_blocking:
+                    moved.append(value.to(device, non_blocking=True))
+                else:
+                    moved.append(value.to(device))
+            return moved if kind is list else tuple(moved)  # type: ignore[return-value]
+        if isinstance(data, tensor):
+            if non_blocking:
+                return data.to(device, non_blocking=True)
+            return data.to(device)
+        return _map_nested(data, _mover(device, non_blocking))
 
 
 def _to_host(tensor: Any) -> Any:
@@ -235,7 +269,15 @@ def _to_host(tensor: Any) -> Any:
 
 def from_device(data: T) -> T:
     """Detach every tensor in `data` and copy it to the host under a `from_device` span."""
-    with timing(FROM_DEVICE):
+    check = _rec.is_compiling or _rec._find_is_compiling()  # inline, as in `to_device`
+    if check is not None and check():
+        return _map_nested(data, _to_host)
+    with _FROM_DEVICE:
+        tensor: Any = _tensor_class
+        if tensor is _NoTensor:
+            tensor = _tensor_type()
+        if isinstance(data, tensor):  # a loss, a metric: the common case
+            return data.detach().cpu()
         return _map_nested(data, _to_host)
 
 
@@ -334,9 +376,15 @@ def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> H
 
 def train_batch(**attributes: Any) -> Timing:
     """`with train_batch():` — the `train_batch` span (forward, backward, optimizer)."""
-    return timing(TRAIN_BATCH, **attributes)
+    if attributes:
+        return timing(TRAIN_BATCH, **attributes)
+    check = _rec.is_compiling or _rec._find_is_compiling()  # `timing()`'s, inline
+    return _rec._PASSTHROUGH if check is not None and check() else _TRAIN_BATCH
 
 
 def reduce_metrics(**attributes: Any) -> Timing:
     """`with reduce_metrics():` — the `reduce_metrics` span."""
-    return timing(REDUCE_METRICS, **attributes)
+    if attributes:
+        return timing(REDUCE_METRICS, **attributes)
+    check = _rec.is_compiling or _rec._find_is_compiling()  # `timing()`'s, inline
+    return _rec._PASSTHROUGH if check is not None and check() else _REDUCE_METRICS
