@@ -124,7 +124,9 @@ typedef struct {
     PyObject *name;
 } Slot;
 
-static Slot timing_name, timing_attributes, state_stack, ctx_owner, ctx_frames;
+static Slot timing_name, timing_attributes, state_stack, state_hold, state_rows;
+static Slot ctx_owner, ctx_frames, ctx_phase, ctx_start, ctx_kept, ctx_trim_start, ctx_error,
+    ctx_batch, ctx_step;
 
 static int
 slot_init(Slot *slot, PyObject *cls, PyObject *name)
@@ -153,6 +155,21 @@ slot_get(Slot *slot, PyObject *obj)
             return Py_NewRef(value);
     }
     return PyObject_GetAttr(obj, slot->name);
+}
+
+/* Set a slot in place (same condition as slot_get), else as an attribute. Steals `value`. */
+static int
+slot_set(Slot *slot, PyObject *obj, PyObject *value)
+{
+    if (value == NULL)
+        return -1;
+    if (Py_TYPE(obj) == slot->type) {
+        Py_XSETREF(*(PyObject **)((char *)obj + slot->offset), value);
+        return 0;
+    }
+    int failed = PyObject_SetAttr(obj, slot->name, value);
+    Py_DECREF(value);
+    return failed;
 }
 
 /* perf_counter_ns() as the recorder sees it (a test may replace it). On Linux it is
@@ -570,9 +587,9 @@ as_ns(PyObject *value, long long *out)
 }
 
 static int
-truthy_attr(PyObject *obj, PyObject *name)
+truthy_slot(Slot *slot, PyObject *obj)
 {
-    PyObject *value = PyObject_GetAttr(obj, name);
+    PyObject *value = slot_get(slot, obj);
     if (value == NULL)
         return -1;
     int yes = PyObject_IsTrue(value);
@@ -761,7 +778,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     Py_DECREF(mine);
     if (mine != state) /* ended from another thread: the builder decides */
         return 0;
-    PyObject *phase = PyObject_GetAttr(ctx, S(phase));
+    PyObject *phase = slot_get(&ctx_phase, ctx);
     if (phase == NULL)
         return -1;
     int result = -1;
@@ -783,7 +800,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     }
     long long end_ns, start_ns;
     double unknown, tail, slowest, anomaly;
-    PyObject *start_obj = PyObject_GetAttr(ctx, S(start_ns));
+    PyObject *start_obj = slot_get(&ctx_start, ctx);
     if (start_obj == NULL)
         goto done;
     int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
@@ -796,12 +813,12 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     long long duration = end_ns - start_ns;
     if ((double)duration >= anomaly) { /* maybe an anomaly: the next steps may be captured */
         PyObject *capture = QUIET(CAPTURE_STEPS);
-        if (capture == NULL || PyObject_SetAttr(state, S(hold), capture) < 0)
+        if (capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0)
             goto done;
         result = 0;
         goto done;
     }
-    PyObject *hold_obj = PyObject_GetAttr(state, S(hold));
+    PyObject *hold_obj = slot_get(&state_hold, state);
     if (hold_obj == NULL)
         goto done;
     long hold = PyLong_AsLong(hold_obj);
@@ -809,13 +826,10 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     if (hold == -1 && PyErr_Occurred())
         goto done;
     if (hold) {
-        PyObject *less = PyLong_FromLong(hold - 1);
-        int failed = less == NULL || PyObject_SetAttr(state, S(hold), less) < 0;
-        Py_XDECREF(less);
-        result = failed ? -1 : 0;
+        result = slot_set(&state_hold, state, PyLong_FromLong(hold - 1)) < 0 ? -1 : 0;
         goto done;
     }
-    PyObject *kept = PyObject_GetAttr(ctx, S(kept));
+    PyObject *kept = slot_get(&ctx_kept, ctx);
     if (kept == NULL)
         goto done;
     Py_DECREF(kept);
@@ -823,9 +837,9 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = 0;
         goto done;
     }
-    int yes = truthy_attr(ctx, S(trim_start));
+    int yes = truthy_slot(&ctx_trim_start, ctx);
     if (yes == 0)
-        yes = truthy_attr(ctx, S(error));
+        yes = truthy_slot(&ctx_error, ctx);
     if (yes != 0) {
         result = yes < 0 ? -1 : 0;
         goto done;
@@ -839,10 +853,10 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     }
     /* head sampling may keep it (the same steps on every rank): its number is selected,
      * or past what was published */
-    PyObject *number = PyObject_GetAttr(ctx, S(batch));
+    PyObject *number = slot_get(&ctx_batch, ctx);
     if (number == Py_None) {
         Py_DECREF(number);
-        number = PyObject_GetAttr(ctx, S(step));
+        number = slot_get(&ctx_step, ctx);
     }
     if (number == NULL)
         goto done;
@@ -910,10 +924,11 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     }
     /* later ranges of it are queued singly and counted as sampled out; its ranges are
      * freed now, on this thread */
-    if (PyObject_SetAttr(ctx, S(owner), Py_None) < 0 || PyObject_SetAttr(ctx, S(kept), Py_False) < 0 ||
+    if (slot_set(&ctx_owner, ctx, Py_NewRef(Py_None)) < 0 ||
+        slot_set(&ctx_kept, ctx, Py_NewRef(Py_False)) < 0 ||
         PyList_SetSlice(frames, 0, n, NULL) < 0)
         goto done;
-    PyObject *rows = PyObject_GetAttr(state, S(rows));
+    PyObject *rows = slot_get(&state_rows, state);
     if (rows == NULL)
         goto done;
     int failed = PyList_Append(rows, row) < 0;
@@ -1096,8 +1111,13 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (slot_init(&timing_name, timing, S(name)) < 0 ||
         slot_init(&timing_attributes, timing, S(attributes)) < 0 ||
-        slot_init(&state_stack, state, S(stack)) < 0 || slot_init(&ctx_owner, ctx, S(owner)) < 0 ||
-        slot_init(&ctx_frames, ctx, S(frames)) < 0 || bind_step_context(ctx, args[1]) < 0)
+        slot_init(&state_stack, state, S(stack)) < 0 || slot_init(&state_hold, state, S(hold)) < 0 ||
+        slot_init(&state_rows, state, S(rows)) < 0 || slot_init(&ctx_owner, ctx, S(owner)) < 0 ||
+        slot_init(&ctx_frames, ctx, S(frames)) < 0 || slot_init(&ctx_phase, ctx, S(phase)) < 0 ||
+        slot_init(&ctx_start, ctx, S(start_ns)) < 0 || slot_init(&ctx_kept, ctx, S(kept)) < 0 ||
+        slot_init(&ctx_trim_start, ctx, S(trim_start)) < 0 ||
+        slot_init(&ctx_error, ctx, S(error)) < 0 || slot_init(&ctx_batch, ctx, S(batch)) < 0 ||
+        slot_init(&ctx_step, ctx, S(step)) < 0 || bind_step_context(ctx, args[1]) < 0)
         return NULL;
     PyObject *rec = args[2];
     Py_ssize_t offsets[K_COUNT];
