@@ -258,3 +258,31 @@ def test_trainer_test_batches_are_a_test_phase_not_training_steps(tmp_path: Path
     assert len(tests) == 3
     for t in tests:
         assert set(children(spans, t)) == {"dataloader_next", "to_device", "forward"}
+
+
+def test_the_wrapped_profiler_context_times_actions_and_lets_exceptions_through(
+    tmp_path: Path,
+) -> None:
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from otelprof.integrations.lightning import _OtelprofProfiler
+    from tests.otlp_files import read_spans
+
+    profiler = _OtelprofProfiler(PassThroughProfiler())
+    ignored = "[Callback]SomeCallback.on_train_batch_start"
+    timed = "[Strategy]SingleDeviceStrategy.backward"
+    with otelprof.instrument(
+        output_dir=tmp_path, host_metrics=False, process_metrics=False
+    ) as prof:
+        for _ in range(3):  # the first call learns each action's kind, later ones reuse it
+            with profiler.profile(ignored) as name:
+                assert name == ignored
+            with pytest.raises(RuntimeError, match="boom"), profiler.profile(timed) as name:
+                assert name == timed
+                raise RuntimeError("boom")
+            prof.step()
+        assert profiler.profile(ignored) is profiler.profile(ignored)  # one shared no-op
+    spans = read_spans(prof.run_dir / "traces.jsonl")
+    backward = [s for s in spans if s.name == "backward"]
+    assert len(backward) == 3, "closed on the way out of each failing action"
+    assert not [s for s in spans if "on_train_batch_start" in s.name]
