@@ -499,11 +499,8 @@ class _FilePass:
             else:
                 if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest is the total
                     ckey = (rec.name, rec.resource, rec.attributes)
-                    seen = latest.get(ckey)
-                    if seen is None and len(latest) >= _MAX_SERIES:
+                    if not _keep_latest(latest, ckey, (rec.time_ns, rec.value)):
                         self.over_limit += 1
-                    elif seen is None or rec.time_ns >= seen[0]:
-                        latest[ckey] = (rec.time_ns, rec.value)
                     continue
                 scope = _scope_of(rec)
                 key = (rec.resource.host, scope, rec.name, rec.attributes)
@@ -572,11 +569,8 @@ class _FilePass:
             have_series.max = max(have_series.max, theirs.max)
             have_series.series.merge(theirs.series)
         for ckey, point in other.latest.items():
-            seen = self.latest.get(ckey)
-            if seen is None and len(self.latest) >= _MAX_SERIES:
+            if not _keep_latest(self.latest, ckey, point):
                 self.over_limit += 1
-            elif seen is None or point[0] >= seen[0]:
-                self.latest[ckey] = point
         self.over_limit += other.over_limit
         self.phases.merge(other.phases)
         self.unresolved += other.unresolved
@@ -615,6 +609,21 @@ class _FilePass:
             summary, self.hists, timing_key, lambda name, stats: TimingAgg(name, stats)
         )
         return summary
+
+
+def _keep_latest(
+    latest: dict[tuple[str, Resource, Any], tuple[int, float]],
+    key: tuple[str, Resource, Any],
+    point: tuple[int, float],
+) -> bool:
+    """Keep `point` (time, value) of a cumulative series if it is that series' latest so
+    far; False when the series is new and the table is full (the caller counts it)."""
+    seen = latest.get(key)
+    if seen is None and len(latest) >= _MAX_SERIES:
+        return False
+    if seen is None or point[0] >= seen[0]:
+        latest[key] = point
+    return True
 
 
 def _least(a: int | None, b: int | None) -> int | None:
