@@ -57,6 +57,14 @@ class _Acc:
     flops: float | None = None
     peak: float | None = None
 
+    def add_work(self, name: str, amount: float | None) -> None:
+        """Add to `samples`, `tokens` or `flops`: None until some step declares it."""
+        if amount is not None:
+            setattr(self, name, (getattr(self, name) or 0.0) + amount)
+
+
+_WORK = ("samples", "tokens", "flops")  # _Acc's fields, in WORK_ATTRS' order
+
 
 @dataclass
 class PhaseThroughput:
@@ -130,9 +138,8 @@ class ThroughputPass:
         acc = self.accs.setdefault((str(phase), rec.resource), _Acc())
         acc.steps += 1
         acc.seconds += max(0, rec.end_ns - rec.start_ns) / 1e9
-        for name, amount in zip(("samples", "tokens", "flops"), work, strict=True):
-            if amount is not None:
-                setattr(acc, name, (getattr(acc, name) or 0.0) + amount)
+        for name, amount in zip(_WORK, work, strict=True):
+            acc.add_work(name, amount)
         peak = _number(rec.attr(PEAK_ATTR))
         if peak:
             acc.peak = peak
@@ -146,10 +153,8 @@ class ThroughputPass:
                 continue
             mine.steps += acc.steps
             mine.seconds += acc.seconds
-            for name in ("samples", "tokens", "flops"):
-                theirs = getattr(acc, name)
-                if theirs is not None:
-                    setattr(mine, name, (getattr(mine, name) or 0.0) + theirs)
+            for name in _WORK:
+                mine.add_work(name, getattr(acc, name))
             if acc.peak:
                 mine.peak = acc.peak
         for resource, kept in other.kept_steps.items():
