@@ -565,15 +565,16 @@ bridge_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return PyObject_Vectorcall(args[mine ? 0 : 1], call, 4, NULL);
     }
     PyObject *end = now(); /* before the range leaves the stack, as in the Python exit */
+    if (end == NULL) {
+        Py_DECREF(stack);
+        Py_DECREF(state);
+        return NULL;
+    }
     Py_INCREF(frame);
-    if (end != NULL)
-        pop_top(stack, depth);
-    int failed = end == NULL;
+    pop_top(stack, depth);
     Py_DECREF(stack);
-    if (failed)
-        Py_XDECREF(end);
-    else /* the frame lets torch free the range object now, not on the builder */
-        failed = PyList_SetItem(frame, F_END, end) < 0 ||
+    /* the frame lets torch free the range object now, not on the builder */
+    int failed = PyList_SetItem(frame, F_END, end) < 0 ||
                  PyList_SetItem(frame, F_OWNER, Py_NewRef(Py_None)) < 0 ||
                  deliver(frame, state) < 0;
     Py_DECREF(frame);
