@@ -28,6 +28,7 @@ STATE = (
     "torch_profiler_state",
     "torch_range_enter",
     "torch_range_exit",
+    "wake_builder",
 )
 
 
@@ -143,6 +144,22 @@ def test_steps_chunks_and_rows_are_queued_in_their_own_layouts(
     assert recorder.queued_frames() == 1 + 3 + 1
     recorder.took(5)
     assert recorder.queued_frames() == 0
+
+
+def test_the_item_that_leaves_the_queue_half_full_wakes_the_builder(
+    recording: rec.StepContext,
+) -> None:
+    """An idle builder sleeps up to a second; a burst must not wait for it to wake."""
+    wakes: list[int] = []
+    rec.recorder.start(100, wake_builder=lambda: wakes.append(rec.recorder.queued_frames()))
+    row = tuple(range(11))  # 10 spans carried (9 ranges and their step)
+    for _ in range(4):  # 4 items of 10 spans: up to 44 of 100 queued
+        rec.recorder.enqueue_rows([row])
+    assert wakes == []
+    rec.recorder.enqueue_rows([row])
+    assert wakes == [55]
+    rec.recorder.stop()
+    assert rec.recorder.wake_builder is None  # a stopped recorder holds no builder
 
 
 def test_a_step_ended_from_another_thread_says_so(recording: rec.StepContext) -> None:

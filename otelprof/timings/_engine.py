@@ -162,7 +162,9 @@ class TimingsEngine:
                 raise RuntimeError("another TimingsEngine is running; shut it down first")
             _active = self
             self._running = True
-        rec.recorder.start(self._settings.max_queued_spans, self.traces)
+        rec.recorder.start(
+            self._settings.max_queued_spans, self.traces, wake_builder=self._builder.wake
+        )
         _quiet_steps.reset()
         if self._calibrate is not None:
             # for the overhead gauge: what one range costs this thread (before the builder runs)

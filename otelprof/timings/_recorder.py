@@ -233,6 +233,7 @@ class Recorder:
         "torch_range_enter",
         "torch_range_exit",
         "traces",
+        "wake_builder",
     )
 
     def __init__(self) -> None:
@@ -262,13 +263,23 @@ class Recorder:
         self.torch_range_exit: Callable[[Any], Any] | None = None
         self.traces: RunTraces | None = None
         """The run attempt's trace ids (`_trace_ids`), while an engine runs."""
+        self.wake_builder: Callable[[], None] | None = None
+        """Called once the queue is half full: the builder sleeps up to a second while idle."""
         self._lock = threading.Lock()  # counts only: the hot path takes no lock
 
     # ---- lifecycle (the engine) ----
-    def start(self, capacity: int, traces: RunTraces | None = None) -> None:
+    def start(
+        self,
+        capacity: int,
+        traces: RunTraces | None = None,
+        wake_builder: Callable[[], None] | None = None,
+    ) -> None:
         """An empty queue of `capacity` frames, counters at zero; nothing records yet. Steps
-        take their trace ids from `traces` (random without)."""
+        take their trace ids from `traces` (random without). `wake_builder` is called when
+        an item leaves the queue half full, so a burst after a quiet spell never waits for
+        an idle builder's longer sleep."""
         self.traces = traces
+        self.wake_builder = wake_builder
         self.dropped = 0
         self.exhausted = 0
         self.queue.clear()
@@ -291,6 +302,7 @@ class Recorder:
         self.current = None
         self.capacity = 0
         self.cuda_timer = None
+        self.wake_builder = None
         self.set_torch_hooks(None, None, None)
 
     def record(self, ctx: StepContext | None) -> None:
@@ -303,6 +315,7 @@ class Recorder:
         _rng.seed()  # a child must not repeat its parent's ids
         self.current = None
         self.capacity = 0
+        self.wake_builder = None  # the parent's builder thread is not in the child
         self.queue.clear()
         self.in_items = self.out_items = 0
         self._lock = threading.Lock()
@@ -364,6 +377,8 @@ class Recorder:
         if queued + carried < self.capacity:
             self.in_items += carried
             queue.append(item)
+            if 2 * (queued + carried) >= self.capacity and self.wake_builder is not None:
+                self.wake_builder()
             return
         if carried:
             self.count_drop(carried)
