@@ -128,9 +128,11 @@ def test_steps_chunks_and_rows_are_queued_in_their_own_layouts(
     assert chunk[_frames.F_KIND] is _frames.KIND_CHUNK and chunk[_frames.F_CTX] is recording
     assert [f[_frames.F_NAME] for f in chunk[_frames.CHUNK_RANGES]] == ["a"]
 
-    recorder.enqueue_rows([(1, 2, 3, 0)])
+    row = _frames.pack_row([1, 2], 3, 0)  # two ranges' durations, the step's, the layout
+    recorder.enqueue_rows([row])
     rows = recorder.queue.popleft()
-    assert rows[_frames.F_KIND] is _frames.KIND_ROWS and rows[_frames.ROWS] == [(1, 2, 3, 0)]
+    assert rows[_frames.F_KIND] is _frames.KIND_ROWS and rows[_frames.ROWS] == [row]
+    assert list(_frames.row_values(rows[_frames.ROWS])) == [1, 2, 3, 0]
 
     with rec.timing("b"):
         pass
@@ -152,7 +154,7 @@ def test_the_item_that_leaves_the_queue_half_full_wakes_the_builder(
     """An idle builder sleeps up to a second; a burst must not wait for it to wake."""
     wakes: list[int] = []
     rec.recorder.start(100, wake_builder=lambda: wakes.append(rec.recorder.queued_frames()))
-    row = tuple(range(11))  # 10 spans carried (9 ranges and their step)
+    row = _frames.pack_row(range(9), 9, 0)  # 10 spans carried (9 ranges and their step)
     for _ in range(4):  # 4 items of 10 spans: up to 44 of 100 queued
         rec.recorder.enqueue_rows([row])
     assert wakes == []

@@ -46,8 +46,12 @@ from otelprof.timings._frames import (
     KIND_CHUNK,
     KIND_ROWS,
     KIND_STEP,
+    ROW_ITEM_SIZE,
     ROWS,
     STEP_ENDED_ELSEWHERE,
+    row_layout,
+    row_spans,
+    row_values,
 )
 from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
 from otelprof.timings._names import SpanNames
@@ -88,8 +92,7 @@ _get_name = itemgetter(F_NAME)
 _get_start = itemgetter(F_START)
 _get_end = itemgetter(F_END)
 _get_error = itemgetter(F_ERROR)
-_get_last = itemgetter(-1)
-_get_step = itemgetter(-2)
+_row_layout_bytes = itemgetter(slice(-ROW_ITEM_SIZE, None))  # a row's layout, undecoded
 """A `_quiet_steps` row: range durations, the step's duration, the layout id."""
 _NO_FRAMES: list[Any] = []
 """What a processed step's `frames` becomes (never appended to: its owner is gone)."""
@@ -437,33 +440,35 @@ class SpanBuilder:
             self.sampler.sampled_out += len(fields)
 
     def _rows(self, item: list[Any]) -> None:
-        """Steps sampled out on their own thread (`_quiet_steps`): each row's durations
-        join its layout's rows (folded into the histograms in C at the end of the drain),
-        its step duration the sampler's recent window."""
-        rows: list[tuple[int, ...]] = item[ROWS]
+        """Steps sampled out on their own thread (`_quiet_steps`): each layout's rows become
+        one int64 view, whose columns (a strided slice each: a loop in C) join their
+        histograms' batches; its step durations also join the sampler's recent window."""
+        rows: list[bytes] = item[ROWS]
         item[ROWS] = None
-        spans = sum(map(len, rows)) - len(rows)
+        spans = row_spans(rows)
         rec.recorder.took(spans)
-        layout_of = _get_last
-        layouts = set(map(layout_of, rows))  # (a loop in C: per step, no generator frame)
+        last = _row_layout_bytes
+        layouts = set(map(last, rows))  # (a loop in C: per step, no generator frame)
         if len(layouts) == 1:
-            groups: dict[int, list[tuple[int, ...]]] = {layouts.pop(): rows}
+            groups: dict[bytes, list[bytes]] = {layouts.pop(): rows}
         else:
             groups = {}
             for row in rows:
-                groups.setdefault(layout_of(row), []).append(row)
-        for layout, group in groups.items():
-            phase, root, names = _quiet_steps.layouts[layout]
+                groups.setdefault(last(row), []).append(row)
+        for key, group in groups.items():
+            phase, root, names = _quiet_steps.layouts[row_layout(key)]
+            width = len(names) + 2  # the ranges, the step, the layout
+            values = row_values(group)
             signature = self._signature_for(phase, root, names)
             if signature is None:  # too many layouts: range by range
-                for row in group:
-                    for raw, duration in zip(names, row, strict=False):
-                        self._durations_in(raw, phase).append(duration)
-                    self._step_durations(root, phase).append(row[-2])
+                columns = [self._durations_in(raw, phase) for raw in names]
+                columns.append(self._step_durations(root, phase))
             else:
-                signature[1].extend(group)
+                columns = signature[0]
+            for index, durations in enumerate(columns):
+                durations.extend(values[index::width])
             recent = self.sampler._recent_of(root)
-            recent.extend(map(truediv, map(_get_step, group), repeat(1e9)))  # seconds
+            recent.extend(map(truediv, values[width - 2 :: width], repeat(1e9)))  # seconds
         self.sampler.sampled_out += spans
         self.sampler.offered(spans + len(rows))
         self.steps_on_thread += len(rows)
@@ -474,8 +479,7 @@ class SpanBuilder:
         for columns, rows in self._signature_list:
             if rows:
                 # one pass per column, not `zip(*rows)`: that makes an iterator per row, and
-                # thousands of them alive at a collection get promoted (see `_quiet_steps`);
-                # rows from `_quiet_steps` end with their step's duration and layout id
+                # thousands of them alive at a collection get promoted (see `_quiet_steps`)
                 for index, durations in enumerate(columns):
                     durations.extend(map(itemgetter(index), rows))
                 rows.clear()

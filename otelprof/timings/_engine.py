@@ -43,6 +43,7 @@ from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
+from otelprof.timings._frames import row_spans
 from otelprof.timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
 from otelprof.timings._targets import SpanTargets
@@ -373,7 +374,7 @@ class TimingsEngine:
             "spans_recorded": builder.built + builder.job_spans,
             "spans_dropped": rec.recorder.dropped + builder.failed,
             "spans_queued": rec.recorder.queued_frames()
-            + sum(map(len, self._stepping.rows if self._stepping else ())),
+            + row_spans(self._stepping.rows if self._stepping else []),
             "steps": self._step,
             "cuda_pending": builder.pending_cuda(),
             "cuda_unresolved": builder.cuda_unresolved,

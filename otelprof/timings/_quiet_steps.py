@@ -8,7 +8,8 @@ publishes, once per drain, what a step needs to be kept (`publish`): no more spa
 the head budget now holds, or than the tail budget holds while slower than every recent
 step the builder has seen, or a duration at or above the anomaly threshold. Any other step
 without errors is decided on the thread that ran it: one row of durations
-(its ranges' in close order, then its own) joins the thread's batch of rows, its ranges
+(its ranges' in close order, then its own, then its layout: `_frames.pack_row`) joins the
+thread's batch of rows, its ranges
 are freed at once, and every `ROWS_PER_ITEM` steps the batch goes to the builder as one
 queue item, which folds it into the histograms in C. Every other step (the first ones,
 anything the budget could keep, errors, anomalies and the `CAPTURE_STEPS` after a step
@@ -25,7 +26,7 @@ from typing import Any
 
 from otelprof._schema import PHASE_TRAIN, STEP_SPAN
 from otelprof.timings import _recorder as rec
-from otelprof.timings._frames import F_CUDA, F_NAME
+from otelprof.timings._frames import F_CUDA, F_NAME, pack_row
 from otelprof.timings._sampling import CAPTURE_STEPS
 
 ROWS_PER_ITEM = 64
@@ -104,9 +105,12 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
         root = STEP_SPAN if phase == PHASE_TRAIN else phase
         layouts[layout] = (phase, root, names)
         by_names[names] = layout
-    # a tuple of numbers: the collector untracks it, so rows waiting for the builder are
-    # never promoted to the oldest generation (whose full collections stall the GIL)
-    row = (*[f[7] - f[6] for f in frames], duration, layout)
+    # one bytes object (`_frames.pack_row`): no container for the collector to track, so
+    # rows waiting for the builder never set off collections (a GIL stall each)
+    try:
+        row = pack_row([f[7] - f[6] for f in frames], duration, layout)
+    except (OverflowError, TypeError):  # a clock that gives no int64 ns: the builder's
+        return False
     cuda = rec.recorder.cuda_timer
     if cuda is not None:  # its CUDA events are reused by later ranges
         for frame in frames:

@@ -58,6 +58,7 @@ from otelprof.timings._frames import (
     chunk_item,
     leaf_frame,
     measured_frame,
+    row_spans,
     rows_item,
     step_item,
 )
@@ -187,7 +188,7 @@ class ThreadState:
         self.name = thread.name
         # steps this thread sampled out itself (`_quiet_steps`): rows of durations not yet
         # queued, and how many more steps go to the builder after a possible anomaly
-        self.rows: list[tuple[int, ...]] = []
+        self.rows: list[bytes] = []
         self.hold = 0
         # The base frame is never popped: a list that empties and refills on every range
         # would be reallocated twice per range (CPython shrinks it at size 0).
@@ -412,9 +413,9 @@ class Recorder:
         its last bucket to its future's end); `ctx`, `parent` and `state` from `position`."""
         self.enqueue(measured_frame(name, parent, ctx, state, attrs, start_ns, end_ns))
 
-    def enqueue_rows(self, rows: list[tuple[int, ...]]) -> None:
+    def enqueue_rows(self, rows: list[bytes]) -> None:
         """Queue duration rows of steps sampled out on their thread (`_quiet_steps`)."""
-        self._queue_item(rows_item(rows), sum(map(len, rows)) - len(rows))
+        self._queue_item(rows_item(rows), row_spans(rows))
 
     def hand_off(self, ctx: StepContext) -> None:
         """Queue the ranges `ctx` collected so far (on its own thread: only it appends)."""

@@ -763,22 +763,21 @@ done:
     return id;
 }
 
-/* end - start: in C for the clock's ints (a range's duration fits a small int, while the
- * subtraction of two big ns readings as Python ints costs ~200 instructions), else Python's */
-static PyObject *
-duration_of(PyObject *start, PyObject *end)
+/* end - start as an int64 in `out`: 1, or 0 when either is not an int or the difference
+ * overflows (the Python path then raises OverflowError or TypeError too), -1 on error */
+static int
+ns_difference(PyObject *start, PyObject *end, long long *out)
 {
-    if (PyLong_CheckExact(start) && PyLong_CheckExact(end)) {
-        int over_start, over_end;
-        long long s = PyLong_AsLongLongAndOverflow(start, &over_start);
-        long long e = PyLong_AsLongLongAndOverflow(end, &over_end);
-        long long took;
-        if (!over_start && !over_end && !((s == -1 || e == -1) && PyErr_Occurred()) &&
-            !__builtin_sub_overflow(e, s, &took))
-            return PyLong_FromLongLong(took);
-        PyErr_Clear();
-    }
-    return PyNumber_Subtract(end, start);
+    if (!PyLong_Check(start) || !PyLong_Check(end))
+        return 0;
+    int over_start, over_end;
+    long long s = PyLong_AsLongLongAndOverflow(start, &over_start);
+    if (s == -1 && PyErr_Occurred())
+        return -1;
+    long long e = PyLong_AsLongLongAndOverflow(end, &over_end);
+    if (e == -1 && PyErr_Occurred())
+        return -1;
+    return !over_start && !over_end && !__builtin_sub_overflow(e, s, out);
 }
 
 /* `_quiet_steps.sample_out` (see there): 1 if the step was sampled out here, 0 if it goes to
@@ -897,31 +896,24 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         result = layout == -1 ? 0 : -1;
         goto done;
     }
-    /* a tuple of ints, untracked by the garbage collector: rows wait up to a builder drain
-     * (0.2 s) to be folded, and lists that old get promoted to the oldest generation, so
-     * thousands a second would trigger full collections (a GIL stall of ~0.1 s each) */
-    row = PyTuple_New(n + 2);
+    /* one bytes object of int64s (`_frames.pack_row`): no Python int per range, and no
+     * container for the garbage collector to track while it waits for the builder */
+    row = PyBytes_FromStringAndSize(NULL, (n + 2) * (Py_ssize_t)sizeof(int64_t));
     if (row == NULL)
         goto done;
-    int atoms = 1; /* only numbers in it: no reference cycle can pass through it */
+    int64_t *values = (int64_t *)PyBytes_AS_STRING(row);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *frame = PyList_GET_ITEM(frames, i);
-        PyObject *took = duration_of(PyList_GET_ITEM(frame, F_START), PyList_GET_ITEM(frame, F_END));
-        if (took == NULL)
+        long long took;
+        int fits = ns_difference(PyList_GET_ITEM(frame, F_START), PyList_GET_ITEM(frame, F_END), &took);
+        if (fits <= 0) { /* a clock that gives no int64 ns: the builder's */
+            result = fits < 0 ? -1 : 0;
             goto done;
-        PyTuple_SET_ITEM(row, i, took);
-        atoms = atoms && (PyLong_CheckExact(took) || PyFloat_CheckExact(took));
+        }
+        values[i] = took;
     }
-    PyObject *whole = PyLong_FromLongLong(duration);
-    if (whole == NULL)
-        goto done;
-    PyTuple_SET_ITEM(row, n, whole);
-    PyObject *id = PyLong_FromLong(layout);
-    if (id == NULL)
-        goto done;
-    PyTuple_SET_ITEM(row, n + 1, id);
-    if (atoms)
-        PyObject_GC_UnTrack(row);
+    values[n] = duration;
+    values[n + 1] = layout;
     PyObject *cuda = FIELD(cuda_timer);
     if (cuda == NULL)
         goto done;
