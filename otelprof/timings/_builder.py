@@ -92,8 +92,8 @@ _get_name = itemgetter(F_NAME)
 _get_start = itemgetter(F_START)
 _get_end = itemgetter(F_END)
 _get_error = itemgetter(F_ERROR)
-_row_layout_bytes = itemgetter(slice(-ROW_ITEM_SIZE, None))  # a row's layout, undecoded
-"""A `_quiet_steps` row: range durations, the step's duration, the layout id."""
+_row_layout_bytes = itemgetter(slice(-ROW_ITEM_SIZE, None))
+"""A `_quiet_steps` row's layout id, still encoded (`_frames.row_layout` decodes it)."""
 _NO_FRAMES: list[Any] = []
 """What a processed step's `frames` becomes (never appended to: its owner is gone)."""
 
@@ -460,11 +460,8 @@ class SpanBuilder:
             width = len(names) + 2  # the ranges, the step, the layout
             values = row_values(group)
             signature = self._signature_for(phase, root, names)
-            if signature is None:  # too many layouts: range by range
-                columns = [self._durations_in(raw, phase) for raw in names]
-                columns.append(self._step_durations(root, phase))
-            else:
-                columns = signature[0]
+            # past MAX_SIGNATURES layouts: straight into the batches
+            columns = self._step_columns(phase, root, names) if signature is None else signature[0]
             for index, durations in enumerate(columns):
                 durations.extend(values[index::width])
             recent = self.sampler._recent_of(root)
@@ -523,11 +520,15 @@ class SpanBuilder:
         if signature is None:
             if len(self._signature_list) >= MAX_SIGNATURES:
                 return None
-            columns = [self._durations_in(raw, phase) for raw in names]
-            columns.append(self._step_durations(root, phase))
-            signature = by_layout[(root, names)] = (columns, [])
+            signature = by_layout[(root, names)] = (self._step_columns(phase, root, names), [])
             self._signature_list.append(signature)
         return signature
+
+    def _step_columns(self, phase: str, root: str, names: tuple[str, ...]) -> list[list[int]]:
+        """A step layout's duration batches: its ranges' in close order, then the step's."""
+        columns = [self._durations_in(raw, phase) for raw in names]
+        columns.append(self._step_durations(root, phase))
+        return columns
 
     def _step_durations(self, root: str, phase: str) -> list[int]:
         """The duration batch of the step span's own histogram (its name, not folded)."""
