@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import threading
 import time
@@ -18,6 +19,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as the figures quote them."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def print_machine(torch_version: str) -> None:
+    """The two lines a bench's figures open with: the machine, and its load as it starts."""
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch_version}")
+    print(f"load average at start: {load_average()}")
 
 
 BACKGROUND_THREADS = ("otelprof-", "Otel")

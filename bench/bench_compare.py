@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import cpu_model
+from _machine import print_machine
 from bench_real_loop import Model, bare_loop, calibrate, instrumented_loop
 
 import otelprof
@@ -245,8 +245,7 @@ def main() -> int:
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a local file store, no server
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print_machine(torch.__version__)
     m = calibrate(args.step_ms)
     print(
         f"{args.step_ms} ms steps (batch {m.batch}); {args.pairs} A-B-B-A pairs of "

@@ -19,14 +19,13 @@ between a model's operators, the same code costs about 2-3x more (`bench_real_lo
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
-from _machine import cpu_model
+from _machine import load_average, print_machine
 
 import otelprof
 
@@ -58,8 +57,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print_machine(torch.__version__)
     x, y = torch.randn(10, 32), torch.randint(0, 10, (10,))
     loss = (torch.randn(3, requires_grad=True) * 2).sum()
     items = list(range(STEP_EVERY))
@@ -107,7 +105,7 @@ def main() -> None:
             a, b = statistics.median(timed) / 1000, statistics.median(plain) / 1000
             print(f"{label:30s} {a:8.2f} µs {b:8.2f} µs {a - b:+8.2f} µs")
         print(f"spans dropped: {prof.stats().get('dropped_total', 0)}")
-    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average at end: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import tempfile
 import time
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _machine import cpu_model
+from _machine import load_average, print_machine
 from bench_real_loop import _option, calibrate
 from bench_step_rate import between_steps
 
@@ -117,8 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     clock = time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print_machine(torch.__version__)
     m = calibrate(args.step_ms)
     options = dict(args.options)
     with (
@@ -151,7 +149,7 @@ def main() -> None:
     b, a = statistics.median(steps_bare) / 1e3, statistics.median(steps_timed) / 1e3
     extra_mean = (statistics.fmean(steps_timed) - statistics.fmean(steps_bare)) / 1e3
     print(f"{'whole step':18s} {b:7.2f}µs {a:7.2f}µs {a - b:+7.2f}µs   {extra_mean:+7.2f}µs")
-    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average at end: {load_average()}")
 
 
 if __name__ == "__main__":

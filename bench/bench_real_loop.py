@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -56,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _machine import background_cpu, cpu_model
+from _machine import background_cpu, load_average, print_machine
 from bench_step_rate import GcClock, between_steps
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -372,13 +371,12 @@ def main() -> int:
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; torch {torch.__version__}")
-    print(f"load average at start: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print_machine(torch.__version__)
     print(f"{args.pairs} A-B-B-A pairs of {args.block_seconds} s blocks per step length\n")
     with tempfile.TemporaryDirectory() as tmp:
         for index, step_ms in enumerate(args.step_ms):
             run(step_ms, args, Path(tmp), index)
-    print(f"load average at end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"load average at end: {load_average()}")
     return 0
 
 
