@@ -157,6 +157,14 @@ slot_get(Slot *slot, PyObject *obj)
     return PyObject_GetAttr(obj, slot->name);
 }
 
+/* Set the object slot at `offset` of `obj` in place. Steals `value`. */
+static void
+set_slot(PyObject *obj, Py_ssize_t offset, PyObject *value)
+{
+    PyObject **field = (PyObject **)((char *)obj + offset);
+    Py_XSETREF(*field, value);
+}
+
 /* Set a slot in place (same condition as slot_get), else as an attribute. Steals `value`. */
 static int
 slot_set(Slot *slot, PyObject *obj, PyObject *value)
@@ -164,7 +172,7 @@ slot_set(Slot *slot, PyObject *obj, PyObject *value)
     if (value == NULL)
         return -1;
     if (Py_TYPE(obj) == slot->type) {
-        Py_XSETREF(*(PyObject **)((char *)obj + slot->offset), value);
+        set_slot(obj, slot->offset, value);
         return 0;
     }
     int failed = PyObject_SetAttr(obj, slot->name, value);
@@ -1046,13 +1054,6 @@ bind_step_context(PyObject *cls, PyObject *template)
     Py_XSETREF(ctx_template, Py_NewRef(template));
     ctx_type = (PyTypeObject *)cls;
     return 0;
-}
-
-static void
-set_slot(PyObject *obj, Py_ssize_t offset, PyObject *value)
-{
-    PyObject **field = (PyObject **)((char *)obj + offset);
-    Py_XSETREF(*field, value);
 }
 
 static PyObject *
