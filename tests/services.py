@@ -104,11 +104,22 @@ def require_prometheus() -> Path:
 # -- small utilities ----------------------------------------------------------------------
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 right now (the OS picks it) that this process has not
+    handed out before: a collector made with `wait=False` holds its ports only once it
+    starts, and a Prometheus started in between was given one of them (the collector then
+    failed with "address already in use")."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no loopback port left that this test run has not handed out")
 
 
 def wait_for(
