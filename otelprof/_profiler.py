@@ -48,6 +48,7 @@ from otelprof.export import ExportCounters, build_pipelines
 from otelprof.export.counters import is_loss as _is_loss
 from otelprof.export.wiring import file_names, file_suffix, provisional_pid
 from otelprof.resource import build_resource
+from otelprof.timings import _recorder
 from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
@@ -613,6 +614,10 @@ def _may_join_a_group(env: Mapping[str, str]) -> bool:
 
 def _int_attribute(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+if _recorder.speedups is not None:  # the same without a Python frame: it runs every step
+    Profiler.step = _recorder.speedups.method(_recorder.speedups.profiler_step)  # type: ignore[method-assign]
 
 
 def instrument(**options: Any) -> Profiler:

@@ -9,18 +9,22 @@ out on their thread, the token budgets and the calls made to torch and CUDA stan
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+import otelprof
+from otelprof.timings import _api, _engine, _quiet_steps
 from otelprof.timings import _frames as fr
-from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
+from tests.timings_harness import start_run
 
 IMPLEMENTATIONS = ("python", "compiled")
 
@@ -36,6 +40,11 @@ def test_the_compiled_hot_path_is_built() -> None:
     enter, exit_ = rec.bridged_methods(print, print)  # record_function.__enter__, __exit__
     assert enter.__func__.func is rec.speedups.bridge_enter
     assert exit_.__func__.func is rec.speedups.bridge_exit
+    assert _engine.TimingsEngine.step is rec.speedups.engine_step  # (unbound: the function)
+    assert not inspect.isgenerator(_api.timed_items(iter(())))  # an iterator object
+    # otelprof.step() and Profiler.step() call the engine's step with no frame of their own
+    assert otelprof.step is rec.speedups.step
+    assert otelprof.Profiler.step is rec.speedups.profiler_step  # (unbound: the function)
 
 
 @pytest.fixture
@@ -49,10 +58,12 @@ def use() -> Iterator[Callable[[str], None]]:
         on = implementation == "compiled"
         assert rec.use_compiled(on) is on
         assert _quiet_steps.use_compiled(on) is on
+        assert _engine.use_compiled(on) is on
 
     yield switch
     rec.use_compiled(default)
     _quiet_steps.use_compiled(default)
+    _engine.use_compiled(default)
 
 
 class _Clock:
@@ -344,7 +355,52 @@ def _bridged_nothing_records(r: _Recording) -> None:
         pass
 
 
+def _timed_items(r: _Recording) -> None:
+    """`timed_items` (compiled: an iterator object; Python: a generator): a span per item
+    with the hooks around it, none for the exhausted next(), an error span for an iterator
+    that raises; finished after either, as a generator is."""
+
+    def items(n: int, fail: bool = False) -> Iterator[int]:
+        yield from range(n)
+        if fail:
+            raise ValueError("disk gone")
+
+    def before() -> None:
+        r.calls.append(("before", len(r.ctx.frames)))
+
+    def after(item: int) -> None:
+        r.calls.append(("after", item, len(r.ctx.frames)))
+
+    timed = _api.timed_items(items(3), "dataloader_next", before, after)
+    assert list(timed) == [0, 1, 2]
+    assert list(timed) == []  # exhausted: no next() of the iterator, no span
+    failing = _api.timed_items(items(1, fail=True), "load")
+    assert next(failing) == 0
+    with pytest.raises(ValueError, match="disk gone"):
+        next(failing)
+    assert list(failing) == []
+    plain = _api.timed_items(items(2))  # no hooks, the default name
+    assert list(plain) == [0, 1]
+
+    def refuse() -> None:
+        raise RuntimeError("before refused")
+
+    refused = _api.timed_items(items(2), "refused", refuse)
+    with pytest.raises(RuntimeError, match="before refused"):
+        next(refused)
+    assert list(refused) == []
+
+    def reject(_item: int) -> None:
+        raise RuntimeError("after rejected")
+
+    rejected = _api.timed_items(items(2), "rejected", None, reject)
+    with pytest.raises(RuntimeError, match="after rejected"):
+        next(rejected)
+    assert list(rejected) == []
+
+
 SCENARIOS: dict[str, Callable[[_Recording], None]] = {
+    "timed-items": _timed_items,
     "bridged-nested": _bridged_nested,
     "bridged-errors": _bridged_errors,
     "bridged-out-of-order": _bridged_out_of_order,
@@ -525,3 +581,72 @@ def test_compiled_ranges_follow_the_recorder_fields_as_they_change(
     with timed:
         pass
     assert second.frames[-1][fr.F_START] == second.frames[-1][fr.F_END] == 42
+
+
+def test_compiled_steps_hand_every_case_but_the_common_one_to_the_python_step(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A training step with no schedule, Kineto or listener is the compiled step's own;
+    one with a listener, in another phase, or while `sample_out` is a stand-in runs
+    `_engine._py_step`, the reference."""
+    use("compiled")
+    python_steps: list[str] = []
+    python_step = _engine._py_step
+
+    def counted(engine: Any) -> None:
+        python_steps.append(engine.phase)
+        python_step(engine)
+
+    monkeypatch.setattr(_engine, "_py_step", counted)
+    run = start_run(tmp_path)
+    engine = run.engine
+    try:
+        for _ in range(3):
+            with rec.timing("work"):
+                pass
+            engine.step()
+        assert (python_steps, engine.step_number) == ([], 3)
+        remove = engine.add_step_listener(lambda *_: None)
+        engine.step()
+        remove()
+        engine.set_phase("validation")
+        engine.step()
+        engine.set_phase("train")
+        with monkeypatch.context() as patch:
+            patch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+            engine.step()
+        engine.step()
+        assert (python_steps, engine.step_number) == (["train", "validation", "train"], 6)
+    finally:
+        spans = run.finish()
+    assert len([s for s in spans if s.name == "work"]) == 3
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_step_that_fails_is_logged_and_training_goes_on(
+    implementation: str,
+    use: Callable[[str], None],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    use(implementation)
+    run = start_run(tmp_path)
+    try:
+
+        def broken(*_: Any) -> None:
+            raise OSError("queue gone")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(rec.Recorder, "emit_step", broken)  # nothing published: emitted
+            with rec.timing("work"):
+                pass
+            run.engine.step()  # no exception reaches the training loop
+        assert "otelprof: step() failed: OSError('queue gone')" in caplog.text
+        run.engine.step()
+        with rec.timing("after"):
+            pass
+        run.engine.step()
+    finally:
+        spans = run.finish()
+    assert [s.name for s in spans if s.name == "after"] == ["after"]

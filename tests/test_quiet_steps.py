@@ -104,12 +104,21 @@ def _assert_histograms_are(hists: dict, expected: dict) -> None:
         assert [int(c) for c in dp["bucketCounts"]] == buckets, key
 
 
-@pytest.mark.parametrize("on_thread", [True, False], ids=["on-thread", "builder-only"])
+@pytest.mark.parametrize(
+    ("on_thread", "compiled_step"),
+    [(True, True), (True, False), (False, True)],
+    ids=["on-thread", "on-thread-python-step", "builder-only"],
+)
 def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_schedule(
-    tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, on_thread: bool
+    tmp_path: Path,
+    clock: _FakeClock,
+    monkeypatch: pytest.MonkeyPatch,
+    on_thread: bool,
+    compiled_step: bool,
 ) -> None:
     if not on_thread:
         monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+    _engine.use_compiled(compiled_step)  # the Python step is the reference
     prof = _instrument(tmp_path, "q")
     try:
         expected = _train(prof, clock, 400)
@@ -118,6 +127,7 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
         assert prof._timings._builder.sampler._buffered == 0
     finally:
         prof.shutdown()
+        _engine.use_compiled(rec.compiled)
     stats = prof.stats()
     if on_thread:
         assert stats["timings.steps_sampled_out_on_thread"] > 200

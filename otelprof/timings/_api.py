@@ -40,11 +40,17 @@ DETERMINED_TIMINGS = (
 T = TypeVar("T")
 
 
-def step() -> None:
+def _step() -> None:
     """Mark a training-step boundary on the running profiler (no-op when none runs)."""
     engine = _engine._active
     if engine is not None:
         engine.step()
+
+
+step: Callable[[], None] = _step
+"""Mark a training-step boundary on the running profiler (no-op when none runs)."""
+if _rec.speedups is not None and _engine.TimingsEngine.step is not _engine._py_step:
+    step = _rec.speedups.step  # the same without a Python frame: it runs every step
 
 
 def set_epoch(epoch: int | None) -> None:
@@ -124,7 +130,7 @@ class timed_dataloader(Generic[T]):
         return getattr(self.iterable, name)
 
     def __iter__(self) -> Iterator[T]:
-        # the generator itself, not `yield from` it: one frame resumed per item, not two
+        # `timed_items`' iterator itself, not `yield from` it: no frame resumed per item
         return timed_items(iter(self.iterable), self.name)
 
 
@@ -136,7 +142,23 @@ def timed_items(
 ) -> Iterator[T]:
     """`iterator`'s items, each `next()` a span named `name`; the `next()` that finds it
     exhausted is no span. `before`/`after` run around every fetch (integrations mark step
-    boundaries there)."""
+    boundaries there).
+
+    Compiled (`_speedups.timed_items`, an iterator object) when the hot path is: a
+    generator resumes a Python frame per item, which a training loop pays every step."""
+    speedups = _rec.speedups
+    if _rec.compiled and speedups is not None:
+        return speedups.timed_items(iterator, timing(name), before, after)
+    return _timed_items(iterator, name, before, after)
+
+
+def _timed_items(
+    iterator: Iterator[T],
+    name: str,
+    before: Callable[[], object] | None,
+    after: Callable[[T], object] | None,
+) -> Iterator[T]:
+    """The Python `timed_items` (the reference): a generator."""
     span = timing(name)  # once, not per item: the cached span (inside compiled code: none)
     while True:
         if before is not None:

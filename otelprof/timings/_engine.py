@@ -85,6 +85,43 @@ def _import_torch() -> Any:
 class TimingsEngine:
     """Turns record_function ranges, `timing()` blocks and steps into OTel spans."""
 
+    # slots: the compiled `step()` (`_speedups.engine_step`) reads and writes its fields in
+    # place, as it does the recorder's
+    __slots__ = (
+        "_batch_in_epoch",
+        "_bridge",
+        "_builder",
+        "_calibrate",
+        "_capture",
+        "_capturing",
+        "_clock",
+        "_ctx",
+        "_ctx_is_block",
+        "_cuda",
+        "_epoch",
+        "_finished",
+        "_from_capture",
+        "_kineto",
+        "_kineto_action",
+        "_phase",
+        "_phase_batches",
+        "_running",
+        "_schedule",
+        "_schedule_errors",
+        "_settings",
+        "_step",
+        "_step_from_start",
+        "_step_listeners",
+        "_step_start",
+        "_stepping",
+        "_torch",
+        "_train_acc_ns",
+        "_train_t0",
+        "kineto_captures",
+        "range_cost_s",
+        "traces",
+    )
+
     def __init__(
         self,
         targets: SpanTargets,
@@ -216,7 +253,11 @@ class TimingsEngine:
 
     # ---- steps ----
     def step(self) -> None:
-        """End the current step and begin the next (like `torch.profiler.profile.step()`)."""
+        """End the current step and begin the next (like `torch.profiler.profile.step()`).
+
+        Compiled (`_speedups.engine_step`, see `use_compiled`) for the common case: a
+        training step with no schedule, no Kineto and no step listener; it hands every other
+        case to this method, the reference."""
         if not self._running:
             return
         try:
@@ -258,7 +299,7 @@ class TimingsEngine:
                 if self._from_capture:  # an anomaly's window: linked from the slow step
                     self._ctx.kineto_capture = True
         except Exception as error:  # telemetry never breaks training
-            _log.warning("otelprof: step() failed: %r", error)
+            step_failed(error)
 
     def set_epoch(self, epoch: int | None) -> None:
         """Tag this and later steps with `otelprof.epoch`; a new epoch restarts per-epoch
@@ -510,6 +551,28 @@ class TimingsEngine:
             rec.recorder.set_torch_hooks(_torch_compat.profiler_state(torch), *ops)
 
 
+def step_failed(error: Exception) -> None:
+    """What a failed `step()` does (compiled or not): log it, never raise into training."""
+    _log.warning("otelprof: step() failed: %r", error)
+
+
+_py_step = TimingsEngine.step
+
+
+def use_compiled(on: bool) -> bool:
+    """Run `TimingsEngine.step` compiled (when built and the recorder runs compiled) or in
+    Python; returns whether it runs compiled now. The compiled step decides a step with
+    the compiled `_quiet_steps.sample_out` only while that is the one in use, else it runs
+    this module's `step()`."""
+    speedups = rec.speedups
+    if on and speedups is not None and rec.compiled and hasattr(speedups, "engine_step"):
+        speedups.bind_engine(TimingsEngine, globals())
+        TimingsEngine.step = speedups.method(speedups.engine_step)  # type: ignore[method-assign]
+        return True
+    TimingsEngine.step = _py_step  # type: ignore[method-assign]
+    return False
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -517,3 +580,6 @@ def _version() -> str:
         return version("otelprof")
     except PackageNotFoundError:
         return "0"
+
+
+use_compiled(rec.compiled)

@@ -1,6 +1,7 @@
 /* The training thread's hot path in C: `Timing.__enter__`/`__exit__`, the record_function
- * bridge's `__enter__`/`__exit__`, `StepContext()` and the on-thread sampling decision at
- * `step()` (`_quiet_steps.sample_out`).
+ * bridge's `__enter__`/`__exit__`, `StepContext()`, the on-thread sampling decision at
+ * `step()` (`_quiet_steps.sample_out`), the engine's common `step()` itself
+ * (`TimingsEngine.step`) and `timed_items`' iterator.
  *
  * (`timing()` itself stays Python: torch.compile traces it, and steps aside in compiled code.)
  *
@@ -39,6 +40,7 @@
 static PyObject *rec_globals;   /* _recorder's module dict (bind()) */
 static PyObject *recorder;      /* _recorder.recorder (bind()): its fields are read by offset */
 static PyObject *quiet_globals; /* _quiet_steps's module dict (bind_quiet()) */
+static PyObject *engine_globals; /* _engine's module dict (bind_engine()) */
 static PyObject *zero;
 static PyObject *real_clock; /* time.perf_counter_ns */
 
@@ -50,7 +52,12 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(phase) X(quiet) X(start_ns) X(hold) X(kept) X(trim_start) X(error)                 \
     X(_layout_ids) X(layouts) X(MAX_LAYOUTS) X(CAPTURE_STEPS) X(ROWS_PER_ITEM) X(rows)   \
     X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext) \
-    X(KIND_RF) X(MAX_DEPTH) X(count_drop) X(batch) X(step)
+    X(KIND_RF) X(MAX_DEPTH) X(count_drop) X(batch) X(step) X(_running) X(_ctx) X(_stepping)     \
+    X(_phase) X(_step_listeners) X(_train_acc_ns) X(_train_t0) X(_step) X(_batch_in_epoch)      \
+    X(_step_from_start) X(_kineto) X(_schedule) X(_step_start) X(_epoch) X(emit_step)         \
+    X(_py_step) X(step_failed) X(sample_out) X(new_step_context) X(TimingsEngine)       \
+    X(compiled) X(cancel) X(__enter__) X(__exit__) X(_active) X(_owner) X(_current)        \
+    X(timings)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -67,7 +74,7 @@ typedef struct {
     uint64_t at[K_COUNT];
 } Cache;
 
-static Cache rec_cache, quiet_cache;
+static Cache rec_cache, quiet_cache, engine_cache;
 
 /* A module global (borrowed); NULL with an error set when it is missing. */
 static PyObject *
@@ -105,6 +112,7 @@ field(int key)
 #define FIELD(n) field(K_##n)
 #define RECORDER_FIELDS(X) X(current) X(queue) X(capacity) X(chunk_size) X(cuda_timer) X(torch_profiler_state)
 #define QUIET(n) global(quiet_globals, &quiet_cache, K_##n)
+#define ENGINE(n) global(engine_globals, &engine_cache, K_##n)
 
 static int
 check_bound(void)
@@ -183,9 +191,8 @@ slot_set(Slot *slot, PyObject *obj, PyObject *value)
 /* perf_counter_ns() as the recorder sees it (a test may replace it). On Linux it is
  * clock_gettime(CLOCK_MONOTONIC), read here without the call. */
 static PyObject *
-now(void)
+now_from(PyObject *clock)
 {
-    PyObject *clock = REC(perf_counter_ns);
     if (clock == NULL)
         return NULL;
 #ifdef __linux__
@@ -194,6 +201,12 @@ now(void)
         return PyLong_FromLongLong((long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
 #endif
     return PyObject_CallNoArgs(clock);
+}
+
+static PyObject *
+now(void)
+{
+    return now_from(REC(perf_counter_ns));
 }
 
 /* The thread that asked last, by its thread state's id (unique for the interpreter's life),
@@ -1094,6 +1107,390 @@ step_context(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return ctx;
 }
 
+/* ---- _api.timed_items: each next() of an iterator a span ---- */
+
+/* What the generator `_api._timed_items` does, as an iterator object: `before()`, the span
+ * entered, `next(iterator)`, the span left (cancelled when the iterator is exhausted, left
+ * with the exception when it raises), `after(item)`. A generator resumes a Python frame per
+ * item; this runs none (the span's own enter/exit are compiled too when it is a `Timing`). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *iterator; /* NULL once finished */
+    PyObject *span;
+    PyObject *before; /* NULL: none */
+    PyObject *after;
+} TimedItems;
+
+/* A `Timing` whose compiled enter/exit are the ones in use: called directly. */
+static int
+compiled_timing(PyObject *span)
+{
+    if (Py_TYPE(span) != timing_name.type)
+        return 0;
+    PyObject *on = REC(compiled);
+    if (on == NULL)
+        PyErr_Clear();
+    return on == Py_True;
+}
+
+static int
+span_enter(PyObject *span)
+{
+    PyObject *done = compiled_timing(span) ? timing_enter(NULL, span)
+                                            : PyObject_CallMethodNoArgs(span, S(__enter__));
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+static int
+span_exit(PyObject *span, PyObject *type, PyObject *exc, PyObject *tb)
+{
+    PyObject *args[5] = {span, span, type, exc, tb};
+    PyObject *done = compiled_timing(span)
+                         ? timing_exit(NULL, args + 1, 4)
+                         : PyObject_VectorcallMethod(S(__exit__), args + 1, 4, NULL);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* The iterator raised `exc` (taken): the span is left with it, then it is raised again. */
+static void
+span_fail(PyObject *span, PyObject *exc)
+{
+    PyObject *tb = PyException_GetTraceback(exc);
+    int failed = span_exit(span, (PyObject *)Py_TYPE(exc), exc, tb == NULL ? Py_None : tb);
+    Py_XDECREF(tb);
+    if (failed) { /* the exit's own error wins, as in Python */
+        Py_DECREF(exc);
+        return;
+    }
+    compat_raise_exception(exc);
+}
+
+static PyObject *
+timed_items_next(TimedItems *self)
+{
+    PyObject *iterator = self->iterator;
+    if (iterator == NULL)
+        return NULL;
+    Py_INCREF(iterator);
+    PyObject *span = Py_NewRef(self->span);
+    PyObject *item = NULL;
+    if (self->before != NULL) {
+        PyObject *done = PyObject_CallNoArgs(self->before);
+        if (done == NULL)
+            goto finished;
+        Py_DECREF(done);
+    }
+    if (span_enter(span) < 0)
+        goto finished;
+    item = (*Py_TYPE(iterator)->tp_iternext)(iterator);
+    if (item == NULL) {
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_StopIteration)) {
+            span_fail(span, compat_take_exception());
+            goto finished;
+        }
+        PyErr_Clear(); /* exhausted: that next() was no span */
+        PyObject *done = PyObject_CallMethodNoArgs(span, S(cancel));
+        Py_XDECREF(done);
+        goto finished;
+    }
+    if (span_exit(span, Py_None, Py_None, Py_None) < 0)
+        goto finished;
+    if (self->after != NULL) {
+        PyObject *done = PyObject_CallOneArg(self->after, item);
+        if (done == NULL)
+            goto finished;
+        Py_DECREF(done);
+    }
+    Py_DECREF(span);
+    Py_DECREF(iterator);
+    return item;
+finished: /* exhausted or raised: every later next() finds it exhausted, as a generator's */
+    Py_XDECREF(item);
+    Py_CLEAR(self->iterator);
+    Py_DECREF(span);
+    Py_DECREF(iterator);
+    return NULL;
+}
+
+static int
+timed_items_traverse(TimedItems *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->iterator);
+    Py_VISIT(self->span);
+    Py_VISIT(self->before);
+    Py_VISIT(self->after);
+    return 0;
+}
+
+static int
+timed_items_clear(TimedItems *self)
+{
+    Py_CLEAR(self->iterator);
+    Py_CLEAR(self->span);
+    Py_CLEAR(self->before);
+    Py_CLEAR(self->after);
+    return 0;
+}
+
+static void
+timed_items_dealloc(TimedItems *self)
+{
+    PyObject_GC_UnTrack(self);
+    timed_items_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject TimedItemsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "otelprof.timings._speedups.TimedItems",
+    .tp_basicsize = sizeof(TimedItems),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "timed_items(iterator, span, before, after): each next() a span",
+    .tp_traverse = (traverseproc)timed_items_traverse,
+    .tp_clear = (inquiry)timed_items_clear,
+    .tp_dealloc = (destructor)timed_items_dealloc,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)timed_items_next,
+};
+
+static PyObject *
+timed_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "timed_items(iterator, span, before, after)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *iterator = PyObject_GetIter(args[0]);
+    if (iterator == NULL)
+        return NULL;
+    TimedItems *self = PyObject_GC_New(TimedItems, &TimedItemsType);
+    if (self == NULL) {
+        Py_DECREF(iterator);
+        return NULL;
+    }
+    self->iterator = iterator;
+    self->span = Py_NewRef(args[1]);
+    self->before = args[2] == Py_None ? NULL : Py_NewRef(args[2]);
+    self->after = args[3] == Py_None ? NULL : Py_NewRef(args[3]);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+/* ---- TimingsEngine.step ---- */
+
+/* `TimingsEngine.step` for the common case, the one nearly every step takes: a training
+ * step (phase "train") with no schedule, no Kineto session and no step listener, while the
+ * compiled `sample_out` and `StepContext()` are the ones in use. It does what the Python
+ * method does in that case, reading and writing the engine's slots in place; every other
+ * case is the Python method (`_engine._py_step`), the reference. */
+static PyTypeObject *engine_type;
+static Slot eng_running, eng_ctx, eng_stepping, eng_phase, eng_listeners, eng_train_acc,
+    eng_train_t0, eng_step, eng_batch, eng_from_start, eng_kineto, eng_schedule, eng_step_start,
+    eng_epoch;
+static PyObject *one;
+
+/* The engine's field (borrowed; NULL when unset, no error). */
+#define ENGINE_FIELD(obj, slot) (*(PyObject **)((char *)(obj) + (slot).offset))
+
+static int
+is_builtin(PyObject *function, PyCFunction impl)
+{
+    return PyCFunction_Check(function) && PyCFunction_GET_FUNCTION(function) == impl;
+}
+
+/* Whether the common case holds (1), or the Python step must run (0); -1 on error. */
+static int
+engine_common_case(PyObject *self)
+{
+    if (engine_globals == NULL || quiet_globals == NULL || Py_TYPE(self) != engine_type)
+        return 0;
+    PyObject *train = ENGINE(PHASE_TRAIN);
+    PyObject *decide = train == NULL ? NULL : QUIET(sample_out);
+    PyObject *make = decide == NULL ? NULL : REC(new_step_context);
+    if (make == NULL)
+        return -1;
+    PyObject *listeners = ENGINE_FIELD(self, eng_listeners);
+    return ENGINE_FIELD(self, eng_running) == Py_True && ENGINE_FIELD(self, eng_phase) == train &&
+           listeners != NULL && PyList_CheckExact(listeners) && PyList_GET_SIZE(listeners) == 0 &&
+           ENGINE_FIELD(self, eng_kineto) == Py_None && ENGINE_FIELD(self, eng_schedule) == Py_None &&
+           ENGINE_FIELD(self, eng_ctx) != NULL && ENGINE_FIELD(self, eng_step) != NULL &&
+           ENGINE_FIELD(self, eng_batch) != NULL && ENGINE_FIELD(self, eng_epoch) != NULL &&
+           is_builtin(decide, (PyCFunction)(void (*)(void))sample_out) &&
+           is_builtin(make, (PyCFunction)(void (*)(void))step_context);
+}
+
+/* End the step `ctx` at `end` (not None): decided here, or handed to the builder. */
+static int
+engine_end_step(PyObject *self, PyObject *ctx, PyObject *end)
+{
+    PyObject *state = slot_get(&ctx_owner, ctx);
+    if (state == NULL)
+        return -1;
+    int out = state == Py_None ? 0 : sample_out_impl(ctx, end, state);
+    if (out == 0) {
+        PyObject *args[3] = {recorder, ctx, end};
+        PyObject *done = PyObject_VectorcallMethod(S(emit_step), args, 3, NULL);
+        out = done == NULL ? -1 : 0;
+        Py_XDECREF(done);
+    }
+    if (out < 0) {
+        Py_DECREF(state);
+        return -1;
+    }
+    set_slot(self, eng_stepping.offset, state);
+    return 0;
+}
+
+/* The next step begins: its number, its clock, its context (recorded from now on). */
+static int
+engine_begin_step(PyObject *self, PyObject *clock, PyObject *end)
+{
+    PyObject *step = PyNumber_Add(ENGINE_FIELD(self, eng_step), one);
+    if (step == NULL)
+        return -1;
+    set_slot(self, eng_train_acc.offset, Py_NewRef(zero));
+    set_slot(self, eng_train_t0.offset, Py_NewRef(end));
+    set_slot(self, eng_step.offset, Py_NewRef(step));
+    PyObject *batch = PyNumber_Add(ENGINE_FIELD(self, eng_batch), one);
+    if (batch == NULL) {
+        Py_DECREF(step);
+        return -1;
+    }
+    set_slot(self, eng_batch.offset, batch);
+    set_slot(self, eng_from_start.offset, Py_NewRef(Py_False));
+    PyObject *start = now_from(clock);
+    if (start == NULL) {
+        Py_DECREF(step);
+        return -1;
+    }
+    set_slot(self, eng_step_start.offset, Py_NewRef(start));
+    PyObject *epoch = Py_NewRef(ENGINE_FIELD(self, eng_epoch));
+    PyObject *phase = Py_NewRef(ENGINE_FIELD(self, eng_phase));
+    PyObject *args[5] = {step, epoch, start, Py_False, phase};
+    PyObject *ctx = step_context(NULL, args, 5);
+    Py_DECREF(step);
+    Py_DECREF(epoch);
+    Py_DECREF(start);
+    Py_DECREF(phase);
+    if (ctx == NULL)
+        return -1;
+    set_slot(self, eng_ctx.offset, Py_NewRef(ctx));
+    set_slot(recorder, field_offsets[K_current], ctx);
+    return 0;
+}
+
+static PyObject *
+engine_step(PyObject *module, PyObject *self)
+{
+    if (check_bound() < 0)
+        return NULL;
+    int common = engine_common_case(self);
+    if (common < 0)
+        return NULL;
+    if (!common) {
+        PyObject *python = ENGINE(_py_step);
+        return python == NULL ? NULL : PyObject_CallOneArg(python, self);
+    }
+    PyObject *clock = ENGINE(perf_counter_ns);
+    PyObject *end = now_from(clock);
+    int failed = end == NULL;
+    if (!failed) {
+        PyObject *ctx = Py_NewRef(ENGINE_FIELD(self, eng_ctx));
+        set_slot(recorder, field_offsets[K_current], Py_NewRef(Py_None));
+        failed = (ctx != Py_None && engine_end_step(self, ctx, end) < 0) ||
+                 engine_begin_step(self, clock, end) < 0;
+        Py_DECREF(ctx);
+        Py_DECREF(end);
+    }
+    if (!failed)
+        Py_RETURN_NONE;
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return NULL; /* KeyboardInterrupt and the like reach the caller, as in Python */
+    PyObject *error = compat_take_exception();
+    PyObject *report = ENGINE(step_failed);
+    PyObject *done = report == NULL ? NULL : PyObject_CallOneArg(report, error);
+    Py_XDECREF(error);
+    if (done == NULL)
+        return NULL;
+    Py_DECREF(done);
+    Py_RETURN_NONE;
+}
+
+/* `otelprof.step()` and `Profiler.step()`: the running engine's `step()`, with no Python
+ * frame of their own (the engine's compiled step runs none either). */
+static PyObject *
+call_step(PyObject *engine)
+{
+    if (engine == Py_None)
+        Py_RETURN_NONE;
+    return PyObject_CallMethodNoArgs(engine, S(step));
+}
+
+static PyObject *
+api_step(PyObject *module, PyObject *unused)
+{
+    if (engine_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: bind_engine() was not called");
+        return NULL;
+    }
+    PyObject *engine = ENGINE(_active);
+    return engine == NULL ? NULL : call_step(engine);
+}
+
+static PyObject *
+profiler_step(PyObject *module, PyObject *self)
+{
+    PyObject *owner = PyObject_GetAttr(self, S(_owner));
+    PyObject *session = owner == NULL ? NULL : PyObject_GetAttr(owner, S(_current));
+    Py_XDECREF(owner);
+    PyObject *engine = session == NULL ? NULL : PyObject_GetAttr(session, S(timings));
+    Py_XDECREF(session);
+    if (engine == NULL)
+        return NULL;
+    PyObject *done = call_step(engine);
+    Py_DECREF(engine);
+    return done;
+}
+
+static PyObject *
+bind_engine(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyType_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind_engine(TimingsEngine, globals())");
+        return NULL;
+    }
+    PyObject *cls = args[0];
+    struct {
+        Slot *slot;
+        int key;
+    } fields[] = {
+        {&eng_running, K__running},         {&eng_ctx, K__ctx},
+        {&eng_stepping, K__stepping},       {&eng_phase, K__phase},
+        {&eng_listeners, K__step_listeners}, {&eng_train_acc, K__train_acc_ns},
+        {&eng_train_t0, K__train_t0},       {&eng_step, K__step},
+        {&eng_batch, K__batch_in_epoch},    {&eng_from_start, K__step_from_start},
+        {&eng_kineto, K__kineto},           {&eng_schedule, K__schedule},
+        {&eng_step_start, K__step_start},   {&eng_epoch, K__epoch},
+    };
+    engine_type = NULL;
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+        if (slot_init(fields[i].slot, cls, strings[fields[i].key]) < 0)
+            return NULL;
+        if (fields[i].slot->type == NULL) {
+            PyErr_Format(PyExc_TypeError, "bind_engine(): %U is not a __slots__ field",
+                         strings[fields[i].key]);
+            return NULL;
+        }
+    }
+    memset(&engine_cache, 0, sizeof engine_cache);
+    Py_XSETREF(engine_globals, Py_NewRef(args[1]));
+    engine_type = (PyTypeObject *)cls;
+    Py_RETURN_NONE;
+}
+
 /* ---- binding ---- */
 
 static PyObject *
@@ -1181,6 +1578,17 @@ static PyMethodDef methods[] = {
      "record_function.__exit__ bridged: bridge_exit(python_exit, original_exit, self, ...)"},
     {"sample_out", (PyCFunction)(void (*)(void))sample_out, METH_FASTCALL,
      "_quiet_steps.sample_out(ctx, end_ns, state)"},
+    {"bind_engine", (PyCFunction)(void (*)(void))bind_engine, METH_FASTCALL,
+     "bind_engine(TimingsEngine, globals()) of otelprof.timings._engine"},
+    {"engine_step", engine_step, METH_O, "TimingsEngine.step"},
+    {"step", api_step, METH_NOARGS,
+     "step($module, /)\n--\n\nMark a training-step boundary on the running profiler (no-op "
+     "when none runs)."},
+    {"profiler_step", profiler_step, METH_O,
+     "profiler_step($module, self, /)\n--\n\nMark a training-step boundary (like "
+     "`torch.profiler.profile.step()`)."},
+    {"timed_items", (PyCFunction)(void (*)(void))timed_items, METH_FASTCALL,
+     "_api.timed_items(iterator, span, before, after), compiled"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1205,10 +1613,13 @@ PyInit__speedups(void)
     STRINGS(INTERN)
 #undef INTERN
     zero = PyLong_FromLong(0);
+    one = PyLong_FromLong(1);
     PyObject *time = PyImport_ImportModule("time");
     real_clock = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
     Py_XDECREF(time);
-    if (zero == NULL || real_clock == NULL)
+    if (zero == NULL || one == NULL || real_clock == NULL)
+        return NULL;
+    if (PyType_Ready(&TimedItemsType) < 0)
         return NULL;
     PyObject *module = PyModule_Create(&speedups);
     PyObject *layout = module == NULL ? NULL : Py_BuildValue(
