@@ -13,6 +13,7 @@ import inspect
 import os
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -650,3 +651,21 @@ def test_a_step_that_fails_is_logged_and_training_goes_on(
     finally:
         spans = run.finish()
     assert [s.name for s in spans if s.name == "after"] == ["after"]
+
+
+def test_compiled_ranges_see_a_torch_profiler_start_and_stop_at_once(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.autograd.profiler's `_is_profiler_enabled` is a module global the compiled
+    enter reads from the module's dict at its version: each change is seen by the next range."""
+    use("compiled")
+    recording = _Recording(monkeypatch)
+    recording.torch_on()
+    profiler = types.ModuleType("profiler_stand_in")
+    monkeypatch.setattr(rec.recorder, "torch_profiler_state", profiler)
+    for enabled in (False, True, True, False, True):
+        profiler._is_profiler_enabled = enabled  # type: ignore[attr-defined]
+        with rec.timing(f"while {enabled}"):
+            pass
+    torch_calls = [call for call in recording.calls if call[0] == "range"]
+    assert torch_calls == [("range", "while True")] * 6  # each of the 3: opened and closed

@@ -279,6 +279,37 @@ new_frame(Py_ssize_t length, PyObject *name, PyObject *stack, PyObject *ctx, PyO
     return frame;
 }
 
+/* Whether a torch profiler records now (1, 0; -1 on error): `profiler._is_profiler_enabled`.
+ * Every timing asks; when `profiler` is a module (torch.autograd.profiler) the flag is read
+ * from its dict at the dict's version, like the recorder's globals, with no attribute lookup
+ * (a profiler session that sets the flag changes the version). */
+static PyObject *profiler_dict; /* the dict `profiler_cache` holds values of (strong) */
+static Cache profiler_cache;
+
+static int
+torch_profiler_on(PyObject *profiler)
+{
+    if (PyModule_CheckExact(profiler)) {
+        PyObject *dict = PyModule_GetDict(profiler);
+        if (dict != profiler_dict) {
+            Py_XSETREF(profiler_dict, Py_NewRef(dict));
+            memset(&profiler_cache, 0, sizeof profiler_cache);
+        }
+        PyObject *flag = global(dict, &profiler_cache, K__is_profiler_enabled);
+        if (flag == Py_False || flag == Py_True)
+            return flag == Py_True;
+        if (flag != NULL)
+            return PyObject_IsTrue(flag);
+        PyErr_Clear(); /* not a plain global (a module __getattr__?): looked up below */
+    }
+    PyObject *enabled = PyObject_GetAttr(profiler, S(_is_profiler_enabled));
+    if (enabled == NULL)
+        return -1;
+    int on = PyObject_IsTrue(enabled);
+    Py_DECREF(enabled);
+    return on;
+}
+
 static PyObject *
 timing_enter(PyObject *module, PyObject *self)
 {
@@ -318,11 +349,7 @@ timing_enter(PyObject *module, PyObject *self)
     if (profiler == NULL)
         goto fail;
     if (profiler != Py_None) {
-        PyObject *enabled = PyObject_GetAttr(profiler, S(_is_profiler_enabled));
-        if (enabled == NULL)
-            goto fail;
-        int on = PyObject_IsTrue(enabled);
-        Py_DECREF(enabled);
+        int on = torch_profiler_on(profiler);
         if (on < 0)
             goto fail;
         if (on) {
