@@ -43,6 +43,8 @@ def test_the_compiled_hot_path_is_built() -> None:
     assert exit_.__func__.func is rec.speedups.bridge_exit
     assert _engine.TimingsEngine.step is rec.speedups.engine_step  # (unbound: the function)
     assert not inspect.isgenerator(_api.timed_items(iter(())))  # an iterator object
+    assert _api._move_to_device is rec.speedups.move_to_device
+    assert _api._move_to_host is rec.speedups.move_to_host
     # otelprof.step() and Profiler.step() call the engine's step with no frame of their own
     assert otelprof.step is rec.speedups.step
     assert otelprof.Profiler.step is rec.speedups.profiler_step  # (unbound: the function)
@@ -400,8 +402,49 @@ def _timed_items(r: _Recording) -> None:
     assert list(rejected) == []
 
 
+class _Tensor:
+    """Stands for torch.Tensor in `_device_copies`: says what was done to it."""
+
+    def __init__(self, name: str, calls: list[tuple[Any, ...]]) -> None:
+        self.name, self.calls = name, calls
+
+    def to(self, device: str, non_blocking: bool = False) -> str:
+        if self.name == "broken":
+            raise RuntimeError("device lost")
+        self.calls.append(("to", self.name, device, non_blocking))
+        return f"{self.name}@{device}"
+
+    def detach(self) -> _Tensor:
+        self.calls.append(("detach", self.name))
+        return self
+
+    def cpu(self) -> str:
+        self.calls.append(("cpu", self.name))
+        return f"{self.name}@host"
+
+
+def _device_copies(r: _Recording) -> None:
+    """`to_device`/`from_device` (compiled: their copies and span in C): flat batches, single
+    tensors, nested data through `_map_nested`, non_blocking, and a copy that raises."""
+    r.patch.setattr(_api, "_tensor_class", _Tensor)
+    x, y = _Tensor("x", r.calls), _Tensor("y", r.calls)
+    results = [
+        _api.to_device((x, y), "dev"),
+        _api.to_device([x, {"label": y}, 3], "dev", non_blocking=True),
+        _api.to_device(x, "dev", non_blocking=True),
+        _api.to_device({"x": x}, "dev"),
+        _api.to_device((), "dev"),
+        _api.from_device(x),
+        _api.from_device([x, (y,)]),
+    ]
+    with pytest.raises(RuntimeError, match="device lost"):
+        _api.to_device((x, _Tensor("broken", r.calls)), "dev")
+    r.calls.append(tuple(repr(result) for result in results))
+
+
 SCENARIOS: dict[str, Callable[[_Recording], None]] = {
     "timed-items": _timed_items,
+    "device-copies": _device_copies,
     "bridged-nested": _bridged_nested,
     "bridged-errors": _bridged_errors,
     "bridged-out-of-order": _bridged_out_of_order,

@@ -57,7 +57,7 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(_step_from_start) X(_kineto) X(_schedule) X(_step_start) X(_epoch) X(emit_step)         \
     X(_py_step) X(step_failed) X(sample_out) X(new_step_context) X(TimingsEngine)       \
     X(compiled) X(cancel) X(__enter__) X(__exit__) X(_active) X(_owner) X(_current)        \
-    X(timings)
+    X(timings) X(to) X(detach) X(cpu)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -1306,6 +1306,110 @@ timed_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return (PyObject *)self;
 }
 
+/* ---- _api.to_device / from_device: the copies under their span ---- */
+
+/* Leave `span` after `result` was made (NULL: with the error raised meanwhile). */
+static PyObject *
+leave_span(PyObject *span, PyObject *result)
+{
+    if (result == NULL) {
+        span_fail(span, compat_take_exception());
+        return NULL;
+    }
+    if (span_exit(span, Py_None, Py_None, Py_None) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+static PyObject *non_blocking_names; /* ("non_blocking",) */
+
+/* `tensor.to(device)`, or `tensor.to(device, non_blocking=True)`. */
+static PyObject *
+move_tensor(PyObject *tensor, PyObject *device, int non_blocking)
+{
+    PyObject *args[3] = {tensor, device, Py_True};
+    return PyObject_VectorcallMethod(S(to), args, 2, non_blocking ? non_blocking_names : NULL);
+}
+
+/* What `_api.to_device` does once it knows no compiled region traces it: `data` (a flat
+ * list or tuple, a tensor, or anything else: `nested(value, device, non_blocking)` maps what
+ * is not a tensor) moved inside `span`. */
+static PyObject *
+move_to_device(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "move_to_device(span, data, device, non_blocking, tensor, nested)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *span = args[0], *data = args[1], *device = args[2], *tensor = args[4];
+    int non_blocking = PyObject_IsTrue(args[3]);
+    if (non_blocking < 0 || span_enter(span) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (PyList_CheckExact(data) || PyTuple_CheckExact(data)) {
+        PyObject *items = PySequence_Fast(data, "to_device");
+        Py_ssize_t n = items == NULL ? 0 : PySequence_Fast_GET_SIZE(items);
+        PyObject *moved = items == NULL ? NULL : PyList_New(n);
+        for (Py_ssize_t i = 0; moved != NULL && i < n; i++) {
+            PyObject *value = PySequence_Fast_GET_ITEM(items, i);
+            PyObject *nested_args[3] = {value, device, args[3]};
+            int is_tensor = PyObject_IsInstance(value, tensor);
+            PyObject *out = is_tensor < 0 ? NULL
+                            : is_tensor  ? move_tensor(value, device, non_blocking)
+                                         : PyObject_Vectorcall(args[5], nested_args, 3, NULL);
+            if (out == NULL)
+                Py_CLEAR(moved);
+            else
+                PyList_SET_ITEM(moved, i, out);
+        }
+        Py_XDECREF(items);
+        result = moved;
+        if (moved != NULL && PyTuple_CheckExact(data)) {
+            result = PyList_AsTuple(moved);
+            Py_DECREF(moved);
+        }
+    }
+    else {
+        PyObject *nested_args[3] = {data, device, args[3]};
+        int is_tensor = PyObject_IsInstance(data, tensor);
+        result = is_tensor < 0 ? NULL
+                 : is_tensor  ? move_tensor(data, device, non_blocking)
+                              : PyObject_Vectorcall(args[5], nested_args, 3, NULL);
+    }
+    return leave_span(span, result);
+}
+
+/* What `_api.from_device` does outside compiled regions: a tensor detached and copied to the
+ * host (`tensor.detach().cpu()`), anything else mapped by `nested(data)`, inside `span`. */
+static PyObject *
+move_to_host(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "move_to_host(span, data, tensor, nested)");
+        return NULL;
+    }
+    if (check_bound() < 0)
+        return NULL;
+    PyObject *span = args[0], *data = args[1];
+    if (span_enter(span) < 0)
+        return NULL;
+    int is_tensor = PyObject_IsInstance(data, args[2]);
+    PyObject *result = NULL;
+    if (is_tensor > 0) {
+        PyObject *detached = PyObject_CallMethodNoArgs(data, S(detach));
+        result = detached == NULL ? NULL : PyObject_CallMethodNoArgs(detached, S(cpu));
+        Py_XDECREF(detached);
+    }
+    else if (is_tensor == 0)
+        result = PyObject_CallOneArg(args[3], data);
+    return leave_span(span, result);
+}
+
 /* ---- TimingsEngine.step ---- */
 
 /* `TimingsEngine.step` for the common case, the one nearly every step takes: a training
@@ -1616,6 +1720,10 @@ static PyMethodDef methods[] = {
      "`torch.profiler.profile.step()`)."},
     {"timed_items", (PyCFunction)(void (*)(void))timed_items, METH_FASTCALL,
      "_api.timed_items(iterator, span, before, after), compiled"},
+    {"move_to_device", (PyCFunction)(void (*)(void))move_to_device, METH_FASTCALL,
+     "_api.to_device's copies: move_to_device(span, data, device, non_blocking, tensor, nested)"},
+    {"move_to_host", (PyCFunction)(void (*)(void))move_to_host, METH_FASTCALL,
+     "_api.from_device's copies: move_to_host(span, data, tensor, nested)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1641,10 +1749,11 @@ PyInit__speedups(void)
 #undef INTERN
     zero = PyLong_FromLong(0);
     one = PyLong_FromLong(1);
+    non_blocking_names = Py_BuildValue("(s)", "non_blocking");
     PyObject *time = PyImport_ImportModule("time");
     real_clock = time == NULL ? NULL : PyObject_GetAttrString(time, "perf_counter_ns");
     Py_XDECREF(time);
-    if (zero == NULL || one == NULL || real_clock == NULL)
+    if (zero == NULL || one == NULL || non_blocking_names == NULL || real_clock == NULL)
         return NULL;
     if (PyType_Ready(&TimedItemsType) < 0)
         return NULL;
