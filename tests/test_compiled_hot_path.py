@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import threading
 import time
 import types
@@ -712,3 +713,19 @@ def test_compiled_ranges_see_a_torch_profiler_start_and_stop_at_once(
             pass
     torch_calls = [call for call in recording.calls if call[0] == "range"]
     assert torch_calls == [("range", "while True")] * 6  # each of the 3: opened and closed
+
+
+@pytest.mark.parametrize(
+    ("name", "usage"),
+    [
+        ("sample_out", "sample_out(ctx, end_ns, state)"),
+        ("timed_items", "timed_items(iterator, span, before, after)"),
+        ("move_to_host", "move_to_host(span, data, tensor, nested)"),
+    ],
+)
+def test_a_compiled_function_called_wrongly_names_its_arguments(name: str, usage: str) -> None:
+    """They are called only by otelprof's own modules; a wrong call (a refactor that missed
+    one) fails loudly with the expected signature rather than reading past its arguments."""
+    function = getattr(rec.speedups, name)
+    with pytest.raises(TypeError, match=re.escape(f"otelprof._speedups: {usage}")):
+        function(1)

@@ -124,6 +124,18 @@ check_bound(void)
     return 0;
 }
 
+/* 0 when `bind()` was called and a call got its `expected` arguments, else -1 with the
+ * error naming them (`usage`). */
+static int
+bound_call(Py_ssize_t nargs, Py_ssize_t expected, const char *usage)
+{
+    if (nargs != expected) {
+        PyErr_Format(PyExc_TypeError, "otelprof._speedups: %s", usage);
+        return -1;
+    }
+    return check_bound();
+}
+
 /* An attribute kept in a __slots__ slot, read in place when the object is exactly of the
  * class bind() saw (no descriptor call), else looked up as usual. */
 typedef struct {
@@ -470,11 +482,7 @@ pop_top(PyObject *stack, Py_ssize_t depth)
 static PyObject *
 timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "timing_exit(self, exc_type, exc, tb)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 4, "timing_exit(self, exc_type, exc, tb)") < 0)
         return NULL;
     PyObject *self = args[0];
     PyObject *state = get_thread_state(0);
@@ -523,11 +531,7 @@ timing_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 bridge_enter(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "bridge_enter(original_enter, self)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 2, "bridge_enter(original_enter, self)") < 0)
         return NULL;
     PyObject *self = args[1];
     PyObject *result = PyObject_CallOneArg(args[0], self);
@@ -582,12 +586,8 @@ fail:
 static PyObject *
 bridge_exit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "bridge_exit(python_exit, original_exit, self, exc_type, exc, tb)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 6,
+                   "bridge_exit(python_exit, original_exit, self, exc_type, exc, tb)") < 0)
         return NULL;
     PyObject *const *call = args + 2; /* self, exc_type, exc, tb */
     PyObject *state = get_thread_state(0);
@@ -1013,11 +1013,7 @@ done:
 static PyObject *
 sample_out(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "sample_out(ctx, end_ns, state)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 3, "sample_out(ctx, end_ns, state)") < 0)
         return NULL;
     if (quiet_globals == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: bind_quiet() was not called");
@@ -1284,11 +1280,7 @@ static PyTypeObject TimedItemsType = {
 static PyObject *
 timed_items(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "timed_items(iterator, span, before, after)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 4, "timed_items(iterator, span, before, after)") < 0)
         return NULL;
     PyObject *iterator = PyObject_GetIter(args[0]);
     if (iterator == NULL)
@@ -1339,12 +1331,8 @@ move_tensor(PyObject *tensor, PyObject *device, int non_blocking)
 static PyObject *
 move_to_device(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError,
-                        "move_to_device(span, data, device, non_blocking, tensor, nested)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 6,
+                   "move_to_device(span, data, device, non_blocking, tensor, nested)") < 0)
         return NULL;
     PyObject *span = args[0], *data = args[1], *device = args[2], *tensor = args[4];
     int non_blocking = PyObject_IsTrue(args[3]);
@@ -1389,11 +1377,7 @@ move_to_device(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 move_to_host(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "move_to_host(span, data, tensor, nested)");
-        return NULL;
-    }
-    if (check_bound() < 0)
+    if (bound_call(nargs, 4, "move_to_host(span, data, tensor, nested)") < 0)
         return NULL;
     PyObject *span = args[0], *data = args[1];
     if (span_enter(span) < 0)
@@ -1446,7 +1430,8 @@ engine_common_case(PyObject *self)
     PyObject *listeners = ENGINE_FIELD(self, eng_listeners);
     return ENGINE_FIELD(self, eng_running) == Py_True && ENGINE_FIELD(self, eng_phase) == train &&
            listeners != NULL && PyList_CheckExact(listeners) && PyList_GET_SIZE(listeners) == 0 &&
-           ENGINE_FIELD(self, eng_kineto) == Py_None && ENGINE_FIELD(self, eng_schedule) == Py_None &&
+           ENGINE_FIELD(self, eng_kineto) == Py_None &&
+           ENGINE_FIELD(self, eng_schedule) == Py_None &&
            ENGINE_FIELD(self, eng_ctx) != NULL && ENGINE_FIELD(self, eng_step) != NULL &&
            ENGINE_FIELD(self, eng_batch) != NULL && ENGINE_FIELD(self, eng_epoch) != NULL &&
            is_builtin(decide, (PyCFunction)(void (*)(void))sample_out) &&
