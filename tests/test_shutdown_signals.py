@@ -43,6 +43,9 @@ CHILD = f"""
 import os, signal, sys, threading, time
 import otelprof
 out, signum, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+# Python raises KeyboardInterrupt only where SIGINT was not ignored at its start, and a
+# shell's background job (`make test &`) starts with it ignored: set it as a terminal would.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 prof = otelprof.instrument(output_dir=out, interval=0.2, trace_budget=float("inf"))
 for _ in range({STEPS}):
     with otelprof.timing("train_batch"):
