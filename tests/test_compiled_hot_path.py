@@ -718,8 +718,12 @@ def test_compiled_ranges_see_a_torch_profiler_start_and_stop_at_once(
 @pytest.mark.parametrize(
     ("name", "usage"),
     [
+        ("timing_exit", "timing_exit(self, exc_type, exc, tb)"),
+        ("bridge_enter", "bridge_enter(original_enter, self)"),
+        ("bridge_exit", "bridge_exit(python_exit, original_exit, self, exc_type, exc, tb)"),
         ("sample_out", "sample_out(ctx, end_ns, state)"),
         ("timed_items", "timed_items(iterator, span, before, after)"),
+        ("move_to_device", "move_to_device(span, data, device, non_blocking, tensor, nested)"),
         ("move_to_host", "move_to_host(span, data, tensor, nested)"),
     ],
 )
