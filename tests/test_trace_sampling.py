@@ -6,13 +6,14 @@ import bisect
 import math
 import random
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import otelprof
-from otelprof.timings import _sampling
+from otelprof.timings import _recorder, _sampling
 from otelprof.timings._sampling import TraceSampler
 from otelprof.timings._trace_ids import RunTraces
 from tests.otlp_files import read_spans, timing_histograms
@@ -356,6 +357,55 @@ def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
     assert batch.buckets == one.buckets
     assert (batch.count, batch.min, batch.max) == (one.count, one.min, one.max)
     assert batch.sum == pytest.approx(one.sum, rel=1e-12)
+
+
+def _column_folds() -> list[Any]:
+    folds: list[Any] = [pytest.param(_sampling.fold_column, id="python")]
+    if _recorder.speedups is not None:
+        folds.append(pytest.param(_recorder.speedups.fold_column, id="compiled"))
+    return folds
+
+
+@pytest.mark.parametrize("fold", _column_folds())
+def test_row_columns_fold_into_the_same_histogram_as_a_sorted_batch(fold: Any) -> None:
+    # rows of 3 columns (two ranges, the step) as `_quiet_steps` packs them, every bound's
+    # edge on both sides in one column, ordinary values in the others
+    edges = [k + d for k in _sampling.BOUNDS_NS for d in (-1, 0, 1)] + [0, 10**13]
+    rows = [(ns, random.randrange(1, 10**10), random.randrange(10**6, 10**9)) for ns in edges]
+    values = memoryview(array("q", [v for row in rows for v in row]).tobytes()).cast("q")
+    for index in range(3):
+        folded, batch = _sampling.DurationHistogram(), _sampling.DurationHistogram()
+        folded.add_column(values, index, 3, fold)
+        batch.add_ns([row[index] for row in rows])
+        assert folded.buckets == batch.buckets
+        assert (folded.count, folded.sum, folded.min, folded.max) == (
+            batch.count,
+            batch.sum,
+            batch.min,
+            batch.max,
+        )
+    empty = _sampling.DurationHistogram()
+    empty.add_column(values, 3 * len(rows), 3, fold)
+    assert (empty.count, sum(empty.buckets), empty.min) == (0, 0, math.inf)
+
+
+@pytest.mark.parametrize("fold", _column_folds())
+def test_a_column_whose_total_overflows_int64_is_still_counted_exactly(fold: Any) -> None:
+    huge = (1 << 62) + 5
+    values = memoryview(array("q", [huge, 1, huge, 2, huge, 3]).tobytes()).cast("q")
+    hist = _sampling.DurationHistogram()
+    hist.add_column(values, 0, 2, fold)
+    assert (hist.count, hist.sum) == (3, 3 * huge / 1e9)
+    assert hist.buckets[-1] == 3
+
+
+@pytest.mark.parametrize("fold", _column_folds())
+def test_a_column_fold_called_wrongly_says_what_it_needs(fold: Any) -> None:
+    values = memoryview(array("q", [1, 2]).tobytes()).cast("q")
+    with pytest.raises(ValueError, match="one bucket more"):
+        fold(values, 0, 1, _sampling.BOUNDS_NS, [0])  # one bucket, not one per bound + 1
+    with pytest.raises(ValueError):
+        fold(values, 0, 0, _sampling.BOUNDS_NS, [0] * (len(_sampling.BOUNDS_NS) + 1))
 
 
 def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_equal_ones() -> (

@@ -59,9 +59,11 @@ from otelprof.timings._sampling import (
     ANOMALY_BUDGET,
     MAX_BUFFERED,
     Aggregates,
+    ColumnFold,
     DurationHistogram,
     TraceSampler,
     _Pending,
+    fold_column,
 )
 from otelprof.timings._targets import SpanTargets
 from otelprof.timings._trace_ids import RunTraces
@@ -85,6 +87,8 @@ interval; the recorder wakes it early once its queue is half full (`Recorder.sta
 _Batch = tuple[DurationHistogram, list[int]]
 _Signature = tuple[list[list[int]], list[tuple[int, ...]]]
 """A step layout's duration batches, one per range position, and its rows of durations."""
+_LayoutKey = tuple[str, str, tuple[str, ...]]
+"""A sampled-out step's layout: its phase, the step span's name, its ranges' names."""
 MAX_SIGNATURES = 256
 """Distinct step layouts (phase, range names in close order) aggregated in bulk; steps of
 further layouts are aggregated range by range."""
@@ -96,6 +100,13 @@ _row_layout_bytes = itemgetter(slice(-ROW_ITEM_SIZE, None))
 """A `_quiet_steps` row's layout id, still encoded (`_frames.row_layout` decodes it)."""
 _NO_FRAMES: list[Any] = []
 """What a processed step's `frames` becomes (never appended to: its owner is gone)."""
+
+
+def _fold_column() -> ColumnFold:
+    """The compiled column fold when the hot path is built (same results: tested), else
+    the Python reference."""
+    compiled: ColumnFold | None = getattr(rec.speedups, "fold_column", None)
+    return compiled if compiled is not None else fold_column
 
 
 class Clock:
@@ -211,7 +222,13 @@ class SpanBuilder:
         self._batches: dict[int, _Batch] = {}
         # step items' bulk path: phase -> range names in close order -> its signature
         self._signatures: dict[str, dict[tuple[str, ...], _Signature]] = {}
-        self._step_signatures: dict[str, dict[tuple[str, tuple[str, ...]], _Signature]] = {}
+        # rows of steps sampled out on their thread: (phase, step name, range names) -> the
+        # histograms of its columns
+        self._layout_histograms: dict[
+            tuple[str, str, tuple[str, ...]], list[DurationHistogram]
+        ] = {}
+        self._fold_column = _fold_column()
+        self._held_rows: dict[_LayoutKey, list[memoryview]] = {}  # until the drain's end
         self._signature_list: list[_Signature] = []
         # step/chunk items waiting for their ranges' CUDA events: (item, frames)
         self._pending_units: deque[tuple[list[Any], list[list[Any]]]] = deque()
@@ -316,6 +333,7 @@ class SpanBuilder:
             try:
                 frame = popleft()
             except IndexError:
+                self._fold_batches()  # rows sampled out before every step was kept
                 return
             done += 1
             if done % YIELD_EVERY == 0 and not self._stop.is_set():
@@ -441,8 +459,9 @@ class SpanBuilder:
 
     def _rows(self, item: list[Any]) -> None:
         """Steps sampled out on their own thread (`_quiet_steps`): each layout's rows become
-        one int64 view, whose columns (a strided slice each: a loop in C) join their
-        histograms' batches; its step durations also join the sampler's recent window."""
+        one int64 view, held for the drain's end (`_fold_batches`: one fold per column and
+        layout a drain, not per item); its step durations join the sampler's recent window
+        now."""
         rows: list[bytes] = item[ROWS]
         item[ROWS] = None
         spans = row_spans(rows)
@@ -459,11 +478,10 @@ class SpanBuilder:
             phase, root, names = _quiet_steps.layouts[row_layout(key)]
             width = len(names) + 2  # the ranges, the step, the layout
             values = row_values(group)
-            signature = self._signature_for(phase, root, names)
-            # past MAX_SIGNATURES layouts: straight into the batches
-            columns = self._step_columns(phase, root, names) if signature is None else signature[0]
-            for index, durations in enumerate(columns):
-                durations.extend(values[index::width])
+            held = self._held_rows.get((phase, root, names))
+            if held is None:
+                held = self._held_rows[(phase, root, names)] = []
+            held.append(values)
             recent = self.sampler._recent_of(root)
             recent.extend(map(truediv, values[width - 2 :: width], repeat(1e9)))  # seconds
         self.sampler.sampled_out += spans
@@ -471,8 +489,15 @@ class SpanBuilder:
         self.steps_on_thread += len(rows)
 
     def _fold_batches(self) -> None:
-        """Step rows into their ranges' batches (column by column), batches into the
-        histograms: every loop here runs in C."""
+        """Step rows into their ranges' batches (column by column), batches and the rows
+        held by `_rows` into the histograms: every loop here runs in C."""
+        fold = self._fold_column
+        for (phase, root, names), views in self._held_rows.items():
+            values = memoryview(b"".join(views)).cast("q")  # ROW_TYPECODE
+            width = len(names) + 2  # the ranges, the step, the layout
+            for index, hist in enumerate(self._row_histograms(phase, root, names)):
+                hist.add_column(values, index, width, fold)
+        self._held_rows.clear()
         for columns, rows in self._signature_list:
             if rows:
                 # one pass per column, not `zip(*rows)`: that makes an iterator per row, and
@@ -510,29 +535,20 @@ class SpanBuilder:
             if frame[F_CUDA] is not None:
                 release(frame[F_CUDA])
 
-    def _signature_for(self, phase: str, root: str, names: tuple[str, ...]) -> _Signature | None:
-        """The batches of a step layout: its ranges' histograms in close order, then the
-        step's own (None once MAX_SIGNATURES layouts are known)."""
-        by_layout = self._step_signatures.get(phase)
-        if by_layout is None:
-            by_layout = self._step_signatures[phase] = {}
-        signature = by_layout.get((root, names))
-        if signature is None:
-            if len(self._signature_list) >= MAX_SIGNATURES:
-                return None
-            signature = by_layout[(root, names)] = (self._step_columns(phase, root, names), [])
-            self._signature_list.append(signature)
-        return signature
-
-    def _step_columns(self, phase: str, root: str, names: tuple[str, ...]) -> list[list[int]]:
-        """A step layout's duration batches: its ranges' in close order, then the step's."""
-        columns = [self._durations_in(raw, phase) for raw in names]
-        columns.append(self._step_durations(root, phase))
-        return columns
-
-    def _step_durations(self, root: str, phase: str) -> list[int]:
-        """The duration batch of the step span's own histogram (its name, not folded)."""
-        return self._batch_of(self.aggregates.add_histogram(root, phase))
+    def _row_histograms(
+        self, phase: str, root: str, names: tuple[str, ...]
+    ) -> list[DurationHistogram]:
+        """A step layout's histograms, in its rows' column order: its ranges' (close order),
+        then the step's own (its name, not folded). Remembered per layout, whose count
+        `_quiet_steps.MAX_LAYOUTS` bounds."""
+        key = (phase, root, names)
+        hists = self._layout_histograms.get(key)
+        if hists is None:
+            add = self.aggregates.add_histogram
+            hists = [add(self._exported_name(raw), phase) for raw in names]
+            hists.append(add(root, phase))
+            self._layout_histograms[key] = hists
+        return hists
 
     def _unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """A step or chunk item in sampling mode, held while its ranges' CUDA events run."""

@@ -155,6 +155,52 @@ class DurationHistogram:
             self.max = high
         bucket_counts(durations, self.buckets)
 
+    def add_column(self, values: Any, start: int, stride: int, fold: ColumnFold) -> None:
+        """Add every `stride`-th duration (integer ns) of the int64 buffer `values` from
+        `start`: one column of `_quiet_steps` rows, folded by `fold` (`fold_column`, or the
+        compiled one: one C loop, no Python int per duration and no sort)."""
+        try:
+            count, total, low, high = fold(values, start, stride, BOUNDS_NS, self.buckets)
+        except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
+            self.add_ns(list(memoryview(values).cast("B").cast("q")[start::stride]))
+            return
+        if not count:
+            return
+        self.count += count
+        self.sum += total / 1e9
+        if low / 1e9 < self.min:
+            self.min = low / 1e9
+        if high / 1e9 > self.max:
+            self.max = high / 1e9
+
+
+ColumnFold = Callable[[Any, int, int, tuple[int, ...], list[int]], tuple[int, int, int, int]]
+"""`fold_column`'s signature (the compiled one in `_speedups` has it too)."""
+
+
+def fold_column(
+    values: Any, start: int, stride: int, bounds_ns: tuple[int, ...], buckets: list[int]
+) -> tuple[int, int, int, int]:
+    """Count every `stride`-th int64 of `values` from `start` into `buckets` (over
+    `bounds_ns`, as `bucket_counts`); (count, total, lowest, highest), zeros when empty.
+    The reference for `_speedups.fold_column`."""
+    if start < 0 or stride <= 0 or len(buckets) != len(bounds_ns) + 1:
+        raise ValueError(
+            "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of one bucket more"
+        )
+    column = sorted(memoryview(values).cast("B").cast("q")[start::stride])
+    if not column:
+        return 0, 0, 0, 0
+    total = sum(column)
+    if not -(1 << 63) <= total < 1 << 63:
+        raise OverflowError("fold_column: the total leaves int64")
+    if bounds_ns is BOUNDS_NS:
+        bucket_counts(column, buckets)
+    else:
+        for ns in column:
+            buckets[bisect.bisect_left(bounds_ns, ns)] += 1
+    return len(column), total, column[0], column[-1]
+
 
 def bucket_counts(ordered: list[int], buckets: list[int]) -> None:
     """Add to `buckets` how many of `ordered` (integer ns, ascending) fall in each bucket,

@@ -1607,6 +1607,101 @@ bind_engine(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ---- the builder's fold of sampled-out rows (`_sampling.fold_column`) ---- */
+
+/* `fold_column(values, start, stride, bounds_ns, buckets)`: every `stride`-th int64 of the
+ * buffer `values` from `start` (a column of `_quiet_steps` rows) counted into `buckets`
+ * (bucket i holds bounds_ns[i-1] < ns <= bounds_ns[i], `bisect_left`'s), returned as
+ * (count, total, low, high): what the Python reference gets by sorting the column, without
+ * a Python int per duration or a sort. OverflowError when the total leaves int64 (the
+ * caller then folds in Python). */
+static PyObject *
+fold_column(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "fold_column(values, start, stride, bounds_ns, buckets)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t stride = start == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[2]);
+    if (stride == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *bounds = args[3], *buckets = args[4];
+    if (start < 0 || stride <= 0 || !PyTuple_Check(bounds) || !PyList_Check(buckets) ||
+        PyList_GET_SIZE(buckets) != PyTuple_GET_SIZE(bounds) + 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of "
+                        "one bucket more");
+        return NULL;
+    }
+    Py_ssize_t nbounds = PyTuple_GET_SIZE(bounds);
+    long long *limits = PyMem_Malloc((size_t)(nbounds ? nbounds : 1) * sizeof(long long));
+    Py_ssize_t *counts = PyMem_Calloc((size_t)nbounds + 1, sizeof(Py_ssize_t));
+    PyObject *result = NULL;
+    Py_buffer view = {0};
+    int have_view = 0;
+    if (limits == NULL || counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nbounds; i++) {
+        limits[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(bounds, i));
+        if (limits[i] == -1 && PyErr_Occurred())
+            goto done;
+    }
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    have_view = 1;
+    if (view.len % (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "fold_column: values must be whole int64s");
+        goto done;
+    }
+    const int64_t *values = (const int64_t *)view.buf;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t count = 0;
+    long long total = 0, low = 0, high = 0;
+    for (Py_ssize_t at = start; at < n; at += stride) {
+        long long ns = values[at];
+        if (__builtin_add_overflow(total, ns, &total)) {
+            PyErr_SetString(PyExc_OverflowError, "fold_column: the total leaves int64");
+            goto done;
+        }
+        if (count == 0 || ns < low)
+            low = ns;
+        if (count == 0 || ns > high)
+            high = ns;
+        count++;
+        Py_ssize_t lo = 0, hi = nbounds; /* bisect_left */
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (limits[mid] < ns)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        counts[lo]++;
+    }
+    for (Py_ssize_t i = 0; i <= nbounds; i++) {
+        if (!counts[i])
+            continue;
+        PyObject *had = PyList_GET_ITEM(buckets, i);
+        PyObject *add = PyLong_FromSsize_t(counts[i]);
+        PyObject *sum = add == NULL ? NULL : PyNumber_Add(had, add);
+        Py_XDECREF(add);
+        if (sum == NULL)
+            goto done;
+        PyList_SET_ITEM(buckets, i, sum);
+        Py_DECREF(had);
+    }
+    result = Py_BuildValue("(nLLL)", count, total, low, high);
+done:
+    if (have_view)
+        PyBuffer_Release(&view);
+    PyMem_Free(limits);
+    PyMem_Free(counts);
+    return result;
+}
+
 /* ---- binding ---- */
 
 static PyObject *
@@ -1709,6 +1804,8 @@ static PyMethodDef methods[] = {
      "_api.to_device's copies: move_to_device(span, data, device, non_blocking, tensor, nested)"},
     {"move_to_host", (PyCFunction)(void (*)(void))move_to_host, METH_FASTCALL,
      "_api.from_device's copies: move_to_host(span, data, tensor, nested)"},
+    {"fold_column", (PyCFunction)(void (*)(void))fold_column, METH_FASTCALL,
+     "_sampling.fold_column(values, start, stride, bounds_ns, buckets), compiled"},
     {NULL, NULL, 0, NULL},
 };
 
