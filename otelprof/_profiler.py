@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -49,6 +50,7 @@ from otelprof.export.counters import is_loss as _is_loss
 from otelprof.export.wiring import file_names, file_suffix, provisional_pid
 from otelprof.resource import build_resource
 from otelprof.timings import _recorder
+from otelprof.timings._helpers import HelperSwap
 from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
@@ -152,6 +154,7 @@ class _Session:
         self._throughput: ThroughputTracker | None = None
         self._aggregate_metrics: Any = None
         self.timings: Any = None
+        self._helpers = HelperSwap()
         self.system = _degrade("system metrics", self._start_system_metrics)
         self.timings = _degrade("timings", self._start_timings)
         self.distributed = _degrade(
@@ -245,6 +248,7 @@ class _Session:
         watchdog.start()
         steps: list[tuple[str, Any]] = [
             ("distributed hooks", self.distributed.remove if self.distributed else None),
+            ("per-step helpers", self._helpers.uninstall),
             ("timings", self.timings.shutdown if self.timings else None),
             ("timing histograms", self._final_aggregates if self.timings else None),
             ("traces", self.tracer_provider.shutdown),
@@ -300,6 +304,9 @@ class _Session:
             self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
         )
         engine.start()
+        # the per-step helpers without a Python frame while this session runs
+        with contextlib.suppress(Exception):
+            self._helpers.install(sys.modules["otelprof"])
         from otelprof.export._aggregates import AggregateMetrics
 
         # every range's duration, as histograms in every metrics export (traces are sampled)

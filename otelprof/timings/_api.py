@@ -440,3 +440,14 @@ def reduce_metrics(**attributes: Any) -> Timing:
         return timing(REDUCE_METRICS, **attributes)
     check = _rec.is_compiling or _rec._find_is_compiling()  # `timing()`'s, inline
     return _rec._PASSTHROUGH if check is not None and check() else _REDUCE_METRICS
+
+
+# the Python helpers the compiled ones (`_helpers.HelperSwap`) fall back on, and that
+# torch.compile traces in their place
+_py_timing = timing
+_py_train_batch = train_batch
+_py_reduce_metrics = reduce_metrics
+_py_to_device = to_device
+_py_from_device = from_device
+if _rec.speedups is not None:
+    _rec.speedups.bind_api(globals())

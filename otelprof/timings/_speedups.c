@@ -41,6 +41,7 @@ static PyObject *rec_globals;   /* _recorder's module dict (bind()) */
 static PyObject *recorder;      /* _recorder.recorder (bind()): its fields are read by offset */
 static PyObject *quiet_globals; /* _quiet_steps's module dict (bind_quiet()) */
 static PyObject *engine_globals; /* _engine's module dict (bind_engine()) */
+static PyObject *api_globals; /* _api's module dict (bind_api()) */
 static PyObject *zero;
 static PyObject *real_clock; /* time.perf_counter_ns */
 
@@ -57,7 +58,10 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(_step_from_start) X(_kineto) X(_schedule) X(_step_start) X(_epoch) X(emit_step)         \
     X(_py_step) X(step_failed) X(sample_out) X(new_step_context) X(TimingsEngine)       \
     X(compiled) X(cancel) X(__enter__) X(__exit__) X(_active) X(_owner) X(_current)        \
-    X(timings) X(to) X(detach) X(cpu)
+    X(timings) X(to) X(detach) X(cpu) X(_timings_by_name) X(_TRAIN_BATCH) X(_REDUCE_METRICS) \
+    X(_TO_DEVICE) X(_FROM_DEVICE) X(_tensor_class) X(_NoTensor) X(_nested_to_device)       \
+    X(_nested_to_host) X(_py_timing) X(_py_train_batch) X(_py_reduce_metrics)              \
+    X(_py_to_device) X(_py_from_device) X(non_blocking)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -74,7 +78,7 @@ typedef struct {
     uint64_t at[K_COUNT];
 } Cache;
 
-static Cache rec_cache, quiet_cache, engine_cache;
+static Cache rec_cache, quiet_cache, engine_cache, api_cache;
 
 /* A module global (borrowed); NULL with an error set when it is missing. */
 static PyObject *
@@ -113,6 +117,7 @@ field(int key)
 #define RECORDER_FIELDS(X) X(current) X(queue) X(capacity) X(chunk_size) X(cuda_timer) X(torch_profiler_state)
 #define QUIET(n) global(quiet_globals, &quiet_cache, K_##n)
 #define ENGINE(n) global(engine_globals, &engine_cache, K_##n)
+#define API(n) global(api_globals, &api_cache, K_##n)
 
 static int
 check_bound(void)
@@ -1394,6 +1399,147 @@ move_to_host(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return leave_span(span, result);
 }
 
+/* ---- the helpers a training loop calls every step (`_api`), with no Python frame ---- */
+
+/* `otelprof.train_batch()`, `reduce_metrics()`, `timing(name)`, `to_device(...)` and
+ * `from_device(...)` while a profiler runs (`_helpers.HelperSwap` puts these in the
+ * `otelprof` namespace, and registers the Python helpers as what torch.compile traces
+ * instead of them). The common call takes the shared `Timing` or the compiled copy at once;
+ * every other call (attributes, a name not seen yet, torch not imported yet, the hot path
+ * off) is the Python helper's, called with the same arguments. */
+
+static int
+check_api_bound(void)
+{
+    if (api_globals == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "otelprof._speedups: bind_api() was not called");
+        return -1;
+    }
+    return check_bound();
+}
+
+static int
+no_keywords(PyObject *kwnames)
+{
+    return kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0;
+}
+
+/* The Python helper `python` called as this one was. */
+static PyObject *
+python_helper(int python, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    PyObject *helper = global(api_globals, &api_cache, python);
+    return helper == NULL ? NULL : PyObject_Vectorcall(helper, args, nargsf, kwnames);
+}
+
+static PyObject *
+shared_timing(int shared, int python, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (check_api_bound() < 0)
+        return NULL;
+    if (PyVectorcall_NARGS(nargsf) != 0 || !no_keywords(kwnames))
+        return python_helper(python, args, nargsf, kwnames);
+    PyObject *timing = global(api_globals, &api_cache, shared);
+    return timing == NULL ? NULL : Py_NewRef(timing);
+}
+
+static PyObject *
+helper_train_batch(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return shared_timing(K__TRAIN_BATCH, K__py_train_batch, args, nargsf, kwnames);
+}
+
+static PyObject *
+helper_reduce_metrics(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    return shared_timing(K__REDUCE_METRICS, K__py_reduce_metrics, args, nargsf, kwnames);
+}
+
+static PyObject *
+helper_timing(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (check_api_bound() < 0)
+        return NULL;
+    if (PyVectorcall_NARGS(nargsf) == 1 && no_keywords(kwnames) && PyUnicode_CheckExact(args[0])) {
+        PyObject *cache = REC(_timings_by_name);
+        if (cache == NULL)
+            return NULL;
+        PyObject *timing = PyDict_CheckExact(cache) ? PyDict_GetItemWithError(cache, args[0]) : NULL;
+        if (timing != NULL)
+            return Py_NewRef(timing);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    return python_helper(K__py_timing, args, nargsf, kwnames);
+}
+
+/* torch.Tensor once `_api` has looked it up (borrowed), NULL while it has not. */
+static PyObject *
+known_tensor_class(void)
+{
+    PyObject *compiled = REC(compiled);
+    PyObject *tensor = compiled == Py_True ? API(_tensor_class) : NULL;
+    PyObject *none_yet = tensor == NULL ? NULL : API(_NoTensor);
+    if (none_yet == NULL || tensor == none_yet) {
+        PyErr_Clear(); /* the Python helper says what is wrong, if anything */
+        return NULL;
+    }
+    return tensor;
+}
+
+static PyObject *
+helper_to_device(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (check_api_bound() < 0)
+        return NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *non_blocking = NULL;
+    if (no_keywords(kwnames) && (nargs == 2 || nargs == 3))
+        non_blocking = nargs == 3 ? args[2] : Py_False;
+    else if (nargs == 2 && PyTuple_GET_SIZE(kwnames) == 1 &&
+             PyUnicode_Compare(PyTuple_GET_ITEM(kwnames, 0), S(non_blocking)) == 0)
+        non_blocking = args[2];
+    PyObject *tensor = non_blocking == NULL ? NULL : known_tensor_class();
+    PyObject *span = tensor == NULL ? NULL : API(_TO_DEVICE);
+    PyObject *nested = span == NULL ? NULL : API(_nested_to_device);
+    if (nested == NULL) {
+        PyErr_Clear();
+        return python_helper(K__py_to_device, args, nargsf, kwnames);
+    }
+    PyObject *call[6] = {span, args[0], args[1], non_blocking, tensor, nested};
+    return move_to_device(NULL, call, 6);
+}
+
+static PyObject *
+helper_from_device(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (check_api_bound() < 0)
+        return NULL;
+    PyObject *tensor = PyVectorcall_NARGS(nargsf) == 1 && no_keywords(kwnames)
+                           ? known_tensor_class()
+                           : NULL;
+    PyObject *span = tensor == NULL ? NULL : API(_FROM_DEVICE);
+    PyObject *nested = span == NULL ? NULL : API(_nested_to_host);
+    if (nested == NULL) {
+        PyErr_Clear();
+        return python_helper(K__py_from_device, args, nargsf, kwnames);
+    }
+    PyObject *call[4] = {span, args[0], tensor, nested};
+    return move_to_host(NULL, call, 4);
+}
+
+static PyObject *
+bind_api(PyObject *module, PyObject *globals)
+{
+    if (!PyDict_Check(globals)) {
+        PyErr_SetString(PyExc_TypeError, "bind_api(globals()): a module's dict");
+        return NULL;
+    }
+    memset(&api_cache, 0, sizeof api_cache);
+    Py_XSETREF(api_globals, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
 /* ---- TimingsEngine.step ---- */
 
 /* `TimingsEngine.step` for the common case, the one nearly every step takes: a training
@@ -1804,6 +1950,25 @@ static PyMethodDef methods[] = {
      "_api.to_device's copies: move_to_device(span, data, device, non_blocking, tensor, nested)"},
     {"move_to_host", (PyCFunction)(void (*)(void))move_to_host, METH_FASTCALL,
      "_api.from_device's copies: move_to_host(span, data, tensor, nested)"},
+    {"bind_api", bind_api, METH_O, "bind_api(globals()) of otelprof.timings._api"},
+    {"train_batch", (PyCFunction)(void (*)(void))helper_train_batch,
+     METH_FASTCALL | METH_KEYWORDS,
+     "train_batch($module, /, **attributes)\n--\n\n`with train_batch():` — the `train_batch` "
+     "span (forward, backward, optimizer)."},
+    {"reduce_metrics", (PyCFunction)(void (*)(void))helper_reduce_metrics,
+     METH_FASTCALL | METH_KEYWORDS,
+     "reduce_metrics($module, /, **attributes)\n--\n\n`with reduce_metrics():` — the "
+     "`reduce_metrics` span."},
+    {"timing", (PyCFunction)(void (*)(void))helper_timing, METH_FASTCALL | METH_KEYWORDS,
+     "timing($module, name, **attributes)\n--\n\nA timing span around a block or a "
+     "function (see otelprof.timings.timing)."},
+    {"to_device", (PyCFunction)(void (*)(void))helper_to_device, METH_FASTCALL | METH_KEYWORDS,
+     "to_device($module, data, device, non_blocking=False)\n--\n\nMove a batch (tensors, "
+     "nested lists/tuples/dicts) to `device` inside a `to_device` span."},
+    {"from_device", (PyCFunction)(void (*)(void))helper_from_device,
+     METH_FASTCALL | METH_KEYWORDS,
+     "from_device($module, data)\n--\n\nDetach and copy tensors to the host inside a "
+     "`from_device` span."},
     {"fold_column", (PyCFunction)(void (*)(void))fold_column, METH_FASTCALL,
      "_sampling.fold_column(values, start, stride, bounds_ns, buckets), compiled"},
     {NULL, NULL, 0, NULL},
