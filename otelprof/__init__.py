@@ -12,6 +12,8 @@ Hardware metrics become OTel observable gauges, training timings become OTel spa
 Prometheus endpoint. Importing otelprof never imports torch by itself.
 """
 
+import sys
+
 from otelprof._profiler import Profiler, active_profiler, instrument, uninstrument
 from otelprof._throughput import set_peak_flops
 from otelprof._work import step_work
@@ -20,6 +22,7 @@ from otelprof.timings import (
     HookHandle,
     ScheduleAction,
     Timing,
+    _helpers,
     current_phase,
     cyclic_schedule,
     from_device,
@@ -65,3 +68,15 @@ __all__ = [
     "train_batch",
     "uninstrument",
 ]
+
+# while a profiler runs, the per-step helpers above are swapped for compiled twins here
+_helpers.provide(
+    sys.modules[__name__],
+    {
+        "timing": timing,
+        "train_batch": train_batch,
+        "reduce_metrics": reduce_metrics,
+        "to_device": to_device,
+        "from_device": from_device,
+    },
+)

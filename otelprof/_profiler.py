@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -306,7 +305,7 @@ class _Session:
         engine.start()
         # the per-step helpers without a Python frame while this session runs
         with contextlib.suppress(Exception):
-            self._helpers.install(sys.modules["otelprof"])
+            self._helpers.install()
         from otelprof.export._aggregates import AggregateMetrics
 
         # every range's duration, as histograms in every metrics export (traces are sampled)

@@ -19,12 +19,11 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 from otelprof._patch import Patches
-from otelprof.timings import _api
 from otelprof.timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -32,9 +31,22 @@ _log = logging.getLogger("otelprof")
 HELPERS = ("timing", "train_batch", "reduce_metrics", "to_device", "from_device")
 DYNAMO = "torch._dynamo"
 
+_namespace: ModuleType | None = None
+"""The public namespace (`otelprof`), as it introduced itself (`provide`)."""
+_python: dict[str, Callable[..., Any]] = {}
+"""Its Python helpers by name: what torch.compile traces, and what the swap puts back."""
+
 _registered = False
 """Whether the Python helpers are torch.compile's stand-ins for the compiled ones (for the
 process's life: dynamo refuses a second registration)."""
+
+
+def provide(namespace: ModuleType, helpers: Mapping[str, Callable[..., Any]]) -> None:
+    """The public namespace and its Python helpers (`otelprof/__init__.py`, at import: this
+    layer does not import the one above it)."""
+    global _namespace
+    _namespace = namespace
+    _python.update((name, helpers[name]) for name in HELPERS)
 
 
 def register_stand_ins() -> None:
@@ -46,9 +58,7 @@ def register_stand_ins() -> None:
 
     substitute = torch.compiler.substitute_in_graph
     for name in HELPERS:
-        substitute(getattr(rec.speedups, name), skip_signature_check=True)(
-            getattr(_api, "_py_" + name)
-        )
+        substitute(getattr(rec.speedups, name), skip_signature_check=True)(_python[name])
     _registered = True
 
 
@@ -112,7 +122,7 @@ class _ThenCall(importlib.abc.Loader):
 
 
 class HelperSwap:
-    """The compiled helpers in a namespace (`otelprof`) while installed."""
+    """The compiled helpers in the public namespace while installed."""
 
     def __init__(self) -> None:
         self._patches = Patches()
@@ -122,9 +132,11 @@ class HelperSwap:
     def installed(self) -> bool:
         return bool(self._patches)
 
-    def install(self, namespace: ModuleType) -> None:
-        speedups = rec.speedups
-        if speedups is None or not rec.compiled or self._patches or not can_substitute():
+    def install(self) -> None:
+        speedups, namespace = rec.speedups, _namespace
+        if speedups is None or namespace is None or not rec.compiled or self._patches:
+            return
+        if not can_substitute():
             return
         if DYNAMO in sys.modules:
             try:
@@ -136,7 +148,7 @@ class HelperSwap:
             self._waiting = _AfterImport(DYNAMO, self._dynamo_loaded)
             sys.meta_path.insert(0, self._waiting)
         for name in HELPERS:
-            if getattr(namespace, name, None) is getattr(_api, "_py_" + name):
+            if getattr(namespace, name, None) is _python[name]:
                 self._patches.patch(namespace, name, getattr(speedups, name))
 
     def _dynamo_loaded(self) -> None:
