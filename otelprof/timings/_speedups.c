@@ -1528,16 +1528,23 @@ helper_from_device(PyObject *module, PyObject *const *args, size_t nargsf, PyObj
     return move_to_host(NULL, call, 4);
 }
 
+/* A module's dict kept in `*slot`, its cache emptied (`bind_quiet()`, `bind_api()`). */
+static PyObject *
+bind_globals(PyObject **slot, Cache *cache, PyObject *globals, const char *usage)
+{
+    if (!PyDict_Check(globals)) {
+        PyErr_Format(PyExc_TypeError, "%s: a module's dict", usage);
+        return NULL;
+    }
+    memset(cache, 0, sizeof *cache);
+    Py_XSETREF(*slot, Py_NewRef(globals));
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 bind_api(PyObject *module, PyObject *globals)
 {
-    if (!PyDict_Check(globals)) {
-        PyErr_SetString(PyExc_TypeError, "bind_api(globals()): a module's dict");
-        return NULL;
-    }
-    memset(&api_cache, 0, sizeof api_cache);
-    Py_XSETREF(api_globals, Py_NewRef(globals));
-    Py_RETURN_NONE;
+    return bind_globals(&api_globals, &api_cache, globals, "bind_api(globals())");
 }
 
 /* ---- TimingsEngine.step ---- */
@@ -1905,13 +1912,7 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 bind_quiet(PyObject *module, PyObject *globals)
 {
-    if (!PyDict_Check(globals)) {
-        PyErr_SetString(PyExc_TypeError, "bind_quiet(globals()): a module's dict");
-        return NULL;
-    }
-    memset(&quiet_cache, 0, sizeof quiet_cache);
-    Py_XSETREF(quiet_globals, Py_NewRef(globals));
-    Py_RETURN_NONE;
+    return bind_globals(&quiet_globals, &quiet_cache, globals, "bind_quiet(globals())");
 }
 
 static PyObject *
