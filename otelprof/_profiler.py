@@ -304,8 +304,7 @@ class _Session:
         )
         engine.start()
         # the per-step helpers without a Python frame while this session runs
-        with contextlib.suppress(Exception):
-            self._helpers.install()
+        _degrade("compiled per-step helpers", self._helpers.install)
         from otelprof.export._aggregates import AggregateMetrics
 
         # every range's duration, as histograms in every metrics export (traces are sampled)

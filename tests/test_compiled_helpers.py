@@ -26,7 +26,10 @@ def _compiled_helpers_expected() -> None:
     if rec.speedups is None:
         pytest.fail("the C extension otelprof.timings._speedups was not built")
     if not _helpers.can_substitute():
-        pytest.skip(f"torch {torch.__version__} has no torch.compiler.substitute_in_graph")
+        pytest.fail(
+            f"torch {torch.__version__} has no torch.compiler.substitute_in_graph: the "
+            "project's pinned torch (>= 2.5) is not the one installed"
+        )
 
 
 def test_the_helpers_are_compiled_while_a_profiler_runs_and_put_back_after(
@@ -34,18 +37,28 @@ def test_the_helpers_are_compiled_while_a_profiler_runs_and_put_back_after(
 ) -> None:
     _compiled_helpers_expected()
     python = {name: getattr(otelprof, name) for name in _helpers.HELPERS}
-    assert all(python[name] is getattr(_api, "_py_" + name) for name in _helpers.HELPERS)
+    assert all(python[name] is getattr(_api, name) for name in _helpers.HELPERS)
     with otelprof.instrument(output_dir=tmp_path, host_metrics=False, process_metrics=False):
         for name in _helpers.HELPERS:
             assert getattr(otelprof, name) is getattr(rec.speedups, name), name
     assert {name: getattr(otelprof, name) for name in _helpers.HELPERS} == python
 
 
+def test_a_torch_that_cannot_trace_stand_ins_keeps_the_python_helpers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch < 2.5 has no `substitute_in_graph`: compiled twins would graph-break there."""
+    monkeypatch.setattr(_helpers, "can_substitute", lambda: False)
+    with otelprof.instrument(output_dir=tmp_path, host_metrics=False, process_metrics=False):
+        for name in _helpers.HELPERS:
+            assert getattr(otelprof, name) is getattr(_api, name), name
+
+
 def test_a_helper_patched_by_someone_else_is_left_alone(tmp_path: Path) -> None:
     _compiled_helpers_expected()
 
     def theirs(name: str, **attributes: Any) -> Any:
-        return _api._py_timing(name, **attributes)
+        return _api.timing(name, **attributes)
 
     original = otelprof.timing
     otelprof.timing = theirs  # type: ignore[assignment]

@@ -442,12 +442,6 @@ def reduce_metrics(**attributes: Any) -> Timing:
     return _rec._PASSTHROUGH if check is not None and check() else _REDUCE_METRICS
 
 
-# the Python helpers the compiled ones (`_helpers.HelperSwap`) fall back on, and that
-# torch.compile traces in their place
-_py_timing = timing
-_py_train_batch = train_batch
-_py_reduce_metrics = reduce_metrics
-_py_to_device = to_device
-_py_from_device = from_device
+# the helpers above are what their compiled twins (`_helpers.HelperSwap`) fall back on
 if _rec.speedups is not None:
     _rec.speedups.bind_api(globals())

@@ -224,9 +224,7 @@ class SpanBuilder:
         self._signatures: dict[str, dict[tuple[str, ...], _Signature]] = {}
         # rows of steps sampled out on their thread: (phase, step name, range names) -> the
         # histograms of its columns
-        self._layout_histograms: dict[
-            tuple[str, str, tuple[str, ...]], list[DurationHistogram]
-        ] = {}
+        self._layout_histograms: dict[_LayoutKey, list[DurationHistogram]] = {}
         self._fold_column = _fold_column()
         self._held_rows: dict[_LayoutKey, list[memoryview]] = {}  # until the drain's end
         self._signature_list: list[_Signature] = []

@@ -62,6 +62,17 @@ def register_stand_ins() -> None:
     _registered = True
 
 
+def _register_or_warn() -> bool:
+    """`register_stand_ins()`; False, with a warning, where it fails (then torch.compile
+    would graph-break on the compiled helpers, so they must not be in use)."""
+    try:
+        register_stand_ins()
+    except Exception as error:
+        _log.warning("otelprof: torch.compile cannot trace otelprof's helpers: %r", error)
+        return False
+    return True
+
+
 def can_substitute() -> bool:
     """Whether this torch lets torch.compile trace a stand-in for a C function."""
     torch = sys.modules.get("torch")
@@ -128,10 +139,6 @@ class HelperSwap:
         self._patches = Patches()
         self._waiting: _AfterImport | None = None
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._patches)
-
     def install(self) -> None:
         speedups, namespace = rec.speedups, _namespace
         if speedups is None or namespace is None or not rec.compiled or self._patches:
@@ -139,12 +146,9 @@ class HelperSwap:
         if not can_substitute():
             return
         if DYNAMO in sys.modules:
-            try:
-                register_stand_ins()
-            except Exception as error:  # then torch.compile would graph-break on them
-                _log.warning("otelprof: torch.compile cannot trace otelprof's helpers: %r", error)
+            if not _register_or_warn():
                 return
-        elif not _registered:
+        else:  # (registering needs dynamo loaded: nothing is registered yet)
             self._waiting = _AfterImport(DYNAMO, self._dynamo_loaded)
             sys.meta_path.insert(0, self._waiting)
         for name in HELPERS:
@@ -153,10 +157,7 @@ class HelperSwap:
 
     def _dynamo_loaded(self) -> None:
         self._waiting = None
-        try:
-            register_stand_ins()
-        except Exception as error:  # torch.compile would graph-break on the compiled ones
-            _log.warning("otelprof: torch.compile cannot trace otelprof's helpers: %r", error)
+        if not _register_or_warn():
             self._patches.restore()
 
     def uninstall(self) -> None:

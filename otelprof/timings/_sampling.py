@@ -160,18 +160,19 @@ class DurationHistogram:
         `start`: one column of `_quiet_steps` rows, folded by `fold` (`fold_column`, or the
         compiled one: one C loop, no Python int per duration and no sort)."""
         try:
-            count, total, low, high = fold(values, start, stride, BOUNDS_NS, self.buckets)
+            count, total, low_ns, high_ns = fold(values, start, stride, BOUNDS_NS, self.buckets)
         except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
-            self.add_ns(list(memoryview(values).cast("B").cast("q")[start::stride]))
+            self.add_ns(list(int64s(values)[start::stride]))
             return
         if not count:
             return
         self.count += count
         self.sum += total / 1e9
-        if low / 1e9 < self.min:
-            self.min = low / 1e9
-        if high / 1e9 > self.max:
-            self.max = high / 1e9
+        low, high = low_ns / 1e9, high_ns / 1e9
+        if low < self.min:
+            self.min = low
+        if high > self.max:
+            self.max = high
 
 
 ColumnFold = Callable[[Any, int, int, tuple[int, ...], list[int]], tuple[int, int, int, int]]
@@ -188,30 +189,33 @@ def fold_column(
         raise ValueError(
             "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of one bucket more"
         )
-    column = sorted(memoryview(values).cast("B").cast("q")[start::stride])
+    column = sorted(int64s(values)[start::stride])
     if not column:
         return 0, 0, 0, 0
     total = sum(column)
     if not -(1 << 63) <= total < 1 << 63:
         raise OverflowError("fold_column: the total leaves int64")
-    if bounds_ns is BOUNDS_NS:
-        bucket_counts(column, buckets)
-    else:
-        for ns in column:
-            buckets[bisect.bisect_left(bounds_ns, ns)] += 1
+    bucket_counts(column, buckets, bounds_ns)
     return len(column), total, column[0], column[-1]
 
 
-def bucket_counts(ordered: list[int], buckets: list[int]) -> None:
+def int64s(values: Any) -> memoryview:
+    """A buffer of native int64s (a `_quiet_steps` row view, or bytes) as one flat view."""
+    return memoryview(values).cast("B").cast("q")
+
+
+def bucket_counts(
+    ordered: list[int], buckets: list[int], bounds_ns: tuple[int, ...] = BOUNDS_NS
+) -> None:
     """Add to `buckets` how many of `ordered` (integer ns, ascending) fall in each bucket,
-    the bucket of `bisect_left(BOUNDS_NS, ns)`, as `DurationHistogram.add` puts seconds:
-    bucket i holds BOUNDS_NS[i-1] < ns <= BOUNDS_NS[i]. Only the buckets between the
+    the bucket of `bisect_left(bounds_ns, ns)`, as `DurationHistogram.add` puts seconds:
+    bucket i holds bounds_ns[i-1] < ns <= bounds_ns[i]. Only the buckets between the
     smallest and largest duration's are bisected."""
-    first = bisect.bisect_left(BOUNDS_NS, ordered[0])
-    last = bisect.bisect_left(BOUNDS_NS, ordered[-1])
-    below = 0  # durations counted so far: all <= BOUNDS_NS[i - 1]
+    first = bisect.bisect_left(bounds_ns, ordered[0])
+    last = bisect.bisect_left(bounds_ns, ordered[-1])
+    below = 0  # durations counted so far: all <= bounds_ns[i - 1]
     for i in range(first, last):
-        upto = bisect.bisect_right(ordered, BOUNDS_NS[i], below)
+        upto = bisect.bisect_right(ordered, bounds_ns[i], below)
         buckets[i] += upto - below
         below = upto
     buckets[last] += len(ordered) - below

@@ -60,8 +60,8 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(compiled) X(cancel) X(__enter__) X(__exit__) X(_active) X(_owner) X(_current)        \
     X(timings) X(to) X(detach) X(cpu) X(_timings_by_name) X(_TRAIN_BATCH) X(_REDUCE_METRICS) \
     X(_TO_DEVICE) X(_FROM_DEVICE) X(_tensor_class) X(_NoTensor) X(_nested_to_device)       \
-    X(_nested_to_host) X(_py_timing) X(_py_train_batch) X(_py_reduce_metrics)              \
-    X(_py_to_device) X(_py_from_device) X(non_blocking)
+    X(_nested_to_host) X(timing) X(train_batch) X(reduce_metrics) X(to_device)             \
+    X(from_device) X(non_blocking)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -1424,7 +1424,7 @@ no_keywords(PyObject *kwnames)
     return kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0;
 }
 
-/* The Python helper `python` called as this one was. */
+/* The Python helper `python` (`_api`'s own function of that name) called as this one was. */
 static PyObject *
 python_helper(int python, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1446,13 +1446,13 @@ shared_timing(int shared, int python, PyObject *const *args, size_t nargsf, PyOb
 static PyObject *
 helper_train_batch(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    return shared_timing(K__TRAIN_BATCH, K__py_train_batch, args, nargsf, kwnames);
+    return shared_timing(K__TRAIN_BATCH, K_train_batch, args, nargsf, kwnames);
 }
 
 static PyObject *
 helper_reduce_metrics(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
-    return shared_timing(K__REDUCE_METRICS, K__py_reduce_metrics, args, nargsf, kwnames);
+    return shared_timing(K__REDUCE_METRICS, K_reduce_metrics, args, nargsf, kwnames);
 }
 
 static PyObject *
@@ -1470,7 +1470,7 @@ helper_timing(PyObject *module, PyObject *const *args, size_t nargsf, PyObject *
         if (PyErr_Occurred())
             return NULL;
     }
-    return python_helper(K__py_timing, args, nargsf, kwnames);
+    return python_helper(K_timing, args, nargsf, kwnames);
 }
 
 /* torch.Tensor once `_api` has looked it up (borrowed), NULL while it has not. */
@@ -1504,7 +1504,7 @@ helper_to_device(PyObject *module, PyObject *const *args, size_t nargsf, PyObjec
     PyObject *nested = span == NULL ? NULL : API(_nested_to_device);
     if (nested == NULL) {
         PyErr_Clear();
-        return python_helper(K__py_to_device, args, nargsf, kwnames);
+        return python_helper(K_to_device, args, nargsf, kwnames);
     }
     PyObject *call[6] = {span, args[0], args[1], non_blocking, tensor, nested};
     return move_to_device(NULL, call, 6);
@@ -1522,7 +1522,7 @@ helper_from_device(PyObject *module, PyObject *const *args, size_t nargsf, PyObj
     PyObject *nested = span == NULL ? NULL : API(_nested_to_host);
     if (nested == NULL) {
         PyErr_Clear();
-        return python_helper(K__py_from_device, args, nargsf, kwnames);
+        return python_helper(K_from_device, args, nargsf, kwnames);
     }
     PyObject *call[4] = {span, args[0], tensor, nested};
     return move_to_host(NULL, call, 4);
