@@ -1,7 +1,7 @@
 """Cost of otelprof on the loop the README teaches: a real model, torch's ranges bridged.
 
     .venv/bin/python bench/bench_real_loop.py [--step-ms 0.3 1 30] [--pairs 30]
-        [--block-seconds 0.5] [--option timings=false ...] [--aa]
+        [--block-seconds 0.25] [--option timings=false ...] [--aa]
 
 Per step, instrumented (otelprof's default `instrument()`, detached, hardware metrics on):
 
@@ -23,7 +23,11 @@ no otelprof call. The model is torch's own (an MLP, SGD, CrossEntropyLoss, a rea
 over a TensorDataset, 1 intra-op thread); the batch size is calibrated so that a bare step
 uses `--step-ms` of the training thread's CPU (a Linear layer below 0.5 ms, a 2-hidden-layer
 MLP 128 wide below 5 ms, 1024 wide above); pairs whose bare block strays beyond 1.25x of it
-are not counted.
+are not counted, nor pairs in which the garbage collector ran a full collection (of torch's
+heap: 0.1-0.2 s, about every 2 s at 1 ms steps, where the DataLoader's per-sample tuples
+alive at each second-generation collection are promoted). Such a pause lands in one block
+of the pair at random and would swamp it; the full collections per arm are printed, so a
+profiler that caused more of them would show there.
 
 Method (`bench_step_rate.py --method interleaved`'s): one `instrument()` session stays up in
 its steady state (the head and tail budgets' initial bursts spent, every background thread
@@ -33,13 +37,14 @@ pairs, bare blocks with no session at all are compared with bare blocks under th
 session (`bare outside`/`bare inside`): a profiler that slowed every torch op would show
 there, where the A-B pairs cannot see it.
 
-Printed per step length: the step-rate ratio (median of the pairs' bare/instrumented
-ratios, quartiles), the training thread's own CPU per step (its thread CPU clock) bare and
-instrumented, the background threads' CPU per step, and the wall-time cost the training
-thread's own CPU does not explain (interpreter-lock waits, the scheduler), plus the
-detached data written per hour. `--option NAME=VALUE` passes options to `instrument()`
-(`timings=false`, `record_function=false`, ...) to find where a cost goes; `--aa` runs the
-bare loop in both arms (the method's noise floor).
+Printed per step length: the step-rate ratio (median of the pairs' bare/instrumented ratios,
+quartiles; and the counted blocks' total time, bare over instrumented, which weighs in the
+once-a-second background work a short block's median can miss), the training thread's own
+CPU per step (its thread CPU clock) bare and instrumented, the background threads' CPU per
+step, and the wall-time cost the training thread's own CPU does not explain (interpreter-
+lock waits, the scheduler), plus the detached data written per hour. `--option NAME=VALUE`
+passes options to `instrument()` (`timings=false`, `record_function=false`, ...) to find
+where a cost goes; `--aa` runs the bare loop in both arms (the method's noise floor).
 """
 
 from __future__ import annotations
@@ -230,18 +235,25 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         blocks: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         off = 0
         gc_ns = {False: 0, True: 0}
+        full = {False: 0, True: 0}  # full collections per arm, and pairs they spoiled
+        spoiled = 0
         with GcClock() as collector:
             for pair in range(args.pairs):
                 order = (False, True) if pair % 2 == 0 else (True, False)
                 result: dict[bool, dict[str, float]] = {}
+                fulls = collector.full
                 for instrumented in order:
-                    before = collector.ns
+                    before, before_full = collector.ns, collector.full
                     if instrumented:
                         result[True] = _block(inst_loop, m, args.block_seconds, prof, builder)
                     else:
                         with between_steps(prof):
                             result[False] = _block(bare_loop, m, args.block_seconds, None, None)
                     gc_ns[instrumented] += collector.ns - before
+                    full[instrumented] += collector.full - before_full
+                if collector.full != fulls:
+                    spoiled += 1  # a whole-heap pause in one block: either arm, so left out
+                    continue
                 if not 1 / TOLERANCE <= result[False]["thread_us"] / 1e3 / step_ms <= TOLERANCE:
                     off += 1
                     continue
@@ -253,7 +265,8 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
     bare, inst = blocks[False], blocks[True]
     print(
         f"step {step_ms} ms (batch {m.batch}; {len(bare)} of {args.pairs} pairs counted, {off} off "
-        f"target), options {options or 'default'}{' A/A' if args.aa else ''}"
+        f"target, {spoiled} with a full collection), options {options or 'default'}"
+        f"{' A/A' if args.aa else ''}"
     )
     if not bare:  # (--pairs 0: the data volume only)
         _print_volume(m, args, out, index, options)
@@ -263,10 +276,14 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
     bare_step = statistics.median(b["step_us"] for b in bare)
     inst_step = statistics.median(i["step_us"] for i in inst)
     own = [i["thread_us"] - b["thread_us"] for b, i in zip(bare, inst, strict=True)]
-    background = statistics.median(i["background_us"] for i in inst)
+    # a mean, not a median: the metric reader's once-a-second collection lands in few blocks
+    background = statistics.fmean(i["background_us"] for i in inst)
+    totals = sum(b["step_us"] * b["steps"] for b in bare) / sum(b["steps"] for b in bare)
+    totals /= sum(i["step_us"] * i["steps"] for i in inst) / sum(i["steps"] for i in inst)
     wall = [i["step_us"] - b["step_us"] for b, i in zip(bare, inst, strict=True)]
     print(
-        f"  step-rate ratio {mid:.3f} (quartiles {low:.3f} / {high:.3f}); bare step "
+        f"  step-rate ratio {mid:.3f} (quartiles {low:.3f} / {high:.3f}; all counted blocks "
+        f"together {totals:.3f}); bare step "
         f"{bare_step:.0f} µs, instrumented {inst_step:.0f} µs"
     )
     own_mid = statistics.median(own)
@@ -277,14 +294,15 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         f"{own_mid:+.1f} µs (quartiles {_quartiles(own)[0]:+.1f} / {_quartiles(own)[2]:+.1f})"
     )
     print(
-        f"  background threads' CPU per step {background:.1f} µs; wall time per step "
+        f"  background threads' CPU per step (mean) {background:.1f} µs; wall time per step "
         f"{statistics.median(wall):+.1f} µs, of which not the training thread's own CPU "
         f"{statistics.median(wall) - own_mid:+.1f} µs (waits: interpreter lock, scheduler)"
     )
     steps = sum(b["steps"] for b in blocks[True])
     print(
         f"  garbage collection per step: bare {gc_ns[False] / max(steps, 1) / 1e3:.2f} µs, "
-        f"instrumented {gc_ns[True] / max(steps, 1) / 1e3:.2f} µs; dropped "
+        f"instrumented {gc_ns[True] / max(steps, 1) / 1e3:.2f} µs (full collections: bare "
+        f"{full[False]}, instrumented {full[True]}); dropped "
         f"{stats.get('dropped_total', 0)}"
     )
     _print_volume(m, args, out, index, options)
@@ -361,7 +379,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.3, 1.0, 30.0])
     parser.add_argument("--pairs", type=int, default=30)
-    parser.add_argument("--block-seconds", type=float, default=0.5)
+    parser.add_argument("--block-seconds", type=float, default=0.25)
     parser.add_argument("--volume-seconds", type=float, default=20.0)
     parser.add_argument("--option", type=_option, action="append", default=[], dest="options")
     parser.add_argument("--aa", action="store_true", help="bare loop in both arms")
