@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 from _machine import background_cpu, load_average, print_machine
-from bench_step_rate import GcClock, between_steps
+from bench_step_rate import GcClock, between_steps, mean_and_interval
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
@@ -299,6 +299,13 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         f"{statistics.median(i['thread_us'] for i in inst):.1f} µs; paired extra "
         f"{own_mid:+.1f} µs (quartiles {_quartiles(own)[0]:+.1f} / {_quartiles(own)[2]:+.1f})"
     )
+    if len(own) > 1:  # at long steps the medians are below one step's scatter
+        ratio_mean, ratio_half = mean_and_interval(ratios)
+        own_mean, own_half = mean_and_interval(own)
+        print(
+            f"  paired means, 95 % intervals: step-rate ratio {ratio_mean:.4f} ± "
+            f"{ratio_half:.4f}; training-thread extra {own_mean:+.1f} ± {own_half:.1f} µs"
+        )
     print(
         f"  background threads' CPU per step (mean) {background:.1f} µs; wall time per step "
         f"{statistics.median(wall):+.1f} µs, of which not the training thread's own CPU "

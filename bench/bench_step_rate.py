@@ -72,6 +72,12 @@ TOLERANCE = 1.25
 a load change mid-pair otherwise turns a "0.3 ms" figure into one for 0.15 ms steps."""
 
 
+def mean_and_interval(values: list[float]) -> tuple[float, float]:
+    """The mean of paired differences or ratios and its 95 % half-interval: whether a cost
+    below the scatter of single pairs was resolved at all (two or more values)."""
+    return statistics.fmean(values), 1.96 * statistics.stdev(values) / math.sqrt(len(values))
+
+
 @contextlib.contextmanager
 def between_steps(prof: Any) -> Iterator[None]:
     """Run a bare block of an interleaved pair with no step open, as a user's loop never
@@ -323,8 +329,7 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
     # the pairs' differences, mean and 95 % interval, say whether it was resolved at all
     paired = [i - b for b, i in zip(cpu_per_step[False], cpu_per_step[True], strict=True)]
     if len(paired) > 1:
-        mean = statistics.fmean(paired)
-        half = 1.96 * statistics.stdev(paired) / math.sqrt(len(paired))
+        mean, half = mean_and_interval(paired)
         step_us = statistics.median(bare) * 1e3
         print(
             f"  training-thread CPU per step, paired: {mean:+.1f} ± {half:.1f} µs (95 %); with "
