@@ -302,9 +302,11 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
     if len(own) > 1:  # at long steps the medians are below one step's scatter
         ratio_mean, ratio_half = mean_and_interval(ratios)
         own_mean, own_half = mean_and_interval(own)
+        waits_mean, waits_half = mean_and_interval([w - o for w, o in zip(wall, own, strict=True)])
         print(
             f"  paired means, 95 % intervals: step-rate ratio {ratio_mean:.4f} ± "
-            f"{ratio_half:.4f}; training-thread extra {own_mean:+.1f} ± {own_half:.1f} µs"
+            f"{ratio_half:.4f}; training-thread extra {own_mean:+.1f} ± {own_half:.1f} µs; "
+            f"waits {waits_mean:+.1f} ± {waits_half:.1f} µs"
         )
     print(
         f"  background threads' CPU per step (mean) {background:.1f} µs; wall time per step "
