@@ -491,7 +491,7 @@ class SpanBuilder:
         held by `_rows` into the histograms: every loop here runs in C."""
         fold = self._fold_column
         for (phase, root, names), views in self._held_rows.items():
-            values = memoryview(b"".join(views)).cast("q")  # ROW_TYPECODE
+            values = row_values(views)
             width = len(names) + 2  # the ranges, the step, the layout
             for index, hist in enumerate(self._row_histograms(phase, root, names)):
                 hist.add_column(values, index, width, fold)

@@ -163,8 +163,8 @@ def pack_row(durations: Iterable[int], step_ns: int, layout: int) -> bytes:
     return values.tobytes()
 
 
-def row_values(rows: Iterable[bytes]) -> memoryview:
-    """Rows of one layout as one flat int64 view (row after row)."""
+def row_values(rows: Iterable[bytes | memoryview]) -> memoryview:
+    """Rows of one layout (bytes, or views of them) as one flat int64 view, row after row."""
     return memoryview(b"".join(rows)).cast("q")  # ROW_TYPECODE
 
 
