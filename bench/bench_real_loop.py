@@ -236,8 +236,8 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
         blocks: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         off = 0
         gc_ns = {False: 0, True: 0}
-        full = {False: 0, True: 0}  # full collections per arm, and pairs they spoiled
-        spoiled = 0
+        full = {False: 0, True: 0}  # full collections per arm
+        spoiled = 0  # pairs left out for one
         with GcClock() as collector:
             for pair in range(args.pairs):
                 order = (False, True) if pair % 2 == 0 else (True, False)
