@@ -286,3 +286,59 @@ def test_the_wrapped_profiler_context_times_actions_and_lets_exceptions_through(
     backward = [s for s in spans if s.name == "backward"]
     assert len(backward) == 3, "closed on the way out of each failing action"
     assert not [s for s in spans if "on_train_batch_start" in s.name]
+
+
+def test_a_timed_action_has_one_shared_context_whose_ranges_start_and_stop_can_close(
+    tmp_path: Path,
+) -> None:
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from otelprof.integrations.lightning import _OtelprofProfiler
+    from tests.otlp_files import read_spans
+
+    profiler = _OtelprofProfiler(PassThroughProfiler())
+    timed = "[Strategy]SingleDeviceStrategy.backward"
+    with otelprof.instrument(
+        output_dir=tmp_path, host_metrics=False, process_metrics=False
+    ) as prof:
+        profiler.start(timed)  # the first call learns the action's kind
+        profiler.stop(timed)
+        context = profiler.profile(timed)
+        assert context is profiler.profile(timed)  # one per action, not one per call
+        profiler.start(timed)
+        context.__exit__(None, None, None)  # closes the range start() opened
+        with context:
+            pass
+        context.__enter__()
+        profiler.stop(timed)  # and stop() the one the context opened
+        prof.step()
+        assert profiler._open[timed] == []
+    backward = [s for s in read_spans(prof.run_dir / "traces.jsonl") if s.name == "backward"]
+    assert len(backward) == 4
+
+
+def test_a_timed_action_that_fails_is_logged_once_and_the_batch_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from otelprof.integrations.lightning import _OtelprofProfiler
+
+    caplog.set_level(logging.WARNING, "otelprof")
+    profiler = _OtelprofProfiler(PassThroughProfiler())
+    timed = "[Strategy]SingleDeviceStrategy.backward"
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("no timing")
+
+    with otelprof.instrument(output_dir=tmp_path, host_metrics=False, process_metrics=False):
+        profiler.start(timed)
+        profiler.stop(timed)
+        with monkeypatch.context() as patched:
+            patched.setattr(otelprof, "timing", broken)
+            for _ in range(3):
+                with profiler.profile(timed) as name:
+                    assert name == timed
+    failed = [r.getMessage() for r in caplog.records if "no timing" in r.getMessage()]
+    assert len(failed) == 1
+    assert profiler._open[timed] == []
