@@ -130,24 +130,32 @@ class _Timed:
         self.forward = name == FORWARD
         self.stack = owner._open.setdefault(action, [])
 
+    def open(self) -> None:
+        """The action's timing opens (what `start()` does for it too)."""
+        depth = self.owner._opt_depth
+        if depth is not None and self.forward:
+            # inside the closure: torch's Optimizer.step#... range encloses it; forget it
+            common.forget_ranges_above(depth)
+        timing = otelprof.timing(self.name)
+        timing.__enter__()
+        self.stack.append((timing, None))
+
+    def close(self) -> None:
+        """The action's latest open timing closes (what `stop()` does for it too)."""
+        stack = self.stack
+        if stack:
+            stack.pop()[0].__exit__(None, None, None)
+
     def __enter__(self) -> str:
         try:
-            depth = self.owner._opt_depth
-            if depth is not None and self.forward:
-                # inside the closure: torch's Optimizer.step#... range encloses it; forget it
-                common.forget_ranges_above(depth)
-            timing = otelprof.timing(self.name)
-            timing.__enter__()
-            self.stack.append((timing, None))
+            self.open()
         except Exception as error:
             common.warn_once("lightning-start", "otelprof: Lightning action failed: %r", error)
         return self.action
 
     def __exit__(self, *_exc: object) -> None:
         try:
-            stack = self.stack
-            if stack:
-                stack.pop()[0].__exit__(None, None, None)
+            self.close()
         except Exception as error:
             common.warn_once("lightning-stop", "otelprof: Lightning action failed: %r", error)
 
@@ -202,15 +210,10 @@ class _OtelprofProfiler(Profiler):
             self._checkpoint.append(otelprof.set_phase(PHASE_CHECKPOINT))
             return
         assert name is not None
-        if self._opt_depth is not None and name == FORWARD:
-            # inside the closure: torch's Optimizer.step#... range encloses it; forget it
-            common.forget_ranges_above(self._opt_depth)
-        timing = otelprof.timing(name)
-        timing.__enter__()
-        self._open.setdefault(action, []).append((timing, None))
+        self._timed_action(action, name).open()
 
     def _stop(self, action: str) -> None:
-        kind, _name = self._kind(action)
+        kind, name = self._kind(action)
         if kind == _IGNORED:
             return
         if kind == _OPTIMIZER_STEP:
@@ -223,10 +226,14 @@ class _OtelprofProfiler(Profiler):
             if self._checkpoint:
                 otelprof.set_phase(self._checkpoint.pop())
             return
-        stack = self._open.get(action)
-        if stack:
-            timing, _ = stack.pop()
-            timing.__exit__(None, None, None)
+        assert name is not None
+        self._timed_action(action, name).close()
+
+    def _timed_action(self, action: str, name: str) -> _Timed:
+        """The action's shared `_Timed` (made by `_kind()` under a pass-through profiler),
+        else one over the same stack in `_open`."""
+        timed = self._timed.get(action)
+        return timed if timed is not None else _Timed(self, action, name)
 
     def closure_done(self) -> None:
         """`on_before_optimizer_step`: the closure (forward, backward) has run; the update
