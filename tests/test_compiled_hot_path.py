@@ -559,7 +559,7 @@ def _decide_steps(r: _Recording) -> None:
 
     decide(("a", "b"), 100)  # nothing published: to the builder
     _quiet_steps.publish({
-        "train": [1000.0, 4.0, 1e6, 5e7, frozenset({7, 9})],
+        "train": [1000.0, 4.0, 1e6, 5e6, frozenset({7, 9})],
         "validation": [1e9, 0.0, 0.0, float("inf"), frozenset({3})],
     })  # fmt: skip
     decide(("a", "b"), 100, step=7)  # head-selected: to the builder
@@ -570,8 +570,11 @@ def _decide_steps(r: _Recording) -> None:
     decide(("a", "b"), 100, took=1_000_000)  # as slow as the slowest lately: sampled out
     decide(("a", "b", "c"), 600_000)  # slowest lately: 4 spans take the tail's 4 tokens
     decide(("a", "b", "c"), 600_000)  # no tokens left
-    decide(("a",), 100, took=50_000_000)  # at the anomaly threshold: to the builder, held
+    decide(("a",), 100, took=5_000_000)  # at the anomaly threshold: to the builder, held
     for _ in range(6):
+        decide(("a", "b"), 100)  # five held, then sampled out again
+    decide(("a",), 100, took=_quiet_steps.LONG_STEP_NS)  # long: to the builder, held
+    for _ in range(7):
         decide(("a", "b"), 100)  # five held, then sampled out again
     decide(("a", "b"), 100, error=True)
     decide(("a", "b"), 100, trim_start=True)
@@ -592,6 +595,64 @@ def test_compiled_step_decisions_equal_the_python_ones(
     assert python["rows"] and python["layouts"] and python["queue"]  # it sampled some out
     assert ("cuda.release", "cuda a") in python["calls"]
     assert compiled == python
+
+
+def _emit_steps(r: _Recording) -> None:
+    """Steps queued whole: in training and in another phase, with attributes, ended by a
+    thread that does not own them, then past half the queue (the builder is woken) and past
+    all of it (ranges dropped, the step span still queued)."""
+    r.patch.setattr(rec.recorder, "wake_builder", lambda: r.calls.append(("wake",)))
+    ctx = r.ctx
+    for phase, attrs, owner, names in (
+        ("train", None, r.state, ("a", "b")),
+        ("validation", {"samples": 8}, r.state, ("c",)),
+        ("train", None, rec.ThreadState(), ("d",)),
+        ("train", None, r.state, ("e", "f", "g")),
+        ("train", None, r.state, ("h", "i", "j", "k", "l")),
+    ):
+        ctx.phase, ctx.attrs, ctx.owner = phase, attrs, r.state
+        for name in names:
+            with rec.timing(name):
+                pass
+        ctx.owner = owner
+        rec.recorder.emit_step(ctx, r.clock())
+        r.calls.append(("emitted", len(ctx.frames), ctx.owner, rec.recorder.in_items))
+        ctx.frames = []
+
+
+def test_compiled_step_items_equal_the_python_ones(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    python, compiled = _run(use, monkeypatch, _emit_steps, 12)
+    steps = [entry for entry in python["queue"] if entry[9] == fr.KIND_STEP]  # (F_ATTRS last)
+    assert [(s[1], s[4], s[11]) for s in steps] == [
+        ("step", "ctx", False),
+        ("validation", "ctx", False),
+        ("step", "ctx", True),  # ended by a thread that does not own it
+        ("step", "ctx", False),
+        ("step", "ctx", False),
+    ]
+    assert steps[1][-1] == "{'samples': 8}"
+    assert ("wake",) in python["calls"] and python["dropped"] == 5  # the last step's ranges
+    assert compiled == python
+
+
+def test_a_long_step_goes_to_the_builder_whole_and_holds_the_next_steps_there(
+    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for implementation in IMPLEMENTATIONS:
+        use(implementation)
+        with monkeypatch.context() as patch:
+            r = _Recording(patch)
+            _quiet_steps.reset()
+            _quiet_steps.publish({"train": [1e9, 0.0, 1e12, 1e12, frozenset()]})
+            decided = []
+            for took in (1_000, _quiet_steps.LONG_STEP_NS, 1_000, 1_000):
+                ctx = _step(r, ("a", "b"), 100)
+                ctx.step = 8
+                decided.append(_quiet_steps.sample_out(ctx, ctx.start_ns + took, r.state))
+            assert decided == [True, False, False, False], implementation
+            assert r.state.hold == _quiet_steps.CAPTURE_STEPS - 2, implementation
 
 
 def test_compiled_step_contexts_start_like_the_python_ones(
@@ -683,7 +744,9 @@ def test_a_step_that_fails_is_logged_and_training_goes_on(
             raise OSError("queue gone")
 
         with monkeypatch.context() as patch:
-            patch.setattr(rec.Recorder, "emit_step", broken)  # nothing published: emitted
+            # nothing published: the step is queued whole; with no room, by `_queue_item`
+            patch.setattr(rec.Recorder, "_queue_item", broken)
+            patch.setattr(rec.recorder, "capacity", 0)
             with rec.timing("work"):
                 pass
             run.engine.step()  # no exception reaches the training loop

@@ -15,6 +15,8 @@ queue item, which folds it into the histograms in C. Every other step (the first
 anything the budget could keep, errors, anomalies and the `CAPTURE_STEPS` after a step
 over the threshold) goes to the builder whole, as before, so the sampler's decisions are
 the same; only their timing differs (tokens refilled within a drain are seen at the next).
+Steps of `LONG_STEP_NS` or more go to the builder whole too: in them, deciding here costs
+more than it saves.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ from otelprof.timings._sampling import CAPTURE_STEPS
 
 ROWS_PER_ITEM = 64
 """Sampled-out steps per queue item: the histograms lag the training thread by at most this."""
+
+LONG_STEP_NS = 10_000_000
+"""A step this long (10 ms) or longer goes to the builder whole, and holds the next
+`CAPTURE_STEPS` there too (it may be an anomaly, which the builder alone can tell without
+reading the published limits). Why: in a step that long, torch's work has evicted from the
+caches everything the decision here reads (the limits, every range, the layouts), so
+deciding on the thread cost about 10 µs of a 30 ms step, where the builder decides at most
+100 such steps a second, while the training thread is inside torch's work."""
 
 quiet: dict[str, list[Any]] = {}
 """Published by the span builder: phase -> [the first step (batch) number head selection
@@ -68,11 +78,14 @@ def sample_out(ctx: rec.StepContext, end_ns: int, state: rec.ThreadState) -> boo
     ended from another thread, a step goes to the builder."""
     if state is not rec._local.state:
         return False
+    duration = end_ns - ctx.start_ns
+    if duration >= LONG_STEP_NS:
+        state.hold = CAPTURE_STEPS
+        return False
     phase = ctx.phase
     limits = quiet.get(phase)
     if limits is None:
         return False
-    duration = end_ns - ctx.start_ns
     if duration >= limits[3]:
         state.hold = CAPTURE_STEPS  # maybe an anomaly: the next steps may be captured
         return False

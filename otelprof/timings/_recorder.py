@@ -840,6 +840,7 @@ def _torch_range_exit(handle: Any) -> None:
 # ---- the compiled hot path (`_speedups.c`): the same functions, without the interpreter ----
 _py_timing_enter = Timing.__enter__
 _py_timing_exit = Timing.__exit__
+_py_emit_step = Recorder.emit_step
 
 
 def _load_speedups() -> Any:
@@ -870,11 +871,13 @@ def use_compiled(on: bool) -> bool:
         speedups.bind(globals(), StepContext(0, None, 0), recorder)
         Timing.__enter__ = speedups.method(speedups.timing_enter)  # type: ignore[method-assign]
         Timing.__exit__ = speedups.method(speedups.timing_exit)  # type: ignore[method-assign]
+        Recorder.emit_step = speedups.method(speedups.emit_step)  # type: ignore[method-assign]
         new_step_context = speedups.step_context
         compiled = True
     else:
         Timing.__enter__ = _py_timing_enter  # type: ignore[method-assign]
         Timing.__exit__ = _py_timing_exit  # type: ignore[method-assign]
+        Recorder.emit_step = _py_emit_step  # type: ignore[method-assign]
         new_step_context = StepContext
         compiled = False
     return compiled

@@ -1,7 +1,8 @@
 /* The training thread's hot path in C: `Timing.__enter__`/`__exit__`, the record_function
  * bridge's `__enter__`/`__exit__`, `StepContext()`, the on-thread sampling decision at
- * `step()` (`_quiet_steps.sample_out`), the engine's common `step()` itself
- * (`TimingsEngine.step`) and `timed_items`' iterator.
+ * `step()` (`_quiet_steps.sample_out`), the step item queued when a step goes to the builder
+ * whole (`Recorder.emit_step`), the engine's common `step()` itself (`TimingsEngine.step`)
+ * and `timed_items`' iterator.
  *
  * (`timing()` itself stays Python: torch.compile traces it, and steps aside in compiled code.)
  *
@@ -55,13 +56,14 @@ static PyObject *real_clock; /* time.perf_counter_ns */
     X(hand_rows) X(release) X(STEP_SPAN) X(PHASE_TRAIN) X(Timing) X(ThreadState) X(StepContext) \
     X(KIND_RF) X(MAX_DEPTH) X(count_drop) X(batch) X(step) X(_running) X(_ctx) X(_stepping)     \
     X(_phase) X(_step_listeners) X(_train_acc_ns) X(_train_t0) X(_step) X(_batch_in_epoch)      \
-    X(_step_from_start) X(_kineto) X(_schedule) X(_step_start) X(_epoch) X(emit_step)         \
+    X(_step_from_start) X(_kineto) X(_schedule) X(_step_start) X(_epoch) X(_py_emit_step)         \
     X(_py_step) X(step_failed) X(sample_out) X(new_step_context) X(TimingsEngine)       \
     X(compiled) X(cancel) X(__enter__) X(__exit__) X(_active) X(_owner) X(_current)        \
     X(timings) X(to) X(detach) X(cpu) X(_timings_by_name) X(_TRAIN_BATCH) X(_REDUCE_METRICS) \
     X(_TO_DEVICE) X(_FROM_DEVICE) X(_tensor_class) X(_NoTensor) X(_nested_to_device)       \
     X(_nested_to_host) X(timing) X(train_batch) X(reduce_metrics) X(to_device)             \
-    X(from_device) X(non_blocking)
+    X(from_device) X(non_blocking) X(LONG_STEP_NS) X(KIND_STEP) X(attrs)     \
+    X(_queue_item) X(in_items) X(out_items)
 
 #define ENUM(n) K_##n,
 enum { STRINGS(ENUM) K_COUNT };
@@ -114,7 +116,9 @@ field(int key)
 }
 
 #define FIELD(n) field(K_##n)
-#define RECORDER_FIELDS(X) X(current) X(queue) X(capacity) X(chunk_size) X(cuda_timer) X(torch_profiler_state)
+#define RECORDER_FIELDS(X)                                                                 \
+    X(current) X(queue) X(capacity) X(chunk_size) X(cuda_timer) X(torch_profiler_state)   \
+    X(in_items) X(out_items)
 #define QUIET(n) global(quiet_globals, &quiet_cache, K_##n)
 #define ENGINE(n) global(engine_globals, &engine_cache, K_##n)
 #define API(n) global(api_globals, &api_cache, K_##n)
@@ -151,7 +155,7 @@ typedef struct {
 
 static Slot timing_name, timing_attributes, state_stack, state_hold, state_rows;
 static Slot ctx_owner, ctx_frames, ctx_phase, ctx_start, ctx_kept, ctx_trim_start, ctx_error,
-    ctx_batch, ctx_step;
+    ctx_batch, ctx_step, ctx_attrs;
 
 static int
 slot_init(Slot *slot, PyObject *cls, PyObject *name)
@@ -844,6 +848,20 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     Py_DECREF(mine);
     if (mine != state) /* ended from another thread: the builder decides */
         return 0;
+    long long end_ns, start_ns, long_ns;
+    PyObject *start_obj = slot_get(&ctx_start, ctx);
+    if (start_obj == NULL)
+        return -1;
+    int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
+    Py_DECREF(start_obj);
+    PyObject *long_obj = bad ? NULL : QUIET(LONG_STEP_NS);
+    if (long_obj == NULL || as_ns(long_obj, &long_ns) < 0)
+        return -1;
+    long long duration = end_ns - start_ns;
+    if (duration >= long_ns) { /* long: the builder decides, and any anomaly's next steps */
+        PyObject *capture = QUIET(CAPTURE_STEPS);
+        return capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0 ? -1 : 0;
+    }
     PyObject *phase = slot_get(&ctx_phase, ctx);
     if (phase == NULL)
         return -1;
@@ -864,19 +882,12 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         PyErr_SetString(PyExc_TypeError, "otelprof._speedups: quiet limits must be a list of 5");
         goto done;
     }
-    long long end_ns, start_ns;
     double unknown, tail, slowest, anomaly;
-    PyObject *start_obj = slot_get(&ctx_start, ctx);
-    if (start_obj == NULL)
-        goto done;
-    int bad = as_ns(start_obj, &start_ns) < 0 || as_ns(end_obj, &end_ns) < 0;
-    Py_DECREF(start_obj);
-    if (bad || as_double(PyList_GET_ITEM(limits, 0), &unknown) < 0 ||
+    if (as_double(PyList_GET_ITEM(limits, 0), &unknown) < 0 ||
         as_double(PyList_GET_ITEM(limits, 1), &tail) < 0 ||
         as_double(PyList_GET_ITEM(limits, 2), &slowest) < 0 ||
         as_double(PyList_GET_ITEM(limits, 3), &anomaly) < 0)
         goto done;
-    long long duration = end_ns - start_ns;
     if ((double)duration >= anomaly) { /* maybe an anomaly: the next steps may be captured */
         PyObject *capture = QUIET(CAPTURE_STEPS);
         if (capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0)
@@ -1591,6 +1602,104 @@ engine_common_case(PyObject *self)
            is_builtin(make, (PyCFunction)(void (*)(void))step_context);
 }
 
+/* `Recorder._queue_item(item, carried)` while the queue stays below half its capacity (no
+ * builder to wake, nothing dropped); every other case is the Python method's. */
+static int
+queue_item(PyObject *item, Py_ssize_t carried)
+{
+    PyObject *queue = FIELD(queue);
+    PyObject *capacity = queue == NULL ? NULL : FIELD(capacity);
+    PyObject *in_obj = capacity == NULL ? NULL : FIELD(in_items);
+    PyObject *out_obj = in_obj == NULL ? NULL : FIELD(out_items);
+    if (out_obj == NULL)
+        return -1;
+    Py_ssize_t length = PyObject_Length(queue);
+    Py_ssize_t room = PyLong_AsSsize_t(capacity);
+    Py_ssize_t in = PyLong_AsSsize_t(in_obj), out = PyLong_AsSsize_t(out_obj);
+    if (length < 0 || PyErr_Occurred())
+        return -1;
+    Py_ssize_t queued = length + (in - out);
+    if (2 * (queued + carried) < room) {
+        PyObject *more = PyLong_FromSsize_t(in + carried);
+        if (more == NULL)
+            return -1;
+        set_slot(recorder, field_offsets[K_in_items], more);
+        PyObject *done = PyObject_CallMethodOneArg(queue, S(append), item);
+        Py_XDECREF(done);
+        return done == NULL ? -1 : 0;
+    }
+    PyObject *count = PyLong_FromSsize_t(carried);
+    PyObject *args[3] = {recorder, item, count};
+    PyObject *done = count == NULL ? NULL : PyObject_VectorcallMethod(S(_queue_item), args, 3, NULL);
+    Py_XDECREF(count);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+/* `Recorder.emit_step(ctx, end)` (see there), where the Python method's five calls were
+ * about 5 µs of a long step with every cache cold. `owner` is the context's owner as it was
+ * read (its slot is cleared here). */
+static int
+emit_step_impl(PyObject *ctx, PyObject *end, PyObject *owner)
+{
+    PyObject *mine = get_thread_state(1);
+    if (mine == NULL)
+        return -1;
+    int result = -1;
+    PyObject *phase = NULL, *attrs = NULL, *start = NULL, *frames = NULL, *item = NULL;
+    PyObject *train = REC(PHASE_TRAIN);
+    PyObject *span = train == NULL ? NULL : REC(STEP_SPAN);
+    PyObject *kind = span == NULL ? NULL : REC(KIND_STEP);
+    phase = kind == NULL ? NULL : slot_get(&ctx_phase, ctx);
+    attrs = phase == NULL ? NULL : slot_get(&ctx_attrs, ctx);
+    start = attrs == NULL ? NULL : slot_get(&ctx_start, ctx);
+    frames = start == NULL ? NULL : slot_get(&ctx_frames, ctx);
+    if (frames == NULL)
+        goto done;
+    Py_ssize_t carried = PyObject_Length(frames);
+    int is_train = carried < 0 ? -1 : PyObject_RichCompareBool(phase, train, Py_EQ);
+    if (is_train < 0 || slot_set(&ctx_owner, ctx, Py_NewRef(Py_None)) < 0)
+        goto done;
+    item = PyList_New(FRAME_LEN);
+    if (item == NULL)
+        goto done;
+    PyObject *elsewhere = owner != Py_None && owner != mine ? Py_True : Py_False;
+    PyObject *fields[FRAME_LEN] = {is_train ? span : phase, zero, zero, ctx, mine, attrs,
+                                   start, end, Py_None, Py_None, kind, Py_None, elsewhere};
+    for (Py_ssize_t i = 0; i < FRAME_LEN; i++)
+        PyList_SET_ITEM(item, i, Py_NewRef(fields[i]));
+    result = queue_item(item, carried);
+done:
+    Py_XDECREF(item);
+    Py_XDECREF(frames);
+    Py_XDECREF(start);
+    Py_XDECREF(attrs);
+    Py_XDECREF(phase);
+    Py_DECREF(mine);
+    return result;
+}
+
+/* `Recorder.emit_step` compiled (`_recorder.use_compiled`): the recorder's own, else the
+ * Python method. (The engine's compiled step calls `emit_step_impl` itself.) */
+static PyObject *
+emit_step(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (bound_call(nargs, 3, "emit_step(recorder, ctx, end_ns)") < 0)
+        return NULL;
+    if (args[0] != recorder) {
+        PyObject *python = REC(_py_emit_step);
+        return python == NULL ? NULL : PyObject_Vectorcall(python, args, 3, NULL);
+    }
+    PyObject *owner = slot_get(&ctx_owner, args[1]);
+    if (owner == NULL)
+        return NULL;
+    int failed = emit_step_impl(args[1], args[2], owner) < 0;
+    Py_DECREF(owner);
+    if (failed)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* End the step `ctx` at `end` (not None): decided here, or handed to the builder. */
 static int
 engine_end_step(PyObject *self, PyObject *ctx, PyObject *end)
@@ -1599,12 +1708,8 @@ engine_end_step(PyObject *self, PyObject *ctx, PyObject *end)
     if (state == NULL)
         return -1;
     int out = state == Py_None ? 0 : sample_out_impl(ctx, end, state);
-    if (out == 0) {
-        PyObject *args[3] = {recorder, ctx, end};
-        PyObject *done = PyObject_VectorcallMethod(S(emit_step), args, 3, NULL);
-        out = done == NULL ? -1 : 0;
-        Py_XDECREF(done);
-    }
+    if (out == 0)
+        out = emit_step_impl(ctx, end, state);
     if (out < 0) {
         Py_DECREF(state);
         return -1;
@@ -1885,7 +1990,8 @@ bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         slot_init(&ctx_start, ctx, S(start_ns)) < 0 || slot_init(&ctx_kept, ctx, S(kept)) < 0 ||
         slot_init(&ctx_trim_start, ctx, S(trim_start)) < 0 ||
         slot_init(&ctx_error, ctx, S(error)) < 0 || slot_init(&ctx_batch, ctx, S(batch)) < 0 ||
-        slot_init(&ctx_step, ctx, S(step)) < 0 || bind_step_context(ctx, args[1]) < 0)
+        slot_init(&ctx_step, ctx, S(step)) < 0 || slot_init(&ctx_attrs, ctx, S(attrs)) < 0 ||
+        bind_step_context(ctx, args[1]) < 0)
         return NULL;
     PyObject *rec = args[2];
     Py_ssize_t offsets[K_COUNT];
@@ -1922,6 +2028,8 @@ method(PyObject *module, PyObject *function)
 }
 
 static PyMethodDef methods[] = {
+    {"emit_step", (PyCFunction)(void (*)(void))emit_step, METH_FASTCALL,
+     "Recorder.emit_step(self, ctx, end_ns)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(globals(), template, recorder) of otelprof.timings._recorder"},
     {"step_context", (PyCFunction)(void (*)(void))step_context, METH_FASTCALL,
