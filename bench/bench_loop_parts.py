@@ -9,9 +9,14 @@ step, leaving `train_batch`, the scheduler, the copy back, the metric, `prof.ste
 timed with the training thread's CPU clock (`--clock thread`, the default: otelprof's own
 work and what it costs torch's code around it) or the wall clock (`--clock wall`: lock waits
 too). One `instrument()` session stays up; rounds of `--steps` steps alternate bare (no step
-open, as in `bench_real_loop.py`) and instrumented. Printed per part: the median and mean
-time per step in each arm and the difference. A part with no otelprof code in it (forward,
-backward) that still grows shows a cost otelprof's code causes elsewhere: caches it evicts.
+open, as in `bench_real_loop.py`; the bare loop has no `train_batch` block at all) and
+instrumented. Printed per part: the median time per step in each arm, and the difference of
+the two arms' medians within each round (blocks of a round run back to back, so drift between
+rounds cancels) as a mean over the rounds with its 95 % interval. Then the parts with
+otelprof's calls in them summed per step ("otelprof's calls": every part but forward and
+backward), and the whole step, each as µs and as a share of the bare step. At 30 ms steps
+forward and backward drift by more than otelprof costs, so their interval says how well the
+whole step is resolved; "otelprof's calls" is the figure the cost goal is read from.
 The clock reads themselves (~0.1 µs wall, ~0.3 µs thread CPU each) are in both arms.
 """
 
@@ -48,62 +53,144 @@ PARTS = (
 )
 
 
-def run_steps(
-    m: Any, steps: int, prof: Any, instrumented: bool, clock: Callable[[], int]
-) -> list[list[int]]:
-    """`steps` steps of the loop; per part, each step's time in ns."""
-    model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
-    times: list[list[int]] = [[] for _ in PARTS]
-    done = 0
-    while True:
-        batches = iter(otelprof.timed_dataloader(m.loader) if instrumented else m.loader)
+class Loop:
+    """The README loop, one step at a time, in either arm (each arm its own epochs)."""
+
+    def __init__(self, m: Any, prof: Any, clock: Callable[[], int]) -> None:
+        self.m, self.prof, self.clock = m, prof, clock
+        self.batches: dict[bool, Any] = {}
+
+    def step(self, instrumented: bool) -> list[int]:
+        """One step; per part, its time in ns."""
+        m, prof, clock = self.m, self.prof, self.clock
+        model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
         while True:
+            batches = self.batches.get(instrumented)
+            if batches is None:
+                loader = otelprof.timed_dataloader(m.loader) if instrumented else m.loader
+                batches = self.batches[instrumented] = iter(loader)
             t = [clock()]
             try:
                 x, y = next(batches)
-            except StopIteration:
                 break
-            t.append(clock())
-            if instrumented:
-                x, y = otelprof.to_device((x, y), "cpu")
-            else:
-                x, y = x.to("cpu"), y.to("cpu")
-            t.append(clock())
-            block: Any = otelprof.train_batch() if instrumented else contextlib.nullcontext()
+            except StopIteration:
+                del self.batches[instrumented]
+        t.append(clock())
+        if instrumented:
+            x, y = otelprof.to_device((x, y), "cpu")
+        else:
+            x, y = x.to("cpu"), y.to("cpu")
+        t.append(clock())
+        block: Any = otelprof.train_batch() if instrumented else None
+        if instrumented:  # the bare loop has no block at all
             block.__enter__()
-            t.append(clock())
-            optimizer.zero_grad()
-            t.append(clock())
-            loss = loss_fn(model(x), y)
-            t.append(clock())
-            loss.backward()
-            t.append(clock())
-            optimizer.step()
-            t.append(clock())
+        t.append(clock())
+        optimizer.zero_grad()
+        t.append(clock())
+        loss = loss_fn(model(x), y)
+        t.append(clock())
+        loss.backward()
+        t.append(clock())
+        optimizer.step()
+        t.append(clock())
+        if instrumented:
             block.__exit__(None, None, None)
-            t.append(clock())
-            if instrumented:
-                with otelprof.timing("step_lr_schedulers"):
-                    scheduler.step()
-            else:
+        t.append(clock())
+        if instrumented:
+            with otelprof.timing("step_lr_schedulers"):
                 scheduler.step()
-            t.append(clock())
-            out = otelprof.from_device(loss) if instrumented else loss.detach().cpu()
-            t.append(clock())
-            if instrumented:
-                with otelprof.reduce_metrics():
-                    out.item()
-            else:
+        else:
+            scheduler.step()
+        t.append(clock())
+        out = otelprof.from_device(loss) if instrumented else loss.detach().cpu()
+        t.append(clock())
+        if instrumented:
+            with otelprof.reduce_metrics():
                 out.item()
-            t.append(clock())
-            if instrumented:
-                prof.step()
-            t.append(clock())
-            for index in range(len(PARTS)):
-                times[index].append(t[index + 1] - t[index])
-            done += 1
-            if done >= steps:
-                return times
+        else:
+            out.item()
+        t.append(clock())
+        if instrumented:
+            prof.step()
+        t.append(clock())
+        return [t[index + 1] - t[index] for index in range(len(PARTS))]
+
+
+def run_steps(loop: Loop, steps: int, instrumented: bool) -> list[list[int]]:
+    """`steps` steps of one arm; per part, each step's time in ns."""
+    times: list[list[int]] = [[] for _ in PARTS]
+    for _ in range(steps):
+        for part, took in enumerate(loop.step(instrumented)):
+            times[part].append(took)
+    return times
+
+
+def run_pairs(loop: Loop, pairs: int) -> dict[bool, list[list[int]]]:
+    """`pairs` bare and instrumented steps, alternately (which goes first alternates too),
+    so each instrumented step is compared with a bare one run next to it."""
+    arms: dict[bool, list[list[int]]] = {False: [[] for _ in PARTS], True: [[] for _ in PARTS]}
+    for index in range(pairs):
+        for instrumented in (False, True) if index % 2 == 0 else (True, False):
+            bare = not instrumented and loop.prof._timings is not None
+            with between_steps(loop.prof) if bare else contextlib.nullcontext():
+                times = loop.step(instrumented)
+            for part, took in enumerate(times):
+                arms[instrumented][part].append(took)
+    return arms
+
+
+OUTSIDE_TORCH = [i for i, name in enumerate(PARTS) if name not in ("forward", "backward")]
+"""The parts with otelprof's calls in them: forward and backward have none."""
+
+
+def _interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % interval (Student's t over the rounds)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    if n < 2:
+        return mean, float("nan")
+    t = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)[n - 2] if n <= 11 else 2.0
+    return mean, t * statistics.stdev(values) / n**0.5
+
+
+def report(rounds: list[dict[bool, list[list[int]]]], paired: bool) -> None:
+    """Per part: the pooled medians, and per round the extra (the median of the step pairs'
+    differences when steps alternate, else the difference of the two blocks' medians) as a
+    mean over the rounds with its 95 % interval; then the parts with otelprof's calls summed
+    per step, and the whole step, as µs and as a share of the bare step."""
+
+    def per_round(parts: list[int]) -> list[float]:
+        extras = []
+        for r in rounds:
+            bare, timed = (
+                [sum(step) for step in zip(*(r[arm][p] for p in parts), strict=True)]
+                for arm in (False, True)
+            )
+            if paired:
+                extra = statistics.median(a - b for a, b in zip(timed, bare, strict=True))
+            else:
+                extra = statistics.median(timed) - statistics.median(bare)
+            extras.append(extra / 1e3)
+        return extras
+
+    print(f"{'part':18s} {'bare':>9s} {'otelprof':>9s}   per-round extra (95 % interval)")
+    for part, name in enumerate(PARTS):
+        b, a = (
+            statistics.median(t for r in rounds for t in r[arm][part]) / 1e3
+            for arm in (False, True)
+        )
+        mean, half = _interval(per_round([part]))
+        print(f"{name:18s} {b:7.2f}µs {a:7.2f}µs   {mean:+8.2f} ± {half:6.2f}µs")
+    every = list(range(len(PARTS)))
+    step = statistics.fmean(
+        statistics.median(sum(s) for s in zip(*r[False], strict=True)) / 1e3 for r in rounds
+    )
+    for label, parts in (("otelprof's calls", OUTSIDE_TORCH), ("whole step", every)):
+        mean, half = _interval(per_round(parts))
+        print(
+            f"{label:18s} {mean:+8.2f} ± {half:6.2f}µs = {100 * mean / step:.3f} % "
+            f"± {100 * half / step:.3f} % of the bare step ({step:.0f} µs)"
+        )
 
 
 def main() -> None:
@@ -112,6 +199,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    parser.add_argument(
+        "--alternate",
+        choices=("blocks", "steps"),
+        default="blocks",
+        help="run each round as two blocks of --steps steps, or as --steps pairs of steps",
+    )
     parser.add_argument("--option", type=_option, action="append", default=[], dest="options")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -123,32 +216,26 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         otelprof.instrument(output_dir=tmp, **options) as prof,
     ):
+        loop = Loop(m, prof, clock)
         for _ in range(4):  # past the session's start-up burst
-            run_steps(m, args.steps, prof, True, clock)
-        arms: dict[bool, list[list[int]]] = {False: [[] for _ in PARTS], True: [[] for _ in PARTS]}
+            run_steps(loop, args.steps, True)
+        rounds: list[dict[bool, list[list[int]]]] = []
         for index in range(args.rounds):
+            if args.alternate == "steps":
+                rounds.append(run_pairs(loop, args.steps))
+                continue
+            this: dict[bool, list[list[int]]] = {}
             for instrumented in (False, True) if index % 2 == 0 else (True, False):
                 bare = not instrumented and prof._timings is not None
                 with between_steps(prof) if bare else contextlib.nullcontext():
-                    for part, times in enumerate(
-                        run_steps(m, args.steps, prof, instrumented, clock)
-                    ):
-                        arms[instrumented][part].extend(times)
+                    this[instrumented] = run_steps(loop, args.steps, instrumented)
+            rounds.append(this)
+    unit = "pairs of steps" if args.alternate == "steps" else "steps per arm"
     print(
-        f"{args.step_ms} ms steps (batch {m.batch}), {args.rounds} rounds of {args.steps} steps, "
-        f"{args.clock} clock, options {options or 'default'}"
+        f"{args.step_ms} ms steps (batch {m.batch}), {args.rounds} rounds of {args.steps} "
+        f"{unit}, {args.clock} clock, options {options or 'default'}"
     )
-    print(f"{'part':18s} {'bare':>9s} {'otelprof':>9s} {'extra':>8s}   mean extra")
-    for part, name in enumerate(PARTS):
-        bare, timed = arms[False][part], arms[True][part]
-        b, a = statistics.median(bare) / 1e3, statistics.median(timed) / 1e3
-        extra_mean = (statistics.fmean(timed) - statistics.fmean(bare)) / 1e3
-        print(f"{name:18s} {b:7.2f}µs {a:7.2f}µs {a - b:+7.2f}µs   {extra_mean:+7.2f}µs")
-    steps_bare = [sum(s) for s in zip(*arms[False], strict=True)]
-    steps_timed = [sum(s) for s in zip(*arms[True], strict=True)]
-    b, a = statistics.median(steps_bare) / 1e3, statistics.median(steps_timed) / 1e3
-    extra_mean = (statistics.fmean(steps_timed) - statistics.fmean(steps_bare)) / 1e3
-    print(f"{'whole step':18s} {b:7.2f}µs {a:7.2f}µs {a - b:+7.2f}µs   {extra_mean:+7.2f}µs")
+    report(rounds, args.alternate == "steps")
     print(f"load average at end: {load_average()}")
 
 
