@@ -424,6 +424,7 @@ class Profiler:
         self._current = self._new_session(
             _Identity(settings, dict(os.environ) if env is None else env, settled)
         )
+        _step_at(self)
 
     def _new_session(self, identity: _Identity, named: Path | None = None) -> _Session:
         return _Session(
@@ -560,6 +561,8 @@ class Profiler:
         with _lock:
             if _active is self and not self._session.closed:
                 _active = None
+        if _stepping is self:
+            _step_at(None)
         self._session.shutdown(end)
 
     def _new_identity(self) -> None:
@@ -597,6 +600,7 @@ class Profiler:
         with _lock:
             self._current = self._new_session(new, named)
             _active = self
+        _step_at(self)
 
 
 def _degrade(what: str, start: Any) -> Any:
@@ -623,6 +627,21 @@ def _int_attribute(value: object, default: int) -> int:
 
 if _recorder.speedups is not None:  # the same without a Python frame: it runs every step
     Profiler.step = _recorder.speedups.method(_recorder.speedups.profiler_step)  # type: ignore[method-assign]
+
+_stepping: Profiler | None = None
+"""The owner whose session's engine the compiled `Profiler.step` was told of (`_step_at`)."""
+
+
+def _step_at(owner: Profiler | None) -> None:
+    """Tell the compiled `Profiler.step` which engine `owner._current.timings` is, after
+    every change of `_current`: that step then reads no attribute. Any other handle, or none
+    told, takes the attribute path, which is the same engine."""
+    global _stepping
+    speedups = _recorder.speedups
+    if speedups is None:
+        return
+    _stepping = owner
+    speedups.set_step_target(owner, None if owner is None else owner._current.timings)
 
 
 def instrument(**options: Any) -> Profiler:

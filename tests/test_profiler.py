@@ -47,6 +47,24 @@ def test_second_instrument_call_returns_the_running_profiler(tmp_path: Path) -> 
     assert second is not first
 
 
+def test_each_profilers_step_steps_its_own_running_session_and_nothing_once_it_is_down(
+    tmp_path: Path,
+) -> None:
+    first = otelprof.instrument(output_dir=tmp_path / "first")
+    engine = first._timings
+    first.step()
+    otelprof.instrument().step()  # a handle on the running profiler steps the same engine
+    assert engine.step_number == 2
+    first.shutdown()
+    first.step()  # harmless once it is down
+    second = otelprof.instrument(output_dir=tmp_path / "second")
+    first.step()  # the old profiler never steps the new one
+    assert second._timings.step_number == 0
+    second.step()
+    assert second._timings.step_number == 1
+    second.shutdown()
+
+
 def test_context_manager_shuts_down_once_and_shutdown_is_idempotent(tmp_path: Path) -> None:
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
         small_loop(2)

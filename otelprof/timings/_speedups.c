@@ -76,8 +76,12 @@ static PyObject *strings[K_COUNT]; /* interned */
  * CPython has version tags: _cpython_compat.h; elsewhere it is looked up every time). */
 
 typedef struct {
-    PyObject *values[K_COUNT]; /* borrowed, like PyDict_GetItem's */
-    uint64_t at[K_COUNT];
+    PyObject *value; /* borrowed, like PyDict_GetItem's */
+    uint64_t at;     /* beside its value: one cache line to read, not two */
+} Cached;
+
+typedef struct {
+    Cached entries[K_COUNT];
 } Cache;
 
 static Cache rec_cache, quiet_cache, engine_cache, api_cache;
@@ -87,16 +91,17 @@ static PyObject *
 global(PyObject *globals, Cache *cache, int key)
 {
     uint64_t version = compat_dict_version(globals);
-    if (COMPAT_VERSION_TAGS && version != 0 && cache->at[key] == version)
-        return cache->values[key];
+    Cached *entry = &cache->entries[key];
+    if (COMPAT_VERSION_TAGS && version != 0 && entry->at == version)
+        return entry->value;
     PyObject *value = PyDict_GetItemWithError(globals, strings[key]);
     if (value == NULL) {
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_RuntimeError, "otelprof._speedups: %U is not bound", strings[key]);
         return NULL;
     }
-    cache->values[key] = value;
-    cache->at[key] = version;
+    entry->value = value;
+    entry->at = version;
     return value;
 }
 
@@ -1800,6 +1805,16 @@ call_step(PyObject *engine)
 {
     if (engine == Py_None)
         Py_RETURN_NONE;
+    if (engine_type != NULL && Py_TYPE(engine) == engine_type) {
+        /* `TimingsEngine.step` is this module's (`_engine.use_compiled`): called directly,
+         * with no method lookup or bound method (about 1 µs of a long step, cold) */
+        PyObject *installed = PyDict_GetItemWithError(engine_type->tp_dict, S(step));
+        if (installed != NULL && PyInstanceMethod_Check(installed) &&
+            is_builtin(PyInstanceMethod_GET_FUNCTION(installed), (PyCFunction)engine_step))
+            return engine_step(NULL, engine);
+        if (PyErr_Occurred())
+            return NULL;
+    }
     return PyObject_CallMethodNoArgs(engine, S(step));
 }
 
@@ -1814,9 +1829,28 @@ api_step(PyObject *module, PyObject *unused)
     return engine == NULL ? NULL : call_step(engine);
 }
 
+/* The running profiler's owner and its session's engine (`set_step_target`, strong): what
+ * `owner._owner._current.timings` is, kept by the owner whenever its session changes, so
+ * its `step()` reads no attribute (three generic lookups, about 2 µs of a long step). */
+static PyObject *step_owner, *step_engine;
+
+static PyObject *
+set_step_target(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_step_target(profiler or None, engine or None)");
+        return NULL;
+    }
+    Py_XSETREF(step_owner, args[0] == Py_None ? NULL : Py_NewRef(args[0]));
+    Py_XSETREF(step_engine, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 profiler_step(PyObject *module, PyObject *self)
 {
+    if (self == step_owner)
+        return call_step(step_engine);
     PyObject *owner = PyObject_GetAttr(self, S(_owner));
     PyObject *session = owner == NULL ? NULL : PyObject_GetAttr(owner, S(_current));
     Py_XDECREF(owner);
@@ -2028,6 +2062,8 @@ method(PyObject *module, PyObject *function)
 }
 
 static PyMethodDef methods[] = {
+    {"set_step_target", (PyCFunction)(void (*)(void))set_step_target, METH_FASTCALL,
+     "set_step_target(profiler, engine): what that profiler's step() steps (None, None: none)"},
     {"emit_step", (PyCFunction)(void (*)(void))emit_step, METH_FASTCALL,
      "Recorder.emit_step(self, ctx, end_ns)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
