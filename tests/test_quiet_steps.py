@@ -105,9 +105,21 @@ def _assert_histograms_are(hists: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("on_thread", "compiled_step"),
-    [(True, True), (True, False), (False, True)],
-    ids=["on-thread", "on-thread-python-step", "builder-only"],
+    ("on_thread", "compiled_step", "long_ns"),
+    [
+        (True, True, None),
+        (True, False, None),
+        (False, True, None),
+        (True, True, 150_000),
+        (True, False, 150_000),
+    ],
+    ids=[
+        "on-thread",
+        "on-thread-python-step",
+        "builder-only",
+        "long-steps-to-the-builder",
+        "long-steps-to-the-builder-python-step",
+    ],
 )
 def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_schedule(
     tmp_path: Path,
@@ -115,9 +127,12 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
     monkeypatch: pytest.MonkeyPatch,
     on_thread: bool,
     compiled_step: bool,
+    long_ns: int | None,
 ) -> None:
     if not on_thread:
         monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+    if long_ns is not None:  # the schedule's steps take 0.11-0.18 ms: some long, some not
+        monkeypatch.setattr(_quiet_steps, "LONG_STEP_NS", long_ns)
     _engine.use_compiled(compiled_step)  # the Python step is the reference
     prof = _instrument(tmp_path, "q")
     try:
@@ -129,7 +144,9 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
         prof.shutdown()
         _engine.use_compiled(rec.compiled)
     stats = prof.stats()
-    if on_thread:
+    if long_ns is not None:  # the long ones reached the builder whole, the rest did not
+        assert 20 < stats["timings.steps_sampled_out_on_thread"] < 200
+    elif on_thread:
         assert stats["timings.steps_sampled_out_on_thread"] > 200
     else:
         assert stats["timings.steps_sampled_out_on_thread"] == 0
@@ -143,16 +160,19 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
     assert stats["dropped_total"] == 0
 
 
+@pytest.mark.parametrize("long_ns", [None, 150_000], ids=["on-thread", "long-steps-to-the-builder"])
 def test_a_slow_step_after_steps_sampled_out_on_their_thread_is_kept_with_the_next_five(
-    tmp_path: Path, clock: _FakeClock
+    tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, long_ns: int | None
 ) -> None:
+    if long_ns is not None:  # the slow step and some others reach the builder whole
+        monkeypatch.setattr(_quiet_steps, "LONG_STEP_NS", long_ns)
     prof = _instrument(tmp_path, "a")
     try:
         _train(prof, clock, 300, slow_step=200)
     finally:
         prof.shutdown()
     stats = prof.stats()
-    assert stats["timings.steps_sampled_out_on_thread"] > 50
+    assert stats["timings.steps_sampled_out_on_thread"] > (10 if long_ns else 50)
     assert stats["timings.anomalies"] == 1
     assert stats["timings.anomalies_refused"] == 0
     steps = {
