@@ -39,8 +39,10 @@ LONG_STEP_NS = 10_000_000
 `CAPTURE_STEPS` there too (it may be an anomaly, which the builder alone can tell without
 reading the published limits). Why: in a step that long, torch's work has evicted from the
 caches everything the decision here reads (the limits, every range, the layouts), so
-deciding on the thread cost about 10 µs of a 30 ms step, where the builder decides at most
-100 such steps a second, while the training thread is inside torch's work."""
+deciding on the thread cost about 8 µs of a 30 ms step. The builder decides at most 100 such
+steps a second, mostly while torch's operators have released the interpreter lock; at 30 ms
+steps that is about 1.4 ms/s more of its CPU (BENCHMARKS.md). Below 10 ms, more steps a
+second would make that lock time count more than the thread's saving."""
 
 quiet: dict[str, list[Any]] = {}
 """Published by the span builder: phase -> [the first step (batch) number head selection
