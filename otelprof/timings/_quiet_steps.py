@@ -41,8 +41,9 @@ reading the published limits). Why: in a step that long, torch's work has evicte
 caches everything the decision here reads (the limits, every range, the layouts), so
 deciding on the thread cost about 8 µs of a 30 ms step. The builder decides at most 100 such
 steps a second, mostly while torch's operators have released the interpreter lock; at 30 ms
-steps that is about 1.4 ms/s more of its CPU (BENCHMARKS.md). Below 10 ms, more steps a
-second would make that lock time count more than the thread's saving."""
+steps that is about 1.4 ms/s more of its CPU (BENCHMARKS.md). Shorter steps would each cost
+the builder as much for a smaller saving: with warmer caches the thread decides a 1 ms step
+in about 2 µs."""
 
 quiet: dict[str, list[Any]] = {}
 """Published by the span builder: phase -> [the first step (batch) number head selection
