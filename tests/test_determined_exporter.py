@@ -198,6 +198,9 @@ def test_reports_still_undelivered_at_shutdown_are_counted_as_dropped(
     stats = prof.stats()
     assert master.posts() == []
     assert stats["determined.reports_delivered"] == 0
-    assert stats["determined.reports_dropped_at_shutdown"] >= 4  # cpu, memory, disk, net
+    # cpu, memory, disk, net: each counted, as dropped, or as unconfirmed when shutdown came
+    # while its post was on the wire (the master may have stored it)
+    dropped = stats["determined.reports_dropped_at_shutdown"]
+    assert dropped + stats["determined.reports_unconfirmed_at_shutdown"] >= 4
     assert stats["determined.reports_failed_refused_by_master"] == 0
     assert stats["dropped_total"] >= stats["determined.reports_dropped_at_shutdown"]
