@@ -83,9 +83,15 @@ def _resource(spec: RunSpec, rank: int) -> Resource:
 def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> list[tuple]:
     """Write one rank's spans; return the step windows (start, end, dl_share) for metrics."""
     provider = TracerProvider(resource=_resource(spec, rank))
+    # a queue that holds every span: the default (2,048) drops spans when the export thread
+    # falls behind on a loaded machine ("Queue full, dropping Span"), and a rank's file then
+    # lacks steps the others have; batches of 256 keep every file's lines the same run to run
     provider.add_span_processor(
         BatchSpanProcessor(
-            FileSpanExporter(path), max_export_batch_size=256, schedule_delay_millis=60_000
+            FileSpanExporter(path),
+            max_queue_size=1 << 20,
+            max_export_batch_size=256,
+            schedule_delay_millis=60_000,
         )
     )
     tracer = provider.get_tracer("otelprof.timings")
