@@ -842,6 +842,14 @@ ns_difference(PyObject *start, PyObject *end, long long *out)
     return !over_start && !over_end && !__builtin_sub_overflow(e, s, out);
 }
 
+/* The thread's next `CAPTURE_STEPS` steps go to the builder too (0, or -1 on error). */
+static int
+hold_next_steps(PyObject *state)
+{
+    PyObject *capture = QUIET(CAPTURE_STEPS);
+    return capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0 ? -1 : 0;
+}
+
 /* `_quiet_steps.sample_out` (see there): 1 if the step was sampled out here, 0 if it goes to
  * the builder, -1 on error. */
 static int
@@ -863,10 +871,8 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
     if (long_obj == NULL || as_ns(long_obj, &long_ns) < 0)
         return -1;
     long long duration = end_ns - start_ns;
-    if (duration >= long_ns) { /* long: the builder decides, and any anomaly's next steps */
-        PyObject *capture = QUIET(CAPTURE_STEPS);
-        return capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0 ? -1 : 0;
-    }
+    if (duration >= long_ns) /* long: the builder decides, and any anomaly's next steps */
+        return hold_next_steps(state);
     PyObject *phase = slot_get(&ctx_phase, ctx);
     if (phase == NULL)
         return -1;
@@ -894,10 +900,7 @@ sample_out_impl(PyObject *ctx, PyObject *end_obj, PyObject *state)
         as_double(PyList_GET_ITEM(limits, 3), &anomaly) < 0)
         goto done;
     if ((double)duration >= anomaly) { /* maybe an anomaly: the next steps may be captured */
-        PyObject *capture = QUIET(CAPTURE_STEPS);
-        if (capture == NULL || slot_set(&state_hold, state, Py_NewRef(capture)) < 0)
-            goto done;
-        result = 0;
+        result = hold_next_steps(state);
         goto done;
     }
     PyObject *hold_obj = slot_get(&state_hold, state);
