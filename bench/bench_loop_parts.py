@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from _machine import load_average, print_machine
 from bench_real_loop import _option, calibrate
-from bench_step_rate import between_steps
+from bench_step_rate import between_steps, mean_and_interval
 
 import otelprof
 
@@ -125,14 +125,20 @@ def run_steps(loop: Loop, steps: int, instrumented: bool) -> list[list[int]]:
     return times
 
 
+def arm(prof: Any, instrumented: bool) -> contextlib.AbstractContextManager[Any]:
+    """What a block of one arm runs in: a bare one with no step open (`between_steps`)."""
+    if instrumented or prof._timings is None:
+        return contextlib.nullcontext()
+    return between_steps(prof)
+
+
 def run_pairs(loop: Loop, pairs: int) -> dict[bool, list[list[int]]]:
     """`pairs` bare and instrumented steps, alternately (which goes first alternates too),
     so each instrumented step is compared with a bare one run next to it."""
     arms: dict[bool, list[list[int]]] = {False: [[] for _ in PARTS], True: [[] for _ in PARTS]}
     for index in range(pairs):
         for instrumented in (False, True) if index % 2 == 0 else (True, False):
-            bare = not instrumented and loop.prof._timings is not None
-            with between_steps(loop.prof) if bare else contextlib.nullcontext():
+            with arm(loop.prof, instrumented):
                 times = loop.step(instrumented)
             for part, took in enumerate(times):
                 arms[instrumented][part].append(took)
@@ -141,16 +147,6 @@ def run_pairs(loop: Loop, pairs: int) -> dict[bool, list[list[int]]]:
 
 OUTSIDE_TORCH = [i for i, name in enumerate(PARTS) if name not in ("forward", "backward")]
 """The parts with otelprof's calls in them: forward and backward have none."""
-
-
-def _interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % interval (Student's t over the rounds)."""
-    n = len(values)
-    mean = statistics.fmean(values)
-    if n < 2:
-        return mean, float("nan")
-    t = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)[n - 2] if n <= 11 else 2.0
-    return mean, t * statistics.stdev(values) / n**0.5
 
 
 def report(rounds: list[dict[bool, list[list[int]]]], paired: bool) -> None:
@@ -179,14 +175,14 @@ def report(rounds: list[dict[bool, list[list[int]]]], paired: bool) -> None:
             statistics.median(t for r in rounds for t in r[arm][part]) / 1e3
             for arm in (False, True)
         )
-        mean, half = _interval(per_round([part]))
+        mean, half = mean_and_interval(per_round([part]))
         print(f"{name:18s} {b:7.2f}µs {a:7.2f}µs   {mean:+8.2f} ± {half:6.2f}µs")
     every = list(range(len(PARTS)))
     step = statistics.fmean(
         statistics.median(sum(s) for s in zip(*r[False], strict=True)) / 1e3 for r in rounds
     )
     for label, parts in (("otelprof's calls", OUTSIDE_TORCH), ("whole step", every)):
-        mean, half = _interval(per_round(parts))
+        mean, half = mean_and_interval(per_round(parts))
         print(
             f"{label:18s} {mean:+8.2f} ± {half:6.2f}µs = {100 * mean / step:.3f} % "
             f"± {100 * half / step:.3f} % of the bare step ({step:.0f} µs)"
@@ -207,6 +203,8 @@ def main() -> None:
     )
     parser.add_argument("--option", type=_option, action="append", default=[], dest="options")
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2 (the interval is taken over the rounds)")
     torch.set_num_threads(1)
     clock = time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns
     print_machine(torch.__version__)
@@ -226,8 +224,7 @@ def main() -> None:
                 continue
             this: dict[bool, list[list[int]]] = {}
             for instrumented in (False, True) if index % 2 == 0 else (True, False):
-                bare = not instrumented and prof._timings is not None
-                with between_steps(prof) if bare else contextlib.nullcontext():
+                with arm(prof, instrumented):
                     this[instrumented] = run_steps(loop, args.steps, instrumented)
             rounds.append(this)
     unit = "pairs of steps" if args.alternate == "steps" else "steps per arm"
