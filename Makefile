@@ -15,7 +15,7 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
 
-.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-check dashboards-png clean
+.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-bundle gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -79,9 +79,14 @@ bench-scale: venv collector
 	$(PY) bench/scale_live.py
 	$(PY) bench/scale_report.py --trace
 
-## gpu-check: on a machine with an NVIDIA GPU: GPU tests, the demo on CUDA, GPU benchmarks
-gpu-check: venv
-	VENV=$(VENV) scripts/gpu-check
+## gpu-bundle: gpu-bundle/, what a lent GPU machine lacks to run scripts/gpu-check with no
+## package index (docs/DEVELOPING.md says how to run it there in one call)
+gpu-bundle: venv
+	$(PY) scripts/gpu_bundle.py gpu-bundle
+
+## gpu-check: on the GPU machine, with its own python3: scripts/gpu-check (needs gpu-bundle/)
+gpu-check:
+	scripts/gpu-check
 
 ## dashboards-png: render the dashboards' main panels from a real pipeline run to out/dashboards/
 dashboards-png: venv collector prometheus

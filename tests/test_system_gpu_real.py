@@ -113,3 +113,49 @@ def test_this_process_gpu_memory_is_reported_beside_the_device_total(tmp_path: P
     assert mine, "NVML's process list must show this process (not in a PID-namespaced container)"
     assert max(mine) >= 8192 * 8192 * 2  # at least the fp16 tensor we held
     assert max(mine) <= max(used)
+
+
+def _nvml_devices() -> tuple[list[str], list[str]]:
+    """(UUIDs of the physical GPUs, UUIDs of the MIG devices on those in MIG mode)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        gpus, migs = [], []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            gpus.append(str(pynvml.nvmlDeviceGetUUID(handle)))
+            try:
+                mig_on = pynvml.nvmlDeviceGetMigMode(handle)[0] == pynvml.NVML_DEVICE_MIG_ENABLE
+            except pynvml.NVMLError:
+                mig_on = False  # a GPU without MIG support
+            for j in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle) if mig_on else 0):
+                try:
+                    mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+                except pynvml.NVMLError:
+                    continue  # an empty slot
+                migs.append(str(pynvml.nvmlDeviceGetUUID(mig)))
+        return gpus, migs
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _sampled_ids(tmp_path: Path, **options: object) -> set[str]:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False, **options) as p:
+        time.sleep(0.7)
+    return {
+        str(pt.attributes["hw.id"])
+        for pt in read_points(p.files["metrics"])
+        if pt.name == "hw.gpu.memory.usage"
+    }
+
+
+def test_every_gpu_is_sampled_under_its_nvml_uuid_and_mig_devices_when_selected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpus, migs = _nvml_devices()
+    assert _sampled_ids(tmp_path / "all", gpus="all") == set(gpus)
+    if not migs:
+        return  # no GPU in MIG mode here: the physical GPUs are the devices, as above
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", migs[0])
+    assert _sampled_ids(tmp_path / "mig", gpus="visible") == {migs[0]}
