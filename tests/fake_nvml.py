@@ -55,7 +55,11 @@ class FakeGpu:
     sample_type: int = NVML_VALUE_TYPE_UNSIGNED_INT
     utilization_rate: int = 0  # nvmlDeviceGetUtilizationRates().gpu, percent
     memory_total: int = 80 * 2**30
-    memory_used: int = 0
+    memory_used: int = 0  # what processes hold (nvidia-smi's memory.used: v2's `used`)
+    # what the driver keeps for itself: v1's `used` counts it, v2 names it `reserved` (an
+    # H200 with driver 580 reserves 615 MiB); drivers before v2 answer FUNCTION_NOT_FOUND
+    memory_reserved: int = 0
+    memory_v2: bool = True
     power_mw: int = 100_000
     temperature_c: int = 40
     energy_mj: int = 0
@@ -103,6 +107,7 @@ class FakeNvml:
     NVML_ERROR_FUNCTION_NOT_FOUND = NVML_ERROR_FUNCTION_NOT_FOUND
     NVML_ERROR_NOT_FOUND = NVML_ERROR_NOT_FOUND
     NVML_SUCCESS = NVML_SUCCESS
+    nvmlMemory_v2 = pynvml.nvmlMemory_v2
     NVML_MEMORY_UTILIZATION_SAMPLES = NVML_MEMORY_UTILIZATION_SAMPLES
     NVML_GPM_METRICS_GET_VERSION = pynvml.NVML_GPM_METRICS_GET_VERSION
     c_nvmlGpmMetricsGet_t = pynvml.c_nvmlGpmMetricsGet_t
@@ -197,12 +202,21 @@ class FakeNvml:
         rates.memory = 0
         return rates
 
-    def nvmlDeviceGetMemoryInfo(self, device: FakeGpu) -> Any:
+    def nvmlDeviceGetMemoryInfo(self, device: FakeGpu, version: int | None = None) -> Any:
         self._check("nvmlDeviceGetMemoryInfo", device)
-        memory = pynvml.c_nvmlMemory_t()
+        held = device.memory_used + device.memory_reserved
+        if version is None:
+            memory = pynvml.c_nvmlMemory_t()
+            memory.used = held
+        elif version == pynvml.nvmlMemory_v2 and device.memory_v2:
+            memory = pynvml.c_nvmlMemory_v2_t()
+            memory.version = version
+            memory.reserved = device.memory_reserved
+            memory.used = device.memory_used
+        else:  # pynvml looks the _v2 entry point up in the library: old drivers lack it
+            raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
         memory.total = device.memory_total
-        memory.used = device.memory_used
-        memory.free = device.memory_total - device.memory_used
+        memory.free = device.memory_total - held
         return memory
 
     def nvmlDeviceGetPowerUsage(self, device: FakeGpu) -> int:

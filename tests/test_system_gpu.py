@@ -269,6 +269,27 @@ def test_memory_power_temperature_and_energy_in_their_units(rigs: list[GpuRig]) 
     assert by_index(rig.collect(), names.GPU_ENERGY.name) == {0: 5_250}  # cumulative counter
 
 
+def test_memory_used_leaves_out_what_the_driver_reserves_as_nvidia_smi_does(
+    rigs: list[GpuRig],
+) -> None:
+    # an H200 (driver 580) reserves 615 MiB: NVML v1's `used` counted it, nvidia-smi does not
+    reserved, held = 615 * 2**20, 8 * 2**30
+    gpu = FakeGpu(uuid="GPU-1", memory_total=140 * 2**30, memory_used=held)
+    gpu.memory_reserved = reserved
+    points = rig_for(rigs, FakeNvml([gpu]), {}).collect()
+    assert by_index(points, names.GPU_MEMORY_USAGE.name) == {0: held}
+    assert by_index(points, names.GPU_MEMORY_FREE.name) == {0: 140 * 2**30 - held - reserved}
+    assert by_index(points, names.GPU_MEMORY_LIMIT.name) == {0: 140 * 2**30}
+
+
+def test_a_driver_without_memory_v2_falls_back_to_v1(rigs: list[GpuRig]) -> None:
+    gpu = FakeGpu(uuid="GPU-1", memory_used=2**30)
+    gpu.memory_reserved, gpu.memory_v2 = 2**20, False
+    rig = rig_for(rigs, FakeNvml([gpu]), {})
+    for _ in range(2):  # v2 is asked once, then v1 every time
+        assert by_index(rig.collect(), names.GPU_MEMORY_USAGE.name) == {0: 2**30 + 2**20}
+
+
 def test_a_transient_driver_error_omits_one_sample_and_is_logged_once(
     rigs: list[GpuRig], caplog: pytest.LogCaptureFixture
 ) -> None:

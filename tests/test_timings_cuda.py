@@ -41,8 +41,8 @@ def _gpu_work() -> None:
 def test_timing_span_gets_the_device_duration_without_synchronizing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch.cuda.init()
-    torch.zeros(1, device="cuda")
+    _gpu_work()  # warm: the first matmul loads cuBLAS and its kernels on the host
+    torch.cuda.synchronize()
     calls = []
     real_sync = torch.cuda.synchronize
 

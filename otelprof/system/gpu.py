@@ -256,7 +256,7 @@ class GpuSampler:
                 )
             )
         now = clock()
-        memory = self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        memory = self._memory(device)
         if memory is not None:
             out.append(Reading(names.GPU_MEMORY_FREE.name, float(memory.free), attrs, now))
             out.append(Reading(names.GPU_MEMORY_USAGE.name, float(memory.used), attrs, now))
@@ -280,6 +280,22 @@ class GpuSampler:
         )
         if millijoules is not None:
             out.append(Reading(names.GPU_ENERGY.name, millijoules / 1000.0, hw_attrs, now))
+
+    def _memory(self, device: GpuDevice) -> Any:
+        """Device memory as nvidia-smi and DCGM count it: NVML's v2 `used` leaves out what
+        the driver reserves for itself, which v1's `used` includes (hundreds of MiB on a
+        Hopper GPU, held before any process allocates). Drivers without v2 give v1."""
+        nvml = self._nvml
+        v2 = getattr(nvml, "nvmlMemory_v2", None)
+        if v2 is not None and "memory v2" not in device.refused:
+            try:
+                return nvml.nvmlDeviceGetMemoryInfo(device.handle, version=v2)
+            except Exception as exc:
+                if self._refusal(exc) is None:
+                    self._transient(device, "memory", exc)
+                    return None
+                device.refused.add("memory v2")  # an older driver: v1 from now on
+        return self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(device.handle))
 
     def _process_memory(self, device: GpuDevice, pids: frozenset[int], out: list[Reading]) -> None:
         """GPU memory held on this device by this process and its children (NVML's lists).
