@@ -1,15 +1,10 @@
-"""GPU benchmarks (need an NVIDIA GPU; `make gpu-check` runs them): timings and sampler cost.
+"""The GPU sampler's cost (CUDA-event accuracy and the rest: `scripts/gpu-check`).
 
-    .venv/bin/python bench/gpu_bench.py [--repeats 50]
+    .venv/bin/python bench/gpu_bench.py [--samples 50]
 
-1. CUDA-event durations against synchronized host timings. The same GPU block (a chain of
-   matmuls) is timed two ways in one process: `otelprof.timing()` with CUDA events (the
-   training thread never synchronizes; the event pair is read off-thread), and
-   `torch.cuda.synchronize()` before and after on the host clock. The medians should agree
-   within the launch/sync latency; the ratio is printed.
-2. The GPU sampler's cost: wall time of one `GpuSampler.sample()` over the real NVML on
-   every visible GPU (classic calls, process lists, GPM when supported), i.e. what one
-   collection costs the background thread.
+on a machine with an NVIDIA GPU: wall time of one `GpuSampler.sample()` over the real NVML on
+every visible GPU (classic calls, process lists, GPM when supported), i.e. what one
+collection costs the background thread.
 
 Without a GPU it says so and exits 2 (a benchmark that measured nothing must not pass).
 
@@ -26,59 +21,10 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from _machine import cpu_model
-
-
-def _gpu_block(torch: object, size: int) -> None:
-    import torch as t
-
-    a = t.randn(size, size, device="cuda")
-    for _ in range(10):
-        a = a @ a
-        a = a / a.norm()
-
-
-def _cuda_vs_sync(repeats: int, size: int) -> None:
-    import torch
-
-    import otelprof
-    from otelprof.analysis.reader import ReadStats, SpanRec, iter_records
-
-    _gpu_block(torch, size)  # warm-up: cuBLAS handles, allocator
-    torch.cuda.synchronize()
-    synced = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        _gpu_block(torch, size)
-        torch.cuda.synchronize()
-        synced.append(time.perf_counter() - t0)
-    with tempfile.TemporaryDirectory(prefix="otelprof-gpu-bench-") as out:
-        with otelprof.instrument(output_dir=out, interval=1.0) as prof:
-            for _ in range(repeats):
-                with otelprof.timing("gpu_block"):
-                    _gpu_block(torch, size)
-            torch.cuda.synchronize()
-        files = [Path(prof.files["traces"])]
-        events = [
-            float(rec.attr("otelprof.cuda.duration_s"))
-            for rec in iter_records(files, print, ReadStats())
-            if isinstance(rec, SpanRec)
-            and rec.name == "gpu_block"
-            and rec.attr("otelprof.cuda.duration_s") is not None
-        ]
-    if not events:
-        print("  no CUDA-event durations recorded: FAILED")
-        raise SystemExit(1)
-    sync_med, event_med = statistics.median(synced), statistics.median(events)
-    print(f"1. CUDA events vs synchronize ({repeats} blocks of 10 {size}x{size} matmuls)")
-    print(f"   synchronized host timing, median   {sync_med * 1000:9.3f} ms")
-    print(f"   CUDA-event duration, median        {event_med * 1000:9.3f} ms ({len(events)} spans)")
-    print(f"   ratio events / synchronized        {event_med / sync_med:9.3f}")
 
 
 def _sampler_cost(samples: int) -> None:
@@ -140,8 +86,6 @@ def _fake_driver_cost(gpus: int, samples: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--fake-driver", action="store_true", help="own CPU cost, no GPU")
     parser.add_argument("--gpus", type=int, default=8, help="fake GPUs (--fake-driver)")
@@ -158,7 +102,6 @@ def main() -> int:
     print(
         f"machine: {cpu_model()}; GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}"
     )
-    _cuda_vs_sync(args.repeats, args.size)
     _sampler_cost(args.samples)
     return 0
 
