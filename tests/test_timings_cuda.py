@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +21,22 @@ def gpu_only(test):  # type: ignore[no-untyped-def]
 
 @gpu_only
 def test_no_cuda_events_before_the_process_uses_cuda(tmp_path: Path) -> None:
-    # on a GPU machine, CPU-only code must not create a CUDA context through otelprof
-    if torch.cuda.is_initialized():
-        pytest.skip("CUDA already initialized by an earlier test in this process")
-    run = start_run(tmp_path)
-    with timing("cpu_block"):
+    # on a GPU machine, CPU-only code must not create a CUDA context through otelprof: in a
+    # process of its own, since an earlier test in this one has made a context already
+    code = f"""
+import torch, otelprof
+from tests.otlp_files import read_spans
+with otelprof.instrument(output_dir={str(tmp_path)!r}) as prof:
+    with otelprof.timing("cpu_block"):
         pass
-    span = one(run.finish(), "cpu_block")
-    assert ATTR_CUDA_DURATION not in span.attributes
-    assert not torch.cuda.is_initialized()
+    otelprof.step()
+assert not torch.cuda.is_initialized(), "otelprof created a CUDA context"
+(span,) = [s for s in read_spans(prof.files["traces"]) if s.name == "cpu_block"]
+assert {ATTR_CUDA_DURATION!r} not in span.attributes, span.attributes
+"""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def _gpu_work() -> None:
