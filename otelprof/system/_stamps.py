@@ -106,12 +106,12 @@ class Stamped(Generic[T]):
     width_ns: int = 0
 
 
-def timed(read: Callable[[], T], clock: Callable[[], int]) -> Stamped[T]:
+def timed(read: Callable[[], T], clock: Callable[[], int], tight_ns: int = TIGHT_NS) -> Stamped[T]:
     """`read()` stamped with the midpoint of the clock readings around it, read again
-    while that bracket is wider than TIGHT_NS (see module docstring)."""
+    while that bracket is wider than `tight_ns` (see module docstring)."""
     best = _bracketed(read, clock)
     for _ in range(READ_TRIES - 1):
-        if best.width_ns <= TIGHT_NS:
+        if best.width_ns <= tight_ns:
             break
         again = _bracketed(read, clock)
         if again.width_ns < best.width_ns:
