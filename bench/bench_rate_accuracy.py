@@ -12,14 +12,22 @@
 2. Promptness, in process: how long after a snapshot begins each source has been read
    (the last read's stamp minus the start) and the whole sample's wall time, for the
    /proc and psutil paths, with 0 and 4 busy threads.
+3. Read times (issue 49), in process with one busy thread: each stamp against the
+   kernel's own time of the read (/proc/timer_list opens with `now at <CLOCK_MONOTONIC>`,
+   written as the read runs; root only), stamped as before (clock, then pread) and as
+   shipped (`_stamps.timed`); and the brackets of /proc/diskstats reads.
+4. Disk windows: the window comparison of 1 with the worker's threads reading a file
+   from the disk in bursts (its page cache dropped) beside one busy thread; read IOPS and
+   read bytes/s against /proc/diskstats. The file goes in --disk-dir (on a disk).
 
-    .venv/bin/python bench/bench_rate_accuracy.py              # ~3 min
+    .venv/bin/python bench/bench_rate_accuracy.py              # ~4 min
     .venv/bin/python bench/bench_rate_accuracy.py --quick      # fewer runs
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import statistics
@@ -27,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from _machine import cpu_model
@@ -35,9 +43,11 @@ from _machine import cpu_model
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from otelprof.system._procfs import ProcFile  # noqa: E402
+from otelprof.system._stamps import TIGHT_NS, Clock, Stamped  # noqa: E402
 from otelprof.system.host import HostSampler  # noqa: E402
 from otelprof.system.process import ProcessSampler  # noqa: E402
-from tests.rate_accuracy import compare  # noqa: E402
+from tests.rate_accuracy import compare, make_file_on_disk  # noqa: E402
 
 MODES = {
     "profiler": "otelprof (/proc, stamped)",
@@ -119,16 +129,119 @@ def promptness(samples: int) -> None:
             )
 
 
+def _libc_pread() -> Callable[[int, int, int, int], int]:
+    pread = ctypes.PyDLL(None, use_errno=True).pread
+    pread.restype = ctypes.c_ssize_t
+    pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
+    return pread  # type: ignore[no-any-return]
+
+
+def _summary(values_ns: list[int]) -> str:
+    ordered = sorted(abs(v) for v in values_ns)
+    p99 = ordered[int(len(ordered) * 0.99)]
+    over = sum(v > 1_000_000 for v in ordered)
+    return (
+        f"p50 {statistics.median(ordered) / 1e3:7.1f} us  p99 {p99 / 1e3:7.1f} us  "
+        f"max {ordered[-1] / 1e6:6.2f} ms  >1 ms: {over}"
+    )
+
+
+def read_times(reads: int) -> None:
+    """Stamp minus the kernel's time of the read, before and now; diskstats brackets."""
+    print()
+    print(f"read times, one busy thread, {reads} reads each (|stamp - kernel's read time|)")
+    pread = _libc_pread()
+    clock = Clock()
+    stop = threading.Event()
+    busy = threading.Thread(target=spin, args=(stop,))
+    busy.start()
+    try:
+        if os.access("/proc/timer_list", os.R_OK):
+            # the first page only: "now at" is in it, and that is one pread like diskstats'
+            def first_page(fd: int, address: int, count: int, offset: int) -> int:
+                return pread(fd, address, min(count, 4096), 0) if offset == 0 else 0
+
+            timer_list = ProcFile("/proc/timer_list", pread=first_page)
+            fd = os.open("/proc/timer_list", os.O_RDONLY)
+            buffer = ctypes.create_string_buffer(4096)
+            before: list[int] = []
+            now: list[int] = []
+            for _ in range(reads):
+                t = clock()  # as before issue 49: the clock, then the read
+                n = pread(fd, buffer, 4096, 0)
+                before.append(t - _now_at(buffer.raw[:n]))
+                stamped = timer_list.read(clock)
+                now.append(stamped.time_ns - _now_at(stamped.value))
+            os.close(fd)
+            timer_list.close()
+            print(f"  clock, then pread (before)   {_summary(before)}")
+            print(f"  bracket midpoint (shipped)   {_summary(now)}")
+        else:
+            print("  /proc/timer_list is not readable (root only): stamp errors not measured")
+        calls = [0]
+
+        def counted(fd: int, address: int, count: int, offset: int) -> int:
+            calls[0] += 1
+            return pread(fd, address, count, offset)
+
+        diskstats = ProcFile("/proc/diskstats", pread=counted)
+        stamped_reads: list[Stamped[bytes]] = [diskstats.read(clock) for _ in range(reads)]
+        diskstats.close()
+        widths = [s.width_ns for s in stamped_reads]
+        per_read = calls[0] / reads
+        wide = sum(w > TIGHT_NS for w in widths)
+        print(
+            f"  /proc/diskstats brackets     {_summary(widths)}; "
+            f"{per_read:.4f} preads per read, {wide} kept wider than {TIGHT_NS / 1e3:.0f} us"
+        )
+    finally:
+        stop.set()
+        busy.join()
+
+
+def _now_at(timer_list: bytes) -> int:
+    return int(timer_list.split(b"now at ", 1)[1].split(b" ", 1)[0])
+
+
+def disk_windows(runs: int, directory: Path) -> None:
+    print()
+    print("disk read windows vs /proc/diskstats, one busy thread, a file read in bursts")
+    print(f"{'run':>3} {'windows':>7} {'read IOPS':>9} {'read B/s':>9}  worst window")
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        data = Path(tmp) / "data.bin"
+        make_file_on_disk(data)
+        for run in range(runs):
+            result = compare(Path(tmp) / f"run{run}", busy_threads=1, read_file=data)
+            ops, volume = result.of("disk.read_ops"), result.of("disk.read_bytes")
+            if not any(w.reference for w in ops):
+                print(f"  no disk reads seen: {directory} is not on a physical disk")
+                return
+            worst = max(ops, key=lambda w: w.error)
+            final = " (final)" if worst.final else ""
+            print(
+                f"{run:>3} {len(ops):>7} {max(w.error for w in ops):>9.2%} "
+                f"{max(w.error for w in volume):>9.2%}  read IOPS over "
+                f"{(worst.end_ns - worst.start_ns) / 1e9:.2f} s{final}, {worst.detail}: "
+                f"{worst.otelprof:.6g} vs {worst.reference:.6g}"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="accuracy runs per configuration")
     parser.add_argument("--samples", type=int, default=100, help="promptness samples")
     parser.add_argument("--quick", action="store_true", help="1 run, 40 samples")
+    parser.add_argument("--reads", type=int, default=20_000, help="reads per read-time row")
+    parser.add_argument(
+        "--disk-dir", type=Path, default=Path(tempfile.gettempdir()), help="on a physical disk"
+    )
     args = parser.parse_args(argv)
     runs, samples = (1, 40) if args.quick else (args.runs, args.samples)
     print(f"machine: {os.cpu_count()} CPUs, {cpu_model()}, Python {platform.python_version()}")
     print(f"load average at start: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     promptness(samples)
+    read_times(args.reads // 4 if args.quick else args.reads)
+    disk_windows(runs, args.disk_dir)
     print()
     accuracy(runs)
     print(f"load average at end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")

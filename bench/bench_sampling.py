@@ -82,13 +82,18 @@ def cpu_per_wall_second(interval_s: float, seconds: float, gauges: bool) -> tupl
 def per_sample_cost(samples: int) -> dict[str, float]:
     """Mean thread CPU seconds of one sample, per source, called back to back.
 
-    The samplers get a clock that advances 0.1 s per reading, so every call computes its
-    rates (back-to-back real reads would be closer than MIN_WINDOW_S and skip them).
+    The samplers get a clock that advances 0.1 s from one read to the next, so every call
+    computes its rates (back-to-back real reads would be closer than MIN_WINDOW_S and skip
+    them), and stands still within a read (its two readings around it), whose bracket
+    would otherwise look interrupted and the read be made again (`_stamps.timed`).
     """
     ticks = [time.monotonic_ns()]
+    readings = [0]
 
     def clock() -> int:
-        ticks[0] += 100_000_000
+        readings[0] += 1
+        if readings[0] % 2:
+            ticks[0] += 100_000_000
         return ticks[0]
 
     host = HostSampler(clock=clock)

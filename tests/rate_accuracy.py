@@ -3,10 +3,12 @@
 Three processes besides the caller:
 - `flow`: a steady loopback TCP flow of known rate (sender and receiver in one process);
 - `worker`: the instrumented process, with N busy Python threads competing for the GIL,
-  exporting host and process metrics to OTLP JSON Lines;
-- `sampler`: reads /proc/net/dev and /proc/<worker>/stat every ~2 ms in a separate
-  process (no GIL shared with the worker), stamping CLOCK_MONOTONIC right before each
-  read and discarding reads that took longer than 0.5 ms (preempted: time uncertain).
+  exporting host and process metrics to OTLP JSON Lines; with a file to read, its main
+  thread reads it in bursts meanwhile, from the disk (page cache dropped for the file);
+- `sampler`: reads /proc/net/dev, /proc/<worker>/stat and /proc/diskstats every ~2 ms in
+  a separate process (no GIL shared with the worker), stamping CLOCK_MONOTONIC right
+  before each read and discarding reads that took longer than 0.5 ms (preempted: time
+  uncertain).
 
 Each exported window [start_time_unix_nano, time_unix_nano] is converted to the monotonic
 clock and the sampler's counters are interpolated linearly at exactly those two instants:
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,28 +68,41 @@ def flow(rate_bytes_per_s: float) -> None:
             time.sleep(delay)
 
 
-def sampler(pid: int, out: str) -> None:
-    """Sample net + process CPU counters until the watched process exits; write JSON."""
+def _read_all(fd: int) -> bytes:
+    """A /proc file whole: files of one record per device come one page per call."""
+    parts = []
+    while part := os.pread(fd, 65536, sum(map(len, parts))):
+        parts.append(part)
+    return b"".join(parts)
+
+
+def sampler(pid: int, out: str, disks: str) -> None:
+    """Sample net, process CPU and disk counters (the comma-separated `disks` summed) until
+    the watched process exits; write JSON."""
     # a real-time sampler is not delayed by the machine's other work; best effort
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+    watched = set(disks.split(",")) - {""}
     net = os.open("/proc/net/dev", os.O_RDONLY)
     stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    diskstats = os.open("/proc/diskstats", os.O_RDONLY)
     offset = time.time_ns() - time.monotonic_ns()
-    rows: list[tuple[int, int, int, int, int]] = []
+    rows: list[tuple[int, ...]] = []
     print("sampling", flush=True)
     while True:
         t_net = time.monotonic_ns()
-        raw_net = os.pread(net, 65536, 0)
+        raw_net = _read_all(net)
         t_cpu = time.monotonic_ns()
         try:
             raw_stat = os.pread(stat, 4096, 0)
         except OSError:
             break  # the worker exited
+        t_disk = time.monotonic_ns()
+        raw_disk = _read_all(diskstats)
         done = time.monotonic_ns()
         if not raw_stat:
             break
-        if t_cpu - t_net < MAX_READ_NS and done - t_cpu < MAX_READ_NS:
+        if max(t_cpu - t_net, t_disk - t_cpu, done - t_disk) < MAX_READ_NS:
             sent = recv = 0
             for line in raw_net.split(b"\n")[2:]:
                 _, colon, rest = line.partition(b":")
@@ -96,13 +112,79 @@ def sampler(pid: int, out: str) -> None:
                     sent += int(fields[8])
             after = raw_stat[raw_stat.rindex(b")") + 2 :].split()
             ticks = int(after[11]) + int(after[12])
-            rows.append((t_net, sent, recv, t_cpu, ticks))
+            reads = read_bytes = 0
+            for line in raw_disk.split(b"\n"):
+                fields = line.split()
+                if len(fields) > 5 and fields[2].decode() in watched:
+                    reads += int(fields[3])
+                    read_bytes += int(fields[5]) * 512
+            rows.append((t_net, sent, recv, t_cpu, ticks, t_disk, reads, read_bytes))
         time.sleep(SAMPLER_PERIOD_S)
     Path(out).write_text(json.dumps({"offset_ns": offset, "rows": rows}))
 
 
-def worker(out_dir: str, interval_s: float, duration_s: float, threads: int, mode: str) -> None:
-    """The instrumented process: busy threads, otelprof sampling, then a clean shutdown."""
+def read_in_bursts(
+    path: str, duration_s: float, burst_s: float = 0.3, pause_s: float = 0.45, readers: int = 4
+) -> None:
+    """Read `path` from the disk for `burst_s`, pause `pause_s`, and so on, for `duration_s`:
+    64 KiB reads without readahead (each its own I/O) by `readers` threads (each read
+    releases the GIL, and getting it back from a busy thread takes a switch interval, so one
+    reader would make few reads), the file's cached pages dropped before every pass over
+    it. The bursts' edges fall anywhere in the rate windows."""
+    chunk = 65536
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    size = os.fstat(fd).st_size
+    lock = threading.Lock()
+    position = [size]  # a first pass from the disk too
+    end = time.monotonic() + duration_s
+    bursting = threading.Event()
+
+    def next_position() -> int:
+        with lock:
+            if position[0] + chunk > size:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                position[0] = 0
+            position[0] += chunk
+            return position[0] - chunk
+
+    def read() -> None:
+        while time.monotonic() < end:
+            if bursting.wait(0.05):
+                os.pread(fd, chunk, next_position())
+
+    threads = [threading.Thread(target=read) for _ in range(readers)]
+    for thread in threads:
+        thread.start()
+    try:
+        while (now := time.monotonic()) < end:
+            bursting.set()
+            time.sleep(max(0.0, min(burst_s, end - now)))
+            bursting.clear()
+            time.sleep(max(0.0, min(pause_s, end - time.monotonic())))
+    finally:
+        bursting.clear()
+        for thread in threads:
+            thread.join()
+        os.close(fd)
+
+
+def make_file_on_disk(path: Path, size: int = 64 << 20) -> None:
+    """A file for `read_in_bursts`, written through to the disk (so it can be dropped from
+    the page cache: dirty pages cannot)."""
+    with path.open("wb") as f:
+        block = os.urandom(1 << 20)
+        for _ in range(size >> 20):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def worker(
+    out_dir: str, interval_s: float, duration_s: float, threads: int, mode: str, read_file: str
+) -> None:
+    """The instrumented process: busy threads, otelprof sampling, then a clean shutdown;
+    with `read_file` (not "-"), the main thread reads that file in bursts meanwhile."""
     import otelprof
     from otelprof.system.process import usable_cpus
 
@@ -116,6 +198,13 @@ def worker(out_dir: str, interval_s: float, duration_s: float, threads: int, mod
     busy = [threading.Thread(target=spin, daemon=True) for _ in range(threads)]
     for thread in busy:
         thread.start()
+
+    def load() -> None:
+        if read_file == "-":
+            time.sleep(duration_s)
+        else:
+            read_in_bursts(read_file, duration_s)
+
     print("ready", flush=True)
     sys.stdin.readline()  # the sampler is running
     if mode == "profiler":
@@ -123,15 +212,15 @@ def worker(out_dir: str, interval_s: float, duration_s: float, threads: int, mod
             output_dir=out_dir, run_id="accuracy", interval=interval_s, gpus="none", timings=False
         )
         metrics = prof.files["metrics"]
-        time.sleep(duration_s)
+        load()
         prof.shutdown()
     else:
-        metrics = _legacy_worker(Path(out_dir), interval_s, duration_s, mode)
+        metrics = _legacy_worker(Path(out_dir), interval_s, load, mode)
     stop.set()
     print(json.dumps({"metrics": str(metrics), "cpus": usable_cpus()}), flush=True)
 
 
-def _legacy_worker(out_dir: Path, interval_s: float, duration_s: float, mode: str) -> Path:
+def _legacy_worker(out_dir: Path, interval_s: float, load: Callable[[], None], mode: str) -> Path:
     """For the benchmark: psutil reads, stamped each ("psutil") or all at one instant
     taken before any of them ("shared-now", what otelprof did before issue 16)."""
     import psutil
@@ -146,7 +235,8 @@ def _legacy_worker(out_dir: Path, interval_s: float, duration_s: float, mode: st
     class SharedNow(Clock):
         """Every read of one snapshot stamped with the instant the snapshot began."""
 
-        reads_per_sample = 6  # host: net, cpu, disk, memory; process: cpu, memory
+        # host: net, cpu, disk, memory; process: cpu, memory; each read between two readings
+        readings_per_sample = 12
         frozen: int | None = None
         left = 0
 
@@ -158,7 +248,7 @@ def _legacy_worker(out_dir: Path, interval_s: float, duration_s: float, mode: st
 
         def resync(self) -> None:
             super().resync()
-            self.frozen, self.left = super().__call__(), self.reads_per_sample
+            self.frozen, self.left = super().__call__(), self.readings_per_sample
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "metrics.jsonl"
@@ -172,7 +262,7 @@ def _legacy_worker(out_dir: Path, interval_s: float, duration_s: float, mode: st
         psutil_module=psutil,
         clock=clock,
     )
-    time.sleep(duration_s)
+    load()
     handle.final_sample()
     provider.shutdown()
     handle.close()
@@ -190,6 +280,7 @@ class Window:
     otelprof: float
     reference: float
     detail: str = ""
+    final: bool = False  # the collection at shutdown
 
     @property
     def error(self) -> float:
@@ -256,20 +347,33 @@ def compare(
     duration_s: float = 6.7,
     flow_bytes_per_s: float = 40e6,
     mode: str = "profiler",
+    read_file: Path | None = None,
 ) -> Comparison:
     """Run flow + worker + sampler; every exported window beside the reference's."""
+    from otelprof.system.host import physical_disk_filter
+
     out_dir.mkdir(parents=True, exist_ok=True)
+    is_physical = physical_disk_filter()
+    with open("/proc/diskstats", "rb") as f:
+        disks = [line.split()[2].decode() for line in f if len(line.split()) > 2]
+    watched = ",".join(d for d in disks if is_physical(d))
     flow_proc = _spawn("flow", str(flow_bytes_per_s))
     procs = [flow_proc]
     try:
         _expect(flow_proc, "flowing")
         work = _spawn(
-            "worker", str(out_dir), str(interval_s), str(duration_s), str(busy_threads), mode
+            "worker",
+            str(out_dir),
+            str(interval_s),
+            str(duration_s),
+            str(busy_threads),
+            mode,
+            str(read_file or "-"),
         )
         procs.append(work)
         _expect(work, "ready")
         reference_file = out_dir / "reference.json"
-        sample = _spawn("sampler", str(work.pid), str(reference_file))
+        sample = _spawn("sampler", str(work.pid), str(reference_file), watched)
         procs.append(sample)
         _expect(sample, "sampling")
         assert work.stdin is not None and work.stdout is not None
@@ -301,13 +405,25 @@ def _windows(metrics: Path, reference: dict[str, Any], cpus: int) -> Comparison:
     sent = _Series(net_times, [r[1] for r in rows])
     recv = _Series(net_times, [r[2] for r in rows])
     cpu = _Series([r[3] for r in rows], [r[4] for r in rows])
+    disk_times = [r[5] for r in rows]
+    disk_reads = _Series(disk_times, [r[6] for r in rows])
+    disk_read_bytes = _Series(disk_times, [r[7] for r in rows])
     windows: list[Window] = []
-    for point in read_points(metrics):
+    points = list(read_points(metrics))
+    last_end = {point.name: point.time_ns for point in points}
+    for point in points:
         if point.name == "system.network.throughput":
             series = sent if point.attributes["network.io.direction"] == "transmit" else recv
             metric = f"network.{point.attributes['network.io.direction']}"
         elif point.name == "process.cpu.utilization":
             series, metric = cpu, "process.cpu"
+        elif point.name == "system.disk.iops" and point.attributes["disk.io.direction"] == "read":
+            series, metric = disk_reads, "disk.read_ops"
+        elif (
+            point.name == "system.disk.throughput"
+            and point.attributes["disk.io.direction"] == "read"
+        ):
+            series, metric = disk_read_bytes, "disk.read_bytes"
         else:
             continue
         if point.start_ns is None:
@@ -318,10 +434,14 @@ def _windows(metrics: Path, reference: dict[str, Any], cpus: int) -> Comparison:
         if metric == "process.cpu":
             ref = delta / CLOCK_TICKS / (dt * cpus)
             detail = f"{delta:.1f} ticks"
+        elif metric == "disk.read_ops":
+            ref = delta / dt
+            detail = f"{delta:.1f} reads"
         else:
             ref = delta / dt
             detail = f"{delta / 1e6:.1f} MB"
-        windows.append(Window(metric, start, end, point.value, ref, detail))
+        final = point.time_ns == last_end[point.name]
+        windows.append(Window(metric, start, end, point.value, ref, detail, final))
     return Comparison(windows, cpus, len(rows))
 
 
@@ -330,7 +450,7 @@ if __name__ == "__main__":
     if role == "flow":
         flow(float(arguments[0]))
     elif role == "sampler":
-        sampler(int(arguments[0]), arguments[1])
+        sampler(int(arguments[0]), arguments[1], arguments[2])
     elif role == "worker":
         worker(
             arguments[0],
@@ -338,6 +458,7 @@ if __name__ == "__main__":
             float(arguments[2]),
             int(arguments[3]),
             arguments[4],
+            arguments[5],
         )
     else:
         raise SystemExit(f"unknown role {role!r}")

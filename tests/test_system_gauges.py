@@ -158,6 +158,27 @@ def test_snapshots_resample_only_after_half_the_interval() -> None:
     assert calls == [0.0, 0.5, 1.0]
 
 
+def test_one_sample_serves_a_whole_collection_however_far_apart_its_callbacks_are() -> None:
+    """Busy threads can put the callbacks of one collection further apart than max_age:
+    they still share one sample (a second one would advance every baseline, and the windows
+    the first instruments exported would never be followed by the next ones)."""
+    now = [0.0]
+    calls: list[float] = []
+
+    def source() -> list[Any]:
+        calls.append(now[0])
+        return []
+
+    clock = Clock(monotonic_ns=lambda: round(now[0] * 1e9))
+    snaps = Snapshots([("s", source)], max_age_s=0.5, clock=clock)
+    for collection_start in (0.0, 1.0):
+        now[0] = collection_start
+        snaps.observations("system.disk.iops")
+        now[0] += 0.7  # the next callback comes 0.7 s later
+        snaps.observations("system.disk.throughput")
+    assert calls == [0.0, 1.0]
+
+
 def test_final_collection_reads_again_instead_of_re_serving_the_last_snapshot() -> None:
     now = [0.0]
     value = [1.0]

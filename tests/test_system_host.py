@@ -115,26 +115,28 @@ def sampler(ps: ScriptedPsutil) -> ScriptedHost:
 
 
 def test_each_rate_divides_by_the_time_between_its_own_two_reads(ps: ScriptedPsutil) -> None:
-    """Reads stamped 1 s apart within one sample: no source borrows another's time."""
+    """Reads stamped apart within one sample: no source borrows another's time."""
     scripted = sampler(ps)
     ps.nics = {"eth0": Net(0, 0, 0, 0)}
     ps.disks = {"vda": Disk(0, 0, 0, 0)}
-    scripted.clock.step_s = 1.0  # network read at t, CPU at t+1, disk at t+2, memory t+3
+    # 100 us per clock reading; each read is stamped at the middle of the two around it:
+    # network at t + 50 us, CPU at t + 250 us, disk at t + 450 us, memory at t + 650 us
+    scripted.clock.step_s = 0.0001
     scripted.prime(0.0)
     ps.nics = {"eth0": Net(30_000, 0, 0, 0)}
     ps.disks = {"vda": Disk(0, 0, 0, 60_000)}
     ps.cpu = busy_idle(10, 10)
     readings = scripted.sample(10.0)
     got = values(readings)
-    # every source's window is 10 s long (10→20 … 3→13), whatever the others' read times
+    # every source's window is 10 s long, from its own first read to its own second
     assert got[NET_TX] == pytest.approx(3_000)
     assert got[DISK_W] == pytest.approx(6_000)
     windows = {(r.name, r.start_ns, r.time_ns) for r in readings if r.start_ns is not None}
-    assert (NET_TX[0], 0, 10 * 10**9) in windows
-    assert (CPU[0], 1 * 10**9, 11 * 10**9) in windows
-    assert (DISK_W[0], 2 * 10**9, 12 * 10**9) in windows
+    assert (NET_TX[0], 50_000, 10 * 10**9 + 50_000) in windows
+    assert (CPU[0], 250_000, 10 * 10**9 + 250_000) in windows
+    assert (DISK_W[0], 450_000, 10 * 10**9 + 450_000) in windows
     memory = next(r for r in readings if r.name == MEM[0])
-    assert memory.start_ns is None and memory.time_ns == 13 * 10**9
+    assert memory.start_ns is None and memory.time_ns == 10 * 10**9 + 650_000
 
 
 def test_ten_second_interval_reports_exact_averages_of_every_host_rate(

@@ -5,8 +5,8 @@
     handle.close()
 
 Instruments (gauges unless noted; rates are Δcounter/Δt between two reads of the same
-counter, each stamped right before the read; the exported point's time is the read and its
-start time the window's start, see `_stamps.py`):
+counter, each stamped at the read (the middle of the clock readings around it); the
+exported point's time is the read and its start time the window's start, see `_stamps.py`):
 
 | instrument | unit | attributes | source |
 |---|---|---|---|

@@ -1,18 +1,19 @@
-"""Linux /proc counters read with one system call each on files kept open.
+"""Linux /proc counters read on files kept open, with the GIL held, stamped tightly.
 
 psutil opens, reads and closes a file per call; each of those system calls releases the
 GIL and waits to get it back, so with busy Python threads a read can land many
 milliseconds after any timestamp taken around it. Here every file is opened once and
-re-read with a single `os.pread(fd, size, 0)` (seq_file-backed /proc files regenerate
-their content at offset 0), and the clock is stamped right before that call, so the
-stamp and the kernel's snapshot are microseconds apart however busy the process is.
+re-read from offset 0 with `pread` (seq_file-backed /proc files regenerate their content at
+offset 0) through `ctypes.PyDLL`, which keeps the GIL during the call: a /proc read takes
+microseconds, so holding the lock costs the training threads nothing noticeable, while
+releasing it would mean waiting to get it back. The read is bracketed by two clock
+readings (`_stamps.timed`): the kernel produced the content inside that bracket, which is
+tens of microseconds wide unless a thread switch fell in it, and then it is read again.
 
-The pread goes through `ctypes.PyDLL`, which keeps the GIL during the call: a /proc read
-takes microseconds, so holding the lock costs the training threads nothing noticeable,
-while releasing it (what `os.pread` does) means waiting to get it back, up to
-milliseconds per read behind busy threads. A whole sample then runs in one stretch and
-stays prompt (bench/bench_rate_accuracy.py measures both). Where ctypes cannot find libc's
-pread, `os.pread` is used: still exact stamps, only less prompt.
+A file is read until pread returns 0, not until a short read: a seq_file with one record
+per device (/proc/diskstats, /proc/net/dev) returns at most one page per call, so on a host
+with many disks or interfaces (a Kubernetes node's veths) one call would silently drop the
+devices past the first page. Each call returns whole records; together they are the file.
 
 The parsers reproduce psutil's accounting (same fields, same units), so values do not
 change when this path replaces psutil's.
@@ -25,7 +26,7 @@ import os
 from collections import namedtuple
 from collections.abc import Callable
 
-from ._stamps import Stamped
+from ._stamps import TIGHT_NS, Stamped, timed
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -35,7 +36,11 @@ CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait irq softirq stea
 """Same fields and units (seconds) as `psutil.cpu_times()` on Linux."""
 
 
-def _libc_pread() -> Callable[..., int] | None:
+Pread = Callable[[int, int, int, int], int]
+"""pread(fd, buffer address, count, offset) -> bytes read, or -1 with errno set (libc's)."""
+
+
+def _libc_pread() -> Pread | None:
     """libc's pread called with the GIL held (PyDLL), or None where that is unavailable."""
     try:
         libc = ctypes.PyDLL(None, use_errno=True)
@@ -51,35 +56,54 @@ _PREAD = _libc_pread()
 
 
 class ProcFile:
-    """One /proc file kept open and re-read whole with a single pread per reading."""
+    """One /proc file kept open and re-read whole, with the GIL held, per reading.
 
-    def __init__(self, path: str, size: int = 16384, hold_gil: bool = True) -> None:
+    `pread` replaces libc's (tests: a stand-in kernel whose counters are a known function
+    of the time they are read). Without ctypes access to libc the file does not open
+    (OSError), and the samplers read that source through psutil instead.
+    """
+
+    def __init__(self, path: str, size: int = 16384, pread: Pread | None = None) -> None:
+        read = pread or _PREAD
+        if read is None:
+            raise OSError(f"no libc pread to read {path} with")
         self.path = path
+        self._pread = read
         self._fd: int | None = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._pread = _PREAD if hold_gil else None
         self._buffer = ctypes.create_string_buffer(size)
+        self._fastest_ns: int | None = None  # the narrowest bracket of a read so far
 
     def read(self, clock: Callable[[], int]) -> Stamped[bytes]:
-        """The file's content, stamped right before the system call that produced it."""
+        """The file's content, stamped at the middle of the clock readings around it.
+
+        A file that takes long to read (thousands of interfaces) is not read again for
+        that alone: a bracket counts as interrupted past twice the narrowest one seen.
+        """
+        fastest = self._fastest_ns
+        tight = TIGHT_NS if fastest is None else max(TIGHT_NS, 2 * fastest)
+        stamped = timed(self._read_whole, clock, tight)
+        if fastest is None or stamped.width_ns < fastest:
+            self._fastest_ns = stamped.width_ns
+        return stamped
+
+    def _read_whole(self) -> bytes:
         fd = self._fd
         if fd is None:
             raise ValueError(f"{self.path} is closed")
         while True:
-            size = len(self._buffer)
-            pread = self._pread
-            if pread is not None:
-                t = clock()
-                n = pread(fd, self._buffer, size, 0)
+            buffer = self._buffer
+            size = len(buffer)
+            base = ctypes.addressof(buffer)
+            got = 0
+            while got < size:
+                n = self._pread(fd, base + got, size - got, got)
                 if n < 0:
                     error = ctypes.get_errno()
                     raise OSError(error, os.strerror(error), self.path)
-                data = self._buffer.raw[:n]
-            else:
-                t = clock()
-                data = os.pread(fd, size, 0)
-            if len(data) < size:
-                return Stamped(data, t)
-            # did not fit: one larger read, so the content stays one consistent snapshot
+                if n == 0:
+                    return ctypes.string_at(base, got)
+                got += n
+            # did not fit: read it all again into a larger buffer
             self._buffer = ctypes.create_string_buffer(size * 4)
 
     def close(self) -> None:

@@ -9,10 +9,22 @@ off. So:
 
 - `Clock` reads `time.monotonic_ns` (rates must survive wall-clock steps) and converts to
   Unix nanoseconds for export with an offset refreshed at every snapshot.
-- `timed(read, clock)` stamps the clock immediately *before* calling `read`. A read that
-  is one system call on an already open file (`_procfs.ProcFile`) or one NVML call starts
-  within microseconds of the stamp: the GIL is released on entry, not waited for; the
-  wait to get it back comes after the value is fixed, so it does not matter.
+- `timed(read, clock)` reads the clock before and after `read` and stamps the midpoint of
+  that bracket, which contains the instant the value was fixed. Even a read that holds the
+  GIL (`_procfs.ProcFile`: one pread per page of an already open file) can be separated
+  from a clock reading by a thread switch: the interpreter may hand the GIL to a busy
+  thread between any two calls, and the kernel may preempt the thread; either costs
+  milliseconds (one switch interval is 5 ms) and used to put a stamp that far before its
+  read. Such a bracket is wider than `TIGHT_NS`: the read is made again (at most
+  `READ_TRIES` times) and the narrowest bracket kept, so a stamp is within half its
+  bracket (`Stamped.width_ns`) of the read. A read that releases the GIL itself (psutil's
+  open/read/close) has a bracket as wide as the waits for the GIL inside it; its midpoint
+  is the best that can be said, which is why Linux reads /proc directly. NVML and AMD SMI
+  calls release the GIL only after they start, so they keep the clock read right before
+  the call (their bracket would end with the wait for the GIL, after the value).
+- The Unix offset is measured the same way: monotonic, wall, monotonic, the narrowest of a
+  few brackets; a wall clock read after a thread switch would otherwise shift every stamp of
+  one snapshot by the length of the switch.
 - `Baseline` keeps each source's previous (time, value); a rate divides by the Δt between
   that source's own two stamps, and knows the window it covers.
 - A `Reading` carries `time_ns` (the read) and `start_ns` (the start of the window a rate
@@ -43,6 +55,12 @@ window measures the tick, not the load. A shorter gap keeps the old baseline."""
 
 RESYNC_NS = 1_000_000
 
+TIGHT_NS = 250_000
+"""A read bracketed more widely than this was interrupted (thread switch, preemption)."""
+
+READ_TRIES = 3
+"""Reads of one value at most, when each was interrupted; the narrowest bracket is kept."""
+
 
 class Clock:
     """Monotonic nanoseconds for Δt, plus the offset that turns them into Unix time."""
@@ -54,7 +72,7 @@ class Clock:
     ) -> None:
         self._monotonic_ns = monotonic_ns
         self._wall_ns = wall_ns
-        self._offset = wall_ns() - monotonic_ns()
+        self._offset = self._measure_offset()[0]
 
     def __call__(self) -> int:
         return self._monotonic_ns()
@@ -64,12 +82,16 @@ class Clock:
 
         Smaller differences are the jitter of reading two clocks and are ignored, so that
         a window's start (converted at the previous snapshot) is exactly the previous
-        window's end.
+        window's end; so is a difference within the measurement's own uncertainty.
         """
-        mono = self._monotonic_ns()
-        offset = self._wall_ns() - mono
-        if abs(offset - self._offset) > RESYNC_NS:
+        offset, width = self._measure_offset()
+        if abs(offset - self._offset) > RESYNC_NS + width // 2:
             self._offset = offset
+
+    def _measure_offset(self) -> tuple[int, int]:
+        """(wall − monotonic, width of the bracket it was read in), the narrowest of a few."""
+        stamped = timed(self._wall_ns, self._monotonic_ns)
+        return stamped.value - stamped.time_ns, stamped.width_ns
 
     def to_unix_ns(self, monotonic_ns: int) -> int:
         return monotonic_ns + self._offset
@@ -77,16 +99,31 @@ class Clock:
 
 @dataclass(frozen=True)
 class Stamped(Generic[T]):
-    """A value and the monotonic instant (ns) taken right before it was read."""
+    """A value and the monotonic instant (ns) it was read at, within ±width_ns/2."""
 
     value: T
     time_ns: int
+    width_ns: int = 0
 
 
-def timed(read: Callable[[], T], clock: Callable[[], int]) -> Stamped[T]:
-    """Call `read` with the clock stamped immediately before it (see module docstring)."""
-    t = clock()
-    return Stamped(read(), t)
+def timed(read: Callable[[], T], clock: Callable[[], int], tight_ns: int = TIGHT_NS) -> Stamped[T]:
+    """`read()` stamped with the midpoint of the clock readings around it, read again
+    while that bracket is wider than `tight_ns` (see module docstring)."""
+    best = _bracketed(read, clock)
+    for _ in range(READ_TRIES - 1):
+        if best.width_ns <= tight_ns:
+            break
+        again = _bracketed(read, clock)
+        if again.width_ns < best.width_ns:
+            best = again
+    return best
+
+
+def _bracketed(read: Callable[[], T], clock: Callable[[], int]) -> Stamped[T]:
+    before = clock()
+    value = read()
+    width = clock() - before
+    return Stamped(value, before + width // 2, width)
 
 
 class Baseline(Generic[T]):

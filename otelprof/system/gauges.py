@@ -1,9 +1,10 @@
 """Registration of the observable instruments, and the shared sample behind them.
 
 Every instrument's callback reads the same snapshot. A snapshot is taken when a callback
-finds the last one older than half the collection interval, so one collection (of any
-number of instruments) costs one sample, and a second reader (a Prometheus scrape beside
-the periodic exporter) shares it instead of sampling again.
+of an instrument already served from the last one finds it older than half the collection
+interval, so one collection (of any number of instruments) costs one sample however far
+apart its callbacks are, and a second reader (a Prometheus scrape beside the periodic
+exporter) shares it instead of sampling again.
 
 Inside a snapshot every source is read with its own timestamp and every rate covers the
 interval between that source's own two reads (`_stamps`); the values are handed to the
@@ -74,8 +75,9 @@ class Snapshots:
         self._log = log or LogOnce()
         self._counters = counters
         self._lock = threading.Lock()
-        self._time: int | None = None
-        self._fresh_needed = False
+        self._time = 0
+        self._served: set[str] = set()
+        self._fresh_needed = True  # the first callback samples
         self._observations: dict[str, list[Observation]] = {}
         self.samples_taken = 0
         self.closed = False
@@ -85,11 +87,18 @@ class Snapshots:
             if self.closed:
                 return []
             now = self._clock()
-            if self._time is None or self._fresh_needed or now - self._time >= self._max_age_ns:
+            # an instrument not served yet from the latest sample gets it whatever its age:
+            # with busy threads the callbacks of one collection can be further apart than
+            # max_age, and a second sample in the middle of a collection would advance the
+            # baselines past windows the first instruments already exported
+            again = name in self._served and now - self._time >= self._max_age_ns
+            if self._fresh_needed or again:
                 self._observations = self._take()
                 self._time = now
+                self._served = set()
                 self._fresh_needed = False
                 self.samples_taken += 1
+            self._served.add(name)
             return self._observations.get(name, [])
 
     def final_sample(self) -> None:

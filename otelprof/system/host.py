@@ -71,10 +71,10 @@ class DiskCounters:
 class HostSampler:
     """Samples host counters and turns consecutive samples into readings.
 
-    Each source (network, CPU, disk, memory) is stamped right before its own read and
-    each rate divides by that source's own Δt (see `_stamps`). With `ps=None` on Linux
-    the counters come from /proc files kept open (`_procfs`), one system call each;
-    elsewhere, or with a psutil stand-in, from psutil.
+    Each source (network, CPU, disk, memory) is stamped at its own read and each rate
+    divides by that source's own Δt (see `_stamps`). With `ps=None` on Linux the counters
+    come from /proc files kept open (`_procfs`, opened by `open_proc`: tests hand in files
+    with a stand-in pread); elsewhere, or with a psutil stand-in, from psutil.
     """
 
     def __init__(
@@ -83,12 +83,13 @@ class HostSampler:
         is_physical_disk: Callable[[str], bool] | None = None,
         log: LogOnce | None = None,
         clock: Callable[[], int] | None = None,
+        open_proc: Callable[[str], _procfs.ProcFile] = _procfs.ProcFile,
     ) -> None:
         self._proc: dict[str, _procfs.ProcFile] = {}
         if ps is None:
             import psutil as ps
 
-            self._proc = _open_proc_files()
+            self._proc = _open_proc_files(open_proc)
         self._ps = ps
         self._clock = clock or Clock()
         self._is_physical_disk = is_physical_disk or physical_disk_filter()
@@ -108,7 +109,7 @@ class HostSampler:
 
     def sample(self) -> list[Reading]:
         out: list[Reading] = []
-        # the rates first, each stamped beside its own read; the level (memory) last
+        # the rates first, each stamped at its own read; the level (memory) last
         net = self._read("network", self._read_net)
         if net is not None and net.value is not None:
             self._net_rates(out, net.value, net.time_ns)
@@ -268,12 +269,12 @@ _PROC_FILES = {
 }
 
 
-def _open_proc_files() -> dict[str, _procfs.ProcFile]:
+def _open_proc_files(open_proc: Callable[[str], _procfs.ProcFile]) -> dict[str, _procfs.ProcFile]:
     """Every host /proc file that opens; a missing one is read through psutil instead."""
     opened: dict[str, _procfs.ProcFile] = {}
     for key, path in _PROC_FILES.items():
         try:
-            opened[key] = _procfs.ProcFile(path)
+            opened[key] = open_proc(path)
         except OSError:
             continue
     return opened

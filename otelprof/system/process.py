@@ -25,8 +25,7 @@ class ProcessSampler:
     """Utilization is CPU seconds / (Δt × usable CPUs), Δt between this source's own reads.
 
     With `process=None` on Linux, CPU time and RSS come from /proc/<pid>/stat and statm
-    kept open (one pread each, stamped right before it, see `_procfs`); otherwise from a
-    `psutil.Process`.
+    kept open (`_procfs`, each read stamped at the read); otherwise from a `psutil.Process`.
     """
 
     def __init__(
