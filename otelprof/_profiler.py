@@ -28,8 +28,10 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
-from otelprof import _limits, _private_files
-from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
+from otelprof import _limits
+from otelprof._run import private_files
+from otelprof._run.end import DeferredSignals, EndRecord, RunEndWatcher
+from otelprof._run.shutdown import finish_run
 from otelprof._schema import (
     ATTR_ATTEMPT,
     ATTR_LOCAL_RANK,
@@ -41,7 +43,6 @@ from otelprof._schema import (
     SCOPE,
     TELEMETRY_DROPPED,
 )
-from otelprof._shutdown import finish_run
 from otelprof._throughput import ThroughputTracker
 from otelprof.config import Settings
 from otelprof.export import ExportCounters, build_pipelines
@@ -221,7 +222,7 @@ class _Session:
     def shutdown(self, end: EndRecord) -> None:
         """Record how the run ended, flush every exporter and stop every thread; once.
         Returns within the export timeout + SHUTDOWN_MARGIN_S whatever hangs
-        (otelprof/_shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
+        (otelprof/_run/shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
         written (DeferredSignals), then acts."""
         with DeferredSignals() as deferred:
             with _lock:
@@ -232,10 +233,10 @@ class _Session:
                 self.announce()
             with contextlib.suppress(Exception):
                 self.run_end.uninstall(deferred)
-            finish_run(self, end, deferred)  # otelprof/_shutdown.py
+            finish_run(self, end, deferred)  # otelprof/_run/shutdown.py
 
     def flush_all(self, end: EndRecord) -> None:
-        """Shutdown's work, on its own thread (otelprof/_shutdown.py bounds it)."""
+        """Shutdown's work, on its own thread (otelprof/_run/shutdown.py bounds it)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished
         with contextlib.suppress(Exception):
@@ -355,7 +356,7 @@ class _Session:
             self._write_run_info()
 
     def finalize_run_info(self, end: EndRecord, stats: dict[str, int]) -> None:
-        """run.json with how the run ended and its final stats (otelprof/_shutdown.py)."""
+        """run.json with how the run ended and its final stats (otelprof/_run/shutdown.py)."""
         self._end = end
         self._write_run_info(stats)
 
@@ -379,7 +380,7 @@ class _Session:
         path = self.identity.run_info_path()
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            with _private_files.open_new(tmp, s.shared_run_dir) as out:  # owner-only
+            with private_files.open_new(tmp, s.shared_run_dir) as out:  # owner-only
                 out.write((json.dumps(info, indent=2, default=str) + "\n").encode())
             tmp.replace(path)
         except OSError as error:

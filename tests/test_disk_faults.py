@@ -291,7 +291,7 @@ report_shutdown(prof)
 
 
 def test_shutdown_returns_within_its_bound_when_file_writes_hang(tmp_path: Path) -> None:
-    from otelprof._bounded import SHUTDOWN_MARGIN_S
+    from otelprof._run.bounded import SHUTDOWN_MARGIN_S
 
     result = _child_stats(HUNG_WRITE, tmp_path, timeout=60)
     # the documented bound, plus slack for a loaded machine (correctness, not speed)
@@ -314,7 +314,7 @@ report_shutdown(prof)
 
 
 def test_shutdown_returns_within_its_bound_when_the_collector_hangs(tmp_path: Path) -> None:
-    from otelprof._bounded import SHUTDOWN_MARGIN_S
+    from otelprof._run.bounded import SHUTDOWN_MARGIN_S
 
     result = _child_stats(HUNG_COLLECTOR, tmp_path, timeout=90)
     assert result["took"] < 2 + SHUTDOWN_MARGIN_S + 3, result

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from otelprof import _private_files
 from otelprof._distributed import ranks
 from otelprof._patch import Patches
+from otelprof._run import private_files
 from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import ENVIRONMENT
 
@@ -122,11 +122,11 @@ def relocate(
                 for line in lines:
                     request = _parse(line)
                     (mine if request is None or _pid(request) == pid else others).append(line)
-            with _private_files.open_append(target, shared) as out:
+            with private_files.open_append(target, shared) as out:
                 out.writelines(_relabel(line, resource).encode() for line in mine)
             if others:
                 tmp = source.with_suffix(f".tmp{os.getpid()}")
-                with _private_files.open_new(tmp, shared) as rest:
+                with private_files.open_new(tmp, shared) as rest:
                     rest.write("".join(others).encode())
                 tmp.replace(source)
             else:

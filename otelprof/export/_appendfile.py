@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from otelprof import _private_files
+from otelprof._run import private_files
 
 WRITTEN = "written"
 WRITE_ERROR = "write_error"
@@ -46,7 +46,7 @@ class WholeRecordFile:
         if self._fd is not None:
             return
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        fd = os.open(self.path, flags, _private_files.file_mode_in(self.path.parent))
+        fd = os.open(self.path, flags, private_files.file_mode_in(self.path.parent))
         stat = os.fstat(fd)
         self._fd = fd
         self._identity = (stat.st_dev, stat.st_ino)

@@ -8,7 +8,7 @@ rewrites run.json): a gauge `otelprof.run.end` = 1 whose point carries the end r
 (`otelprof.end`, JSON) and the run's counts (`otelprof.stats`, JSON). It is ordinary OTLP
 (the collector's otlpjsonfile receiver and `replay` pass it on as a gauge), written whole
 or not at all, and never past the metrics file's size cap. The reading side (which the
-report uses to fill an unfinalized run.json) is otelprof/_closing_record.py.
+report uses to fill an unfinalized run.json) is otelprof/_run/closing_record.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from otelprof._closing_record import CLOSING_METRIC
+from otelprof._run.closing_record import CLOSING_METRIC
 from otelprof.export._appendfile import WRITTEN, WholeRecordFile
 from otelprof.export._spanlines import encode_attributes
 

@@ -18,8 +18,8 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otelprof import _private_files
 from otelprof._otel_compat import otlp_log_destination
+from otelprof._run import private_files
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
@@ -242,7 +242,7 @@ def _add_files(
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
     run_dir = settings.run_dir
-    _private_files.make_dir(run_dir, settings.shared_run_dir)  # owner-only unless shared
+    private_files.make_dir(run_dir, settings.shared_run_dir)  # owner-only unless shared
     metrics_name, traces_name = file_names(world_size, rank, attempt, provisional)
     compress = getattr(settings, "compress", False)
     if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member

@@ -22,8 +22,8 @@ import contextlib
 import logging
 from typing import Any
 
-from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
-from otelprof._run_end import DeferredSignals, EndRecord
+from otelprof._run.bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
+from otelprof._run.end import DeferredSignals, EndRecord
 from otelprof.export.counters import is_loss
 
 _log = logging.getLogger("otelprof")
