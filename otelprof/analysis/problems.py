@@ -48,13 +48,27 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
                 f"{who}: received {end['signal']} and was killed before its telemetry was "
                 "flushed; the end of the run is missing",
             )
+        if end:  # written as shutdown began; nothing after it was
+            return Finding(
+                "unfinalized",
+                f"{who}: run not finalized: its shutdown began ({end.get('recorded_by')}) but "
+                "its end and final counts were never recorded (the process was killed during "
+                "the flush, or its file system refused the last writes)",
+            )
         return Finding(
             "unfinalized",
-            f"{who}: run not finalized: the process was killed (SIGKILL, out of memory) or is "
-            "still running; the end of the run may be missing",
+            f"{who}: run not finalized: no end was recorded (the process was killed, by "
+            "SIGKILL or out of memory, is still running, or its file system refused the last "
+            "writes); the end of the run may be missing",
         )
     if end is None:
         return None
+    if end.get("flush_timed_out"):
+        return Finding(
+            "flush timed out",
+            f"{who}: shutdown's flush did not finish within its bound (a hung file system or "
+            "collector); what it still held was given up and counted as dropped",
+        )
     status = end.get("status")
     exception = end.get("exception") if isinstance(end.get("exception"), dict) else None
     if status == "exception" and exception and exception.get("type") == "KeyboardInterrupt":
@@ -75,9 +89,15 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
 
 def problems(summary: RunSummary) -> list[Finding]:
     """Crashes, signals, unfinalized processes, failed spans and dropped telemetry."""
-    from otelprof.analysis.rank_problems import lost_hosts, missing_ranks
+    from otelprof.analysis.rank_problems import claimed_twice, lost_hosts, missing_ranks
 
     found = [Finding("lost node", message) for message in lost_hosts(summary.files.run_info)]
+    found.extend(
+        Finding("rank claimed twice", message)
+        for message in claimed_twice(
+            summary.files.run_info, [dict(resource.attrs) for resource in summary.ranks]
+        )
+    )
     found.extend(f for info in summary.files.run_info if (f := _end_finding(info)) is not None)
 
     found.extend(
