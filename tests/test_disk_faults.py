@@ -85,6 +85,19 @@ def train(prof: Any, steps: int) -> None:
         prof.step()
 
 
+def report_tells_a_clean_end(run_dir: Path) -> None:
+    """`otelprof report` on the run names no kill and no unfinalized process."""
+    report = subprocess.run(
+        [sys.executable, "-m", "otelprof", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "SIGKILL" not in report.stdout and "not finalized" not in report.stdout
+
+
 def spans_in(path: Path) -> int:
     return len(read_spans(path))
 
@@ -252,15 +265,7 @@ def test_a_run_directory_remounted_read_only_mid_run_keeps_every_line_and_tells_
     assert info["stats"]["dropped_total"] == stats["dropped_total"]
     assert info["stats"]["timings.steps"] == 230
     assert _end_finding(info) is None
-    report = subprocess.run(
-        [sys.executable, "-m", "otelprof", "report", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    assert "SIGKILL" not in report.stdout and "not finalized" not in report.stdout
+    report_tells_a_clean_end(run_dir)
 
 
 def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_closing_record(
@@ -283,15 +288,7 @@ def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_clo
     assert info["stats"]["timings.steps"] == 20
     assert "dropped_total" in info["stats"]
     assert _end_finding(info) is None  # not "killed (SIGKILL, out of memory)"
-    report = subprocess.run(
-        [sys.executable, "-m", "otelprof", "report", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    assert "SIGKILL" not in report.stdout and "not finalized" not in report.stdout
+    report_tells_a_clean_end(run_dir)
 
 
 def _child_stats(script: str, tmp_path: Path, timeout: float) -> dict[str, Any]:

@@ -89,11 +89,14 @@ class RunLayout:
 
     @property
     def metrics(self) -> Path:
-        return self.run_dir / f"metrics{self.suffix}.jsonl{'.gz' if self.compress else ''}"
+        return self._data_file("metrics")
 
     @property
     def traces(self) -> Path:
-        return self.run_dir / f"traces{self.suffix}.jsonl{'.gz' if self.compress else ''}"
+        return self._data_file("traces")
+
+    def _data_file(self, kind: str) -> Path:
+        return self.run_dir / f"{kind}{self.suffix}.jsonl{'.gz' if self.compress else ''}"
 
     @property
     def files(self) -> dict[str, Path]:
