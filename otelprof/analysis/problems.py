@@ -113,6 +113,9 @@ def problems(summary: RunSummary) -> list[Finding]:
     for info in summary.files.run_info:
         stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
         assert isinstance(stats, dict)
+        if "finished_unix_nano" not in info:  # no final counts: what its exports counted
+            found.extend(_counted_by_exports(info, summary))
+            continue
         dropped = stats.get("dropped_total")
         if isinstance(dropped, int) and dropped > 0:
             lost = ", ".join(
@@ -128,6 +131,26 @@ def problems(summary: RunSummary) -> list[Finding]:
             )
     found.extend(_determined_refusals(summary))
     return found
+
+
+def _counted_by_exports(info: dict[str, Any], summary: RunSummary) -> list[Finding]:
+    """The drops a process without a recorded end had counted by its last export."""
+    resource = info.get("resource") if isinstance(info.get("resource"), dict) else {}
+    assert isinstance(resource, dict)
+    pid = resource.get("process.pid")
+    if not isinstance(pid, int):
+        return []
+    counts = summary.dropped_counted.get((str(resource.get("host.name", "unknown-host")), pid))
+    if not counts:
+        return []
+    lost = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()))
+    return [
+        Finding(
+            "dropped",
+            f"{_process_label(info)}: {sum(counts.values()):,} telemetry item(s) counted as "
+            f"dropped by its last export ({lost}); its final counts were never recorded",
+        )
+    ]
 
 
 DETERMINED_REFUSED = "determined-refused.jsonl"  # otelprof.export.determined.REFUSED_FILE
