@@ -121,3 +121,39 @@ def test_two_processes_started_at_once_with_one_run_id_one_runs_and_the_other_is
     assert names == ["metrics.jsonl", "run.json", "traces.jsonl"]  # and no claim left
     info = json.loads((run_dir / "run.json").read_text())
     assert info["resource"]["process.pid"] == winner.pid and "finished_unix_nano" in info
+
+
+HOLD_THEN_DIE = """
+import os, signal, sys
+from otelprof._run.claim import lock
+held = lock(__import__("pathlib").Path(sys.argv[1]))
+held.write_owner({"pid": os.getpid()})
+print("held", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_claim_is_refused_while_its_holder_lives_and_taken_over_once_it_died(
+    tmp_path: Path,
+) -> None:
+    from otelprof._run.claim import Taken, lock
+
+    path = tmp_path / ".run.claim"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THEN_DIE, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with pytest.raises(Taken) as taken:
+        lock(path)
+    assert taken.value.owner == {"pid": holder.pid}
+    holder.communicate("die\n", timeout=60)
+    assert holder.returncode == -9
+    claim = lock(path)  # the dead holder's lock went with it; its file is taken over
+    assert claim.locked and not claim.created
+    claim.release()
+    assert not path.exists()
