@@ -13,7 +13,6 @@ running profiler; parts are handed what they need.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -28,8 +27,11 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 
-from otelprof import _limits, _private_files
-from otelprof._run_end import DeferredSignals, EndRecord, RunEndWatcher
+from otelprof import _limits
+from otelprof._run.claim import RunClaim
+from otelprof._run.end import DeferredSignals, EndRecord, RunEndWatcher
+from otelprof._run.layout import RunLayout
+from otelprof._run.shutdown import finish_run
 from otelprof._schema import (
     ATTR_ATTEMPT,
     ATTR_LOCAL_RANK,
@@ -41,12 +43,11 @@ from otelprof._schema import (
     SCOPE,
     TELEMETRY_DROPPED,
 )
-from otelprof._shutdown import finish_run
 from otelprof._throughput import ThroughputTracker
-from otelprof.config import Settings
-from otelprof.export import ExportCounters, build_pipelines
+from otelprof.config import ConfigError, Settings
+from otelprof.export.counters import ExportCounters
 from otelprof.export.counters import is_loss as _is_loss
-from otelprof.export.wiring import file_names, file_suffix, provisional_pid
+from otelprof.export.wiring import build_pipelines
 from otelprof.resource import build_resource
 from otelprof.timings import _recorder
 from otelprof.timings._helpers import HelperSwap
@@ -70,7 +71,7 @@ def _version() -> str:
 
 class _Identity:
     """Who this process is in its job, computed once per session: the settings and the
-    environment they came from, the resource, and the ranks that name its files."""
+    environment they came from, the resource, and the layout of its files on disk."""
 
     def __init__(self, settings: Settings, env: dict[str, str], settled: bool) -> None:
         self.settings = settings
@@ -84,16 +85,16 @@ class _Identity:
         self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
         attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
-        self.provisional = None if settled else provisional_pid(self.world_size, env)
-        """This pid while the process has a world size but no rank (`provisional_pid`)."""
-
-    def file_names(self) -> tuple[str, str]:
-        """(metrics, traces) file names of this process (detached mode)."""
-        return file_names(self.world_size, self.rank, self.attempt, self.provisional)
-
-    def run_info_path(self) -> Path:
-        suffix = file_suffix(self.world_size, self.rank, self.attempt, self.provisional)
-        return self.settings.run_dir / f"run{suffix}.json"
+        self.rank_known = settled or bool(env.get("RANK"))
+        """A process group or the launcher gave the rank (else rank 0 is a guess)."""
+        self.layout = RunLayout.of(
+            settings,
+            world_size=self.world_size,
+            rank=self.rank,
+            attempt=self.attempt,
+            rank_known=self.rank_known,
+        )
+        """Where its files are (detached mode); the names may still be taken (`claim`)."""
 
 
 class _Session:
@@ -108,27 +109,31 @@ class _Session:
         self,
         identity: _Identity,
         *,
+        layout: RunLayout | None,
+        claim: RunClaim | None,
         end_run: Callable[[EndRecord], None],
         on_new_identity: Callable[[], None],
         named: Path | None = None,
+        carried: Mapping[str, int] | None = None,
+        started_ns: int | None = None,
     ) -> None:
-        """`end_run`: what a run end (exit, exception, SIGTERM) calls to shut the run down;
-        `on_new_identity`: what a process group appearing later calls; `named`: the run
-        directory this process already named on the console (a session before this one)."""
+        """`layout`/`claim`: the run's files and this process's claim on them (detached
+        mode; released when the session ends); `end_run`: what a run end (exit, exception,
+        SIGTERM) calls to shut the run down; `on_new_identity`: what a process group
+        appearing later calls; `named`: the run directory this process already named on the
+        console, `carried`: the losses counted, `started_ns`: when the run began (a session
+        before this one)."""
         self.identity = identity
         settings = self.settings = identity.settings
         self.resource = identity.resource
+        self.layout = layout
+        self._claim = claim
         self.counters = ExportCounters()
+        self._carried = dict(carried or {})
         self._closed = False
-        self._started_ns = time.time_ns()
+        self.started_ns = started_ns or time.time_ns()
         self.pipelines = build_pipelines(
-            settings,
-            self.counters,
-            world_size=identity.world_size,
-            rank=identity.rank,
-            attempt=identity.attempt,
-            local_rank=identity.local_rank,
-            provisional=identity.provisional,
+            settings, self.counters, layout=layout, local_rank=identity.local_rank
         )
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self.pipelines.metric_readers
@@ -215,31 +220,40 @@ class _Session:
             _limits.budget.over - self._over_budget_before
         )
         counts["timings.attribute_bytes_held"] = _limits.budget.held_bytes()
+        for key, value in self._carried.items():  # sessions of this run before this one
+            counts[key] = counts.get(key, 0) + value
         counts["dropped_total"] = sum(v for k, v in counts.items() if _is_loss(k))
         return counts
 
-    def shutdown(self, end: EndRecord) -> None:
+    def losses(self) -> dict[str, int]:
+        """The loss counts so far (what a next session of this run carries on)."""
+        return {k: v for k, v in self.stats().items() if _is_loss(k) and k != "dropped_total"}
+
+    def shutdown(self, end: EndRecord, *, final: bool = True) -> None:
         """Record how the run ended, flush every exporter and stop every thread; once.
         Returns within the export timeout + SHUTDOWN_MARGIN_S whatever hangs
-        (otelprof/_shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
-        written (DeferredSignals), then acts."""
+        (otelprof/_run/shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
+        written (DeferredSignals), then acts. Not `final`: the session ends, not the run (a
+        new identity goes on with it): no end is recorded."""
         with DeferredSignals() as deferred:
             with _lock:
                 if self._closed:
                     return
                 self._closed = True
-            with contextlib.suppress(Exception):
-                self.announce()
+            if final:
+                with contextlib.suppress(Exception):
+                    self.announce()
             with contextlib.suppress(Exception):
                 self.run_end.uninstall(deferred)
-            finish_run(self, end, deferred)  # otelprof/_shutdown.py
+            finish_run(self, end, deferred, final=final)  # otelprof/_run/shutdown.py
 
-    def flush_all(self, end: EndRecord) -> None:
-        """Shutdown's work, on its own thread (otelprof/_shutdown.py bounds it)."""
+    def flush_all(self, end: EndRecord, final: bool = True) -> None:
+        """Shutdown's work, on its own thread (otelprof/_run/shutdown.py bounds it)."""
         # the ending first: a SIGKILL during the flush below must not leave the run looking
         # unfinished
-        with contextlib.suppress(Exception):
-            self._mark_end(end)
+        if final:
+            with contextlib.suppress(Exception):
+                self._mark_end(end)
         # Exports still retrying after one export timeout (a collector that is down) are
         # abandoned and what they held is counted as dropped.
         watchdog = threading.Timer(self.settings.export_timeout_s, self.pipelines.abandon_exports)
@@ -354,20 +368,34 @@ class _Session:
         if self.settings.detached:
             self._write_run_info()
 
-    def finalize_run_info(self, end: EndRecord, stats: dict[str, int]) -> None:
-        """run.json with how the run ended and its final stats (otelprof/_shutdown.py)."""
-        self._end = end
-        self._write_run_info(stats)
+    def record_end(self, end: EndRecord, stats: dict[str, int], final: bool = True) -> None:
+        """The run's end and final stats: the metrics file's closing record (through the
+        descriptor its writer holds), then run.json; then the claim on the run's names goes.
+        Not `final` (a new identity goes on with the run): the files are closed, no end is
+        recorded (otelprof/_run/shutdown.py runs this off the caller's thread, bounded)."""
+        try:
+            if not final:
+                self.pipelines.end_files()
+            elif self.layout is not None:
+                self.pipelines.end_files(dict(self.resource.attributes), end, stats)
+                self._end = end
+                self._write_run_info(stats)
+        finally:
+            if self._claim is not None:
+                self._claim.release()
 
     def _write_run_info(self, stats: dict[str, int] | None = None) -> None:
+        layout = self.layout
+        if layout is None:
+            return
         s = self.settings
         info: dict[str, Any] = {
             "run_id": s.run_id,
-            "started_unix_nano": self._started_ns,
+            "started_unix_nano": self.started_ns,
             "resource": {k: v for k, v in self.resource.attributes.items()},
             "interval_s": s.interval_s,
             "endpoint": s.endpoint,
-            "files": {k: p.name for k, p in self.pipelines.files.items()},
+            "files": {k: p.name for k, p in layout.files.items()},
         }
         if self.identity.attempt is not None:
             info["attempt"] = self.identity.attempt  # elastic restart
@@ -376,20 +404,14 @@ class _Session:
         if stats is not None:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
-        path = self.identity.run_info_path()
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
-            with _private_files.open_new(tmp, s.shared_run_dir) as out:  # owner-only
-                out.write((json.dumps(info, indent=2, default=str) + "\n").encode())
-            tmp.replace(path)
+            layout.write_run_info(info)
         except OSError as error:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             self.counters.warn_once(
                 "run_json.write_error",
                 "otelprof: cannot write %s (%s); the run's end and drop counts go to the "
                 "metrics file's closing record instead, which `otelprof report` reads",
-                path,
+                layout.run_info,
                 error,
             )
 
@@ -426,10 +448,47 @@ class Profiler:
         )
         _step_at(self)
 
-    def _new_session(self, identity: _Identity, named: Path | None = None) -> _Session:
-        return _Session(
-            identity, end_run=self._end_run, on_new_identity=self._new_identity, named=named
-        )
+    def _new_session(
+        self,
+        identity: _Identity,
+        *,
+        named: Path | None = None,
+        before: _Session | None = None,
+    ) -> _Session:
+        """Claim the identity's run files (detached mode), move into them what the session
+        `before` wrote (a process group appeared later), and start the session on them."""
+        layout = claim = None
+        carried = before.losses() if before is not None else {}
+        if identity.settings.detached:
+            layout, claim = _claim_or_stay(identity, before)
+            if before is not None and before.layout is not None and before.layout != layout:
+                moved = layout.relocate_from(before.layout, identity.resource.attributes)
+                if moved.lost:
+                    carried["relocation.lines_dropped"] = moved.lost
+                if moved.error is not None:
+                    _log.warning(
+                        "otelprof: moving this process's early lines into %s: %r (%d moved, "
+                        "%d lost and counted)",
+                        layout.run_dir,
+                        moved.error,
+                        moved.lines,
+                        moved.lost,
+                    )
+        try:
+            return _Session(
+                identity,
+                layout=layout,
+                claim=claim,
+                end_run=self._end_run,
+                on_new_identity=self._new_identity,
+                named=named,
+                carried=carried,
+                started_ns=before.started_ns if before is not None else None,
+            )
+        except BaseException:
+            if claim is not None:
+                claim.release()
+            raise
 
     @property
     def _session(self) -> _Session:
@@ -464,8 +523,8 @@ class Profiler:
     @property
     def run_dir(self) -> Path | None:
         """Directory of this run's OTLP JSON Lines files (detached mode), else None."""
-        s = self.settings
-        return s.run_dir if s.detached else None
+        layout = self._session.layout
+        return layout.run_dir if layout is not None else None
 
     @property
     def files(self) -> dict[str, Path]:
@@ -555,15 +614,16 @@ class Profiler:
     def _distributed(self) -> Any:
         return self._session.distributed
 
-    def _end_run(self, end: EndRecord) -> None:
-        """Shut the current session down and stop being the active profiler."""
+    def _end_run(self, end: EndRecord, final: bool = True) -> None:
+        """Shut the current session down and stop being the active profiler (not `final`:
+        for a new session of the same run, `_new_identity`)."""
         global _active
         with _lock:
             if _active is self and not self._session.closed:
                 _active = None
         if _stepping is self:
             _step_at(None)
-        self._session.shutdown(end)
+        self._session.shutdown(end, final=final)
 
     def _new_identity(self) -> None:
         """A process group appeared after `instrument()`: restart under its ranks (see
@@ -585,22 +645,41 @@ class Profiler:
             return
         _log.info("otelprof: process group found; restarting as rank %s of %s",
                   env.get("RANK"), env.get("WORLD_SIZE"))  # fmt: skip
-        old_files = dict(session.pipelines.files)
         named = session.settings.run_dir if session.announced else None
         session.announced = True  # unnamed yet: its files move to the group's, never name it
-        self.shutdown()
+        self._end_run(session.run_end.end_record("new identity"), final=False)
         new = _Identity(Settings.from_options(env=env, **options), env, settled=True)
-        if new.settings.detached:
-            metrics, traces = new.file_names()
-            run_dir = new.settings.run_dir
-            new_files = {"metrics": run_dir / metrics, "traces": run_dir / traces}
-            identity.relocate(
-                old_files, new_files, new.resource.attributes, new.settings.shared_run_dir
-            )
         with _lock:
-            self._current = self._new_session(new, named)
+            self._current = self._new_session(new, named=named, before=session)
             _active = self
         _step_at(self)
+
+
+def _claim_or_stay(identity: _Identity, before: _Session | None) -> tuple[RunLayout, RunClaim]:
+    """The identity's files, claimed (files of its own where another live process holds its
+    names and it is past raising: a session `before` this one). If they cannot be claimed
+    at all then (the directory cannot be made), the run stays in the files it began in."""
+    # past raising (a process group's hook), or a rank that was only guessed (a child of
+    # mp.spawn before its group: its siblings guessed the same names)
+    guessed = not identity.rank_known and _may_join_a_group(identity.env)
+    try:
+        layout, claim = identity.layout.claim(
+            identity.settings.run_id, own_files_if_taken=before is not None or guessed
+        )
+    except ConfigError as error:
+        if before is None or before.layout is None:
+            raise
+        _log.warning("otelprof: %s; this process's files stay in %s", error, before.layout.run_dir)
+        return before.layout.claim(identity.settings.run_id, own_files_if_taken=True)
+    if layout != identity.layout and before is not None:  # settled ranks: said, and flagged
+        _log.warning(  # by the report (a guessed rank's own files are expected: said at INFO)
+            "otelprof: %s (rank %s) is being written by another live process; this one writes "
+            "%s instead (two runs with one run id?)",
+            identity.layout.run_info,
+            identity.rank,
+            layout.run_info.name,
+        )
+    return layout, claim
 
 
 def _degrade(what: str, start: Any) -> Any:
@@ -661,11 +740,10 @@ def instrument(**options: Any) -> Profiler:
                 )
             return Profiler(_owner=_active)
         from otelprof._distributed.identity import resolve
-        from otelprof.export.wiring import refuse_reused_run
 
         env, resolved, settled = resolve(options)
         settings = Settings.from_options(env=env, **resolved)
-        refuse_reused_run(settings, env)
+        # the run's files are claimed first: a ConfigError if another run has them
         _active = Profiler(settings, env=env, options=options, settled=settled)
         return _active
 

@@ -7,7 +7,9 @@ pattern: no launcher environment, ranks only from the process group). Options:
 with `--slow-at STEP`, at that step only); `--validate-every N` runs a validation phase of
 three batches (each with an all-reduce) after every N steps;
 `--raise-rank R --raise-at STEP` raises there; `--kill-rank R --kill-at STEP` SIGKILLs itself;
-`--instrument-first` calls otelprof.instrument() before init_process_group;
+`--instrument-first` calls otelprof.instrument() before init_process_group (and
+`--early-steps N` trains N steps, without DDP, before the group exists);
+`--meet-dir DIR --meet-count N` waits, after training, until N processes (of any job) came;
 `--forget-local-rank` drops LOCAL_RANK first (a launcher that sets none: otelprof learns the
 local rank from the host names the ranks share).
 """
@@ -50,6 +52,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-at", type=int, default=10)
     p.add_argument("--fail-attempt", type=int, default=-1, help="fail only in this attempt")
     p.add_argument("--instrument-first", action="store_true")
+    p.add_argument("--early-steps", type=int, default=0, help="with --instrument-first")
+    p.add_argument("--meet-dir", default="")
+    p.add_argument("--meet-count", type=int, default=0)
     p.add_argument("--forget-local-rank", action="store_true")
     p.add_argument("--step-sleep-ms", type=float, default=2.0)
     return p.parse_args(argv)
@@ -62,6 +67,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     children: list[subprocess.Popen[bytes]] = []
     if args.instrument_first:
         prof = otelprof.instrument()
+        for _ in range(args.early_steps):  # under a provisional identity: no group yet
+            with otelprof.timing("dataloader_next"):
+                time.sleep(args.step_sleep_ms / 1000)
+            prof.step()
     if args.lightning_like:
         prof = otelprof.instrument()  # at import time of the script, before the launcher
         children = _launch_like_lightning(args.lightning_like)
@@ -106,11 +115,24 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 if args.validate_every and step % args.validate_every == args.validate_every - 1:
                     _validate(prof, model, data)
             dist.barrier()
+            if args.meet_dir:
+                _meet(args.meet_dir, args.meet_count)
     finally:
         dist.destroy_process_group()
         codes = [child.wait(timeout=120) for child in children]
         if any(codes):
             raise SystemExit(f"child processes exited with {codes}")
+
+
+def _meet(directory: str, count: int) -> None:
+    """Wait until `count` processes (of this job or others) have come here: their runs are
+    all alive at once."""
+    open(os.path.join(directory, f"{socket.gethostname()}-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(directory)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(os.listdir(directory))} of {count} processes came")
+        time.sleep(0.05)
 
 
 def _validate(prof: otelprof.Profiler, model: torch.nn.Module, data: torch.Tensor) -> None:

@@ -1,8 +1,10 @@
 """Run files under disk faults: every byte readable or counted, the run's end always told.
 
 Real faults, made by the test: a small tmpfs filled up and freed, remounted read-only, a run
-directory deleted mid-run, a run.json whose rewrite fails. Needs root (CI runs as root) for
-the tmpfs; without it the tests fail saying so.
+directory deleted mid-run or bind-remounted read-only, a run.json whose rewrite fails, an
+ext4 image frozen (`fsfreeze`) while shutdown() runs. Needs root (CI runs as root) for the
+mounts; without it the tests fail saying so (the frozen image is skipped, with the reason,
+only where loop devices cannot be mounted at all).
 """
 
 from __future__ import annotations
@@ -81,6 +83,19 @@ def train(prof: Any, steps: int) -> None:
         with otelprof.timing("train_batch"):
             time.sleep(0.002)
         prof.step()
+
+
+def report_tells_a_clean_end(run_dir: Path) -> None:
+    """`otelprof report` on the run names no kill and no unfinalized process."""
+    report = subprocess.run(
+        [sys.executable, "-m", "otelprof", "report", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    assert "SIGKILL" not in report.stdout and "not finalized" not in report.stdout
 
 
 def spans_in(path: Path) -> int:
@@ -210,6 +225,49 @@ def test_a_read_only_run_directory_is_logged_with_the_reason_and_losses_are_coun
     assert not [r for r in caplog.records if r.exc_info]
 
 
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gzip"])
+def test_a_run_directory_remounted_read_only_mid_run_keeps_every_line_and_tells_its_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, compress: bool
+) -> None:
+    caplog.set_level(logging.WARNING)
+    prof = otelprof.instrument(
+        output_dir=tmp_path, interval=0.1, trace_budget=float("inf"), compress=compress
+    )
+    run_dir = prof.run_dir
+    assert run_dir is not None
+    train(prof, 30)
+    # the run directory read-only from now on (its files open for writing stay writable, as
+    # after `mount -o remount,ro` of a bind mount): nothing can be created or renamed there
+    mounted = subprocess.run(["mount", "--bind", str(run_dir), str(run_dir)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot bind-mount (these tests need root): {mounted.stderr!r}")
+    try:
+        remount = ["mount", "-o", "remount,ro,bind", str(run_dir)]
+        subprocess.run(remount, check=True, capture_output=True)
+        with pytest.raises(OSError, match="Read-only file system"):
+            (run_dir / "probe").touch()
+        train(prof, 200)
+        prof.shutdown()
+    finally:
+        subprocess.run(["umount", str(run_dir)], capture_output=True)
+    stats = prof.stats()
+    gz = ".gz" if compress else ""
+    spans = read_spans(run_dir / f"traces.jsonl{gz}")
+    assert [s.name for s in spans].count("step") == 230  # every line survived
+    assert len(spans) == stats["files.spans_exported"]
+    messages = [r.getMessage() for r in caplog.records]
+    run_json = [m for m in messages if "cannot write" in m and "run.json" in m]
+    assert len(run_json) == 1 and "Read-only file system" in run_json[0], messages
+    assert "finished_unix_nano" not in json.loads((run_dir / "run.json").read_text())
+    # ... but the closing record went through the metrics file's own descriptor
+    (info,) = open_run([run_dir]).run_info
+    assert info["end"]["status"] == "clean", info
+    assert info["stats"]["dropped_total"] == stats["dropped_total"]
+    assert info["stats"]["timings.steps"] == 230
+    assert _end_finding(info) is None
+    report_tells_a_clean_end(run_dir)
+
+
 def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_closing_record(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -230,15 +288,7 @@ def test_a_run_json_that_cannot_be_rewritten_leaves_the_end_and_drops_to_the_clo
     assert info["stats"]["timings.steps"] == 20
     assert "dropped_total" in info["stats"]
     assert _end_finding(info) is None  # not "killed (SIGKILL, out of memory)"
-    report = subprocess.run(
-        [sys.executable, "-m", "otelprof", "report", str(run_dir)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    assert "SIGKILL" not in report.stdout and "not finalized" not in report.stdout
+    report_tells_a_clean_end(run_dir)
 
 
 def _child_stats(script: str, tmp_path: Path, timeout: float) -> dict[str, Any]:
@@ -291,7 +341,7 @@ report_shutdown(prof)
 
 
 def test_shutdown_returns_within_its_bound_when_file_writes_hang(tmp_path: Path) -> None:
-    from otelprof._bounded import SHUTDOWN_MARGIN_S
+    from otelprof._run.bounded import SHUTDOWN_MARGIN_S
 
     result = _child_stats(HUNG_WRITE, tmp_path, timeout=60)
     # the documented bound, plus slack for a loaded machine (correctness, not speed)
@@ -299,6 +349,104 @@ def test_shutdown_returns_within_its_bound_when_file_writes_hang(tmp_path: Path)
     assert result["shutdown.flush_timeouts"] == 1, result
     assert result["files.spans_dropped_shutdown_timeout"] > 0, result
     assert result["dropped_total"] > 0
+
+
+@pytest.fixture
+def ext4_image(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB ext4 image of the test's own, loop-mounted (tmpfs cannot be frozen); thawed
+    and unmounted afterwards whatever happens."""
+    image, mount = tmp_path / "fs.img", tmp_path / "ext4"
+    mount.mkdir()
+    with image.open("wb") as out:
+        out.truncate(64 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.fail(f"cannot make an ext4 image (mkfs.ext4, e2fsprogs): {made.stderr.strip()}")
+    done = subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mount)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot loop-mount an ext4 image here (no loop devices?): {done.stderr}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["fsfreeze", "-u", str(mount)], capture_output=True)
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+FROZEN = """
+prof = otelprof.instrument(output_dir=sys.argv[1], interval=0.2, export_timeout=3,
+                           trace_budget=float("inf"), host_metrics=False)
+train(prof, 200)
+print("trained", prof.run_dir, flush=True)
+sys.stdin.readline()  # the test froze the file system of the run directory
+report_shutdown(prof)
+sys.stdin.readline()  # the test thawed it, and saw the end recorded
+"""
+
+
+def _line(child: subprocess.Popen[str], timeout: float) -> str:
+    import select
+
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], timeout)
+    assert ready, f"no line from the child within {timeout} s"
+    return child.stdout.readline().strip()
+
+
+def _say(child: subprocess.Popen[str], line: str) -> None:
+    assert child.stdin is not None
+    child.stdin.write(line + "\n")
+    child.stdin.flush()
+
+
+def test_shutdown_returns_within_its_bound_on_a_frozen_file_system_and_the_end_follows_the_thaw(
+    tmp_path: Path, ext4_image: Path
+) -> None:
+    from otelprof._run.bounded import SHUTDOWN_MARGIN_S
+
+    script = tmp_path / "child.py"
+    script.write_text(CHILD_PRELUDE + FROZEN)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(ext4_image)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        said, run_dir = _line(child, 180).split()
+        assert said == "trained"
+        subprocess.run(["fsfreeze", "-f", str(ext4_image)], check=True)
+        try:
+            _say(child, "shut down")
+            result = json.loads(_line(child, 60))
+        finally:
+            subprocess.run(["fsfreeze", "-u", str(ext4_image)], check=True)
+        # the end, written in the background once the file system is back (the process lives)
+        deadline = time.monotonic() + 60
+        while True:
+            (info,) = open_run([Path(run_dir)]).run_info
+            if "finished_unix_nano" in info or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        _say(child, "exit")
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+        assert child.stderr is not None
+        stderr = child.stderr.read()
+    # the documented bound, plus slack for a loaded machine (correctness, not speed)
+    assert result["took"] < 3 + SHUTDOWN_MARGIN_S + 3, (result, stderr)
+    assert result["shutdown.flush_timeouts"] == 1, result
+    assert "abandoned" in stderr
+    assert info["end"]["status"] == "clean" and info["end"]["flush_timed_out"] is True, info
+    assert info["stats"]["dropped_total"] == result["dropped_total"], (info, result)
+    finding = _end_finding(info)
+    assert finding is not None and "did not finish within its bound" in finding.message
 
 
 HUNG_COLLECTOR = """
@@ -314,7 +462,7 @@ report_shutdown(prof)
 
 
 def test_shutdown_returns_within_its_bound_when_the_collector_hangs(tmp_path: Path) -> None:
-    from otelprof._bounded import SHUTDOWN_MARGIN_S
+    from otelprof._run.bounded import SHUTDOWN_MARGIN_S
 
     result = _child_stats(HUNG_COLLECTOR, tmp_path, timeout=90)
     assert result["took"] < 2 + SHUTDOWN_MARGIN_S + 3, result

@@ -437,12 +437,21 @@ def test_a_process_launched_without_its_rank_names_its_files_after_its_pid(
     pid = os.getpid()
     launched = {"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     settings = Settings.from_options(output_dir=str(tmp_path), run_id="job", env=launched)
-    early = _Identity(settings, launched, settled=False)
-    assert early.file_names() == (f"metrics.pid{pid}.jsonl", f"traces.pid{pid}.jsonl")
-    assert early.run_info_path().name == f"run.pid{pid}.json"
+    early = _Identity(settings, launched, settled=False).layout
+    assert (early.metrics.name, early.traces.name) == (
+        f"metrics.pid{pid}.jsonl",
+        f"traces.pid{pid}.jsonl",
+    )
+    assert early.run_info.name == f"run.pid{pid}.json"
     grouped = {**launched, "RANK": "1"}  # what the process group says
-    settings = Settings.from_options(output_dir=str(tmp_path), run_id="job", env=grouped)
-    final = _Identity(settings, grouped, settled=True)
-    assert final.file_names() == ("metrics.rank1.jsonl", "traces.rank1.jsonl")
+    settings = Settings.from_options(
+        output_dir=str(tmp_path), run_id="job", env=grouped, compress=True
+    )
+    final = _Identity(settings, grouped, settled=True).layout
+    assert (final.metrics.name, final.traces.name) == (
+        "metrics.rank1.jsonl.gz",
+        "traces.rank1.jsonl.gz",
+    )
+    assert final.run_info.name == "run.rank1.json"
     # a launcher that gives the rank (torchrun): its own names before any group
-    assert _Identity(settings, grouped, settled=False).file_names()[0] == "metrics.rank1.jsonl"
+    assert _Identity(settings, grouped, settled=False).layout.metrics == final.metrics

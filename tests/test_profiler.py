@@ -81,6 +81,17 @@ def test_bad_configuration_raises_before_anything_starts(tmp_path: Path) -> None
     assert otelprof.active_profiler() is None
 
 
+def test_an_output_dir_no_run_can_be_made_in_is_a_config_error_naming_it_and_why() -> None:
+    # /proc takes no new directory, even from root: mkdir fails where the check cannot tell
+    with pytest.raises(
+        otelprof.ConfigError,
+        match=r"output directory '/proc/otelprof-nope': cannot make the run directory "
+        r"'/proc/otelprof-nope/r1' \(No such file or directory\)",
+    ):
+        otelprof.instrument(output_dir="/proc/otelprof-nope", run_id="r1")
+    assert otelprof.active_profiler() is None
+
+
 def test_detached_mode_writes_metrics_and_spans_as_otlp_json_lines(tmp_path: Path) -> None:
     with otelprof.instrument(output_dir=tmp_path, interval=0.2, service_name="unit") as prof:
         small_loop(5)

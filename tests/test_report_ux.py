@@ -211,7 +211,7 @@ def test_killed_process_shows_as_unfinalized(
     (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     text = report(capsys, str(run))
     assert text.index("unfinalized") < text.index("verdict")
-    assert "run not finalized: the process was killed" in text
+    assert "run not finalized: no end was recorded (the process was killed" in text
 
 
 def test_registered_section_shows_in_text_html_and_json(

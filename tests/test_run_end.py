@@ -205,14 +205,34 @@ def test_a_sigterm_during_the_final_flush_waits_for_it_then_ends_the_process(
     assert names.count("step") == 5 and names.count("train_batch") == 5
 
 
-def test_sigkill_leaves_the_run_unfinalized(tmp_path: Path) -> None:
-    child = _child(tmp_path, "otelprof.instrument(interval=0.2)\nloop()\n")
+def test_sigkill_leaves_the_run_unfinalized_and_the_report_says_so_with_the_drops_counted(
+    tmp_path: Path,
+) -> None:
+    # a trace file cap that drops spans: counted, and each metrics line carries the count
+    child = _child(tmp_path, "otelprof.instrument(interval=0.2, max_trace_bytes=20000)\nloop()\n")
     _wait_ready(tmp_path, child)
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "runs"
+    while not any(b"spans_dropped_size_cap" in p.read_bytes() for p in metrics.glob("*/metrics*")):
+        assert time.monotonic() < deadline, "no metrics line counted the dropped spans"
+        time.sleep(0.1)
     child.send_signal(signal.SIGKILL)
     code, _ = _finish(child)
     assert code == -signal.SIGKILL
     info = _run_json(tmp_path)
     assert "finished_unix_nano" not in info and "end" not in info
+    (run,) = list((tmp_path / "runs").iterdir())
+    report = subprocess.run(
+        [sys.executable, "-m", "otelprof", "report", "--width", "400", str(run)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    # no guess at the cause: what is known (no end recorded), and what it had lost
+    assert "run not finalized: no end was recorded" in report.stdout, report.stdout
+    assert "counted as dropped by its last export (files.spans_dropped_size_cap" in report.stdout
 
 
 def test_exception_leaving_the_with_block_is_recorded_and_propagates(tmp_path: Path) -> None:

@@ -10,31 +10,26 @@ in two places:
   differs from the one the profiler started with, the profiler restarts under the right
   identity. What it had already written (a few seconds of metrics, usually) is moved into
   the agreed run directory, relabelled with the right ranks, so nothing is lost or left in a
-  stray directory.
+  stray directory (`RunLayout.relocate_from`, otelprof/_run/layout.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from otelprof import _private_files
 from otelprof._distributed import ranks
 from otelprof._patch import Patches
-from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
+from otelprof._schema import ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import ENVIRONMENT
 
 _log = logging.getLogger("otelprof")
 
 _INIT = "init_process_group"
-RANK_KEYS = (ATTR_RANK, ATTR_LOCAL_RANK, ATTR_WORLD_SIZE, ATTR_ATTEMPT)
 TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
 
 
@@ -97,103 +92,6 @@ def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
         if str(resource.get(key)) != env.get(variable):
             return True
     return False
-
-
-def relocate(
-    old: Mapping[str, Path],
-    new: Mapping[str, Path],
-    resource: Mapping[str, Any],
-    shared: bool = False,
-) -> None:
-    """Move what this process wrote before its identity was known into its new files, with
-    the rank attributes of `resource`. Only this process's lines move (ranks that shared a
-    run id wrote the same pre-rank file names); emptied files and directories are removed.
-    The files it makes are owner-only like every run file (`shared`: group-readable)."""
-    pid = resource.get("process.pid")
-    for signal, source in old.items():
-        target = new.get(signal)
-        if target is None or source == target or not source.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with _dir_lock(source.parent):
-            mine: list[str] = []
-            others: list[str] = []
-            with source.open(encoding="utf-8") as lines:
-                for line in lines:
-                    request = _parse(line)
-                    (mine if request is None or _pid(request) == pid else others).append(line)
-            with _private_files.open_append(target, shared) as out:
-                out.writelines(_relabel(line, resource).encode() for line in mine)
-            if others:
-                tmp = source.with_suffix(f".tmp{os.getpid()}")
-                with _private_files.open_new(tmp, shared) as rest:
-                    rest.write("".join(others).encode())
-                tmp.replace(source)
-            else:
-                source.unlink()
-    new_dirs = {p.parent for p in new.values()}
-    for directory in {p.parent for p in old.values()}:
-        for info in directory.glob("run*.json"):
-            with contextlib.suppress(Exception):
-                if json.loads(info.read_text()).get("resource", {}).get("process.pid") == pid:
-                    info.unlink()
-        if directory not in new_dirs:
-            with contextlib.suppress(OSError):
-                (directory / ".otelprof-relocate.lock").unlink()
-                directory.rmdir()
-        elif not any(p.parent == directory and p.exists() for p in old.values()):
-            # the job's directory (rank 0 kept its own): no pre-rank file is left for
-            # another process to move, so nobody needs the lock any more
-            with contextlib.suppress(OSError):
-                (directory / ".otelprof-relocate.lock").unlink()
-
-
-@contextlib.contextmanager
-def _dir_lock(directory: Path) -> Iterator[None]:
-    import fcntl
-
-    with (directory / ".otelprof-relocate.lock").open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _parse(line: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(line)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _pid(request: dict[str, Any]) -> Any:
-    for key in ("resourceMetrics", "resourceSpans"):
-        for item in request.get(key, ()):
-            for attr in item.get("resource", {}).get("attributes", ()):
-                if attr.get("key") == "process.pid":
-                    value = attr.get("value", {})
-                    raw = value.get("intValue", value.get("stringValue"))
-                    with contextlib.suppress(TypeError, ValueError):
-                        return int(raw)
-    return None
-
-
-def _relabel(line: str, resource: Mapping[str, Any]) -> str:
-    try:
-        request = json.loads(line)
-    except ValueError:
-        return line if line.endswith("\n") else line + "\n"  # kept as is; the reader warns
-    for key in ("resourceMetrics", "resourceSpans"):
-        for item in request.get(key, ()):
-            attrs = item.setdefault("resource", {}).setdefault("attributes", [])
-            kept = [a for a in attrs if a.get("key") not in RANK_KEYS]
-            for name in RANK_KEYS:
-                if isinstance(resource.get(name), int):
-                    kept.append({"key": name, "value": {"intValue": str(resource[name])}})
-            item["resource"]["attributes"] = kept
-    return json.dumps(request, separators=(",", ":")) + "\n"
 
 
 class InitProcessGroupHook:

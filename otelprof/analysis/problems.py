@@ -48,13 +48,27 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
                 f"{who}: received {end['signal']} and was killed before its telemetry was "
                 "flushed; the end of the run is missing",
             )
+        if end:  # written as shutdown began; nothing after it was
+            return Finding(
+                "unfinalized",
+                f"{who}: run not finalized: its shutdown began ({end.get('recorded_by')}) but "
+                "its end and final counts were never recorded (the process was killed during "
+                "the flush, or its file system refused the last writes)",
+            )
         return Finding(
             "unfinalized",
-            f"{who}: run not finalized: the process was killed (SIGKILL, out of memory) or is "
-            "still running; the end of the run may be missing",
+            f"{who}: run not finalized: no end was recorded (the process was killed, by "
+            "SIGKILL or out of memory, is still running, or its file system refused the last "
+            "writes); the end of the run may be missing",
         )
     if end is None:
         return None
+    if end.get("flush_timed_out"):
+        return Finding(
+            "flush timed out",
+            f"{who}: shutdown's flush did not finish within its bound (a hung file system or "
+            "collector); what it still held was given up and counted as dropped",
+        )
     status = end.get("status")
     exception = end.get("exception") if isinstance(end.get("exception"), dict) else None
     if status == "exception" and exception and exception.get("type") == "KeyboardInterrupt":
@@ -75,9 +89,15 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
 
 def problems(summary: RunSummary) -> list[Finding]:
     """Crashes, signals, unfinalized processes, failed spans and dropped telemetry."""
-    from otelprof.analysis.rank_problems import lost_hosts, missing_ranks
+    from otelprof.analysis.rank_problems import claimed_twice, lost_hosts, missing_ranks
 
     found = [Finding("lost node", message) for message in lost_hosts(summary.files.run_info)]
+    found.extend(
+        Finding("rank claimed twice", message)
+        for message in claimed_twice(
+            summary.files.run_info, [dict(resource.attrs) for resource in summary.ranks]
+        )
+    )
     found.extend(f for info in summary.files.run_info if (f := _end_finding(info)) is not None)
 
     found.extend(
@@ -93,6 +113,9 @@ def problems(summary: RunSummary) -> list[Finding]:
     for info in summary.files.run_info:
         stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
         assert isinstance(stats, dict)
+        if "finished_unix_nano" not in info:  # no final counts: what its exports counted
+            found.extend(_counted_by_exports(info, summary))
+            continue
         dropped = stats.get("dropped_total")
         if isinstance(dropped, int) and dropped > 0:
             lost = ", ".join(
@@ -108,6 +131,26 @@ def problems(summary: RunSummary) -> list[Finding]:
             )
     found.extend(_determined_refusals(summary))
     return found
+
+
+def _counted_by_exports(info: dict[str, Any], summary: RunSummary) -> list[Finding]:
+    """The drops a process without a recorded end had counted by its last export."""
+    resource = info.get("resource") if isinstance(info.get("resource"), dict) else {}
+    assert isinstance(resource, dict)
+    pid = resource.get("process.pid")
+    if not isinstance(pid, int):
+        return []
+    counts = summary.dropped_counted.get((str(resource.get("host.name", "unknown-host")), pid))
+    if not counts:
+        return []
+    lost = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()))
+    return [
+        Finding(
+            "dropped",
+            f"{_process_label(info)}: {sum(counts.values()):,} telemetry item(s) counted as "
+            f"dropped by its last export ({lost}); its final counts were never recorded",
+        )
+    ]
 
 
 DETERMINED_REFUSED = "determined-refused.jsonl"  # otelprof.export.determined.REFUSED_FILE

@@ -4,12 +4,14 @@ Each process of a job writes `run.rank<N>[.attempt<K>].json` when it starts otel
 rank with no such file never started it (crashed before `instrument()`, or wrote elsewhere).
 A node of a multi-node job whose ranks all stopped without recording an end, while other
 nodes' ranks recorded theirs, is a lost node (`host.name` in each run file says where a rank
-ran).
+ran). Two processes that claim one rank of one attempt (a job started twice with one run id
+where nothing kept the second out: another host's process on a file system without locks,
+or a run written before otelprof claimed its files) mix their telemetry in the run's figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -77,4 +79,37 @@ def lost_hosts(run_info: Iterable[dict[str, Any]]) -> list[str]:
                     "node died, its processes were killed, or it lost the network); its "
                     "telemetry ends at its last export"
                 )
+    return out
+
+
+def claimed_twice(
+    run_info: Iterable[dict[str, Any]], resources: Iterable[Mapping[str, Any]] = ()
+) -> list[str]:
+    """One message per rank of a run (and attempt) that more than one process claimed: in
+    its run files (`run_info`) or in the data (`resources`: each process's resource)."""
+    claims: dict[tuple[str, int, int], set[tuple[str, int]]] = {}
+    for resource in [*(info.get("resource") for info in run_info), *resources]:
+        if not isinstance(resource, Mapping):
+            continue
+        rank, pid = resource.get("otelprof.rank"), resource.get("process.pid")
+        if not isinstance(rank, int) or not isinstance(pid, int):
+            continue
+        attempt = resource.get("otelprof.attempt")
+        key = (
+            str(resource.get("otelprof.run_id", "")),
+            attempt if isinstance(attempt, int) else 0,
+            rank,
+        )
+        claims.setdefault(key, set()).add((str(resource.get("host.name", "")), pid))
+    out = []
+    for (run_id, attempt, rank), processes in sorted(claims.items()):
+        if len(processes) < 2:
+            continue
+        where = f"run {run_id}" + (f", attempt {attempt}" if attempt else "")
+        names = ", ".join(f"pid {pid} on {host}" for host, pid in sorted(processes)[:8])
+        out.append(
+            f"{where}: rank {rank} was claimed by {len(processes)} processes ({names}): two runs "
+            "started with one run id wrote into one directory, and its figures mix them; give "
+            "each run its own run_id"
+        )
     return out

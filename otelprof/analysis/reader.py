@@ -22,7 +22,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
-from otelprof._closing_record import CLOSING_METRIC, completed_by_closing_record
+from otelprof._run.closing_record import CLOSING_METRIC, completed_by_closing_record
 from otelprof._schema import TIMING_HISTOGRAM as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist

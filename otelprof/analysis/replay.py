@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from otelprof._closing_record import is_closing_request
+from otelprof._run.closing_record import is_closing_request
 from otelprof.analysis.reader import MALFORMED, ReadStats, RunFiles, Warn, iter_lines
 
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})

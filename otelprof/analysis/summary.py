@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import (
+    ATTR_EPOCH,
+    ATTR_REASON,
+    ATTR_SOURCE,
+    ATTR_STEP,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    TELEMETRY_DROPPED,
+)
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
@@ -225,6 +233,9 @@ class RunSummary:
     series_over_limit: int = 0  # metric points of series beyond the report's series cap
     throughput: list[PhaseThroughput] = field(default_factory=list)  # throughput_pass.py
     plan: ReadPlan = field(default_factory=ReadPlan.whole)  # the parts of the files read
+    dropped_counted: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
+    """(host, pid) -> the drops its last `otelprof.telemetry.dropped` export counted, by
+    `source.reason`: what a process whose final counts were never recorded had lost."""
 
     @property
     def step_total_s(self) -> float:
@@ -581,8 +592,15 @@ class _FilePass:
 
     def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
         counters: dict[str, float] = {}
-        for (name, _resource, _attrs), (_time, value) in self.latest.items():
+        dropped: dict[tuple[str, int], dict[str, int]] = {}
+        for (name, resource, attrs), (_time, value) in self.latest.items():
             counters[name] = counters.get(name, 0.0) + value
+            pid = resource.get("process.pid")
+            if name == TELEMETRY_DROPPED and value and isinstance(pid, int):
+                point = dict(attrs)
+                why = f"{point.get(ATTR_SOURCE, '')}.{point.get(ATTR_REASON, '')}"
+                counts = dropped.setdefault((resource.host, pid), {})
+                counts[why] = counts.get(why, 0) + int(value)
         self.read.total_bytes += plan.total_bytes
         summary = RunSummary(
             files=files,
@@ -603,6 +621,7 @@ class _FilePass:
             stragglers=self.stragglers.result(),
             throughput=self.work.result(),
             plan=plan,
+            dropped_counted=dropped,
         )
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(

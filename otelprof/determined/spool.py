@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from otelprof import _private_files as private
+from otelprof._run import private_files as private
 from otelprof.determined.aggregate import Report
 from otelprof.determined.mapping import GaugeSample, TimingSample
 

@@ -18,10 +18,11 @@ a directory someone deleted is not silently brought back; see README "Disk fault
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
-from otelprof import _private_files
+from otelprof._run import private_files
 
 WRITTEN = "written"
 WRITE_ERROR = "write_error"
@@ -40,13 +41,16 @@ class WholeRecordFile:
         self._dirty = False
         self.gone = False
         self.last_error: OSError | None = None
+        self._closed = False
 
     def open(self) -> None:
         """Open (create) the file now; raises OSError (callers that must not fail catch it)."""
         if self._fd is not None:
             return
+        if self._closed:
+            raise OSError(errno.EBADF, "closed", str(self.path))
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        fd = os.open(self.path, flags, _private_files.file_mode_in(self.path.parent))
+        fd = os.open(self.path, flags, private_files.file_mode_in(self.path.parent))
         stat = os.fstat(fd)
         self._fd = fd
         self._identity = (stat.st_dev, stat.st_ino)
@@ -105,7 +109,13 @@ class WholeRecordFile:
         self._dirty = False
         return True
 
+    @property
+    def closed(self) -> bool:
+        """Closed for good (`close()`); a file not opened yet is not closed."""
+        return self._closed
+
     def close(self) -> None:
+        self._closed = True
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

@@ -4,26 +4,26 @@ Why: run.json is rewritten at the end of a run to say how it ended and what was 
 that rewrite fails (a read-only remount, a full disk, a replaced directory), the report
 could not tell a clean close from a SIGKILL and the drop counts vanished. So, after the
 last export, `shutdown()` appends one more OTLP JSON line to the metrics file (before it
-rewrites run.json): a gauge `otelprof.run.end` = 1 whose point carries the end record
-(`otelprof.end`, JSON) and the run's counts (`otelprof.stats`, JSON). It is ordinary OTLP
+rewrites run.json), through the descriptor the file's writer has held since the run began
+(so a directory remounted read-only or made unwritable since does not stop it): a gauge
+`otelprof.run.end` = 1 whose point carries the end record (`otelprof.end`, JSON) and the
+run's counts (`otelprof.stats`, JSON). It is ordinary OTLP
 (the collector's otlpjsonfile receiver and `replay` pass it on as a gauge), written whole
 or not at all, and never past the metrics file's size cap. The reading side (which the
-report uses to fill an unfinalized run.json) is otelprof/_closing_record.py.
+report uses to fill an unfinalized run.json) is otelprof/_run/closing_record.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip
 import json
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from otelprof._closing_record import CLOSING_METRIC
-from otelprof.export._appendfile import WRITTEN, WholeRecordFile
+from otelprof._run.closing_record import CLOSING_METRIC
+from otelprof.export._appendfile import GONE, WRITE_ERROR, WRITTEN
+from otelprof.export._metriclines import SIZE_CAP, MetricLineStream
 from otelprof.export._spanlines import encode_attributes
 
 _log = logging.getLogger("otelprof.export")
@@ -52,33 +52,27 @@ def closing_line(
 
 
 def write_closing_record(
-    path: Path,
+    stream: MetricLineStream,
     resource: Mapping[str, Any],
     end: Mapping[str, Any],
     stats: Mapping[str, int],
-    *,
-    compress: bool = False,
-    max_bytes: int | None = None,
 ) -> bool:
-    """Append the closing record to the metrics file `path`; False (logged) if it could not."""
-    data = closing_line(resource, end, stats)
-    if compress:
-        data = gzip.compress(data, compresslevel=6)
-    out = WholeRecordFile(path)
-    try:
-        out.open()
-        if max_bytes is not None and out.size + len(data) > max_bytes:
-            _log.warning("otelprof: no closing record in %s: it is at its size cap", path)
-            return False
-        outcome = out.append(data)
-    except OSError as error:
-        outcome, out.last_error = "write_error", error
-    finally:
-        with contextlib.suppress(OSError):
-            out.close()
-    if outcome != WRITTEN:
-        _log.warning(
-            "otelprof: cannot write the closing record to %s (%s)", path, out.last_error or outcome
-        )
-        return False
-    return True
+    """Append the closing record through the metrics file's own descriptor and close it;
+    False (logged with the reason) if it could not be written."""
+    outcome = stream.end(closing_line(resource, end, stats))
+    if outcome == WRITTEN:
+        return True
+    if outcome == SIZE_CAP:
+        why = "it is at its size cap"
+    elif outcome == GONE:
+        why = "the file is gone (its run directory removed)"
+    elif outcome == WRITE_ERROR:
+        why = str(stream.last_error or "write error")
+    else:
+        why = f"the file was {outcome} before"
+    _log.warning(
+        "otelprof: cannot write the closing record (the run's end and drop counts) to %s: %s",
+        stream.path,
+        why,
+    )
+    return False

@@ -32,6 +32,7 @@ from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
 MAX_RESERVE_BYTES = 16 << 20
+SIZE_CAP = "size_cap"
 
 
 def default_reserve(max_bytes: int | None) -> int:
@@ -71,8 +72,11 @@ class MetricLineStream:
         """Why the last flush wrote nothing (`write_error`, `run_dir_gone`), else None: a
         failed write leaves nothing of the line in the file (see `WholeRecordFile`)."""
         self.closed = False
-        if not compress:
-            self._out.open()  # a plain file exists from the start, as the SDK exporter made it
+        self._lock = threading.Lock()  # the closing record may come from another thread
+        # The file exists, and its descriptor is held, from the start: the closing record is
+        # written through it at the end, whatever happened to the directory's permissions or
+        # mount meanwhile (a read-only remount).
+        self._out.open()
 
     @property
     def bytes_written(self) -> int:
@@ -87,6 +91,10 @@ class MetricLineStream:
         return len(text)
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if not self._buffer or self.closed:
             return
         data = "".join(self._buffer).encode("utf-8")
@@ -107,17 +115,38 @@ class MetricLineStream:
             self.lost = outcome
 
     def close(self) -> None:
-        self.flush()
-        held, self._held = self._held, None
-        if (
-            held is not None
-            and not self.closed
-            and self.max_bytes is not None
-            and self.bytes_written + len(held) <= self.max_bytes
-        ):
-            self.held_written = self._out.append(held) == WRITTEN
-        self.closed = True
-        self._out.close()
+        """No more exports: write what is buffered and the held line (if it fits). The
+        descriptor stays open for the closing record (`end`)."""
+        with self._lock:
+            self._flush()
+            held, self._held = self._held, None
+            if (
+                held is not None
+                and not self.closed
+                and self.max_bytes is not None
+                and self.bytes_written + len(held) <= self.max_bytes
+            ):
+                self.held_written = self._out.append(held) == WRITTEN
+            self.closed = True
+
+    def end(self, closing: bytes | None) -> str:
+        """Append the closing record `closing` (one whole line, gzip'd as its own member with
+        `compress`; never past `max_bytes`), then close the file. Returns WRITTEN, or why
+        not: `size_cap`, `write_error` (`last_error` says which), `run_dir_gone`, `closed`
+        (ended before), `none` (no record given)."""
+        with self._lock:
+            if self._out.closed:
+                return "closed"
+            self.closed = True
+            try:
+                if closing is None:
+                    return "none"
+                data = gzip.compress(closing, compresslevel=6) if self._compress else closing
+                if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
+                    return SIZE_CAP
+                return self._out.append(data)
+            finally:
+                self._out.close()
 
 
 def _lost_message(stream: MetricLineStream, reason: str) -> str:

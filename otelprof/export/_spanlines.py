@@ -17,6 +17,7 @@ one writer and whole lines.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -230,6 +231,11 @@ class SpanLineWriter:
         self._clock = clock
         self._lock = threading.Lock()
         self._out = WholeRecordFile(self.path)
+        # the file and its descriptor from the start: a directory remounted read-only or
+        # made unwritable later does not stop the lines (an error here is retried at the
+        # first line, and counted there if it persists)
+        with contextlib.suppress(OSError):
+            self._out.open()
         self._headers: dict[tuple[int, int], str] = {}
         self._held: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
         self._held_spans = 0

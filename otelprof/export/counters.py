@@ -8,6 +8,7 @@ raising never propagates (the SDK logs it, we also count it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import defaultdict
@@ -142,11 +143,18 @@ class _Abandonable:
             _log.warning("otelprof: %s exporter shutdown raised %r", self.name, error)
 
     def abandon(self) -> None:
+        """Waits for nothing: the inner exporter is shut down on a thread of its own, since
+        a file exporter's shutdown flushes and may block on the write that made shutdown
+        give up (a frozen file system) or on the lock that write holds."""
         self._abandoned = True
         inner_abandon = getattr(self._inner, "abandon", None)
         if callable(inner_abandon):  # e.g. the Determined exporter: stop waiting for answers
             inner_abandon()
-        self._shutdown_inner_once()
+        stopper = threading.Thread(
+            target=self._shutdown_inner_once, name=f"otelprof-abandon-{self.name}", daemon=True
+        )
+        with contextlib.suppress(RuntimeError):  # no threads at interpreter exit: flag alone
+            stopper.start()
 
 
 class CountingSpanExporter(_Abandonable, SpanExporter):

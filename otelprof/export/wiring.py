@@ -7,9 +7,7 @@ wrapped so its failures are counted (`ExportCounters`) and never reach training 
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,8 +16,8 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otelprof import _private_files
 from otelprof._otel_compat import otlp_log_destination
+from otelprof._run.layout import RunLayout
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
@@ -61,6 +59,9 @@ class ExportPipelines:
     histograms are registered on it once the timings engine exists."""
     exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
     file_writers: list[SpanLineWriter] = field(default_factory=list)
+    metrics_stream: MetricLineStream | None = None
+    """The metrics file's stream (detached mode): its descriptor stays open after `close()`
+    for the closing record (`end_files`)."""
 
     def abandon_exports(self) -> None:
         """Stop exports still retrying (shutdown's time is up); what they held is counted."""
@@ -80,92 +81,26 @@ class ExportPipelines:
             except Exception as error:
                 _log.warning("otelprof: closing exporter resource raised %r", error)
 
+    def end_files(
+        self,
+        resource: Mapping[str, Any] | None = None,
+        end: Mapping[str, Any] | None = None,
+        stats: Mapping[str, int] | None = None,
+    ) -> bool:
+        """The metrics file's closing record (the run's `end` and `stats`), written through
+        the descriptor the writer holds since the run began (a remount read-only or a
+        permission change since does not stop it), then the descriptor closed; False
+        (logged, with the reason) if it could not be written. No `end`: just close it (the
+        session ended for a new identity, not the run)."""
+        stream = self.metrics_stream
+        if stream is None:
+            return False
+        if end is None or resource is None or stats is None:
+            stream.end(None)
+            return False
+        from otelprof.export._closing import write_closing_record
 
-def file_suffix(
-    world_size: int, rank: int, attempt: int | None = None, provisional: int | None = None
-) -> str:
-    """ "", ".rank3" or ".rank3.attempt1": ranks of one job share a run directory, and each
-    restart of an elastic job (attempt > 0) writes its own files, so nothing is overwritten.
-    `provisional` (a pid): the process's rank is not known yet, ".pid<pid>" until it is (a
-    guessed rank's name would be another rank's file)."""
-    if provisional is not None:
-        suffix = f".pid{provisional}"
-    else:
-        suffix = f".rank{rank}" if world_size > 1 else ""
-    return suffix + (f".attempt{attempt}" if attempt else "")
-
-
-def provisional_pid(world_size: int, env: Mapping[str, str]) -> int | None:
-    """This pid, when the launcher gave a world size but no rank (Lightning's copies of the
-    script): the process's files are named after it (`file_suffix`'s `provisional`) until
-    the process group gives the rank, so none takes the name of another rank's files."""
-    return os.getpid() if world_size > 1 and not env.get("RANK") else None
-
-
-def file_names(
-    world_size: int, rank: int, attempt: int | None = None, provisional: int | None = None
-) -> tuple[str, str]:
-    """(metrics, traces) file names of one process of a job."""
-    suffix = file_suffix(world_size, rank, attempt, provisional)
-    return f"metrics{suffix}.jsonl", f"traces{suffix}.jsonl"
-
-
-def refuse_reused_run(settings: Settings, env: Mapping[str, str]) -> None:
-    """A `run_id` whose directory already holds this process's files of another run is a
-    ConfigError, so a new run never appends to a finished run's files nor rewrites its
-    run.json. "Another run": its run.json says it finished, or the process that wrote it (on
-    this host) is gone. Ranks of one job that share files before their ranks are known are
-    alive and unfinished, so they pass."""
-    from otelprof.config import ConfigError
-    from otelprof.resource import detect_attributes
-
-    if not settings.detached:
-        return
-    ids = detect_attributes(env)
-    if provisional_pid(int(ids["otelprof.world_size"]), env) is not None:
-        return  # no rank yet: its files are named after this pid, no other run's
-    attempt = ids.get("otelprof.attempt")
-    suffix = file_suffix(
-        int(ids["otelprof.world_size"]),
-        int(ids["otelprof.rank"]),
-        attempt if isinstance(attempt, int) else None,
-    )
-    info_path = settings.run_dir / f"run{suffix}.json"
-    try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError):
-        info = {}  # unreadable: not ours to overwrite either
-    if isinstance(info, dict) and "finished_unix_nano" not in info and _writer_alive(info):
-        return
-    raise ConfigError(
-        f"run_id {settings.run_id!r}: {str(settings.run_dir)!r} already holds a run "
-        f"({info_path.name}); a new run never writes into another's files: choose another "
-        "run_id (or leave it unset for a fresh one), or move that run away"
-    )
-
-
-def _writer_alive(info: dict[str, Any]) -> bool:
-    """Whether the process that wrote a run.json still runs (other hosts: assume it does)."""
-    import socket
-
-    import psutil
-
-    resource = info.get("resource")
-    if not isinstance(resource, dict):
-        return False
-    pid = resource.get("process.pid")
-    if resource.get("host.name") not in (None, socket.gethostname()):
-        return True
-    if not isinstance(pid, int) or not psutil.pid_exists(pid):
-        return False
-    started = info.get("started_unix_nano")
-    try:  # a recycled pid started after the run did
-        created_ns = int(psutil.Process(pid).create_time() * 1e9)
-    except psutil.Error:
-        return False
-    return not isinstance(started, int) or created_ns <= started + 1_000_000_000
+        return write_closing_record(stream, resource, end, stats)
 
 
 def _span_processor(
@@ -231,29 +166,18 @@ class _FileSpanProcessor(CountingBatchSpanProcessor):
 
 
 def _add_files(
-    pipelines: ExportPipelines,
-    settings: Settings,
-    counters: ExportCounters,
-    world_size: int,
-    rank: int,
-    attempt: int | None = None,
-    provisional: int | None = None,
+    pipelines: ExportPipelines, settings: Settings, counters: ExportCounters, layout: RunLayout
 ) -> None:
+    """The run's files, named by its layout (made and claimed before: otelprof/_run/)."""
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
-    run_dir = settings.run_dir
-    _private_files.make_dir(run_dir, settings.shared_run_dir)  # owner-only unless shared
-    metrics_name, traces_name = file_names(world_size, rank, attempt, provisional)
-    compress = getattr(settings, "compress", False)
-    if compress:  # gzip'd OTLP JSON Lines: whole lines per gzip member
-        metrics_name, traces_name = f"{metrics_name}.gz", f"{traces_name}.gz"
-    pipelines.files = {"metrics": run_dir / metrics_name, "traces": run_dir / traces_name}
+    compress = layout.compress  # gzip'd OTLP JSON Lines: whole lines per gzip member
+    pipelines.files = layout.files
     # whole lines, gzip'd with `compress`, none past max_metrics_bytes (drops are counted)
     stream = MetricLineStream(
-        pipelines.files["metrics"],
-        compress=compress,
-        max_bytes=getattr(settings, "max_metrics_bytes", None),
+        pipelines.files["metrics"], compress=compress, max_bytes=settings.max_metrics_bytes
     )
+    pipelines.metrics_stream = stream
     capped = CappedMetricExporter(
         FileMetricExporter(stream=stream),  # type: ignore[call-overload]
         stream,
@@ -277,7 +201,7 @@ def _add_files(
             counters,
             name="files",
             compress=compress,
-            max_bytes=getattr(settings, "max_trace_bytes", None),
+            max_bytes=settings.max_trace_bytes,
         )
         processor = _FileSpanProcessor(
             writer,
@@ -363,7 +287,7 @@ def _add_determined(
 
     exporter = DeterminedMetricExporter.from_environment(
         export_timeout_s=settings.export_timeout_s,
-        refused_path=str(settings.run_dir / REFUSED_FILE),
+        refused_path=str(settings.run_dir / REFUSED_FILE),  # the job's, not one process's
     )
     counters.add_source(exporter.pipeline.delivery_counts)
     pipelines.metric_readers.append(
@@ -379,17 +303,17 @@ def build_pipelines(
     settings: Settings,
     counters: ExportCounters,
     *,
-    world_size: int = 1,
-    rank: int = 0,
-    attempt: int | None = None,
+    layout: RunLayout | None = None,
     local_rank: int = 0,
-    provisional: int | None = None,
 ) -> ExportPipelines:
-    """Create every exporter the settings enable; raises only on setup errors (bad port...)."""
+    """Create every exporter the settings enable; raises only on setup errors (bad port...).
+    `layout`: the run's files (detached mode), claimed by the caller."""
     pipelines = ExportPipelines()
     try:
         if settings.detached:
-            _add_files(pipelines, settings, counters, world_size, rank, attempt, provisional)
+            if layout is None:
+                raise ValueError("detached mode needs the run's layout")
+            _add_files(pipelines, settings, counters, layout)
         if settings.endpoint:
             _add_otlp(pipelines, settings, counters)
         if settings.prometheus_port is not None:

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-from otelprof._bounded import SHUTDOWN_MARGIN_S
+from otelprof._run.bounded import SHUTDOWN_MARGIN_S
 
 _log = logging.getLogger("otelprof")
 

@@ -10,51 +10,57 @@ keeps only the list of what to flush, `_Session.flush_all`):
    still retrying are abandoned at `export_timeout` by the flush's own watchdog);
 2. if it is still running, it is abandoned: what the file writers held and the ranges the
    span builder never got to are counted as dropped (`*_dropped_shutdown_timeout`), and the
-   end says `flush_timed_out`;
+   end says `flush_timed_out`. Abandoning only sets flags and counts: it waits for nothing
+   the stuck flush holds (a write blocked in a frozen file system holds its writer's lock);
 3. the end names a SIGTERM/SIGINT that arrived meanwhile (`signal_during_shutdown`);
-4. detached runs: the closing record (otelprof/export/_closing.py), then run.json, on a
-   helper thread waited for `FINALIZE_S`.
+4. the end is recorded (`_Session.record_end`: the metrics file's closing record through the
+   descriptor its writer holds, then run.json, then the claim on the run's names let go) on
+   a helper thread waited for `FINALIZE_S`. One that outlives it goes on in the background
+   and finishes if the file system comes back while the process lives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from functools import partial
 from typing import Any
 
-from otelprof._bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
-from otelprof._run_end import DeferredSignals, EndRecord
-from otelprof.export.counters import is_loss
+from otelprof._run.bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
+from otelprof._run.end import DeferredSignals, EndRecord
 
 _log = logging.getLogger("otelprof")
 
 
-def finish_run(session: Any, end: EndRecord, deferred: DeferredSignals) -> dict[str, int]:
+def finish_run(
+    session: Any, end: EndRecord, deferred: DeferredSignals, *, final: bool = True
+) -> dict[str, int]:
     """Flush `session` (a `_Session`) within its bound, then record `end`; returns the
-    final stats."""
+    final stats. Not `final`: the session ends for a new one of the same run; no end is
+    recorded and its losses go on with the next session."""
     timeout = session.settings.export_timeout_s
-    if not run_within(lambda: session.flush_all(end), timeout + FLUSH_GRACE_S, "shutdown"):
+    if not run_within(partial(session.flush_all, end, final), timeout + FLUSH_GRACE_S, "shutdown"):
         abandon_flush(session, end)
     if deferred.received is not None:
         end["signal_during_shutdown"] = deferred.received_name
     stats: dict[str, int] = session.stats()
-    detached = session.settings.detached
-    if detached and not run_within(lambda: write_run_end(session, end, stats), FINALIZE_S, "end"):
+    if not run_within(partial(session.record_end, end, stats, final), FINALIZE_S, "end") and final:
         _log.warning(
             "otelprof: writing the run's end to %s did not finish in %.1f s "
-            "(a hung file system?); abandoned",
+            "(a hung file system?); it goes on in the background",
             session.settings.run_dir,
             FINALIZE_S,
         )
-    if stats["dropped_total"]:  # (before a deferred signal acts)
-        lost = {k: v for k, v in stats.items() if is_loss(k) and v}
+    if stats["dropped_total"] and final:  # (before a deferred signal acts)
+        lost = {k: v for k, v in session.losses().items() if v}
         _log.warning("otelprof: telemetry was dropped during this run: %s", lost)
     return stats
 
 
 def abandon_flush(session: Any, end: EndRecord) -> None:
     """The flush outlived its bound (a hung write, an export that ignores its timeout):
-    give it up, counting what the writers held, so shutdown() returns."""
+    give it up, counting what the writers held, so shutdown() returns. Waits for nothing
+    the stuck flush may hold."""
     _log.warning(
         "otelprof: flushing did not finish within export_timeout (%.1f s) + %.1f s; "
         "abandoned, what it still held is counted as dropped",
@@ -73,21 +79,3 @@ def abandon_flush(session: Any, end: EndRecord) -> None:
             queued = int(session.timings.stats().get("spans_queued", 0))
             if queued:
                 counters.add("timings.spans_dropped_shutdown_timeout", queued)
-
-
-def write_run_end(session: Any, end: EndRecord, stats: dict[str, int]) -> None:
-    """The run's end into the metrics file (closing record), then into run.json."""
-    metrics = session.pipelines.files.get("metrics")
-    if metrics is not None:
-        from otelprof.export._closing import write_closing_record
-
-        settings = session.settings
-        write_closing_record(
-            metrics,
-            dict(session.resource.attributes),
-            end,
-            stats,
-            compress=settings.compress,
-            max_bytes=settings.max_metrics_bytes,
-        )
-    session.finalize_run_info(end, stats)
