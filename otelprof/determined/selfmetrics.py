@@ -49,6 +49,8 @@ HELP: dict[str, tuple[str, bool]] = {
     "refused_unverified_trial": ("OTLP requests whose trial the master could not vouch for", False),
     "refused_out_of_scope_requests": ("OTLP requests with nothing in the token's scope", False),
     "refused_out_of_scope_points": ("points/spans for trials outside the token's scope", False),
+    "refused_abandoned": ("OTLP requests dropped because their caller went away", False),
+    "baseline_lookups": ("trials whose batch count was asked of the master", False),
     "inflight_bytes": ("OTLP request bytes being mapped now", True),
 }
 
