@@ -34,8 +34,10 @@ _log = logging.getLogger("otelprof.export")
 
 
 def is_loss(key: str) -> bool:
-    """Whether a stats key counts lost items (what `dropped_total` sums)."""
-    return "dropped" in key or "failed" in key
+    """Whether a stats key counts lost items (what `dropped_total` sums): spans, points,
+    samples, reports. Not `*.metric_exports_*`, which counts the exports those points were
+    in (`dropped_total` once added 1 per failed export to its points)."""
+    return ("dropped" in key or "failed" in key) and ".metric_exports_" not in key
 
 
 class ExportCounters:
