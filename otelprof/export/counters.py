@@ -27,17 +27,11 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from otelprof._otel_compat import count_span_queue_drops
+from otelprof._schema import is_loss as is_loss  # the rule, shared with the report
 from otelprof.export._outage import OutageLog
 from otelprof.system._stamps import apply_read_times
 
 _log = logging.getLogger("otelprof.export")
-
-
-def is_loss(key: str) -> bool:
-    """Whether a stats key counts lost items (what `dropped_total` sums): spans, points,
-    samples, reports. Not `*.metric_exports_*`, which counts the exports those points were
-    in (`dropped_total` once added 1 per failed export to its points)."""
-    return ("dropped" in key or "failed" in key) and ".metric_exports_" not in key
 
 
 class ExportCounters:
