@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "otelprof_determined_bridge_"
@@ -75,14 +75,12 @@ class _StatsCollector:
 def serve_metrics(
     stats: Callable[[], dict[str, Any]], port: int, host: str = "127.0.0.1"
 ) -> tuple[int, Callable[[], None]]:
-    """Start the metrics endpoint; returns (bound port, stop function)."""
+    """Start the metrics endpoint; returns (bound port, stop function). The same bounded
+    server as a training process's endpoint (`export/_prom_server.py`): slow or idle
+    connections cannot hold it from a scrape."""
+    from otelprof.export._prom_server import BoundedMetricsServer
+
     registry = CollectorRegistry()
     registry.register(_StatsCollector(stats))
-    server, thread = start_http_server(port, addr=host, registry=registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return int(server.server_address[1]), stop
+    server = BoundedMetricsServer(host, port, registry)
+    return int(server.server_address[1]), server.shutdown
