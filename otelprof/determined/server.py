@@ -174,18 +174,39 @@ class _HeapTrim:
     """Hands the heap memory big requests freed back to the system once none is in flight:
     glibc keeps it for reuse (after a burst of four 4 MB requests the bridge stayed ~80 MB
     above its baseline until `malloc_trim`, a few milliseconds next to the seconds such a
-    request takes to map). A no-op without glibc."""
+    request takes to map). Shortly after the request, on a timer thread: by then the
+    handler and gRPC have let go of its bytes too, and a burst trims once. A no-op without
+    glibc."""
 
     BIG = 1 << 20  # requests smaller than this leave no heap worth trimming
+    DELAY_S = 0.2
 
-    def __init__(self) -> None:
+    def __init__(self, admission: _Admission) -> None:
+        self._admission = admission
         self._trim: Callable[[int], int] | None = None
         with contextlib.suppress(OSError, AttributeError):
             self._trim = ctypes.CDLL(None).malloc_trim
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
 
-    def after(self, size: int, admission: _Admission) -> None:
-        if self._trim is not None and size >= self.BIG and not admission.inflight_bytes:
-            self._trim(0)
+    def after(self, size: int) -> None:
+        if self._trim is None or size < self.BIG:
+            return
+        timer = threading.Timer(self.DELAY_S, self._run)
+        timer.daemon = True
+        with self._lock:  # the last big request's end counts: a burst trims once, after it
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = timer
+        timer.start()
+
+    def _run(self) -> None:
+        with self._lock:
+            self._timer = None
+        if self._admission.inflight_bytes:
+            return  # the last of those requests to end asks again
+        assert self._trim is not None
+        self._trim(0)
 
 
 class _Receiver:
@@ -201,7 +222,7 @@ class _Receiver:
         self.stats = IngestStats()
         self.admission = _Admission(limits)
         self.refusals = RefusalLog()
-        self._heap = _HeapTrim()
+        self._heap = _HeapTrim(self.admission)
         self._stats_lock = threading.Lock()
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -209,6 +230,19 @@ class _Receiver:
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
     def export(
+        self,
+        raw: bytes,
+        context: grpc.ServicerContext,
+        cls: Any,
+        field_name: str,
+        ingest: Callable[[Any, Stop], Extracted],
+    ) -> Extracted:
+        try:
+            return self._export(raw, context, cls, field_name, ingest)
+        finally:  # refused or taken: what it cost the heap goes back
+            self._heap.after(len(raw))
+
+    def _export(
         self,
         raw: bytes,
         context: grpc.ServicerContext,
@@ -252,8 +286,6 @@ class _Receiver:
             done = self._admitted(raw, cls, field_name, ingest, context, caller, scope, credential)
         finally:
             self.admission.leave(credential, len(raw))
-            # what the request parsed and mapped is freed by now (it lived in _admitted)
-            self._heap.after(len(raw), self.admission)
         if done is None:
             self._abandon(context)
         return done
@@ -269,7 +301,8 @@ class _Receiver:
         scope: Scope,
         credential: bytes,
     ) -> Extracted | None:
-        """Parse, scope and ingest an admitted request; None when its caller went away."""
+        """Parse, scope and ingest an admitted request; None when its caller went away (its
+        message is freed on return: no traceback holds it)."""
         try:
             message = _parse(cls, raw, context)
             message, forbidden = self._keep_in_scope(
@@ -277,7 +310,7 @@ class _Receiver:
             )
             extracted = _guard(lambda: ingest(message, caller.gone), context)
         except Cancelled:
-            return None  # (returned, not raised: no traceback keeps the message alive)
+            return None
         if forbidden:
             extracted.reject(forbidden[0], forbidden[1], "out_of_scope")
         return extracted
