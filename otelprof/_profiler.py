@@ -206,7 +206,9 @@ class _Session:
             return tracker
         with _lock:
             if self._throughput is None:
-                self._throughput = ThroughputTracker(self.timings, self.meter_provider)
+                self._throughput = ThroughputTracker(
+                    self.timings, self.meter_provider, configured_peak=self.settings.peak_flops
+                )
             return self._throughput
 
     def stats(self) -> dict[str, int]:

@@ -70,6 +70,8 @@ TIMING_HISTOGRAM = "otelprof.timing.duration"
 TIMING_HISTOGRAM_PROMETHEUS = "otelprof_timing_duration_seconds"
 """`TIMING_HISTOGRAM` as the collector's Prometheus exporter names it (unit suffix added)."""
 TELEMETRY_DROPPED = "otelprof.telemetry.dropped"
+DROPPED_TOTAL = "dropped_total"
+"""The `Profiler.stats()` key summing every loss key (`is_loss`)."""
 COLLECTIVE_DURATION = "otelprof.collective.duration"
 THROUGHPUT_SCOPE = "otelprof.throughput"
 TRAIN_SAMPLES = "otelprof.train.samples"
@@ -77,3 +79,13 @@ TRAIN_TOKENS = "otelprof.train.tokens"
 TRAIN_THROUGHPUT_SAMPLES = "otelprof.train.throughput.samples"
 TRAIN_THROUGHPUT_TOKENS = "otelprof.train.throughput.tokens"
 TRAIN_MFU = "otelprof.train.mfu"
+
+
+def is_loss(key: str) -> bool:
+    """Whether a `Profiler.stats()` key counts lost items (what `dropped_total` sums):
+    spans, points, samples, reports, whether "dropped" or "failed". Not `*.metric_exports_*`,
+    which counts the exports those points were in. Every message about losses lists the
+    keys this rule picks, so none reads "N dropped ()"."""
+    if key == DROPPED_TOTAL or ".metric_exports_" in key:
+        return False
+    return "dropped" in key or "failed" in key

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -132,13 +131,13 @@ def set_precision(precision: str) -> None:
     _peak_generation += 1
 
 
-def resolve_peak_flops() -> tuple[float | None, str]:
-    """The peak FLOP/s MFU is computed against, and where it came from."""
+def resolve_peak_flops(configured: float | None = None) -> tuple[float | None, str]:
+    """The peak FLOP/s MFU is computed against, and where it came from: declared, else
+    `configured` (`OTELPROF_PEAK_FLOPS`, checked with the settings), else the table."""
     if _declared_peak is not None:
         return _declared_peak, "declared"
-    env = os.environ.get(PEAK_FLOPS_ENV)
-    if env:
-        return parse_peak(env, PEAK_FLOPS_ENV), PEAK_FLOPS_ENV
+    if configured is not None:
+        return configured, PEAK_FLOPS_ENV
     import sys
 
     torch = sys.modules.get("torch")
@@ -158,8 +157,15 @@ class ThroughputTracker:
     """Work per step on the training thread; window figures for the gauges. The Profiler
     owns one per run, made at the first `step_work()`."""
 
-    def __init__(self, engine: Any, meter_provider: Any, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        meter_provider: Any,
+        window: int = DEFAULT_WINDOW,
+        configured_peak: float | None = None,
+    ) -> None:
         self.engine = engine
+        self.configured_peak = configured_peak  # Settings.peak_flops
         self.pending = [0.0, 0.0, 0.0]  # samples, tokens, flops of the running training step
         self.declared = [False, False, False]
         self.totals = [0.0, 0.0]  # samples, tokens of every training step so far
@@ -221,7 +227,7 @@ class ThroughputTracker:
         missing peak is logged once per resolution)."""
         if self._peak_generation != _peak_generation:
             self._peak_generation = _peak_generation
-            self.peak, self.peak_source = resolve_peak_flops()
+            self.peak, self.peak_source = resolve_peak_flops(self.configured_peak)
             if self.peak is None:
                 _log.warning("otelprof: no MFU: %s", self.peak_source)
         return self.peak

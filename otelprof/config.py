@@ -36,6 +36,11 @@ sampling well under 0.5% of one core while still resolving step-scale dips."""
 MAX_EXPORT_TIMEOUT_S = 3600.0
 """`shutdown()` waits up to the export timeout; an infinite one never returns (and
 `export_timeout=inf` overflowed the SDK's timers)."""
+MIN_EXPORT_TIMEOUT_S = 0.1
+"""An export to a collector on loopback takes milliseconds, one across a network tens of
+them; below 0.1 s every export fails (`export_timeout=1e-9` was taken, and lost all)."""
+INT32_MAX = 2**31 - 1
+"""Determined's ids and step counts are int32 (its API refuses larger ones)."""
 NAME_MAX = 255
 """Longest file name (bytes) Linux file systems take: the run id is a directory name."""
 
@@ -69,12 +74,15 @@ class Option:
     `parse` turns a raw value (a keyword's value, or a variable's string) into the typed value
     and raises `ConfigError` for anything it cannot use. `derive`, when set, computes the
     default from the options resolved before this one (fields are resolved in order).
+    `keyword=False`: a variable another program sets (Determined's `DET_*`) or a rarely
+    needed one, read and checked with the options but not an `instrument()` keyword.
     """
 
     env: tuple[str, ...]
     parse: Parser
     aliases: tuple[str, ...] = ()
     derive: Default | None = None
+    keyword: bool = True
 
 
 def opt(
@@ -83,9 +91,10 @@ def opt(
     parse: Parser,
     aliases: tuple[str, ...] = (),
     derive: Default | None = None,
+    keyword: bool = True,
 ) -> dict[str, Option]:
     """A `Settings` field's metadata: its `Option` declaration."""
-    return {"option": Option(env=env, parse=parse, aliases=aliases, derive=derive)}
+    return {"option": Option(env, parse, aliases, derive, keyword)}
 
 
 # ---- parsers: each takes a `_Source` and returns the typed value or raises ConfigError ----
@@ -271,11 +280,20 @@ def directory(src: _Source) -> Path:
     return path
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=@:,-]*")
+"""A run id: one directory name that is safe to type in a shell and to put in a label or a
+URL: ASCII letters, digits and `_ . + = @ : , -`, not starting with `.` or `-` (no `..`, no
+hidden directory, nothing a command line takes for an option); at most `NAME_MAX` bytes."""
+
+
 def run_name(src: _Source) -> str:
     name = _text_of(src).strip()
-    if "/" in name or name in (".", ".."):
-        raise src.error("not a usable name for the run directory")
-    if len(os.fsencode(name)) > NAME_MAX:
+    if not RUN_ID.fullmatch(name):
+        raise src.error(
+            "not a usable name for the run directory: letters, digits and _ . + = @ : , - "
+            "only, not starting with . or -"
+        )
+    if len(name) > NAME_MAX:
         raise src.error(f"longer than {NAME_MAX} bytes, the longest directory name")
     if src.where == "environment variable TORCHELASTIC_RUN_ID":
         return torchelastic_run_id(name)
@@ -399,7 +417,7 @@ class Settings:
         default=10.0,
         metadata=opt(
             env=("OTELPROF_EXPORT_TIMEOUT",),
-            parse=number(0, MAX_EXPORT_TIMEOUT_S, low_open=True),
+            parse=number(MIN_EXPORT_TIMEOUT_S, MAX_EXPORT_TIMEOUT_S),
             aliases=("export_timeout",),
         ),
     )
@@ -429,6 +447,38 @@ class Settings:
     # the run directory is 0750 (group-readable) instead of owner-only 0700
     shared_run_dir: bool = field(
         default=False, metadata=opt(env=("OTELPROF_SHARED_RUN_DIR",), parse=boolean)
+    )
+    # one device's peak FLOP/s for MFU when `set_peak_flops()` declares none (_throughput.py)
+    peak_flops: float | None = field(
+        default=None,
+        metadata=opt(env=("OTELPROF_PEAK_FLOPS",), parse=number(0, low_open=True), keyword=False),
+    )
+    # The Determined task's ids, set by the master (resource attributes determined.*)
+    determined_experiment_id: int | None = field(
+        default=None,
+        metadata=opt(env=("DET_EXPERIMENT_ID",), parse=integer(1, INT32_MAX), keyword=False),
+    )
+    determined_trial_id: int | None = field(
+        default=None,
+        metadata=opt(env=("DET_TRIAL_ID",), parse=integer(1, INT32_MAX), keyword=False),
+    )
+    determined_trial_run_id: int | None = field(
+        default=None,
+        metadata=opt(env=("DET_TRIAL_RUN_ID",), parse=integer(0, INT32_MAX), keyword=False),
+    )
+    # a resumed trial's batches: otelprof's Determined step counts go on from it
+    determined_steps_completed: int | None = field(
+        default=None,
+        metadata=opt(env=("DET_STEPS_COMPLETED",), parse=integer(0, INT32_MAX), keyword=False),
+    )
+    # otelprof.step() calls per Determined batch (micro-batches per optimizer step)
+    determined_steps_per_batch: int | None = field(
+        default=None,
+        metadata=opt(
+            env=("OTELPROF_DETERMINED_STEPS_PER_BATCH",),
+            parse=integer(1, INT32_MAX),
+            keyword=False,
+        ),
     )
 
     @property
@@ -462,7 +512,9 @@ class Settings:
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings)}
 ENVIRONMENT: dict[str, tuple[str, ...]] = {name: o.env for name, o in OPTIONS.items()}
 """option name -> environment variables consulted, in priority order"""
-_OPTION_NAMES = frozenset(OPTIONS) | {a for o in OPTIONS.values() for a in o.aliases}
+_OPTION_NAMES = frozenset(n for n, o in OPTIONS.items() if o.keyword) | {
+    a for o in OPTIONS.values() if o.keyword for a in o.aliases
+}
 
 
 def _resolve_one(
@@ -500,7 +552,8 @@ def _source(
 ) -> _Source | None:
     """The raw value that wins: a keyword (two spellings of one option are refused), else the
     first set variable (a lower-priority variable set to something else is warned about)."""
-    given = [k for k in (name, *declared.aliases) if _given(options.get(k))]
+    keywords = (name, *declared.aliases) if declared.keyword else ()
+    given = [k for k in keywords if _given(options.get(k))]
     if len(given) > 1:
         raise ConfigError(
             f"options {given[0]!r} and {given[1]!r} are the same option; give only one"

@@ -24,14 +24,15 @@ _RANK_ENV = {
     # which restart of an elastic job (torchrun --max-restarts): attempts are kept apart
     "TORCHELASTIC_RESTART_COUNT": (ATTR_ATTEMPT, True),
 }
-_DETERMINED_ENV = {
-    "DET_EXPERIMENT_ID": ("determined.experiment.id", True),
-    "DET_TRIAL_ID": ("determined.trial.id", True),
-    "DET_TRIAL_RUN_ID": ("determined.trial.run_id", True),
-    "DET_AGENT_ID": ("determined.agent.id", False),
+_DETERMINED_ENV = {"DET_AGENT_ID": ("determined.agent.id", False)}
+# Settings field (checked with the options: config.py) -> resource attribute
+_DETERMINED_IDS = {
+    "determined_experiment_id": "determined.experiment.id",
+    "determined_trial_id": "determined.trial.id",
+    "determined_trial_run_id": "determined.trial.run_id",
     # A resumed trial's batch count: otelprof's Determined timings count on from it.
-    "DET_STEPS_COMPLETED": ("determined.trial.steps_completed", True),
-    "OTELPROF_DETERMINED_STEPS_PER_BATCH": ("otelprof.determined.steps_per_batch", True),
+    "determined_steps_completed": "determined.trial.steps_completed",
+    "determined_steps_per_batch": "otelprof.determined.steps_per_batch",
 }
 
 
@@ -45,7 +46,8 @@ def _typed(value: str, integer: bool) -> str | int:
 
 
 def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
-    """Ranks (torchrun/DeepSpeed) and Determined ids present in `env`.
+    """Ranks (torchrun/DeepSpeed) and the Determined agent present in `env` (Determined's
+    other ids come from the settings, which checked them).
 
     Single-process runs get rank 0 of world size 1 so queries can always group by rank.
     """
@@ -73,6 +75,11 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
         # one id per job, shared by its ranks: dashboards keep concurrent jobs apart by it
         "otelprof.run_id": settings.run_id,
         **detect_attributes(env),
+        **{
+            key: value
+            for name, key in _DETERMINED_IDS.items()
+            if (value := getattr(settings, name)) is not None
+        },
         **dict(settings.resource_attributes),
         "service.name": settings.service_name,
     }

@@ -7,8 +7,13 @@ SDK with observable gauges and the OTLP gRPC exporters, like a training process 
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +185,29 @@ def timing_spans_request(
     )
 
 
+def dense_metrics_request(
+    resource: dict[str, Any], n_bytes: int
+) -> metrics_service_pb2.ExportMetricsServiceRequest:
+    """One CPU gauge with as many points (one timestamp each) as fit in `n_bytes`: the
+    request that costs the bridge the most per byte (~200,000 points in 3.8 MB)."""
+    request = metrics_service_pb2.ExportMetricsServiceRequest()
+    rm = request.resource_metrics.add()
+    rm.resource.attributes.extend(kv(k, v) for k, v in resource.items())
+    metric = rm.scope_metrics.add().metrics.add(name="system.cpu.utilization", unit="1")
+    t = time.time_ns()
+    template = metrics_pb2.NumberDataPoint(time_unix_nano=t, as_double=0.5)
+    chunk = max(1, (n_bytes - request.ByteSize()) // (template.ByteSize() + 2) // 8)
+    while True:
+        points = metric.gauge.data_points
+        for i in range(chunk):
+            points.add(time_unix_nano=t + len(points) + i, as_double=0.5)
+        size = request.ByteSize()
+        if size >= n_bytes:
+            del points[len(points) - (size - n_bytes) // (template.ByteSize() + 2) - 1 :]
+            return request
+        chunk = max(1, (n_bytes - size) // (template.ByteSize() + 2))
+
+
 # The bridge's ingest credential in tests: a token allowed into every trial (the
 # operator's collector), unless a test gives a narrower one.
 BRIDGE_TOKEN = "test-ingest-token-everything-0123456789"
@@ -221,3 +249,61 @@ class OtlpClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BridgeProcess:
+    """`otelprof determined-bridge` as a child process on a fixed port."""
+
+    def __init__(
+        self,
+        master_url: str,
+        token_file: Path,
+        spool: Path,
+        log: Path,
+        window_s: float = 0.5,
+        tokens: Iterable[str] = (f"{BRIDGE_TOKEN} *",),
+        args: Sequence[str] = (),
+    ) -> None:
+        self.port = free_port()
+        self.log = log
+        self.argv = [
+            sys.executable, "-m", "otelprof", "determined-bridge",
+            "--listen", f"127.0.0.1:{self.port}", "--master", master_url,
+            "--token-file", str(token_file), "--spool-dir", str(spool),
+            "--ingest-tokens", str(write_token_file(spool.parent / "ingest-tokens", tokens)),
+            "--report-interval", str(window_s), "--retry-max-delay", "1",
+            "--log-level", "INFO", *args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+        self.starts += 1
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if b"listening on port" in self.log.read_bytes()[offset:]:
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"bridge did not start:\n{self.log.read_text()[-3000:]}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(20)

@@ -122,7 +122,8 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("interval", "OTELPROF_INTERVAL", 1e10, "must be >= 0.1 and <= 3600"),
     ("interval", "OTELPROF_INTERVAL", 0.05, "must be >= 0.1"),
     ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", math.inf, "expected a finite number"),
-    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", 1e12, "must be > 0 and <= 3600"),
+    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", 1e12, "must be >= 0.1 and <= 3600"),
+    ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", 1e-9, "must be >= 0.1 and <= 3600"),
     ("export_timeout", "OTELPROF_EXPORT_TIMEOUT", math.nan, "expected a finite number"),
     ("trace_budget", "OTELPROF_TRACE_BUDGET", math.nan, "expected a finite number"),
     ("trace_head_fraction", "OTELPROF_TRACE_HEAD_FRACTION", 1.5, "must be >= 0 and <= 1"),
@@ -145,6 +146,19 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("run_id", "OTELPROF_RUN_ID", "run\x00x", "contains a NUL byte"),
     ("run_id", "OTELPROF_RUN_ID", "r" * 300, "longer than 255 bytes"),
     ("run_id", "TORCHELASTIC_RUN_ID", "r" * 300, "longer than 255 bytes"),
+    ("run_id", "OTELPROF_RUN_ID", "run\nid", "not a usable name"),
+    ("run_id", "OTELPROF_RUN_ID", "..\\x", "not a usable name"),
+    ("run_id", "OTELPROF_RUN_ID", "-rf", "not starting with . or -"),
+    ("run_id", "TORCHELASTIC_RUN_ID", "job 42", "letters, digits and"),
+    # variables read and checked with the options, not keywords (Option.keyword=False)
+    ("peak_flops", "OTELPROF_PEAK_FLOPS", "abc", "expected a number"),
+    ("peak_flops", "OTELPROF_PEAK_FLOPS", "0", "must be > 0"),
+    ("determined_trial_id", "DET_TRIAL_ID", "abc", "expected an integer"),
+    ("determined_trial_id", "DET_TRIAL_ID", "0", "must be between 1 and 2147483647"),
+    ("determined_trial_run_id", "DET_TRIAL_RUN_ID", "1.5", "expected an integer"),
+    ("determined_experiment_id", "DET_EXPERIMENT_ID", "\u00b2", "expected an integer"),
+    ("determined_steps_completed", "DET_STEPS_COMPLETED", "-1", "must be between 0 and"),
+    ("determined_steps_per_batch", "OTELPROF_DETERMINED_STEPS_PER_BATCH", "x", "an integer"),
     ("service_name", "OTELPROF_SERVICE_NAME", "svc\x00", "contains a NUL byte"),
     ("prometheus_host", "OTELPROF_PROMETHEUS_HOST", "h\x00", "contains a NUL byte"),
     ("endpoint", "OTELPROF_ENDPOINT", "http://[::1", "malformed endpoint"),
@@ -163,9 +177,11 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
 
 
 def _wrong_value_cases() -> list[tuple[dict[str, object], dict[str, str], str]]:
+    from otelprof.config import OPTIONS
+
     cases = []
     for keyword, variable, value, message in WRONG_VALUES:
-        kw_value: object = value
+        kw_value: object = value if OPTIONS.get(keyword, OPTIONS["interval_s"]).keyword else None
         if keyword in ("headers", "resource_attributes"):  # the same entries, as a mapping
             entries = [item.split("=", 1) for item in str(value).split(",")]
             decoded = [(k, v.replace("%00", "\x00").replace("%C3%A9", "é")) for k, v in entries]
@@ -295,15 +311,40 @@ def test_every_option_is_declared_once_with_its_variables() -> None:
     assert OPTIONS["interval_s"].aliases == ("interval",)
 
 
-def test_instrument_refuses_a_bad_value_before_starting_anything(tmp_path: Path) -> None:
+def test_instrument_refuses_a_bad_value_before_starting_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import otelprof
 
     for options in (
         {"interval": math.inf},
         {"export_timeout": math.inf},
+        {"export_timeout": 1e-9},
         {"max_queued_spans": 1.5},
+        {"run_id": "..\\x"},
     ):
         with pytest.raises(ConfigError):
             otelprof.instrument(output_dir=tmp_path, **options)
         assert otelprof.active_profiler() is None
+    for variable, value in (
+        ("DET_TRIAL_ID", "abc"),
+        ("OTELPROF_PEAK_FLOPS", "abc"),
+        ("OTELPROF_DETERMINED_STEPS_PER_BATCH", "x"),
+        ("OTELPROF_RUN_ID", "a\nb"),
+    ):
+        with monkeypatch.context() as env:
+            env.setenv(variable, value)
+            with pytest.raises(ConfigError, match=f"environment variable {variable}: "):
+                otelprof.instrument(output_dir=tmp_path)
+        assert otelprof.active_profiler() is None
     assert not any(tmp_path.iterdir())
+
+
+def test_environment_only_variables_are_not_keywords(tmp_path: Path) -> None:
+    env = {"DET_TRIAL_ID": "42", "DET_STEPS_COMPLETED": "3000", "OTELPROF_PEAK_FLOPS": "312e12"}
+    s = settings(tmp_path, env=env)
+    assert (s.determined_trial_id, s.determined_steps_completed, s.peak_flops) == (
+        42, 3000, 312e12,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown option"):
+        settings(tmp_path, determined_trial_id=42)

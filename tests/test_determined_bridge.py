@@ -288,6 +288,28 @@ def test_malformed_otlp_gets_invalid_argument_and_the_bridge_keeps_serving(
     assert bridge.report_now() == 5
 
 
+MALFORMED_TRIAL_IDS = ["\u00b2", "--4242", "abc", "9" * 5000, "4.5", "-7", "0", 1.5, True]
+
+
+def test_every_malformed_trial_id_is_a_counted_refusal_without_a_traceback(
+    bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="otelprof.determined")
+    for trial in MALFORMED_TRIAL_IDS:
+        with pytest.raises(grpc.RpcError) as err:
+            bridge.otlp.send_traces(timing_spans_request(trial_resource(trial), range(2)))  # type: ignore[arg-type]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, trial
+        details = err.value.details()
+        assert "determined.trial.id=" in details and len(details) < 400, details
+    stats = bridge.server.stats()
+    spans = 2 * (1 + len(TIMING_NAMES))  # two steps: a step span and its timings each
+    assert stats["rejected_points_bad_id"] == spans * len(MALFORMED_TRIAL_IDS), stats
+    assert not [r for r in caplog.records if r.exc_info], "a refusal logged a traceback"
+    assert "could not map" not in caplog.text
+    bridge.otlp.send_metrics(seed_metrics_request(trial_resource(42)))  # still serving
+    assert bridge.report_now() == 5
+
+
 def test_refused_reports_are_logged_once_with_the_masters_message_and_not_retried(
     master: DeterminedContractServer, bridge: Bridge, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import ast
+import logging
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from otelprof.config import ConfigError
-from otelprof.determined.client import Credentials, DeterminedClient
+from otelprof.determined.aggregate import Report, build_body
+from otelprof.determined.client import Credentials, DeterminedClient, Outcome
 from otelprof.determined.ingest_auth import IngestLimits, IngestTokens, Scope, TlsFiles
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
@@ -24,14 +29,17 @@ from otelprof.determined.spool import DiskSpool, MemorySpool
 from tests.determined_contract import DeterminedContractServer, available_series, trial_metrics
 from tests.determined_feed import (
     BRIDGE_TOKEN,
+    BridgeProcess,
     OtlpClient,
     bridge_tokens,
+    dense_metrics_request,
     kv,
     seed_metrics_request,
     timing_spans_request,
     trial_resource,
     write_token_file,
 )
+from tests.services import wait_for
 
 TRIAL_42_TOKEN = "token-for-trial-42-only-0123456789"
 EXPERIMENT_7_TOKEN = "token-for-experiment-7-0123456789"
@@ -58,6 +66,7 @@ class Bridge:
             window_s=kw.pop("window_s", 3600.0),
             retry_initial_s=0.05,
             retry_max_s=0.3,
+            max_steps_per_s=kw.pop("max_steps_per_s", 10_000.0),
         )
         self.server = BridgeServer(
             self.pipeline, kw.pop("listen", "127.0.0.1:0"), tokens=bridge_tokens(TOKENS), **kw
@@ -135,6 +144,32 @@ def test_a_token_writes_only_into_its_own_trial_or_experiment(
     experiment.close()
 
 
+def test_refused_senders_are_logged_once_per_sender_and_trial_without_their_token(
+    master: DeterminedContractServer, bridge: Bridge, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = "not-a-token-of-this-bridge-000000"
+    for token in [None, wrong] * 9:  # 18 requests without a valid token
+        otlp = bridge.client(token)
+        _code(lambda o=otlp: o.send_metrics(seed_metrics_request(trial_resource(42))))
+        otlp.close()
+    trial_only = bridge.client(TRIAL_42_TOKEN)
+    for trial in [43, 44] * 72:  # 144 requests into trials the token may not write
+        _code(lambda t=trial: trial_only.send_metrics(seed_metrics_request(trial_resource(t))))
+    trial_only.close()
+    stats = bridge.server.stats()
+    assert stats["refused_unauthenticated"] == 18 and stats["refused_out_of_scope_requests"] == 144
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    refused = [m for m in warnings if m.startswith("refused OTLP from 127.0.0.1")]
+    assert len(refused) == 3, refused  # one per sender and trial, not 162
+    assert sum("no valid bearer token" in m for m in refused) == 1
+    for trial in (43, 44):
+        (line,) = [m for m in refused if f"trial(s) {trial} " in m]
+        assert "ingest token #2" in line and "scope is trial=42" in line, line
+    for secret in (BRIDGE_TOKEN, TRIAL_42_TOKEN, EXPERIMENT_7_TOKEN, wrong):
+        assert secret not in caplog.text
+
+
 def test_a_trial_the_master_cannot_vouch_for_yet_is_answered_unavailable(
     master: DeterminedContractServer, bridge: Bridge
 ) -> None:
@@ -145,6 +180,60 @@ def test_a_trial_the_master_cannot_vouch_for_yet_is_answered_unavailable(
     experiment.send_metrics(seed_metrics_request(trial_resource(42)))
     assert bridge.server.stats()["refused_unverified_trial"] == 1
     experiment.close()
+
+
+def _timings_report(master: DeterminedContractServer, steps: int) -> None:
+    """What the master holds before the bridge sees the trial: `steps` batches reported."""
+    client = DeterminedClient(master.url, Credentials(user_token=master.token))  # type: ignore[attr-defined]
+    run = master.trial(42)["runId"]
+    body = build_body(42, run, "timings", {"step_s": 0.1}, time.time_ns(), steps)
+    assert client.report(Report(42, run, "timings", body)).outcome is Outcome.OK
+    client.close()
+
+
+def test_a_forged_first_report_cannot_raise_the_trials_batch_count(
+    master: DeterminedContractServer, tmp_path: Path
+) -> None:
+    _timings_report(master, 11)  # the master holds 11 batches of trial 42
+    rate = 100.0
+    b = Bridge(master, tmp_path, max_steps_per_s=rate, window_s=1.0)
+    started = time.monotonic()
+    try:
+        forger = b.client(TRIAL_42_TOKEN)  # a token for trial 42 is all it takes
+        forged = trial_resource(42, **{"determined.trial.steps_completed": 2_000_000_000})
+        forger.send_traces(timing_spans_request(forged, range(11)))
+        b.report_now()
+        forger.close()
+    finally:
+        b.stop()
+    elapsed = time.monotonic() - started
+    steps = [p.body["metrics"]["stepsCompleted"] for p in master.posts() if p.group == "timings"]
+    # from what the master held (11), at most `rate` steps a second since the trial's first
+    # data plus one window: not 2,000,000,011
+    assert steps[0] == 11 and 11 < steps[-1] <= 11 + 1 + rate * (elapsed + 1.0), steps
+    assert master.trial(42)["totalBatchesProcessed"] == steps[-1]
+    stats = b.server.stats()
+    assert stats["steps_clamped"] == 1 and stats["baseline_lookups"] == 1, stats
+
+
+def test_a_resumed_trials_first_report_counts_on_from_its_checkpoint_unclamped(
+    master: DeterminedContractServer, tmp_path: Path
+) -> None:
+    _timings_report(master, 3000)  # run 1 trained 3000 batches and checkpointed there
+    master.restart_trial(42)
+    b = Bridge(master, tmp_path, max_steps_per_s=100.0, window_s=1.0)
+    try:
+        producer = b.client(TRIAL_42_TOKEN)
+        resumed = trial_resource(42, 2, **{"determined.trial.steps_completed": 3000})
+        producer.send_traces(timing_spans_request(resumed, range(10)))
+        b.report_now()
+        producer.close()
+    finally:
+        b.stop()
+    timings = [p.body["metrics"] for p in master.posts() if p.group == "timings"]
+    assert [m["stepsCompleted"] for m in timings if m["trialRunId"] == 2] == [3010]
+    assert master.rows(42, "timings", archived=True) == []  # run 1's row kept
+    assert b.server.stats()["steps_clamped"] == 0
 
 
 def _big_request(trial: int, n_bytes: int) -> metrics_service_pb2.ExportMetricsServiceRequest:
@@ -217,6 +306,98 @@ def test_one_trials_flood_does_not_delay_a_healthy_trial(
     b.report_now()
     assert {r.group for r in master.profiling_rows(42, "cpu")} == {"cpu"}
     b.stop()
+
+
+MB = 1 << 20
+
+
+def _bridge_stats(log: str) -> dict[str, Any]:
+    """The counters of the bridge's last `stats:` line (it logs them when it stops)."""
+    line = [x for x in log.splitlines() if "stats: {" in x][-1]
+    return dict(ast.literal_eval(line.split("stats: ", 1)[1]))
+
+
+@pytest.mark.parametrize("gives_up", ["deadline", "hang-up"])
+def test_abandoned_requests_free_their_tokens_share_and_memory_at_once(
+    master: DeterminedContractServer, tmp_path: Path, gives_up: str
+) -> None:
+    token_file = tmp_path / "det-token"
+    token_file.write_text(master.token)  # type: ignore[attr-defined]
+    token_file.chmod(0o600)
+    bridge = BridgeProcess(
+        master.url, token_file, tmp_path / "spool", tmp_path / "bridge.log",
+        tokens=[f"{TRIAL_42_TOKEN} trial=42"], args=["--max-request-mb", "4"],
+    )  # fmt: skip
+    bridge.start()
+    assert bridge.proc is not None
+    process = psutil.Process(bridge.proc.pid)
+    otlp = OtlpClient(bridge.port, token=TRIAL_42_TOKEN)
+    small = seed_metrics_request(trial_resource(42))
+    otlp.send_metrics(small)
+    baseline = process.memory_info().rss
+    big = dense_metrics_request(trial_resource(42), int(3.8 * MB))  # ~3 s of mapping each
+    peak = [baseline]
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.wait(0.01):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    def send() -> str:
+        client = OtlpClient(bridge.port, token=TRIAL_42_TOKEN)
+        try:
+            if gives_up == "deadline":
+                client.send_metrics(big, timeout=0.5)  # the client gives up after 0.5 s
+            else:  # its process goes away after 0.5 s: the connection closes
+                call = client.metrics.Export.future(big, timeout=60, metadata=client.metadata)
+                time.sleep(0.5)
+                client.close()
+                call.result()
+            return "OK"
+        except grpc.RpcError as exc:
+            return str(exc.code().name)
+        finally:
+            client.close()
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with ThreadPoolExecutor(8) as clients:  # one token, 8 at once: 4 admitted (its share)
+            outcomes = list(clients.map(lambda _i: send(), range(8)))
+        gave_up = time.monotonic()
+        # the token's share is free as soon as the admitted ones reach their next check
+        wait_for(
+            lambda: otlp.send_metrics(small, timeout=5) is not None,
+            timeout_s=10, what="the token's next request to be admitted", interval_s=0.01,
+        )  # fmt: skip
+        admitted_after = time.monotonic() - gave_up
+        rss_after = wait_for(
+            lambda: (rss := process.memory_info().rss) <= baseline + 40 * MB and rss,
+            timeout_s=10, what="the bridge's memory to come back",
+            on_timeout=lambda: f"RSS {baseline / MB:.0f} MB at first, "
+            f"{process.memory_info().rss / MB:.0f} now, peak {peak[0] / MB:.0f}",
+        )  # fmt: skip
+    finally:
+        sampling.set()
+        sampler.join()
+        otlp.close()
+        bridge.stop()
+    log = bridge.log.read_text()
+    stats = _bridge_stats(log)
+    print(
+        f"outcomes {outcomes}; admitted {admitted_after:.2f} s after the clients gave up; "
+        f"RSS {baseline / MB:.0f} -> peak {peak[0] / MB:.0f} -> {rss_after / MB:.0f} MB"
+    )
+    assert set(outcomes) <= {"DEADLINE_EXCEEDED", "CANCELLED", "UNAVAILABLE"}, outcomes
+    # what was admitted was dropped and counted (gRPC drops, unseen, a call that ends
+    # before a worker takes it)
+    assert stats["refused_abandoned"] >= 1, stats
+    assert stats["refused_abandoned"] + stats["refused_throttled"] <= 8, stats
+    assert admitted_after < 2.0
+    # per admitted request at most ~9x its size (ARCHITECTURE.md), and every request's
+    # bytes as received twice: 4 x 9 x 3.8 + 8 x 2 x 3.8 MB
+    assert peak[0] - baseline <= (4 * 9 + 8 * 2) * 3.8 * MB, peak[0] - baseline
+    assert TRIAL_42_TOKEN not in log
 
 
 def test_a_hundred_thousand_agent_ids_in_one_trial_stay_bounded_and_do_not_delay_another(

@@ -12,10 +12,6 @@ import datetime as dt
 import itertools
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -29,12 +25,12 @@ from otelprof.determined.mapping import timing_name
 from tests.determined_contract import DeterminedContractServer, Post, trial_metrics
 from tests.determined_feed import (
     TIMING_NAMES,
+    BridgeProcess,
     OtlpClient,
     SeedValues,
     seed_metrics_request,
     timing_spans_request,
     trial_resource,
-    write_token_file,
 )
 
 # The outage the issue asks for is 30 s; override to iterate faster locally.
@@ -42,55 +38,6 @@ OUTAGE_S = float(os.environ.get("OTELPROF_TEST_OUTAGE_S", "30"))
 TICK_S = 0.1
 WINDOW_S = 0.5
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class BridgeProcess:
-    """`otelprof determined-bridge` as a child process on a fixed port."""
-
-    def __init__(self, master_url: str, token_file: Path, spool: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.log = log
-        self.argv = [
-            sys.executable, "-m", "otelprof", "determined-bridge",
-            "--listen", f"127.0.0.1:{self.port}", "--master", master_url,
-            "--token-file", str(token_file), "--spool-dir", str(spool),
-            "--ingest-tokens", str(write_token_file(spool.parent / "ingest-tokens")),
-            "--report-interval", str(WINDOW_S), "--retry-max-delay", "1",
-            "--log-level", "INFO",
-        ]  # fmt: skip
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
-
-    def start(self) -> None:
-        offset = self.log.stat().st_size if self.log.exists() else 0
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-        self.starts += 1
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if b"listening on port" in self.log.read_bytes()[offset:]:
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"bridge did not start:\n{self.log.read_text()[-3000:]}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
 
 
 @pytest.fixture
@@ -105,7 +52,9 @@ def master() -> Iterator[DeterminedContractServer]:
 def bridge(master: DeterminedContractServer, tmp_path: Path) -> Iterator[BridgeProcess]:
     token_file = tmp_path / "token"
     token_file.write_text(master.add_user("alice"))
-    b = BridgeProcess(master.url, token_file, tmp_path / "spool", tmp_path / "bridge.log")
+    b = BridgeProcess(
+        master.url, token_file, tmp_path / "spool", tmp_path / "bridge.log", window_s=WINDOW_S
+    )
     b.start()
     yield b
     if b.proc is not None and b.proc.poll() is None:

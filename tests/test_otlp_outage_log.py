@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import otelprof
+from otelprof.export.counters import is_loss
+from tests.otlp_files import read_lines, timing_histograms
 from tests.otlp_sink import OtlpSink
 from tests.services import wait_for
 
@@ -79,3 +83,49 @@ def test_a_collector_outage_logs_one_line_and_one_on_recovery_with_the_losses(
     assert lost["spans"] == stats["otlp.spans_failed"] > 0, (recovered, stats)
     assert lost["metric points"] == stats["otlp.metric_points_failed"] > 0, (recovered, stats)
     assert stats["dropped_total"] >= lost["spans"] + lost["metric points"]
+
+
+@pytest.fixture(params=["down", "stalled"])
+def dead_collector(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A collector's endpoint that refuses connections, or accepts them and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        if request.param == "stalled":
+            listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_the_detached_metrics_file_keeps_the_final_export_whatever_the_collector_does(
+    tmp_path: Path, dead_collector: str
+) -> None:
+    steps = 50
+    # interval 3600: the only metrics export is the final one, at shutdown
+    with otelprof.instrument(
+        endpoint=dead_collector, detached=True, output_dir=tmp_path, interval=3600,
+        export_timeout=1, gpus="none", host_metrics=False,
+    ) as prof:  # fmt: skip
+        for _ in range(steps):
+            with otelprof.timing("train_batch"):
+                time.sleep(0.001)
+            prof.step()
+    stats = prof.stats()
+    (metrics,) = tmp_path.glob("*/metrics.jsonl")
+    points = sum(
+        len(next(iter(v for v in m.values() if isinstance(v, dict)))["dataPoints"])
+        for request in read_lines(metrics)
+        for rm in request.get("resourceMetrics", [])
+        for sm in rm["scopeMetrics"]
+        for m in sm["metrics"]
+    )
+    histogram = timing_histograms(metrics)[("train_batch", "train")]
+    assert int(histogram["count"]) == steps  # the final export, whole
+    assert stats["files.metric_points_exported"] == points > 0, stats
+    assert not [k for k in stats if k.startswith("files.") and is_loss(k)], stats
+    assert stats["otlp.metric_points_failed"] > 0, stats  # the collector's share is counted
+    # items lost, every one under a key that names it (exports are not items)
+    lost = stats["otlp.spans_failed"] + stats["otlp.metric_points_failed"]
+    assert (
+        stats["dropped_total"]
+        == lost
+        == sum(v for k, v in stats.items() if is_loss(k) and k != "dropped_total")
+    ), stats

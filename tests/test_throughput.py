@@ -13,6 +13,7 @@ import pytest
 import otelprof
 from otelprof import _throughput
 from otelprof.cli import main as cli_main
+from otelprof.config import ConfigError, Settings
 from tests.otlp_files import read_points, read_spans
 
 BATCH = 8
@@ -168,17 +169,17 @@ def test_peak_table_matches_device_names_without_guessing(
 
 
 def test_declared_peak_wins_over_the_environment_which_wins_over_the_table(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("OTELPROF_PEAK_FLOPS", "2.5e14")
-    assert _throughput.resolve_peak_flops() == (2.5e14, "OTELPROF_PEAK_FLOPS")
+    configured = Settings.from_options(
+        env={"OTELPROF_PEAK_FLOPS": "2.5e14"}, output_dir=tmp_path
+    ).peak_flops
+    assert _throughput.resolve_peak_flops(configured) == (2.5e14, "OTELPROF_PEAK_FLOPS")
     otelprof.set_peak_flops(1e12)
-    assert _throughput.resolve_peak_flops() == (1e12, "declared")
+    assert _throughput.resolve_peak_flops(configured) == (1e12, "declared")
     otelprof.set_peak_flops(None)
-    monkeypatch.setenv("OTELPROF_PEAK_FLOPS", "fast")
-    with pytest.raises(ValueError, match="OTELPROF_PEAK_FLOPS: peak FLOP/s must be a number"):
-        _throughput.resolve_peak_flops()
-    monkeypatch.delenv("OTELPROF_PEAK_FLOPS")
+    with pytest.raises(ConfigError, match="OTELPROF_PEAK_FLOPS: expected a number"):
+        Settings.from_options(env={"OTELPROF_PEAK_FLOPS": "fast"}, output_dir=tmp_path)
     peak, why = _throughput.resolve_peak_flops()
     assert peak is None and "declare the peak" in why  # no GPU here
 

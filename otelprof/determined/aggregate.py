@@ -124,6 +124,7 @@ class WindowAggregator:
         max_series_per_trial: int = 4096,
         max_steps_per_s: float = 10_000.0,
         window_s: float = 10.0,
+        trust_offsets: bool = False,
     ) -> None:
         self.timings_group = timings_group
         self.carry_windows = carry_windows
@@ -136,6 +137,14 @@ class WindowAggregator:
         self.max_series_per_trial = max_series_per_trial
         self.max_steps_per_s = max_steps_per_s
         self.window_s = window_s
+        # A producer's DET_STEPS_COMPLETED is trusted in process (the process's own
+        # environment); at the bridge it is what a token holder claims, so a trial's first
+        # report is bounded from the batch count the master holds instead (`baselines`,
+        # filled by the pipeline from GET /api/v1/trials/{id}; wanted ones are listed in
+        # `baselines_wanted` until then, and their timings wait).
+        self.trust_offsets = trust_offsets
+        self.baselines: OrderedDict[int, int] = OrderedDict()
+        self.baselines_wanted: set[int] = set()
         self._series_per_trial: dict[tuple[int, int], int] = {}
         self.window = 0
         self.stats = AggregatorStats()
@@ -180,14 +189,14 @@ class WindowAggregator:
             if s.group == self.timings_group:  # e.g. GPU energy per step: rides with timings
                 tacc = state.timing_gauges.setdefault(s.key, [0.0, 0])
                 tacc[0] += s.value
-                tacc[1] += 1
+                tacc[1] += s.n
                 continue
             acc = state.gauges.get((s.agent, s.group, s.sub, s.key))
             if acc is None:
-                state.gauges[(s.agent, s.group, s.sub, s.key)] = [s.value, 1, s.time_ns]
+                state.gauges[(s.agent, s.group, s.sub, s.key)] = [s.value, s.n, s.time_ns]
             else:
                 acc[0] += s.value
-                acc[1] += 1
+                acc[1] += s.n
                 acc[2] = max(acc[2], s.time_ns)
         return taken
 
@@ -256,6 +265,13 @@ class WindowAggregator:
             if counted and not self._add_timing(state, s):
                 continue
             state.max_step = max(state.max_step, s.max_step)
+            if (
+                s.offset > 0
+                and not self.trust_offsets
+                and s.trial_id not in self.baselines
+                and (s.trial_id, s.run_id) not in self.last_steps
+            ):
+                self.baselines_wanted.add(s.trial_id)
             state.offset = max(state.offset, s.offset)
             state.per_batch = max(1, s.per_batch)
             state.timing_time_ns = max(state.timing_time_ns, s.time_ns)
@@ -289,6 +305,7 @@ class WindowAggregator:
             ):
                 del self._trials[(trial_id, run_id)]
                 self._forget_histograms(trial_id, run_id)
+                self.baselines_wanted.discard(trial_id)
         self.window += 1
         self.stats.windows += 1
         self.stats.reports += len(reports)
@@ -375,7 +392,14 @@ class WindowAggregator:
             return None
         steps = self.safe_steps(run_id, state)
         if steps is not None:
-            steps = self._bounded_steps(trial_id, run_id, state, steps)
+            before = self.last_steps.get((trial_id, run_id))
+            if before is None:
+                before = self._first_baseline(trial_id, state)
+                if before is None:  # the master has not said what it holds yet: wait
+                    self.baselines_wanted.add(trial_id)
+                    self.stats.timings_held += 1
+                    return None
+            steps = self._bounded_steps(state, steps, before)
         if steps is None:
             # A restarted trial without DET_STEPS_COMPLETED: any step count could archive
             # the user's rows of earlier runs. Not reported (counted, logged once).
@@ -423,15 +447,33 @@ class WindowAggregator:
         state.timings.clear()
         return Report(trial_id, run_id, self.timings_group, body)
 
-    def _bounded_steps(self, trial_id: int, run_id: int, state: _Trial, steps: int) -> int:
+    def _first_baseline(self, trial_id: int, state: _Trial) -> int | None:
+        """What a trial's first report counts on from: the producer's DET_STEPS_COMPLETED
+        where it is trusted (in process) or 0; at the bridge, a claimed offset is taken
+        only up to the batch count the master already holds (None until it is known). A
+        report at or above the master's count archives no row of an earlier run (the
+        master keeps none above it), so bounding from it never loses the user's metrics."""
+        claimed = max(state.offset, 0)
+        if self.trust_offsets or claimed == 0:
+            return claimed
+        held = self.baselines.get(trial_id)
+        return None if held is None else min(claimed, held)
+
+    def set_baseline(self, trial_id: int, batches: int) -> None:
+        """The batch count the master holds for a trial (asked by the pipeline)."""
+        self.baselines[trial_id] = max(0, batches)
+        self.baselines.move_to_end(trial_id)
+        self.baselines_wanted.discard(trial_id)
+        while len(self.baselines) > self.max_trials:
+            self.baselines.popitem(last=False)
+
+    def _bounded_steps(self, state: _Trial, steps: int, before: int) -> int:
         """At most what the trial can really have trained: `max_steps_per_s` over the time
         since the previous report (or since its first data) plus one window (what a
-        producer trained before its first export), so a wrong step attribute cannot raise
-        the trial's batch count (the master keeps the highest stepsCompleted) for good."""
+        producer trained before its first export) on top of `before` (the previous report,
+        or `_first_baseline`), so a wrong step attribute or offset cannot raise the trial's
+        batch count (the master keeps the highest stepsCompleted) for good."""
         now = time.monotonic()
-        before = self.last_steps.get((trial_id, run_id))
-        if before is None:
-            before = max(state.offset, 0)
         elapsed = max(0.0, now - state.steps_clock) + self.window_s
         bound = before + 1 + int(self.max_steps_per_s * elapsed)
         state.steps_clock = now

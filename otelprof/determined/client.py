@@ -283,20 +283,39 @@ class DeterminedClient:
                     return True
         return False
 
-    def trial_experiment(self, trial_id: int) -> int | None:
-        """The experiment a trial belongs to (GetTrial); None when the master has no such
-        trial. Raises when the master cannot answer (down, refused our credentials)."""
+    def _trial(self, trial_id: int, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """GetTrial's `trial` object; None when the master has no such trial. Raises when
+        the master cannot answer (down, refused our credentials)."""
         name, value = self._auth_header()
-        response = self._http.get(f"/api/v1/trials/{trial_id}", headers={name: value})
+        kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": max(0.01, timeout_s)}
+        response = self._http.get(f"/api/v1/trials/{trial_id}", headers={name: value}, **kwargs)
         if response.status_code == 404:
             return None
         if response.status_code != 200:
             raise RuntimeError(
                 f"HTTP {response.status_code} {self.redact(master_message(response))}"
             )
-        trial = response.json().get("trial") or {}
+        trial = response.json().get("trial")
+        return trial if isinstance(trial, dict) else {}
+
+    def trial_experiment(self, trial_id: int) -> int | None:
+        """The experiment a trial belongs to (GetTrial); None when the master has no such
+        trial. Raises when the master cannot answer (down, refused our credentials)."""
+        trial = self._trial(trial_id)
+        if trial is None:
+            return None
         experiment = trial.get("experimentId", trial.get("experiment_id"))
         return None if experiment is None else int(experiment)
+
+    def trial_batches(self, trial_id: int, timeout_s: float | None = None) -> int:
+        """The batch count the master holds for a trial (GetTrial's totalBatchesProcessed,
+        the highest stepsCompleted any report raised it to); 0 for no such trial. Raises
+        when the master cannot answer."""
+        trial = self._trial(trial_id, timeout_s)
+        if trial is None:
+            return 0
+        batches = trial.get("totalBatchesProcessed", trial.get("total_batches_processed", 0))
+        return int(batches or 0)
 
     def close(self) -> None:
         self._http.close()

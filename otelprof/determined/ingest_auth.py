@@ -95,7 +95,8 @@ def _digest(token: str) -> bytes:
 class IngestTokens:
     """Token → scope, looked up by digest (the tokens themselves are not kept)."""
 
-    def __init__(self, scopes: dict[str, Scope]) -> None:
+    def __init__(self, scopes: dict[str, Scope], labels: dict[str, str] | None = None) -> None:
+        """`labels`: how a log line names each token (never the token itself)."""
         if not scopes:
             raise ConfigError("no ingest token: the bridge accepts OTLP only from token holders")
         for token in scopes:
@@ -105,12 +106,21 @@ class IngestTokens:
                     f"{MIN_TOKEN_CHARS} random ones (`otelprof determined-bridge --new-token`)"
                 )
         self._scopes = {_digest(t): s for t, s in scopes.items()}
+        self._labels = {
+            _digest(t): (labels or {}).get(t) or f"ingest token #{i}"
+            for i, t in enumerate(scopes, 1)
+        }
+
+    def describe(self, credential: bytes) -> str:
+        """Which token a credential is, for a log line: where it was read, not what it is."""
+        return self._labels.get(credential, "an unknown token")
 
     @classmethod
     def from_file(cls, path: str, default: Scope | None = None) -> IngestTokens:
         """Read a token file (see the module docstring); refused if others may read it."""
         check_secret_file(path, "ingest token")
         scopes: dict[str, Scope] = {}
+        labels: dict[str, str] = {}
         for number, line in enumerate(Path(path).read_text().splitlines(), 1):
             words = line.split("#", 1)[0].split()
             if not words:
@@ -125,7 +135,8 @@ class IngestTokens:
                     )
                 scope = default
             scopes[words[0]] = scope
-        return cls(scopes)
+            labels[words[0]] = f"the token on line {number} of {path}"
+        return cls(scopes, labels)
 
     def scope_of(self, metadata: Iterable[tuple[str, str | bytes]]) -> tuple[bytes, Scope] | None:
         """(the token's digest, its scope), or None when the request has no valid token."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -87,7 +87,9 @@ _KNOWN_RANGES = (
 
 
 class GaugeSample(NamedTuple):
-    """One gauge value for one trial/agent/group key (sub = GPU UUID in group gpu)."""
+    """The sum of `n` gauge values for one trial/agent/group key (sub = GPU UUID in group
+    gpu): one request's points of a key arrive folded, so neither the journal nor the window
+    grows with the points of a request (an OTLP request of 4 MB holds ~300,000)."""
 
     trial_id: int
     run_id: int
@@ -96,7 +98,8 @@ class GaugeSample(NamedTuple):
     sub: str
     key: str
     value: float
-    time_ns: int
+    time_ns: int  # the latest point's
+    n: int = 1
 
 
 class TimingSample(NamedTuple):
@@ -154,11 +157,33 @@ class Extracted:
     errors: list[str] = field(default_factory=list)
     ignored: int = 0  # points of metrics Determined has no key for
     skipped_direct: int = 0  # from processes that post to Determined themselves
+    by_reason: dict[str, int] = field(default_factory=dict)  # rejected, per reason
 
-    def reject(self, count: int, message: str) -> None:
+    def reject(self, count: int, message: str, reason: str = "unmappable") -> None:
         self.rejected += count
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + count
         if message not in self.errors:
             self.errors.append(message)
+
+
+class Cancelled(Exception):
+    """The request's caller went away (deadline passed, connection closed): stop mapping."""
+
+
+CHECK_EVERY = 1024
+"""Points (or spans, or resources) mapped between two looks at whether the caller is still
+there: a few milliseconds of work, so an abandoned request stops that soon."""
+
+MAX_TIME_BUCKETS = 4096
+"""Timestamps of one metric held at once while its points of one timestamp are combined
+(summed across interfaces, say); past that the ones held are folded into the key's sum,
+so mapping a request needs memory for this many, not for all of its points."""
+
+Stop = Callable[[], bool]
+
+
+def never() -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -244,30 +269,51 @@ def attributes_dict(items: Iterable[KeyValue]) -> dict[str, Any]:
 
 
 class RouteError(ValueError):
-    """The resource cannot be tied to a Determined trial."""
+    """The resource cannot be tied to a Determined trial; `reason` names why in one word
+    (counted per reason: `Extracted.by_reason`)."""
+
+    def __init__(self, message: str, reason: str = "unrouted") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]{1,12}")  # ASCII digits only: "²".isdigit() is True
+_SHOWN = 40  # characters of a refused value quoted in a message (a sender's value is any size)
+
+
+def _shown(raw: Any) -> str:
+    text = repr(raw)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
 def _as_int(attrs: Mapping[str, Any], key: str) -> int | None:
+    """An id attribute as an int32, None when absent; RouteError (reason `bad_id`) for
+    anything else: a bool, a fraction, `"²"` or `"--4242"` (which `str.isdigit` and
+    `lstrip("-")` let through to a ValueError), a string of a thousand digits."""
     raw = attrs.get(key)
     if raw is None or raw == "":
         return None
+    value: int | None = None
     if isinstance(raw, bool):
-        raise RouteError(f"resource attribute {key}={raw!r} is not an integer")
-    if isinstance(raw, int):
+        value = None
+    elif isinstance(raw, int):
         value = raw
     elif isinstance(raw, float) and raw.is_integer():
         value = int(raw)
-    elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+    elif isinstance(raw, str) and _INTEGER.fullmatch(raw.strip()):
         value = int(raw.strip())
-    else:
-        raise RouteError(f"resource attribute {key}={raw!r} is not an integer")
+    if value is None:
+        raise RouteError(f"resource attribute {key}={_shown(raw)} is not an integer", "bad_id")
     if not -(2**31) <= value < 2**31:
-        raise RouteError(f"resource attribute {key}={value} does not fit Determined's int32")
+        raise RouteError(
+            f"resource attribute {key}={_shown(raw)} does not fit Determined's int32", "bad_id"
+        )
     return value
 
 
 def _describe(attrs: Mapping[str, Any]) -> str:
-    parts = [f"{k}={attrs[k]}" for k in ("service.name", "host.name", "process.pid") if k in attrs]
+    keys = ("service.name", "host.name", "process.pid")
+    parts = [f"{k}={_shown(attrs[k])}" for k in keys if k in attrs]
     return ", ".join(parts) or "no identifying attributes"
 
 
@@ -282,18 +328,26 @@ def resolve_route(attrs: Mapping[str, Any], default: Route) -> tuple[int, int, s
         raise RouteError(
             f"resource ({_describe(attrs)}) has no {ATTR_TRIAL_ID} attribute; run the job "
             "under Determined (DET_TRIAL_ID is read by otelprof.instrument) or start the "
-            "bridge with --trial-id/--trial-run-id to route such data to one trial"
+            "bridge with --trial-id/--trial-run-id to route such data to one trial",
+            "no_trial_id",
         )
+    if trial < 1:
+        raise RouteError(f"resource attribute {ATTR_TRIAL_ID}={trial} is not a trial id "
+                         "(Determined's start at 1)", "bad_id")  # fmt: skip
     if run is None:
         raise RouteError(
             f"resource ({_describe(attrs)}) has {ATTR_TRIAL_ID}={trial} but no "
-            f"{ATTR_RUN_ID}; Determined refuses reports without the trial's run id"
+            f"{ATTR_RUN_ID}; Determined refuses reports without the trial's run id",
+            "no_run_id",
         )
+    if run < 0:
+        raise RouteError(f"resource attribute {ATTR_RUN_ID}={run} is not a run id", "bad_id")
     agent = attrs.get(ATTR_AGENT_ID) or attrs.get(ATTR_HOST_NAME) or default.agent
     if not agent:
         raise RouteError(
             f"resource ({_describe(attrs)}) has neither {ATTR_AGENT_ID} nor {ATTR_HOST_NAME}; "
-            "Determined nests system metrics under an agent id (or pass --agent-id)"
+            "Determined nests system metrics under an agent id (or pass --agent-id)",
+            "no_agent",
         )
     return trial, run, str(agent)
 
@@ -346,33 +400,48 @@ def phase_timing_name(name: str, phase: Any) -> str:
     return timing_name(f"{timing_name(name)} {phase}")
 
 
-def _combine(values: list[float], how: str) -> float:
-    return sum(values) if how == "sum" else sum(values) / len(values)
-
-
 def _direct(attrs: Mapping[str, Any]) -> bool:
     return attrs.get(ATTR_DIRECT) in (True, "true", "1", 1)
 
 
-def _positive_int(attrs: Mapping[str, Any], key: str, fallback: int | None) -> int | None:
+def step_claims(attrs: Mapping[str, Any], default: Route) -> tuple[int, int]:
+    """(DET_STEPS_COMPLETED, otelprof steps per batch) a producer's resource claims (-1: no
+    offset known); RouteError (reason `bad_steps`) for a malformed or negative one rather
+    than a silent "unknown". The offset is only a claim: the aggregator bounds a trial's
+    first report by what the master holds, not by it (`WindowAggregator._bounded_steps`)."""
     try:
-        value = _as_int(attrs, key)
-    except RouteError:
-        value = None
-    value = fallback if value is None else value
-    return value if value is not None and value >= 0 else None
+        offset = _as_int(attrs, ATTR_STEPS_OFFSET)
+        per_batch = _as_int(attrs, ATTR_STEPS_PER_BATCH)
+    except RouteError as exc:
+        raise RouteError(str(exc), "bad_steps") from None
+    offset = default.steps_offset if offset is None else offset
+    per_batch = default.steps_per_batch if per_batch is None else per_batch
+    if offset is not None and offset < 0:
+        raise RouteError(f"resource attribute {ATTR_STEPS_OFFSET}={offset} is negative",
+                         "bad_steps")  # fmt: skip
+    if per_batch is not None and per_batch < 1:
+        raise RouteError(f"resource attribute {ATTR_STEPS_PER_BATCH}={per_batch} is not a "
+                         "positive count", "bad_steps")  # fmt: skip
+    return (-1 if offset is None else offset), (per_batch or 1)
 
 
 def extract_metrics(
-    request: ExportMetricsServiceRequest, default: Route, skip_direct: bool = False
+    request: ExportMetricsServiceRequest,
+    default: Route,
+    skip_direct: bool = False,
+    stop: Stop = never,
 ) -> Extracted:
-    """Gauge samples for every data point Determined has a key for.
+    """Gauge samples for every data point Determined has a key for, one per key of each
+    resource (the sum of its points' values per timestamp, and how many timestamps).
 
     `skip_direct` (the bridge): resources of processes that post to Determined themselves
     are left out, counted in `skipped_direct`, so no trial's data is reported twice.
+    `stop()` is asked every `CHECK_EVERY` points; when true, mapping raises `Cancelled`.
     """
     out = Extracted()
     for resource_metrics in request.resource_metrics:
+        if stop():
+            raise Cancelled
         attrs = attributes_dict(resource_metrics.resource.attributes)
         points = sum(point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
         if skip_direct and _direct(attrs):
@@ -381,19 +450,19 @@ def extract_metrics(
         try:
             trial, run, agent = resolve_route(attrs, default)
         except RouteError as exc:
-            out.reject(points, str(exc))
+            out.reject(points, str(exc), exc.reason)
             continue
-        # (group, sub, key, time) -> values of one timestamp, combined per the rule.
-        buckets: dict[tuple[str, str, str, int], tuple[str, list[float]]] = {}
+        folded: dict[tuple[str, str, str], list[float]] = {}  # (group, sub, key) -> sum, n, t
         for scope_metrics in resource_metrics.scope_metrics:
             for metric in scope_metrics.metrics:
                 if metric.name == TIMING_HISTOGRAM:
                     _map_histogram(metric, attrs, default, trial, run, out)
                 else:
-                    _map_metric(metric, buckets, out)
-        for (group, sub, key, time_ns), (how, values) in buckets.items():
-            value = _combine(values, how)
-            out.gauges.append(GaugeSample(trial, run, agent, group, sub, key, value, time_ns))
+                    _map_metric(metric, folded, out, stop)
+        for (group, sub, key), (total, n, time_ns) in folded.items():
+            out.gauges.append(
+                GaugeSample(trial, run, agent, group, sub, key, total, int(time_ns), int(n))
+            )
     return out
 
 
@@ -427,12 +496,16 @@ def _map_histogram(
     if metric.unit not in ("s", "") or temporality not in (_CUMULATIVE, _DELTA):
         out.reject(
             len(points),
-            f"metric {TIMING_HISTOGRAM} has unit {metric.unit!r} and temporality "
+            f"metric {TIMING_HISTOGRAM} has unit {_shown(metric.unit)} and temporality "
             f"{temporality}; expected unit 's', delta or cumulative",
+            "bad_unit",
         )
         return
-    offset = _positive_int(attrs, ATTR_STEPS_OFFSET, default.steps_offset)
-    per_batch = _positive_int(attrs, ATTR_STEPS_PER_BATCH, default.steps_per_batch) or 1
+    try:
+        offset, per_batch = step_claims(attrs, default)
+    except RouteError as exc:
+        out.reject(len(points), str(exc), exc.reason)
+        return
     producer = repr(sorted((k, str(v)) for k, v in attrs.items()))
     for point in points:
         point_attrs = attributes_dict(point.attributes)
@@ -440,10 +513,12 @@ def _map_histogram(
         phase = point_attrs.get(ATTR_PHASE) or PHASE_TRAIN
         count, total = int(point.count), float(point.sum)
         if not isinstance(timing, str) or not timing:
-            out.reject(1, f"metric {TIMING_HISTOGRAM} point has no {ATTR_TIMING} attribute")
+            out.reject(1, f"metric {TIMING_HISTOGRAM} point has no {ATTR_TIMING} attribute",
+                       "bad_value")  # fmt: skip
             continue
         if count < 0 or not math.isfinite(total) or total < 0:
-            out.reject(1, f"metric {TIMING_HISTOGRAM} point of {timing!r} has a bad count/sum")
+            out.reject(1, f"metric {TIMING_HISTOGRAM} point of {_shown(timing)} has a bad "
+                       "count/sum", "bad_value")  # fmt: skip
             continue
         out.histograms.append(
             HistogramPoint(
@@ -457,7 +532,7 @@ def _map_histogram(
                 int(point.time_unix_nano),
                 temporality == _CUMULATIVE,
                 timing == STEP_SPAN and phase == PHASE_TRAIN,
-                -1 if offset is None else offset,
+                offset,
                 per_batch,
             )
         )
@@ -470,8 +545,9 @@ def point_count(metric: Any) -> int:
 
 def _map_metric(
     metric: Any,
-    buckets: dict[tuple[str, str, str, int], tuple[str, list[float]]],
+    folded: dict[tuple[str, str, str], list[float]],
     out: Extracted,
+    stop: Stop,
 ) -> None:
     kind = metric.WhichOneof("data")
     rule = GAUGE_RULES.get(metric.name)
@@ -483,11 +559,16 @@ def _map_metric(
     if factor is None:
         out.reject(
             len(data_points),
-            f"metric {metric.name} has unit {metric.unit!r}; expected one of "
+            f"metric {metric.name} has unit {_shown(metric.unit)}; expected one of "
             f"{sorted(u for u in rule.units if u)}",
+            "bad_unit",
         )
         return
-    for point in data_points:
+    # (sub, key, time) -> [sum, count] of the points of one timestamp, combined per the rule
+    buckets: dict[tuple[str, str, int], list[float]] = {}
+    for i, point in enumerate(data_points):
+        if i % CHECK_EVERY == CHECK_EVERY - 1 and stop():
+            raise Cancelled
         attrs = attributes_dict(point.attributes)
         if any(a in attrs for a in rule.skip_attrs):
             out.ignored += 1
@@ -504,7 +585,8 @@ def _map_metric(
             if not sub:
                 index = attrs.get("gpu.index")
                 if index is None:
-                    out.reject(1, f"metric {metric.name} point has neither hw.id nor gpu.index")
+                    out.reject(1, f"metric {metric.name} point has neither hw.id nor gpu.index",
+                               "no_gpu_id")  # fmt: skip
                     continue
                 sub = f"GPU-{index}"
         point_kind = point.WhichOneof("value")
@@ -512,72 +594,102 @@ def _map_metric(
             out.ignored += 1
             continue
         value = float(getattr(point, point_kind)) * factor
-        if value != value or value in (float("inf"), float("-inf")):
-            out.reject(1, f"metric {metric.name} has a non-finite value")
+        if not math.isfinite(value):
+            out.reject(1, f"metric {metric.name} has a non-finite value", "bad_value")
             continue
-        bucket = buckets.setdefault(
-            (rule.group, sub, key, int(point.time_unix_nano)), (rule.combine, [])
-        )
-        bucket[1].append(value)
+        bucket = buckets.get((sub, key, int(point.time_unix_nano)))
+        if bucket is None:
+            if len(buckets) >= MAX_TIME_BUCKETS:
+                _fold(buckets, rule, folded)
+            buckets[(sub, key, int(point.time_unix_nano))] = [value, 1]
+        else:
+            bucket[0] += value
+            bucket[1] += 1
+    _fold(buckets, rule, folded)
+
+
+def _fold(
+    buckets: dict[tuple[str, str, int], list[float]],
+    rule: _GaugeRule,
+    folded: dict[tuple[str, str, str], list[float]],
+) -> None:
+    """Each timestamp's combined value into its key's sum (and count, and latest time)."""
+    for (sub, key, time_ns), (total, count) in buckets.items():
+        value = total if rule.combine == "sum" else total / count
+        acc = folded.get((rule.group, sub, key))
+        if acc is None:
+            folded[(rule.group, sub, key)] = [value, 1, time_ns]
+        else:
+            acc[0] += value
+            acc[1] += 1
+            acc[2] = max(acc[2], time_ns)
+    buckets.clear()
 
 
 def extract_spans(
-    request: ExportTraceServiceRequest, default: Route, skip_direct: bool = False
+    request: ExportTraceServiceRequest,
+    default: Route,
+    skip_direct: bool = False,
+    stop: Stop = never,
 ) -> Extracted:
-    """Timing samples (sum of seconds, count, highest step) per trial and span name."""
+    """Timing samples (sum of seconds, count, highest step) per trial and span name.
+    `stop()` is asked every `CHECK_EVERY` spans; when true, mapping raises `Cancelled`."""
     out = Extracted()
     for resource_spans in request.resource_spans:
+        if stop():
+            raise Cancelled
         attrs = attributes_dict(resource_spans.resource.attributes)
-        spans = [s for ss in resource_spans.scope_spans for s in ss.spans]
-        if not spans:
+        n_spans = sum(len(ss.spans) for ss in resource_spans.scope_spans)
+        if not n_spans:
             continue
         if skip_direct and _direct(attrs):
-            out.skipped_direct += len(spans)
+            out.skipped_direct += n_spans
             continue
-        offset = _positive_int(attrs, ATTR_STEPS_OFFSET, default.steps_offset)
-        per_batch = _positive_int(attrs, ATTR_STEPS_PER_BATCH, default.steps_per_batch) or 1
         if _rank(attrs) not in (None, 0):
             # Determined charts one timing series per trial: global rank 0's, on every
             # path (the in-process exporter and the histograms keep rank 0 alone too).
-            out.ignored += len(spans)
+            out.ignored += n_spans
             continue
         try:
             trial, run, _agent = resolve_route(attrs, default)
+            offset, per_batch = step_claims(attrs, default)
         except RouteError as exc:
-            out.reject(len(spans), str(exc))
+            out.reject(n_spans, str(exc), exc.reason)
             continue
         sums: dict[str, list[float]] = {}  # name -> [total_s, count, max_step, max_end]
-        for span in spans:
-            start, end = int(span.start_time_unix_nano), int(span.end_time_unix_nano)
-            if start <= 0 or end < start:
-                out.reject(1, f"span {span.name!r} has end time before start time")
-                continue
-            step = -1
-            phase = None
-            for kv in span.attributes:
-                if kv.key == ATTR_STEP:
-                    raw = _any_value(kv.value)
-                    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
-                        step = raw
-                elif kv.key == ATTR_PHASE:
-                    phase = _any_value(kv.value)
-            acc = sums.setdefault(phase_timing_name(span.name, phase), [0.0, 0, -1, 0])
-            acc[0] += (end - start) / 1e9
-            acc[1] += 1
-            acc[2] = max(acc[2], step)
-            acc[3] = max(acc[3], end)
+        seen = 0
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                seen += 1
+                if seen % CHECK_EVERY == 0 and stop():
+                    raise Cancelled
+                _add_span(span, sums, out)
         for name, (total, count, max_step, t_end) in sums.items():
             out.timings.append(
                 TimingSample(
-                    trial,
-                    run,
-                    name,
-                    total,
-                    int(count),
-                    int(max_step),
-                    int(t_end),
-                    -1 if offset is None else offset,
+                    trial, run, name, total, int(count), int(max_step), int(t_end), offset,
                     per_batch,
                 )
-            )
+            )  # fmt: skip
     return out
+
+
+def _add_span(span: Any, sums: dict[str, list[float]], out: Extracted) -> None:
+    start, end = int(span.start_time_unix_nano), int(span.end_time_unix_nano)
+    if start <= 0 or end < start:
+        out.reject(1, f"span {_shown(span.name)} has end time before start time", "bad_span")
+        return
+    step = -1
+    phase = None
+    for kv in span.attributes:
+        if kv.key == ATTR_STEP:
+            raw = _any_value(kv.value)
+            if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+                step = raw
+        elif kv.key == ATTR_PHASE:
+            phase = _any_value(kv.value)
+    acc = sums.setdefault(phase_timing_name(span.name, phase), [0.0, 0, -1, 0])
+    acc[0] += (end - start) / 1e9
+    acc[1] += 1
+    acc[2] = max(acc[2], step)
+    acc[3] = max(acc[3], end)

@@ -20,12 +20,21 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from otelprof.determined.aggregate import WindowAggregator
 from otelprof.determined.client import DeterminedClient
 from otelprof.determined.delivery import Deliverer
-from otelprof.determined.mapping import Extracted, Route, extract_metrics, extract_spans
+from otelprof.determined.mapping import (
+    Cancelled,
+    Extracted,
+    Route,
+    Stop,
+    extract_metrics,
+    extract_spans,
+    never,
+)
 from otelprof.determined.spool import DiskSpool, MemorySpool
 
 log = logging.getLogger("otelprof.determined")
 
 _MAX_LOGGED = 1000
+_MAX_LOOKUPS = 32  # trials asked about per window: a flood of new trials waits its turn
 
 
 class Pipeline:
@@ -45,9 +54,12 @@ class Pipeline:
         max_unknown_attempts: int = 5,
         skip_direct: bool = False,
         max_steps_per_s: float = 10_000.0,
+        trust_offsets: bool = False,
     ) -> None:
         """`skip_direct`: the bridge's setting; leave out data of processes that post to
-        Determined themselves (resource attribute otelprof.determined.direct)."""
+        Determined themselves (resource attribute otelprof.determined.direct).
+        `trust_offsets`: the in-process exporter's; the producer's DET_STEPS_COMPLETED is
+        its own environment, not a sender's claim the master must vouch for."""
         if window_s <= 0:
             raise ValueError(f"report window must be > 0 s, got {window_s}")
         self.client = client
@@ -59,11 +71,14 @@ class Pipeline:
             max_trials=max_trials,
             max_steps_per_s=max_steps_per_s,
             window_s=window_s,
+            trust_offsets=trust_offsets,
         )
         self.deliverer = Deliverer(
             spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
         )
         self.rejected_points = 0
+        self.rejected_by_reason: dict[str, int] = {}
+        self.baseline_lookups = 0
         self.skip_direct = skip_direct
         self.skipped_direct = 0
         self._lock = threading.Lock()
@@ -106,13 +121,17 @@ class Pipeline:
                 log.exception("closing a Determined report window failed")
 
     # -- ingest --------------------------------------------------------------------------------
-    def ingest_metrics(self, request: ExportMetricsServiceRequest) -> Extracted:
-        return self._ingest(extract_metrics(request, self.route, self.skip_direct))
+    def ingest_metrics(self, request: ExportMetricsServiceRequest, stop: Stop = never) -> Extracted:
+        """Map, aggregate and journal one request; `stop()` true (its caller went away)
+        raises `Cancelled` before anything of it is taken."""
+        return self._ingest(extract_metrics(request, self.route, self.skip_direct, stop), stop)
 
-    def ingest_traces(self, request: ExportTraceServiceRequest) -> Extracted:
-        return self._ingest(extract_spans(request, self.route, self.skip_direct))
+    def ingest_traces(self, request: ExportTraceServiceRequest, stop: Stop = never) -> Extracted:
+        return self._ingest(extract_spans(request, self.route, self.skip_direct, stop), stop)
 
-    def _ingest(self, extracted: Extracted) -> Extracted:
+    def _ingest(self, extracted: Extracted, stop: Stop) -> Extracted:
+        if stop():
+            raise Cancelled
         with self._lock:
             timings = extracted.timings
             if extracted.histograms:  # exact timings; journaled as deltas like span sums
@@ -123,6 +142,8 @@ class Pipeline:
             self.aggregator.add_timings(timings)
             self.spool.journal(self.aggregator.window, gauges, timings)
             self.rejected_points += extracted.rejected
+            for reason, count in extracted.by_reason.items():
+                self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + count
             self.skipped_direct += extracted.skipped_direct
         for message in extracted.errors:
             self._log_once(message)
@@ -136,8 +157,31 @@ class Pipeline:
         log.error("%s%s", what, message)
 
     # -- windows -------------------------------------------------------------------------------
-    def flush(self) -> int:
-        """Close the current window now; returns the number of reports it produced."""
+    def _ask_baselines(self, deadline: float) -> None:
+        """Ask the master what it holds for trials whose first timings report waits on it
+        (`WindowAggregator.baselines_wanted`), before the lock; a master that cannot answer
+        is asked again at the next window (the timings wait, nothing is dropped)."""
+        with self._lock:
+            wanted = sorted(self.aggregator.baselines_wanted)[:_MAX_LOOKUPS]
+        for trial in wanted:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                batches = self.client.trial_batches(trial, timeout_s=left)
+            except Exception as exc:
+                self._log_once(f"cannot ask the master what trial {trial} holds: {exc}; its "
+                               "first timings report waits", "Determined: ")  # fmt: skip
+                return
+            self.baseline_lookups += 1
+            with self._lock:
+                self.aggregator.set_baseline(trial, batches)
+
+    def flush(self, lookup_s: float | None = None) -> int:
+        """Close the current window now; returns the number of reports it produced.
+        `lookup_s`: the most time asking the master for step baselines may take (default:
+        the client's own timeout)."""
+        self._ask_baselines(time.monotonic() + (self.window_s if lookup_s is None else lookup_s))
         with self._flush_lock:
             with self._lock:
                 window = self.aggregator.window
@@ -188,7 +232,7 @@ class Pipeline:
         self._stop.set()
         if self._timer is not None:
             self._timer.join(max(0.0, deadline - time.monotonic()))
-        self.flush()
+        self.flush(lookup_s=max(0.0, deadline - time.monotonic()) / 2)
         if not self.wait_delivered(max(0.0, deadline - time.monotonic())):
             pending = self.spool.pending()
             self.unconfirmed_at_shutdown = min(self.deliverer.unconfirmed(), pending)
@@ -217,6 +261,8 @@ class Pipeline:
             "dropped_trials": a.dropped_trials,
             "dropped_timing_names": a.dropped_names,
             "rejected_points": self.rejected_points,
+            **{f"rejected_points_{r}": n for r, n in sorted(self.rejected_by_reason.items())},
+            "baseline_lookups": self.baseline_lookups,
             "skipped_direct": self.skipped_direct,
             "timings_unsafe_steps": a.timings_unsafe,
             "invalid_values": a.invalid_values,

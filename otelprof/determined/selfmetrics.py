@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "otelprof_determined_bridge_"
@@ -49,6 +49,8 @@ HELP: dict[str, tuple[str, bool]] = {
     "refused_unverified_trial": ("OTLP requests whose trial the master could not vouch for", False),
     "refused_out_of_scope_requests": ("OTLP requests with nothing in the token's scope", False),
     "refused_out_of_scope_points": ("points/spans for trials outside the token's scope", False),
+    "refused_abandoned": ("OTLP requests dropped because their caller went away", False),
+    "baseline_lookups": ("trials whose batch count was asked of the master", False),
     "inflight_bytes": ("OTLP request bytes being mapped now", True),
 }
 
@@ -73,14 +75,12 @@ class _StatsCollector:
 def serve_metrics(
     stats: Callable[[], dict[str, Any]], port: int, host: str = "127.0.0.1"
 ) -> tuple[int, Callable[[], None]]:
-    """Start the metrics endpoint; returns (bound port, stop function)."""
+    """Start the metrics endpoint; returns (bound port, stop function). The same bounded
+    server as a training process's endpoint (`export/_prom_server.py`): slow or idle
+    connections cannot hold it from a scrape."""
+    from otelprof.export._prom_server import BoundedMetricsServer
+
     registry = CollectorRegistry()
     registry.register(_StatsCollector(stats))
-    server, thread = start_http_server(port, addr=host, registry=registry)
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-
-    return int(server.server_address[1]), stop
+    server = BoundedMetricsServer(host, port, registry)
+    return int(server.server_address[1]), server.shutdown

@@ -11,13 +11,30 @@ Requests are parsed here rather than by grpcio so a malformed message is answere
 INVALID_ARGUMENT and a message naming the problem (grpcio's own deserializer failure is
 an opaque INTERNAL). Data that cannot be tied to a trial is refused: the whole request
 with INVALID_ARGUMENT when nothing in it maps, otherwise through OTLP partial success.
+
+A request whose caller goes away (its deadline passes, its connection closes) is dropped
+where it is: gRPC ends the call at once, and mapping looks every `CHECK_EVERY` items (a few
+milliseconds of work, or one master lookup of a trial's experiment), so it stops, counts
+it (`refused_abandoned`) and gives its credential's share and bytes back. Nothing of it is
+taken into a window: it is mapped whole before anything is aggregated. The memory an
+admitted request holds is bounded by its size: the raw bytes, the parsed message and the
+samples folded per key (`mapping.GaugeSample`), not per point (docs/ARCHITECTURE.md has
+the figure).
+
+Refused senders are logged, one warning per reason, sender address and trial a minute
+with the number refused since; a token is never logged, only which line of the token file
+it is on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import ipaddress
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
@@ -37,8 +54,11 @@ from otelprof.determined.ingest_auth import (
     TlsFiles,
 )
 from otelprof.determined.mapping import (
+    CHECK_EVERY,
+    Cancelled,
     Extracted,
     RouteError,
+    Stop,
     attributes_dict,
     point_count,
     resolve_route,
@@ -62,6 +82,61 @@ class IngestStats:
     unverified: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
     forbidden_requests: int = 0  # nothing in the request was in the token's scope
     forbidden_points: int = 0  # points and spans for trials outside the token's scope
+    abandoned: int = 0  # the caller went away (deadline, closed connection): work dropped
+
+
+class _Caller:
+    """Whether a request's caller is still waiting: gRPC ends the call when its deadline
+    passes or its connection closes, and calls back at once."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+        self._ended = threading.Event()
+        if not context.add_callback(self._ended.set):
+            self._ended.set()  # it ended before the handler ran
+
+    def gone(self) -> bool:
+        if self._ended.is_set() or not self._context.is_active():
+            return True
+        remaining = self._context.time_remaining()
+        return remaining is not None and remaining <= 0
+
+
+def sender_of(context: grpc.ServicerContext) -> str:
+    """The sender's address without its port (`ipv4:10.0.0.5:51234` -> `10.0.0.5`)."""
+    peer = context.peer() or "unknown"
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6") and ":" in address:
+        address = address.rsplit(":", 1)[0]
+    return (address or peer).strip("[]")[:64]
+
+
+class RefusalLog:
+    """One warning per (reason, sender, trial) per `interval_s`, with how many requests of
+    that kind were refused since the last one: an operator sees who targeted what, and a
+    flood of refusals cannot flood the log. Keys beyond `max_keys` push the oldest out."""
+
+    def __init__(self, interval_s: float = 60.0, max_keys: int = 1024) -> None:
+        self.interval_s = interval_s
+        self.max_keys = max_keys
+        self._last: OrderedDict[tuple[str, str, str], list[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def refused(self, reason: str, sender: str, trials: str, message: str) -> None:
+        key = (reason, sender, trials)
+        now = time.monotonic()
+        with self._lock:
+            entry = self._last.get(key)
+            if entry is not None and now - entry[0] < self.interval_s:
+                entry[1] += 1
+                return
+            since = 0 if entry is None else int(entry[1])
+            self._last[key] = [now, 0]
+            self._last.move_to_end(key)
+            while len(self._last) > self.max_keys:
+                self._last.popitem(last=False)
+        more = f" ({since} more like it in the last {self.interval_s:g} s)" if since else ""
+        log.warning("refused OTLP from %s: %s%s", sender, message, more)
 
 
 class _Admission:
@@ -95,6 +170,45 @@ class _Admission:
                 del self._per_credential[credential]
 
 
+class _HeapTrim:
+    """Hands the heap memory big requests freed back to the system once none is in flight:
+    glibc keeps it for reuse (after a burst of four 4 MB requests the bridge stayed ~80 MB
+    above its baseline until `malloc_trim`, a few milliseconds next to the seconds such a
+    request takes to map). Shortly after the request, on a timer thread: by then the
+    handler and gRPC have let go of its bytes too, and a burst trims once. A no-op without
+    glibc."""
+
+    BIG = 1 << 20  # requests smaller than this leave no heap worth trimming
+    DELAY_S = 0.2
+
+    def __init__(self, admission: _Admission) -> None:
+        self._admission = admission
+        self._trim: Callable[[int], int] | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self._trim = ctypes.CDLL(None).malloc_trim
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+
+    def after(self, size: int) -> None:
+        if self._trim is None or size < self.BIG:
+            return
+        timer = threading.Timer(self.DELAY_S, self._run)
+        timer.daemon = True
+        with self._lock:  # the last big request's end counts: a burst trims once, after it
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = timer
+        timer.start()
+
+    def _run(self) -> None:
+        with self._lock:
+            self._timer = None
+        if self._admission.inflight_bytes:
+            return  # the last of those requests to end asks again
+        assert self._trim is not None
+        self._trim(0)
+
+
 class _Receiver:
     """What both OTLP services do before mapping: authenticate, bound, admit, scope."""
 
@@ -107,6 +221,8 @@ class _Receiver:
         self.limits = limits
         self.stats = IngestStats()
         self.admission = _Admission(limits)
+        self.refusals = RefusalLog()
+        self._heap = _HeapTrim(self.admission)
         self._stats_lock = threading.Lock()
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -119,42 +235,98 @@ class _Receiver:
         context: grpc.ServicerContext,
         cls: Any,
         field_name: str,
-        ingest: Callable[[Any], Extracted],
+        ingest: Callable[[Any, Stop], Extracted],
     ) -> Extracted:
+        try:
+            return self._export(raw, context, cls, field_name, ingest)
+        finally:  # refused or taken: what it cost the heap goes back
+            self._heap.after(len(raw))
+
+    def _export(
+        self,
+        raw: bytes,
+        context: grpc.ServicerContext,
+        cls: Any,
+        field_name: str,
+        ingest: Callable[[Any, Stop], Extracted],
+    ) -> Extracted:
+        caller = _Caller(context)
+        if caller.gone():  # it waited for a worker past its deadline
+            self._abandon(context)
         found = self.tokens.scope_of(context.invocation_metadata())
         if found is None:
             self._count("unauthenticated")
+            self.refusals.refused("unauthenticated", sender_of(context), "",
+                                  "no valid bearer token")  # fmt: skip
             _abort(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
                 "no valid bearer token: send `authorization: Bearer <token>` "
                 "(OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)",
             )
+        credential, scope = found
         if len(raw) > self.limits.max_request_bytes:
             self._count("too_large")
+            self.refusals.refused(
+                "too_large", sender_of(context), "",
+                f"a request of {len(raw)} bytes (limit {self.limits.max_request_bytes}) with "
+                f"{self.tokens.describe(credential)}",
+            )  # fmt: skip
             _abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request of {len(raw)} bytes is over the bridge's limit of "
                 f"{self.limits.max_request_bytes}; send smaller batches",
             )
-        credential, scope = found
         refusal = self.admission.enter(credential, len(raw))
         if refusal is not None:
             self._count("throttled")
             _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
         try:
-            message = _parse(cls, raw, context)
-            message, forbidden = self._keep_in_scope(message, field_name, scope, context)
-            extracted = _guard(lambda: ingest(message), context)
+            done = self._admitted(raw, cls, field_name, ingest, context, caller, scope, credential)
         finally:
             self.admission.leave(credential, len(raw))
+        if done is None:
+            self._abandon(context)
+        return done
+
+    def _admitted(
+        self,
+        raw: bytes,
+        cls: Any,
+        field_name: str,
+        ingest: Callable[[Any, Stop], Extracted],
+        context: grpc.ServicerContext,
+        caller: _Caller,
+        scope: Scope,
+        credential: bytes,
+    ) -> Extracted | None:
+        """Parse, scope and ingest an admitted request; None when its caller went away (its
+        message is freed on return: no traceback holds it)."""
+        try:
+            message = _parse(cls, raw, context)
+            message, forbidden = self._keep_in_scope(
+                message, field_name, scope, context, caller.gone, credential
+            )
+            extracted = _guard(lambda: ingest(message, caller.gone), context)
+        except Cancelled:
+            return None
         if forbidden:
-            extracted.reject(forbidden[0], forbidden[1])
+            extracted.reject(forbidden[0], forbidden[1], "out_of_scope")
         return extracted
 
+    def _abandon(self, context: grpc.ServicerContext) -> NoReturn:
+        self._count("abandoned")
+        _abort(context, grpc.StatusCode.CANCELLED, "the caller went away; the request was dropped")
+
     def _keep_in_scope(
-        self, message: Any, field_name: str, scope: Scope, context: grpc.ServicerContext
+        self,
+        message: Any,
+        field_name: str,
+        scope: Scope,
+        context: grpc.ServicerContext,
+        gone: Stop,
+        credential: bytes,
     ) -> tuple[Any, tuple[int, str] | None]:
         """The request without the resources of trials the token may not write, and
         (points left out, why) when there were some."""
@@ -162,7 +334,9 @@ class _Receiver:
         if scope.everything:
             return message, None
         kept, refused, trials = [], 0, set()
-        for resource in resources:
+        for i, resource in enumerate(resources):
+            if i % CHECK_EVERY == 0 and gone():  # a master lookup per new trial may wait
+                raise Cancelled
             attrs = attributes_dict(resource.resource.attributes)
             try:
                 trial, _run, _agent = resolve_route(attrs, self.pipeline.route)
@@ -182,8 +356,13 @@ class _Receiver:
         if not trials:
             return message, None
         self._count("forbidden_points", refused)
-        why = (f"this token may write into {scope.describe()}, not into trial(s) "
-               f"{', '.join(map(str, sorted(trials)))}")  # fmt: skip
+        named = ", ".join(map(str, sorted(trials)[:20])) + (" ..." if len(trials) > 20 else "")
+        why = f"this token may write into {scope.describe()}, not into trial(s) {named}"
+        self.refusals.refused(
+            "out_of_scope", sender_of(context), named,
+            f"{refused} points/spans for trial(s) {named} with "
+            f"{self.tokens.describe(credential)}, whose scope is {scope.describe()}",
+        )  # fmt: skip
         if not kept:
             self._count("forbidden_requests")
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
@@ -261,6 +440,8 @@ def _parse(cls: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
 def _guard(ingest: Callable[[], Extracted], context: grpc.ServicerContext) -> Extracted:
     try:
         return ingest()
+    except Cancelled:
+        raise
     except Exception as exc:  # a mapping bug must not take the receiver down
         log.exception("could not map an OTLP request")
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
@@ -378,6 +559,7 @@ class BridgeServer:
             "refused_unverified_trial": ingest.unverified,
             "refused_out_of_scope_requests": ingest.forbidden_requests,
             "refused_out_of_scope_points": ingest.forbidden_points,
+            "refused_abandoned": ingest.abandoned,
             "inflight_bytes": self.receiver.admission.inflight_bytes,
         }
 

@@ -2,17 +2,24 @@
 
 prometheus_client's `start_http_server` runs one thread per connection with no cap: 200 idle
 connections put 206 threads into the training process, and scrapers arriving behind them got
-no answer for 20 s. Here one thread waits on every connection at once (a selector) and hands a
-connection to one of `WORKERS` handler threads only once its request has started to arrive,
-so idle connections cost a file descriptor, not a thread. At most `MAX_CONNECTIONS` are held:
-past that the longest-idle one is closed; an idle connection is closed after
-`IDLE_TIMEOUT_S` and a request that does not finish arriving within `REQUEST_TIMEOUT_S` is
-dropped, so a slow client holds a worker for at most that long.
+no answer for 20 s. Here one thread waits on every connection at once (a selector) and reads
+each request's head itself, without blocking; only a *complete* request goes to one of
+`WORKERS` handler threads, which answer it from memory. So a connection that sends nothing,
+or trickles its request a byte at a time (a slowloris), costs a file descriptor and at most
+`MAX_REQUEST_HEAD` bytes, never a worker: scrapes are served while such connections are held
+(before, a scrape during 200 of them timed out and a storm of 20 scrapers got 0 answers).
+
+At most `MAX_CONNECTIONS` are held: past that, once the requests that arrived whole are
+handed on, the one trickling a request the longest is closed (else the one idle longest). A
+connection is closed when nothing arrived within `IDLE_TIMEOUT_S`, when its request has not
+arrived whole `REQUEST_TIMEOUT_S` after its first byte, or when its head outgrows
+`MAX_REQUEST_HEAD`; writing an answer may take `REQUEST_TIMEOUT_S` at most.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import selectors
 import socket
@@ -20,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -31,7 +39,35 @@ WORKERS = 2
 MAX_CONNECTIONS = 64
 IDLE_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
+MAX_REQUEST_HEAD = 16 * 1024  # a scrape's request line and headers are a few hundred bytes
 _POLL_S = 0.25
+_END_OF_HEAD = (b"\r\n\r\n", b"\n\n")
+
+
+@dataclass
+class _Pending:
+    """A connection whose request has not arrived whole yet."""
+
+    accepted: float
+    head: bytearray = field(default_factory=bytearray)
+    first_byte: float | None = None
+
+
+class _Received:
+    """The connection as the request handler sees it: the request head already read (a GET
+    has no body), everything else the socket itself."""
+
+    def __init__(self, conn: socket.socket, head: bytes) -> None:
+        self._conn = conn
+        self._head = head
+
+    def makefile(self, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if "r" in mode:
+            return io.BytesIO(self._head)
+        return self._conn.makefile(mode, *args, **kwargs)  # type: ignore[call-overload]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
 
 
 class BoundedMetricsServer:
@@ -65,7 +101,7 @@ class BoundedMetricsServer:
         self._max_connections = max_connections
         self._idle_timeout_s = idle_timeout_s
         self._request_timeout_s = request_timeout_s
-        self._idle: OrderedDict[socket.socket, float] = OrderedDict()
+        self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
         self._busy = 0  # connections handed to a worker and not closed yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -80,7 +116,7 @@ class BoundedMetricsServer:
     @property
     def open_connections(self) -> int:
         with self._lock:
-            return len(self._idle) + self._busy
+            return len(self._pending) + self._busy
 
     def _serve(self) -> None:
         try:
@@ -88,14 +124,14 @@ class BoundedMetricsServer:
                 for key, _events in self._selector.select(timeout=_POLL_S):
                     if key.fileobj is self._listener:
                         self._accept()
-                    else:
-                        self._dispatch(key.fileobj)  # type: ignore[arg-type]
-                self._expire_idle()
+                    elif key.fileobj in self._pending:  # (not closed by this round's accept)
+                        self._read(key.fileobj)  # type: ignore[arg-type]
+                self._expire()
         except Exception:  # never let the endpoint's failure reach anything else
             _log.exception("otelprof: the Prometheus endpoint stopped")
         finally:
-            for conn in list(self._idle):
-                self._close_idle(conn)
+            for conn in list(self._pending):
+                self._close_pending(conn)
             self._selector.close()
 
     def _accept(self) -> None:
@@ -109,45 +145,82 @@ class BoundedMetricsServer:
                 return
             conn.setblocking(False)
             if self.open_connections >= self._max_connections:
-                oldest = next(iter(self._idle), None)
-                if oldest is None:  # every held connection is being answered: no room
+                self._read_ready()  # whole requests are served, not closed for room
+                victim = self._victim()
+                if victim is None:  # every held connection is being answered: no room
                     conn.close()
                     continue
-                self._close_idle(oldest)
+                self._close_pending(victim)
             with self._lock:
-                self._idle[conn] = time.monotonic()
+                self._pending[conn] = _Pending(time.monotonic())
             self._selector.register(conn, selectors.EVENT_READ)
+            self._read(conn)  # a scraper's request is usually there already
 
-    def _close_idle(self, conn: socket.socket) -> None:
+    def _read_ready(self) -> None:
+        for key, _events in self._selector.select(timeout=0):
+            if key.fileobj in self._pending:
+                self._read(key.fileobj)  # type: ignore[arg-type]
+
+    def _victim(self) -> socket.socket | None:
+        """The connection to close for room: the one trickling a request the longest (a
+        scraper sends its request whole at once), else the one idle the longest."""
+        for conn, state in self._pending.items():
+            if state.head:
+                return conn
+        return next(iter(self._pending), None)
+
+    def _read(self, conn: socket.socket) -> None:
+        """Take what arrived of the request's head; hand the connection on once it is whole."""
+        state = self._pending[conn]
+        try:
+            data = conn.recv(MAX_REQUEST_HEAD + 1 - len(state.head))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the client hung up (or reset)
+            self._close_pending(conn)
+            return
+        if state.first_byte is None:
+            state.first_byte = time.monotonic()
+        state.head += data
+        if any(end in state.head for end in _END_OF_HEAD):
+            self._dispatch(conn, bytes(state.head))
+        elif len(state.head) > MAX_REQUEST_HEAD:
+            self._close_pending(conn)
+
+    def _close_pending(self, conn: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn)
         with self._lock:
-            self._idle.pop(conn, None)
+            self._pending.pop(conn, None)
         conn.close()
 
-    def _expire_idle(self) -> None:
-        deadline = time.monotonic() - self._idle_timeout_s
-        while self._idle:
-            conn, since = next(iter(self._idle.items()))
-            if since > deadline:
-                return
-            self._close_idle(conn)
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for conn, state in list(self._pending.items()):
+            if state.first_byte is None:
+                late = now - state.accepted > self._idle_timeout_s
+            else:
+                late = now - state.first_byte > self._request_timeout_s
+            if late:
+                self._close_pending(conn)
 
-    def _dispatch(self, conn: socket.socket) -> None:
+    def _dispatch(self, conn: socket.socket, head: bytes) -> None:
         self._selector.unregister(conn)
         with self._lock:
-            self._idle.pop(conn, None)
+            self._pending.pop(conn, None)
             self._busy += 1
         try:
-            self._workers.submit(self._answer, conn)
+            self._workers.submit(self._answer, conn, head)
         except RuntimeError:  # shutting down
             self._done(conn)
 
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, head: bytes) -> None:
         try:
             conn.setblocking(True)
-            conn.settimeout(self._request_timeout_s)
-            self._handler(conn, conn.getpeername(), self)
+            conn.settimeout(self._request_timeout_s)  # each write: a reader that stalls
+            self._handler(_Received(conn, head), conn.getpeername(), self)
         except Exception as error:  # a client that hung up or stalled: its problem only
             _log.debug("otelprof: Prometheus scrape not answered: %r", error)
         finally:

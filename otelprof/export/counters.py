@@ -28,15 +28,11 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from otelprof._otel_compat import count_span_queue_drops
+from otelprof._schema import is_loss as is_loss  # the rule, shared with the report
 from otelprof.export._outage import OutageLog
 from otelprof.system._stamps import apply_read_times
 
 _log = logging.getLogger("otelprof.export")
-
-
-def is_loss(key: str) -> bool:
-    """Whether a stats key counts lost items (what `dropped_total` sums)."""
-    return "dropped" in key or "failed" in key
 
 
 class ExportCounters:

@@ -120,6 +120,7 @@ def build_pipeline(
         window_s=report_interval_s,
         route=route,
         timings_group=validate_group(timings_group),
+        trust_offsets=True,  # DET_STEPS_COMPLETED is this process's own environment
     )
     pipeline.start()
     return pipeline

@@ -58,13 +58,17 @@ class ExportPipelines:
     """The pull endpoint's prometheus_client registry (None without one): the timing
     histograms are registered on it once the timings engine exists."""
     exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
-    file_writers: list[SpanLineWriter] = field(default_factory=list)
+    """Exporters to a peer (collector, Determined): what shutdown's watchdog abandons."""
+    file_writers: list[SpanLineWriter | CountingMetricExporter] = field(default_factory=list)
+    """The run's files: abandoned only when the flush itself is stuck, so a collector that
+    is down never costs the metrics file its final export."""
     metrics_stream: MetricLineStream | None = None
     """The metrics file's stream (detached mode): its descriptor stays open after `close()`
     for the closing record (`end_files`)."""
 
     def abandon_exports(self) -> None:
-        """Stop exports still retrying (shutdown's time is up); what they held is counted."""
+        """Stop exports to a peer still retrying (shutdown's time is up); what they held is
+        counted. The files keep being written."""
         for exporter in self.exporters:
             exporter.abandon()
 
@@ -131,7 +135,7 @@ def _metric_reader(
     outage: OutageLog | None = None,
 ) -> MetricReader:
     counting = CountingMetricExporter(name, exporter, counters, outage)
-    pipelines.exporters.append(counting)
+    (pipelines.file_writers if name == "files" else pipelines.exporters).append(counting)
     return PeriodicExportingMetricReader(
         counting,
         export_interval_millis=settings.interval_s * 1000,
