@@ -38,6 +38,7 @@ from otelprof._schema import (
     ATTR_SOURCE,
     ATTR_WORLD_SIZE,
     PHASE_TRAIN,
+    RUN_ENDED,
     SCOPE,
     TELEMETRY_DROPPED,
 )
@@ -345,6 +346,11 @@ class _Session:
             callbacks=[observe],
             unit="{item}",
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
+        )
+        self._meter.create_observable_gauge(
+            RUN_ENDED,
+            callbacks=[lambda _o: [Observation(0 if getattr(self, "_end", None) is None else 1)]],
+            description="1 once the run's end is recorded (its last exports), 0 while it runs",
         )
 
     def _mark_end(self, end: EndRecord | None) -> None:

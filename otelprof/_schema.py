@@ -70,6 +70,10 @@ TIMING_HISTOGRAM = "otelprof.timing.duration"
 TIMING_HISTOGRAM_PROMETHEUS = "otelprof_timing_duration_seconds"
 """`TIMING_HISTOGRAM` as the collector's Prometheus exporter names it (unit suffix added)."""
 TELEMETRY_DROPPED = "otelprof.telemetry.dropped"
+RUN_ENDED = "otelprof.run.ended"
+"""1 in the exports after the run's end was recorded (shutdown, exit, exception, SIGTERM), 0
+before: Prometheus tells a rank that stopped reporting because its run ended from one that
+was killed (prometheus/otelprof-alerts.yml, OtelprofRankLost)."""
 COLLECTIVE_DURATION = "otelprof.collective.duration"
 THROUGHPUT_SCOPE = "otelprof.throughput"
 TRAIN_SAMPLES = "otelprof.train.samples"
