@@ -65,8 +65,8 @@ test: venv collector prometheus shellcheck traceql-grammar
 	  $(VENV)/bin/pytest -q $(PURE_PYTHON_TESTS)
 
 lint: venv
-	$(VENV)/bin/ruff check otelprof tests bench
-	$(VENV)/bin/ruff format --check otelprof tests bench
+	$(VENV)/bin/ruff check otelprof tests bench prometheus
+	$(VENV)/bin/ruff format --check otelprof tests bench prometheus
 	$(VENV)/bin/mypy
 
 ## bench: run the benchmarks (figures go to BENCHMARKS.md)

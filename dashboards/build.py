@@ -216,12 +216,14 @@ def dashboard(
                 .tags(["otelprof"])
                 .as_dropdown(False)
                 .include_vars(True)
-                .keep_time(True)
+                .keep_time(True),
+                _determined_link(),
             ]
         )
     )
     for var in variables:
         board.with_variable(var)
+    board.with_variable(_determined_variable())
     for kind, item in layout.items:
         if kind == "row":
             board.with_row(item)
@@ -261,6 +263,37 @@ def _common_variables(metrics: str) -> list[db.QueryVariable]:
             all_value=".*",  # runs outside Determined have no trial label
         ),
     ]
+
+
+DETERMINED_TRIAL_URL = "${determined}/det/trials/${trial}"
+"""The trial's page in Determined's Web UI (served under /det, route /trials/:trialId)."""
+
+
+def _determined_variable() -> db.TextBoxVariable:
+    """The Determined master's URL, for the link back to the trial: set by the link in the
+    trial's experiment notes (otelprof/determined/links.py), or typed in."""
+    return (
+        db.TextBoxVariable("determined")
+        .label("Determined URL")
+        .description("The Determined master the trial link opens, e.g. http://det:8080")
+        .default_value("")
+        .hide(dm.VariableHide.DONT_HIDE)
+    )
+
+
+def _determined_link() -> db.DashboardLink:
+    return (
+        db.DashboardLink("Determined trial ${trial}")
+        .type(dm.DashboardLinkType.LINK)
+        .url(DETERMINED_TRIAL_URL)
+        .tooltip("This trial in Determined's Web UI (one trial and the Determined URL set)")
+        .icon("external link")
+        .target_blank(True)
+        .include_vars(False)
+        .keep_time(False)
+        .as_dropdown(False)
+        .tags([])
+    )
 
 
 def system_dashboard() -> db.Dashboard:

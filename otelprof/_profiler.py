@@ -40,6 +40,7 @@ from otelprof._schema import (
     ATTR_SOURCE,
     ATTR_WORLD_SIZE,
     PHASE_TRAIN,
+    RUN_ENDED,
     SCOPE,
     TELEMETRY_DROPPED,
 )
@@ -165,6 +166,8 @@ class _Session:
             "distributed hooks", lambda: self._start_distributed(on_new_identity)
         )
         self._register_self_telemetry()
+        if settings.grafana_url and identity.rank == 0:  # a Determined trial's Grafana link
+            _degrade("the Determined trial's Grafana link", self._start_trial_link)
         if self.timings is not None:  # what profiling costs, in the same dashboards
             from otelprof._overhead import OverheadGauges
 
@@ -361,6 +364,23 @@ class _Session:
             callbacks=[observe],
             unit="{item}",
             description="Telemetry items otelprof dropped (queue full, failed export, overflow)",
+        )
+        self._meter.create_observable_gauge(
+            RUN_ENDED,
+            callbacks=[lambda _o: [Observation(0 if getattr(self, "_end", None) is None else 1)]],
+            description="1 once the run's end is recorded (its last exports), 0 while it runs",
+        )
+
+    def _start_trial_link(self) -> Any:
+        from otelprof.determined.links import start_trial_link
+
+        assert self.settings.grafana_url is not None
+        return start_trial_link(
+            self.settings.grafana_url,
+            self.resource.attributes,
+            add_stats=self.counters.add_source,
+            add_closer=self.pipelines.closers.append,
+            timeout_s=self.settings.export_timeout_s,
         )
 
     def _mark_end(self, end: EndRecord | None) -> None:

@@ -72,6 +72,10 @@ TIMING_HISTOGRAM_PROMETHEUS = "otelprof_timing_duration_seconds"
 TELEMETRY_DROPPED = "otelprof.telemetry.dropped"
 DROPPED_TOTAL = "dropped_total"
 """The `Profiler.stats()` key summing every loss key (`is_loss`)."""
+RUN_ENDED = "otelprof.run.ended"
+"""1 in the exports after the run's end was recorded (shutdown, exit, exception, SIGTERM), 0
+before: Prometheus tells a rank that stopped reporting because its run ended from one that
+was killed (prometheus/otelprof-alerts.yml, OtelprofRankLost)."""
 COLLECTIVE_DURATION = "otelprof.collective.duration"
 THROUGHPUT_SCOPE = "otelprof.throughput"
 TRAIN_SAMPLES = "otelprof.train.samples"

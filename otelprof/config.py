@@ -271,6 +271,29 @@ def endpoint(src: _Source) -> tuple[str, bool | None]:
     return f"{host}:{port or _OTLP_PORT}", scheme_insecure
 
 
+def web_url(src: _Source) -> str:
+    """`http(s)://host[:port][/path]` of a web UI, without a trailing slash.
+
+    It is written where every user of the master can read it (an experiment's notes), so
+    credentials in it are refused, and a query or fragment would break the links built on it.
+    """
+    given = _text_of(src).strip()
+    try:
+        parts = urlsplit(given)
+        _ = parts.port  # raises on a malformed port
+    except ValueError as error:
+        raise src.error(f"malformed URL ({error}), expected https://host[:port][/path]") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise src.error("expected an http:// or https:// URL with a host")
+    if parts.username is not None or parts.password is not None:
+        raise src.error("user info in the URL would be shown to every user of the master")
+    if parts.query or parts.fragment:
+        raise src.error("a query or fragment in the URL would break the links built on it")
+    if any(c.isspace() for c in given) or not given.isascii():
+        raise src.error("spaces and non-ASCII characters must be percent-encoded")
+    return given.rstrip("/")
+
+
 def directory(src: _Source) -> Path:
     path = Path(_text_of(src, "a path")).expanduser()
     if not str(path):
@@ -412,6 +435,11 @@ class Settings:
     )
     determined: bool = field(
         default=False, metadata=opt(env=("OTELPROF_DETERMINED",), parse=boolean)
+    )
+    # Grafana's base URL: a Determined trial's experiment notes get a link to its training
+    # dashboard (otelprof/determined/links.py)
+    grafana_url: str | None = field(
+        default=None, metadata=opt(env=("OTELPROF_GRAFANA_URL",), parse=web_url)
     )
     export_timeout_s: float = field(
         default=10.0,

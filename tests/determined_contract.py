@@ -19,6 +19,11 @@ did), not from otelprof's code:
   may be a string; profiling values read back as float32 with microsecond timestamps;
   a string value makes the read a 500 and a null one crashes the master.
 
+An experiment's notes (`GET`/`PATCH /api/v1/experiments/{id}`, §0.1): the PATCH replaces
+the whole notes (a second writer's PATCH overwrites the first's), an unknown experiment is
+404 `experiment not found: N`, a blank name 400, a non-string value 400, and the database
+outage a 500 as for reports.
+
 What it stored is read back through the shapes the Web UI uses: the profiler's
 `available_series` and `metrics` endpoints, `trial_metrics` for generic groups
 (newline-delimited `{"result": ...}`) and `GET /api/v1/trials/{id}`. A real HTTP server on
@@ -90,6 +95,23 @@ class Trial:
 
 
 @dataclass
+class Experiment:
+    experiment_id: int
+    name: str
+    notes: str = ""
+    description: str = ""
+
+
+@dataclass
+class Patch:
+    """One accepted PatchExperiment call, in arrival order (what the master received)."""
+
+    experiment_id: int
+    body: dict[str, Any]
+    auth_header: str
+
+
+@dataclass
 class ProfilingRow:
     id: int
     trial_id: int
@@ -131,6 +153,8 @@ class Store:
     user_tokens: dict[str, str] = field(default_factory=dict)  # token -> user
     allocation_tokens: dict[str, str] = field(default_factory=dict)  # token -> user
     trials: dict[int, Trial] = field(default_factory=dict)
+    experiments: dict[int, Experiment] = field(default_factory=dict)
+    patches: list[Patch] = field(default_factory=list)
     profiling: list[ProfilingRow] = field(default_factory=list)
     generic: list[GenericRow] = field(default_factory=list)
     posts: list[Post] = field(default_factory=list)
@@ -187,6 +211,16 @@ def _int32(obj: dict[str, Any], camel: str, snake: str, where: str, required: bo
     if not isinstance(raw, int) or not INT32[0] <= raw <= INT32[1]:
         raise ApiError(3, f"{where}.{camel}: invalid value {raw!r} for type int32")
     return raw
+
+
+def _path_int32(raw: str, parameter: str) -> int:
+    """A path parameter of type int32, refused as grpc-gateway refuses it."""
+    if not re.fullmatch(r"-?\d+", raw) or not INT32[0] <= int(raw) <= INT32[1]:
+        raise ApiError(
+            3, f"type mismatch, parameter: {parameter}, error: strconv.ParseInt: parsing "
+            f"{raw!r}: invalid syntax",
+        )  # fmt: skip
+    return int(raw)
 
 
 def _object(obj: Any, where: str) -> dict[str, Any]:
@@ -272,7 +306,7 @@ class _Handler(BaseHTTPRequestHandler):
             if failing:
                 store.fail_remaining -= 1
         if failing:
-            if method == "POST":
+            if method in ("POST", "PATCH"):
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
             self._send(store.fail_status, {"error": {"code": 14, "reason": "Unavailable",
                                                      "error": "injected failure"}})  # fmt: skip
@@ -320,6 +354,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self._user()
                 reports = self.server.trial_metrics(query)
                 return self._send(200, None, ndjson=[{"result": {"metrics": reports}}])
+            m = re.fullmatch(r"/api/v1/experiments/([^/]+)", url.path)
+            if method in ("GET", "PATCH") and m:
+                streaming = False
+                body = self._body() if method == "PATCH" else None
+                experiment_id = _path_int32(
+                    m.group(1), "experimentId" if method == "GET" else "experiment.id"
+                )
+                user = self._user()
+                if method == "GET":
+                    return self._send(
+                        200, {"experiment": self.server.experiment_view(experiment_id)}
+                    )
+                view = self.server.patch_experiment(experiment_id, body, user, self._auth_header())
+                return self._send(200, {"experiment": view})
             m = re.fullmatch(r"/api/v1/trials/(\d+)", url.path)
             if method == "GET" and m:
                 streaming = False
@@ -343,6 +391,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._dispatch("GET")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
 
     # -- /api/v1/auth/login ---------------------------------------------------------------------
     def _login(self, body: Any) -> dict[str, Any]:
@@ -526,6 +577,69 @@ class _HTTPServer(ThreadingHTTPServer):
             if latest is None or row.total_batches >= latest["totalBatches"]:
                 trial.latest_validation = {"totalBatches": row.total_batches,
                                            "metrics": dict(row.avg_metrics)}  # fmt: skip
+
+    # -- experiments (GetExperiment, PatchExperiment) ---------------------------------------------
+    def experiment_view(self, experiment_id: int) -> dict[str, Any]:
+        """GetExperiment's `experiment` (the fields the experiment page shows)."""
+        with self.store.lock:
+            experiment = self.store.experiments.get(experiment_id)
+            if experiment is None:
+                raise ApiError(5, f"experiment not found: {experiment_id}")
+            if self.store.db_down:
+                raise ApiError(
+                    13, f"error fetching experiment from database: {experiment_id}: "
+                    f"{DB_DOWN_MESSAGE}",
+                )  # fmt: skip
+            return self._experiment_fields(experiment)
+
+    def _experiment_fields(self, experiment: Experiment) -> dict[str, Any]:
+        trials = sorted(
+            t.trial_id for t in self.store.trials.values()
+            if t.experiment_id == experiment.experiment_id
+        )  # fmt: skip
+        return {
+            "id": experiment.experiment_id,
+            "name": experiment.name,
+            "description": experiment.description,
+            "notes": experiment.notes,
+            "trialIds": trials,
+            "numTrials": len(trials),
+            "state": "STATE_ACTIVE",
+            "archived": False,
+        }
+
+    def patch_experiment(
+        self, experiment_id: int, body: Any, user: str, header: str
+    ) -> dict[str, Any]:
+        """PatchExperiment: the body is the experiment (`name`, `notes`, `description`,
+        `labels`; unknown fields ignored, the path's id wins); each given field replaces the
+        stored one whole, notes included (reference §0.1)."""
+        body = _object(body, "PatchExperiment")
+        changes: dict[str, str] = {}
+        for key in ("name", "notes", "description"):
+            value = body.get(key)
+            if value is None:  # absent or null: a StringValue left unset
+                continue
+            if not isinstance(value, str):
+                raise ApiError(3, f"proto: invalid value for string type: {json.dumps(value)}")
+            changes[key] = value
+        store = self.store
+        with store.lock:
+            experiment = store.experiments.get(experiment_id)
+            if experiment is None:
+                raise ApiError(5, f"experiment not found: {experiment_id}")
+            if "name" in changes and not changes["name"].strip():
+                raise ApiError(3, "`name` must not be an empty or whitespace string.")
+            changed = {k: v for k, v in changes.items() if getattr(experiment, k) != v}
+            if changed and store.db_down:
+                raise ApiError(
+                    13, f"error updating experiment in database: {experiment_id}: "
+                    f"{DB_DOWN_MESSAGE}",
+                )  # fmt: skip
+            for key, value in changed.items():
+                setattr(experiment, key, value)
+            store.patches.append(Patch(experiment_id, body, header))
+            return self._experiment_fields(experiment)
 
     # -- reads ----------------------------------------------------------------------------------
     def trial_view(self, trial_id: int) -> dict[str, Any]:
@@ -724,6 +838,30 @@ class DeterminedContractServer:
     ) -> None:
         with self.store.lock:
             self.store.trials[trial_id] = Trial(trial_id, run_id, experiment_id, set(editors))
+            self.store.experiments.setdefault(
+                experiment_id, Experiment(experiment_id, f"experiment {experiment_id}")
+            )
+
+    def add_experiment(self, experiment_id: int, notes: str = "") -> None:
+        """An experiment (made by `add_trial` too) with these notes."""
+        with self.store.lock:
+            self.store.experiments[experiment_id] = Experiment(
+                experiment_id, f"experiment {experiment_id}", notes
+            )
+
+    def experiment_notes(self, experiment_id: int) -> str:
+        with self.store.lock:
+            return self.store.experiments[experiment_id].notes
+
+    def set_experiment_notes(self, experiment_id: int, notes: str) -> None:
+        """A user edits the notes in the Web UI (no request is recorded)."""
+        with self.store.lock:
+            self.store.experiments[experiment_id].notes = notes
+
+    def patches(self) -> list[Patch]:
+        """Every PatchExperiment the master accepted, in order."""
+        with self.store.lock:
+            return list(self.store.patches)
 
     def fail_next(self, count: int, status: int = 503) -> None:
         """Answer the next `count` requests with `status` (5xx: the bridge must retry)."""

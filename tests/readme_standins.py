@@ -194,7 +194,9 @@ def check() -> int:
 
     spans = _wait("Tempo to receive every step span", every_step_span)
     grafana_view = httpx.get("http://127.0.0.1:3000/standin/datasources", timeout=30).json()
-    print(json.dumps({"tempo_spans": spans, "grafana": grafana_view}))
+    groups = httpx.get("http://127.0.0.1:9091/api/v1/rules", timeout=5).json()["data"]["groups"]
+    alerts = sorted(rule["name"] for group in groups for rule in group["rules"])
+    print(json.dumps({"tempo_spans": spans, "grafana": grafana_view, "alert_rules": alerts}))
     return 0
 
 

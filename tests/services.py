@@ -486,6 +486,14 @@ class Prometheus:
     def exemplars(self, promql: str, start: float, end: float) -> list[dict[str, Any]]:
         return list(self._api("query_exemplars", {"query": promql, "start": start, "end": end}))
 
+    def alerts(self) -> list[dict[str, Any]]:
+        """Active alerts (pending and firing), each with labels, annotations and state."""
+        return list(self._api("alerts", {})["alerts"])
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """Loaded rule groups with their rules' health and last evaluation error."""
+        return list(self._api("rules", {})["groups"])
+
     def targets(self) -> list[dict[str, Any]]:
         return list(self._api("targets", {})["activeTargets"])
 
@@ -516,15 +524,24 @@ def prometheus_config(
     *,
     scrape_interval: str = "1s",
     template: Path = PROMETHEUS_CONFIG,
+    rule_files: Sequence[Path] | None = None,
 ) -> dict[str, Any]:
     """The shipped prometheus/prometheus.yml with its jobs' targets replaced.
 
     `scrape_targets` maps job names of the template ("otelcol", "otelcol-straggler",
     "otelcol-self") to
     host:port (or a list of them); jobs not named are dropped, so the test scrapes only what
-    it started.
+    it started. The template's rule files (the shipped alerting rules) are loaded from where
+    the template names them (relative to it, as Prometheus resolves them), or `rule_files`
+    instead.
     """
     config = yaml.safe_load(template.read_text())
+    if rule_files is None:
+        rule_files = [template.parent / name for name in config.get("rule_files", [])]
+        missing = [str(path) for path in rule_files if not path.is_file()]
+        if missing:  # Prometheus would load nothing from a pattern that matches no file
+            raise ValueError(f"{template} names rule files that do not exist: {missing}")
+    config["rule_files"] = [str(path) for path in rule_files]
     config.setdefault("global", {})
     config["global"]["scrape_interval"] = scrape_interval
     config["global"]["evaluation_interval"] = scrape_interval
@@ -550,6 +567,7 @@ def start_prometheus(
     collector: Collector | None = None,
     scrape_targets: Mapping[str, str | Sequence[str]] | None = None,
     scrape_interval: str = "1s",
+    rule_files: Sequence[Path] | None = None,
     timeout_s: float = 60.0,
 ) -> Prometheus:
     """Start Debian's Prometheus with a generated config on a free loopback port.
@@ -557,7 +575,8 @@ def start_prometheus(
     Scrapes `collector`'s prometheus exporter (job "otelcol", honor_labels), its straggler
     path (job "otelcol-straggler") and its own metrics (job "otelcol-self"), or the explicit
     `scrape_targets`. The remote-write
-    receiver and exemplar storage are on, as in compose.yaml.
+    receiver and exemplar storage are on, as in compose.yaml. The shipped alerting rules
+    are loaded, or `rule_files` instead.
     """
     binary = require_prometheus()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -568,7 +587,9 @@ def start_prometheus(
         targets.setdefault("otelcol-self", collector.telemetry_target)
     config_path = workdir / "prometheus.yml"
     config_path.write_text(
-        yaml.safe_dump(prometheus_config(targets, scrape_interval=scrape_interval))
+        yaml.safe_dump(
+            prometheus_config(targets, scrape_interval=scrape_interval, rule_files=rule_files)
+        )
     )
     expected = sum(1 if isinstance(t, str) else len(t) for t in targets.values())
     last_error: Exception | None = None

@@ -112,7 +112,7 @@ def test_every_datasource_uid_is_provisioned(path: Path) -> None:
         if "datasource" in panel:
             used.append((panel["title"], panel["datasource"]))
         used += [(panel["title"], t["datasource"]) for t in panel.get("targets", [])]
-    used += [(v["name"], v["datasource"]) for v in dashboard["templating"]["list"]]
+    used += [(v["name"], v["datasource"]) for v in _query_variables(dashboard)]
     assert used
     for where, ds in used:
         assert ds["uid"] in provisioned, f"{where}: datasource uid {ds['uid']} not provisioned"
@@ -134,7 +134,29 @@ def test_every_variable_used_is_defined_and_every_defined_one_is_used(path: Path
         earlier = set(defined[:position])
         assert refs <= earlier, f"variable {var['name']} uses {refs - earlier} before definition"
         used |= refs
+    for link in dashboard["links"]:
+        refs = references(link["title"] + link.get("url", ""))
+        assert refs <= set(defined), f"link {link['title']} uses undefined {refs - set(defined)}"
+        used |= refs
     assert used == set(defined), f"defined but unused: {set(defined) - used}"
+
+
+def _query_variables(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Prometheus query variables (the Determined URL is a text box)."""
+    return [v for v in dashboard["templating"]["list"] if v["type"] == "query"]
+
+
+@pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
+def test_the_dashboard_links_back_to_the_determined_trial(path: Path) -> None:
+    """Opened from a trial's link in Determined (otelprof/determined/links.py sets `trial`
+    and `determined`), the dashboard links back to that trial's page of the Web UI."""
+    dashboard = load(path)
+    (link,) = [link for link in dashboard["links"] if link["type"] == "link"]
+    assert link["url"] == "${determined}/det/trials/${trial}" and link["targetBlank"]
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["determined"]["type"] == "textbox"
+    assert variables["trial"]["type"] == "query"
+    assert "${trial}" in link["title"]
 
 
 def test_datasources_have_fixed_uids_and_link_exemplars_and_traces_both_ways() -> None:
@@ -182,7 +204,7 @@ def _values_of_the_run(run: PipelineRun) -> dict[str, str]:
 @pytest.mark.parametrize("path", DASHBOARD_FILES, ids=IDS)
 def test_every_variable_query_lists_the_runs_value(pipeline_run: PipelineRun, path: Path) -> None:
     values = _values_of_the_run(pipeline_run)
-    for var in load(path)["templating"]["list"]:
+    for var in _query_variables(load(path)):
         query = substitute(variable_query(var), values)
         found = label_values(pipeline_run.prometheus, query, pipeline_run.started - 5)
         assert values[var["name"]] in found, (

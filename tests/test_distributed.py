@@ -324,6 +324,14 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
     assert waiting["0"] > waiting["1"] + 0.2, waiting  # rank 0 waits for the straggler
     lateness = by_rank(STRAGGLER_PANEL)
     assert lateness["1"] > 0.2 and lateness["1"] > lateness["0"] + 0.2, lateness
+    # the OtelprofStraggler rule's expression (as shipped, with the panels' 4 s rate window
+    # for a job of seconds) names the same rank, and only it (its `for:` aside)
+    from tests.alert_rules import alerts_module, rules
+
+    rule = rules(alerts_module().rules_file({"rate_window": "4s"}))["OtelprofStraggler"]
+    named = run_range(prometheus, rule["expr"], started, finished + 2)
+    assert {dict(kv.split("=", 1) for kv in labels.split(","))["otelprof_rank"]
+            for labels, _, _ in named} == {"1"}, named  # fmt: skip
 
 
 def test_lightning_like_launcher_gets_right_ranks_although_only_local_rank_is_set(

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.alert_rules import shipped_rules
 from tests.services import REPO
 
 README = REPO / "README.md"
@@ -132,4 +133,5 @@ def test_readme_no_docker_commands_run_as_written_and_the_stack_works(
         "tempo": {"url": "http://127.0.0.1:3200", "status": 200},
     }
     assert grafana["dashboards"] == ["otelprof-system.json", "otelprof-training.json"]
+    assert report["alert_rules"] == sorted(shipped_rules()), report["alert_rules"]
     assert (home / ".local/share/otelprof/prometheus").is_dir()  # where README said

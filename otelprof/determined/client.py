@@ -1,4 +1,4 @@
-"""A thin Determined REST client: one call (ReportTrialMetrics) plus login.
+"""A thin Determined REST client: ReportTrialMetrics, login, and an experiment's notes.
 
 The `determined` package is heavy (reference §7); the wire contract is small, so this
 speaks it directly with httpx. Tokens are held here and nowhere else: they are never put
@@ -316,6 +316,51 @@ class DeterminedClient:
             return 0
         batches = trial.get("totalBatchesProcessed", trial.get("total_batches_processed", 0))
         return int(batches or 0)
+
+    # -- an experiment's notes (otelprof/determined/links.py) ------------------------------
+    def experiment_notes(self, experiment_id: int) -> tuple[PostResult, str | None]:
+        """GetExperiment's notes: (OK, notes), or the classified failure and None."""
+        result, body = self._call("GET", f"/api/v1/experiments/{experiment_id}")
+        if result.outcome is not Outcome.OK:
+            return result, None
+        notes = (body.get("experiment") or {}).get("notes") if isinstance(body, dict) else None
+        if notes is not None and not isinstance(notes, str):
+            return PostResult(Outcome.UNKNOWN, result.status, "notes are not a string"), None
+        return result, notes or ""
+
+    def set_experiment_notes(self, experiment_id: int, notes: str) -> PostResult:
+        """PatchExperiment with `notes`: the master replaces the whole notes with these."""
+        result, _ = self._call("PATCH", f"/api/v1/experiments/{experiment_id}", {"notes": notes})
+        return result
+
+    def _call(self, method: str, path: str, body: Any = None) -> tuple[PostResult, Any]:
+        """One request with this client's credentials (refreshed once after a 401),
+        classified as reports are; the answer's JSON when it succeeded."""
+        try:
+            response = self._send(method, path, body)
+            if response.status_code == 401 and self._can_refresh():
+                self._auth_header(refresh=True)
+                response = self._send(method, path, body)
+        except LoginError as exc:
+            retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
+            outcome = Outcome.RETRY if retry else Outcome.REJECTED
+            return PostResult(outcome, exc.status, self.redact(str(exc)), master_wide=True), None
+        except httpx.TransportError as exc:
+            text = self.redact(f"{type(exc).__name__}: {exc}")
+            return classify_transport_error(exc, text), None
+        except ConfigError as exc:  # no usable credentials (an unreadable token file)
+            return PostResult(Outcome.REJECTED, None, str(exc)), None
+        status = response.status_code
+        if not 200 <= status < 300:
+            return classify_answer(status, self.redact(master_message(response))), None
+        try:
+            return PostResult(Outcome.OK, status, ""), response.json()
+        except ValueError:
+            return PostResult(Outcome.UNKNOWN, status, "the master's answer is not JSON"), None
+
+    def _send(self, method: str, path: str, body: Any) -> httpx.Response:
+        name, value = self._auth_header()
+        return self._http.request(method, path, json=body, headers={name: value})
 
     def close(self) -> None:
         self._http.close()
