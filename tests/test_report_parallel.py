@@ -119,7 +119,7 @@ def test_summaries_from_workers_equal_one_pass_in_every_figure(
     messages = []
     warn = WarningLog(sink=messages.append)
     for path in files.jsonl:
-        one.read_file(path, plan.windows.get(path), warn)
+        one.read_file(path, plan.for_file(path), warn)
     merged = read_files(
         files.jsonl, plan, WarningLog(sink=lambda _m: None), 2, (50_000, 200_000, None)
     )

@@ -32,13 +32,11 @@ MAX_DEFAULT_JOBS = 8
 PARALLEL_FROM_BYTES = 64 << 20
 """Below this much to read, one process reads faster than it starts workers."""
 
-Windows = tuple[tuple[int, int], ...] | None
-
 
 class FilePass(Protocol):
     """What a worker runs per file and the caller merges (`summary._FilePass`)."""
 
-    def read_file(self, path: Path, windows: Windows, warn: Warn) -> None: ...
+    def read_file(self, path: Path, plan: ReadPlan, warn: Warn) -> None: ...
 
     def merge(self, other: Any) -> None: ...
 
@@ -61,13 +59,13 @@ def default_jobs(files: RunFiles, read_budget: int | None) -> int:
 
 
 def _read_one(
-    task: tuple[Callable[[], FilePass], Path, Windows],
+    task: tuple[Callable[[], FilePass], Path, ReadPlan],
 ) -> tuple[FilePass, list[str]]:
     """A worker's task: one file's aggregates, and the warnings reading it gave, in order."""
-    make, path, windows = task
+    make, path, plan = task
     said: list[str] = []
     part = make()
-    part.read_file(path, windows, said.append)
+    part.read_file(path, plan, said.append)
     return part, said
 
 
@@ -92,13 +90,13 @@ def read_in_workers(
         with ProcessPoolExecutor(min(jobs, len(paths)), mp_context=_context()) as pool:
             waiting: deque[Future[tuple[FilePass, list[str]]]] = deque()
             for path in paths[: 2 * jobs]:
-                waiting.append(pool.submit(_read_one, (make, path, plan.windows.get(path))))
+                waiting.append(pool.submit(_read_one, (make, path, plan.for_file(path))))
             while waiting:
                 part, said = waiting.popleft().result()
                 queued = merged + len(waiting) + 1
                 if queued < len(paths):  # keep the workers busy while this file merges
                     path = paths[queued]
-                    waiting.append(pool.submit(_read_one, (make, path, plan.windows.get(path))))
+                    waiting.append(pool.submit(_read_one, (make, path, plan.for_file(path))))
                 for message in said:
                     warn(message)
                 total.merge(part)
@@ -119,6 +117,6 @@ def read_serially(
     `total` (the workers' result, read here)."""
     for path in files:
         part = make()
-        part.read_file(path, plan.windows.get(path), warn)
+        part.read_file(path, plan.for_file(path), warn)
         total.merge(part)
     return total

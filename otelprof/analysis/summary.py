@@ -24,6 +24,7 @@ from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.parallel_summary import read_in_workers, read_serially
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
+    DEFAULT_MAX_LINE,
     PointRec,
     ReadPlan,
     ReadStats,
@@ -431,10 +432,8 @@ class _FilePass:
         self.last_ns: int | None = None
         self.hists: list[HistRec] = []
 
-    def read_file(
-        self, path: Path, windows: tuple[tuple[int, int], ...] | None, warn: Warn
-    ) -> None:
-        """Aggregate one file (`windows`: the parts a read plan reads; None: all of it)."""
+    def read_file(self, path: Path, plan: ReadPlan, warn: Warn) -> None:
+        """Aggregate one file (`plan`: how it is read, `ReadPlan.for_file`)."""
         steps = self.steps
         exact_cap = self.exact_cap
         work = self.work
@@ -451,7 +450,6 @@ class _FilePass:
         straggler_pass = StragglerPass()
         first_ns = self.first_ns
         last_ns = self.last_ns
-        plan = ReadPlan({path: windows}) if windows else ReadPlan.whole()
         records = iter_all_records([path], warn, self.read, histograms=steps is None, plan=plan)
         for rec in records:
             work.feed(rec)
@@ -647,6 +645,7 @@ def summarize(
     steps: tuple[int | None, int | None] | None = None,
     read_budget: int | None = None,
     jobs: int = 1,
+    max_line: int = DEFAULT_MAX_LINE,
 ) -> RunSummary:
     """Read the run once and aggregate it (the throughput figures in the same pass).
 
@@ -654,9 +653,10 @@ def summarize(
     durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
     `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
     `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`; `jobs` > 1 reads
-    the files in that many worker processes (`parallel_summary`; the same result).
+    the files in that many worker processes (`parallel_summary`; the same result); a line
+    longer than `max_line` bytes is skipped with a warning.
     """
-    plan = ReadPlan.for_files(files.jsonl, read_budget)
+    plan = ReadPlan.for_files(files.jsonl, read_budget, max_line)
     return read_files(files.jsonl, plan, warn, jobs, (window, exact_cap, steps)).result(files, plan)
 
 
