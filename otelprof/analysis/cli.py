@@ -251,7 +251,9 @@ def _report(args: argparse.Namespace) -> int:
 
         from otelprof.analysis.report_json import build_json
 
-        print(json.dumps(build_json(summary, verdict, sections), indent=2, allow_nan=False))
+        # streamed: the document of 100,000 ranks is never one string in memory
+        json.dump(build_json(summary, verdict, sections), sys.stdout, indent=2, allow_nan=False)
+        print()
         if args.html:
             from otelprof.analysis.report_html import write_html
 

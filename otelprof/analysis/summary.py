@@ -19,7 +19,8 @@ from typing import Any
 
 from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
-from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.aggregates import HistRec, keep_latest
+from otelprof.analysis.aggregates import SeriesKey as HistKey
 from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.parallel_summary import read_in_workers, read_serially
 from otelprof.analysis.quantiles import DurationStats
@@ -430,7 +431,7 @@ class _FilePass:
         self.stragglers = StragglerPass()
         self.first_ns: int | None = None
         self.last_ns: int | None = None
-        self.hists: list[HistRec] = []
+        self.hists: dict[HistKey, HistRec] = {}  # the latest point of each series
 
     def read_file(self, path: Path, plan: ReadPlan, warn: Warn) -> None:
         """Aggregate one file (`plan`: how it is read, `ReadPlan.for_file`)."""
@@ -454,7 +455,7 @@ class _FilePass:
         for rec in records:
             work.feed(rec)
             if isinstance(rec, HistRec):
-                hists.append(rec)
+                keep_latest(hists, rec)
                 continue
             if isinstance(rec, SpanRec):
                 if steps is not None and not _in_range(rec, steps):
@@ -575,7 +576,8 @@ class _FilePass:
         self.stragglers.merge(other.stragglers)
         self.first_ns = _least(self.first_ns, other.first_ns)
         self.last_ns = _most(self.last_ns, other.last_ns)
-        self.hists.extend(other.hists)
+        for rec in other.hists.values():
+            keep_latest(self.hists, rec)
 
     def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
         counters: dict[str, float] = {}
@@ -604,7 +606,10 @@ class _FilePass:
         )
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(
-            summary, self.hists, timing_key, lambda name, stats: TimingAgg(name, stats)
+            summary,
+            list(self.hists.values()),
+            timing_key,
+            lambda name, stats: TimingAgg(name, stats),
         )
         return summary
 
