@@ -8,6 +8,12 @@ same files, alternated with this tree's (A-B-A-B).
 
     .venv/bin/python bench/scale_report.py --source RUN_DIR --ranks 1024 --dir DIR
     .venv/bin/python bench/scale_report.py --reuse DIR/run1024 --runs 2 --baseline OLD
+    .venv/bin/python bench/scale_report.py --one-span-files 20000,100000 --trace
+    .venv/bin/python bench/scale_report.py --long-line-mib 1024 --trace
+
+The last two are the hostile extremes: N files of one span each, every file its own rank
+(the report must stay linear in the file count), and one file of a single line of that
+many MiB without a newline (skipped past `--max-line`, in bounded memory).
 
 A thousand one-hour ranks are ~24 GB of JSON: `--dir` should be on a file system that
 compresses (e.g. btrfs mounted with compress-force=zstd, ~2 GB on disk) or have the room.
@@ -35,6 +41,9 @@ from _machine import cpu_model
 from _scale_runs import build_templates, record_source_run, write_ranks
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.run_generators import write_one_span_files  # noqa: E402
 
 _MEASURED = (
     "import resource, sys\n"
@@ -123,6 +132,46 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def _timed(args: argparse.Namespace, what: str, cli_args: list[str], extra: int = 0) -> None:
+    """`otelprof CLI_ARGS` from this tree, `args.runs` times, one line of figures each
+    (`extra`: files, for the time per file)."""
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            out = Path(tmp) / "out"
+            if cli_args[0] == "trace":
+                cli_args = [*cli_args, "-o", str(Path(tmp) / "trace.json")]
+            figures = run_cli(cli_args, REPO, out)
+        if extra:
+            figures["wall_us_per_file"] = round(figures["wall_s"] / extra * 1e6)
+        figures["load"] = round(os.getloadavg()[0], 1)
+        print(f"{what}: {json.dumps(figures)}", flush=True)
+
+
+def hostile(args: argparse.Namespace) -> None:
+    """The many-files and long-line runs (`--one-span-files`, `--long-line-mib`)."""
+    with tempfile.TemporaryDirectory(prefix="otelprof-hostile-", dir=args.dir) as base:
+        for count in [int(n) for n in (args.one_span_files or "").split(",") if n]:
+            run = write_one_span_files(Path(base) / f"files{count}", count)
+            report = ["report", str(run), *args.report_args.split()]
+            _timed(args, f"report, {count:,} one-span files", report, count)
+            _timed(args, f"report --json, {count:,} one-span files", [*report, "--json"], count)
+            if args.trace:
+                _timed(args, f"trace, {count:,} one-span files", ["trace", str(run)], count)
+            shutil.rmtree(run)
+        if args.long_line_mib:
+            run = Path(base) / "long-line"
+            run.mkdir()
+            with (run / "traces.jsonl").open("wb") as handle:
+                handle.write(b'{"resourceSpans":[{"resource":{"attributes":[{"key":"x","value":')
+                handle.write(b'{"stringValue":"')
+                for _ in range(args.long_line_mib):
+                    handle.write(b"a" * (1 << 20))
+            what = f"a line of {args.long_line_mib:,} MiB"
+            _timed(args, f"report, {what}", ["report", str(run), *args.report_args.split()])
+            if args.trace:
+                _timed(args, f"trace, {what}", ["trace", str(run), *args.trace_args.split()])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -155,8 +204,21 @@ def main() -> int:
         default=[],
         help="a file whose cached pages --cold evicts too (e.g. a loop file system's image)",
     )
+    parser.add_argument(
+        "--one-span-files",
+        metavar="N[,N...]",
+        help="time report (text and --json) over N files of one span each, per N",
+    )
+    parser.add_argument(
+        "--long-line-mib",
+        type=int,
+        help="time report over one file of a single line of this many MiB (no newline)",
+    )
     args = parser.parse_args()
     print(f"# {cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
+    if args.one_span_files or args.long_line_mib:
+        hostile(args)
+        return 0
     base = None
     if args.reuse:
         run = args.reuse

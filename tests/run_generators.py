@@ -3,7 +3,8 @@
 `write_sdk_run` goes through the real writer: the OpenTelemetry SDK's spans (with explicit,
 deterministic timestamps) and MetricsData, exported by `opentelemetry-exporter-otlp-json-file`,
 so the files have exactly the shape a detached run has. `write_big_run` templates lines
-directly (same shape, copied from a real line) to make gigabyte runs quickly for benchmarks.
+directly (same shape, copied from a real line) to make gigabyte runs quickly for benchmarks,
+and `write_one_span_files` the other extreme: many files of one span each.
 """
 
 from __future__ import annotations
@@ -365,3 +366,36 @@ def write_big_run(run_dir: Path, target_bytes: int, ranks: int = 4, seed: int = 
                     rank_bytes += len(ml)
         written += rank_bytes
     return written
+
+
+def step_spans_line(rank: int, first_step: int, steps: int) -> str:
+    """One traces line (newline included) of `steps` root step spans of process `rank`."""
+    resource = _RESOURCE.format(node=rank // 8, pid=1000 + rank, rank=rank)
+    spans = []
+    for step in range(first_step, first_step + steps):
+        start = T0_NS + step * 10_000_000
+        spans.append(
+            _SPAN_TMPL.format(
+                tid=f"{rank:08x}{step:024x}",
+                sid=f"{rank:08x}{step:08x}",
+                pid="",
+                name="step",
+                start=start,
+                end=start + 5_000_000,
+                step=step,
+            ).replace(',"parentSpanId":""', "")
+        )
+    return (
+        '{"resourceSpans":[{"resource":' + resource + ',"scopeSpans":[{"scope":'
+        '{"name":"otelprof.timings"},"spans":[' + ",".join(spans) + "]}]}]}\n"
+    )
+
+
+def write_one_span_files(run_dir: Path, count: int) -> Path:
+    """`count` traces files of one step span each, every file its own process (rank): the
+    many-small-files extreme a report must stay linear on."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(count):
+        (run_dir / f"traces.rank{rank}.jsonl").write_text(step_spans_line(rank, 0, 1))
+    (run_dir / "run.json").write_text(json.dumps({"run_id": run_dir.name}))
+    return run_dir

@@ -8,9 +8,11 @@ last line, so the warnings' order is checked too.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -119,7 +121,7 @@ def test_summaries_from_workers_equal_one_pass_in_every_figure(
     messages = []
     warn = WarningLog(sink=messages.append)
     for path in files.jsonl:
-        one.read_file(path, plan.windows.get(path), warn)
+        one.read_file(path, plan.for_file(path), warn)
     merged = read_files(
         files.jsonl, plan, WarningLog(sink=lambda _m: None), 2, (50_000, 200_000, None)
     )
@@ -270,3 +272,49 @@ def test_a_worker_that_dies_leaves_the_rest_to_the_report_process_same_figures(
     assert any("worker process ended abruptly" in m for m in said)
     assert [m for m in said if "abruptly" not in m] == one
     _assert_same_figures(_state(survived), _state(serial))
+
+
+class _StopsInAWorker(_FilePass):
+    """A pass whose worker process stops itself reading one file (SIGSTOP: alive, stalled)."""
+
+    parent = os.getpid()
+
+    def read_file(self, path: Path, plan: Any, warn: Any) -> None:
+        if os.getpid() != self.parent and path.name == "traces.rank2.jsonl":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        super().read_file(path, plan, warn)
+
+
+def test_a_stopped_worker_is_given_up_and_its_files_read_here_with_the_same_figures(
+    ranks_run: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing
+
+    from otelprof.analysis import parallel_summary
+
+    monkeypatch.setattr(parallel_summary, "_context", lambda: multiprocessing.get_context("fork"))
+    files = open_run([ranks_run])
+    plan = ReadPlan.for_files(files.jsonl, None)
+    args = (50_000, 200_000, None)
+    said: list[str] = []
+    started = time.monotonic()
+    survived = parallel_summary.read_in_workers(
+        files.jsonl,
+        plan,
+        said.append,
+        2,
+        functools.partial(_StopsInAWorker, *args),
+        stalled_after_s=2.0,
+    )
+    elapsed = time.monotonic() - started
+    one: list[str] = []
+    serial = read_files(files.jsonl, plan, one.append, 1, args)
+    stalled = [m for m in said if "made no progress for 2 s (stopped?)" in m]
+    assert len(stalled) == 1, said
+    assert [m for m in said if m not in stalled] == one
+    _assert_same_figures(_state(survived), _state(serial))
+    assert 2.0 <= elapsed < 60, elapsed
+    pid = int(stalled[0].split("(pid ")[1].split(")")[0])
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left stopped
+        os.kill(pid, 0)

@@ -31,18 +31,20 @@ def is_closing_request(request: Any) -> bool:
 
 
 def _last_line(path: Path) -> bytes | None:
+    """The last line in the file's last TAIL_BYTES (a gzip file is read through in chunks of
+    that size: no line, however long, is held whole)."""
     try:
         if path.name.endswith(".gz"):
-            last = None
+            tail = b""
             with gzip.open(path, "rb") as handle:
-                for line in handle:
-                    if line.strip():
-                        last = line
-            return last
-        with path.open("rb") as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - TAIL_BYTES))
-            lines = [line for line in handle.read().splitlines() if line.strip()]
+                while chunk := handle.read(TAIL_BYTES):
+                    tail = (tail + chunk)[-TAIL_BYTES:]
+        else:
+            with path.open("rb") as handle:
+                size = handle.seek(0, 2)
+                handle.seek(max(0, size - TAIL_BYTES))
+                tail = handle.read()
+        lines = [line for line in tail.splitlines() if line.strip()]
         return lines[-1] if lines else None
     except (OSError, EOFError, ValueError):  # damaged or unreadable: no closing record
         return None

@@ -98,14 +98,23 @@ class HistogramStats(DurationStats):
         return self.max
 
 
+SeriesKey = tuple[Any, str, str]  # (process, timing, phase)
+
+
+def keep_latest(last: dict[SeriesKey, HistRec], rec: HistRec) -> None:
+    """Keep `rec` in `last` if it is its series' latest cumulative point so far (a reader
+    holds one point per series, not every export's)."""
+    key = (rec.resource, rec.timing, rec.phase)
+    seen = last.get(key)
+    if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
+        last[key] = rec
+
+
 def latest_points(recs: Sequence[HistRec]) -> list[HistRec]:
     """The last cumulative point of each (process, timing, phase) series."""
-    last: dict[tuple[Any, str, str], HistRec] = {}
+    last: dict[SeriesKey, HistRec] = {}
     for rec in recs:
-        key = (rec.resource, rec.timing, rec.phase)
-        seen = last.get(key)
-        if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
-            last[key] = rec
+        keep_latest(last, rec)
     return list(last.values())
 
 

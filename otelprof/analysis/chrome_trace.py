@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from otelprof.analysis.reader import (
+    DEFAULT_MAX_LINE,
     PointRec,
     ReadStats,
     Resource,
@@ -34,6 +35,7 @@ from otelprof.analysis.reader import (
     SpanRec,
     Warn,
     attributes,
+    bounded_lines,
     iter_records,
     open_lines,
 )
@@ -58,11 +60,14 @@ class TraceResult:
     sample: dict[str, Any] | None = None  # the time windows read, when a sample
 
 
-def _first_timestamp(path: Path) -> int | None:
-    """Smallest timestamp in the first intact line of a file (cheap: one line)."""
+def _first_timestamp(path: Path, max_line: int) -> int | None:
+    """Smallest timestamp in the first intact line of a file (cheap: one line, and none over
+    `max_line` held)."""
     try:
         with open_lines(path) as handle:
-            for raw in handle:
+            for raw in bounded_lines(handle, max_line):
+                if isinstance(raw, int):
+                    continue  # too long: the reading pass names it
                 found: list[int] = []
                 try:
                     _collect_times(json.loads(raw), found)
@@ -88,13 +93,13 @@ def _collect_times(node: Any, out: list[int]) -> None:
             _collect_times(item, out)
 
 
-def time_origin(files: RunFiles) -> int:
+def time_origin(files: RunFiles, max_line: int = DEFAULT_MAX_LINE) -> int:
     """The trace's zero: the run's start, or the earliest first-line timestamp of any file.
 
     A span that starts before it (rare: a long span written after its children) gets a
     negative timestamp, which both Perfetto and chrome://tracing accept.
     """
-    candidates = [t for p in files.jsonl if (t := _first_timestamp(p)) is not None]
+    candidates = [t for p in files.jsonl if (t := _first_timestamp(p, max_line)) is not None]
     started = files.started_ns
     if started is not None:
         candidates.append(started)
@@ -299,11 +304,13 @@ def write_trace(
     warn: Warn,
     metrics: bool = True,
     read_budget: int | None = None,
+    max_line: int = DEFAULT_MAX_LINE,
 ) -> TraceResult:
     """Write the Chrome trace of a run; return what it holds. A run over `read_budget`
-    bytes (None: no limit) is read in time windows common to every rank (`trace_windows`)."""
-    origin = time_origin(files)
-    plan = plan_trace(files.jsonl, read_budget, origin, warn)
+    bytes (None: no limit) is read in time windows common to every rank (`trace_windows`);
+    a line over `max_line` bytes is skipped with a warning."""
+    origin = time_origin(files, max_line)
+    plan = plan_trace(files.jsonl, read_budget, origin, warn, max_line)
     sample = _sample_note(plan, origin)
     slices = counters = 0
     stats = ReadStats()

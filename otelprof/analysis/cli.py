@@ -13,6 +13,7 @@ from otelprof.analysis.parallel_summary import (
     default_jobs,
 )
 from otelprof.analysis.reader import (
+    DEFAULT_MAX_LINE,
     DEFAULT_READ_BUDGET,
     RunDirError,
     WarningLog,
@@ -147,6 +148,15 @@ def _add_read_budget(parser: Any, larger: str) -> None:
         const=None,
         help="read every byte of the run's files, however large",
     )
+    parser.add_argument(
+        "--max-line",
+        type=_size,
+        default=DEFAULT_MAX_LINE,
+        metavar="SIZE",
+        help=f"skip, with a warning naming file and line, any line longer than this (default "
+        f"{DEFAULT_MAX_LINE >> 20}M; otelprof writes lines of at most a few MiB): memory "
+        "stays bounded whatever a file holds",
+    )
 
 
 def _jobs(text: str) -> int:
@@ -171,7 +181,7 @@ def _size(text: str) -> int:
             f"{text!r} is not a size; use bytes or a number with K, M, G or T"
         ) from None
     if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the read budget must be over 0")
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be over 0")
     return int(value)
 
 
@@ -224,7 +234,14 @@ def _report(args: argparse.Namespace) -> int:
     if files is None:
         return 2
     jobs = args.jobs if args.jobs is not None else default_jobs(files, args.read_budget)
-    summary = summarize(files, warn, steps=args.steps, read_budget=args.read_budget, jobs=jobs)
+    summary = summarize(
+        files,
+        warn,
+        steps=args.steps,
+        read_budget=args.read_budget,
+        jobs=jobs,
+        max_line=args.max_line,
+    )
     verdict = judge(summary)
     from otelprof.analysis.sections import build_sections
 
@@ -234,7 +251,9 @@ def _report(args: argparse.Namespace) -> int:
 
         from otelprof.analysis.report_json import build_json
 
-        print(json.dumps(build_json(summary, verdict, sections), indent=2, allow_nan=False))
+        # streamed: the document of 100,000 ranks is never one string in memory
+        json.dump(build_json(summary, verdict, sections), sys.stdout, indent=2, allow_nan=False)
+        print()
         if args.html:
             from otelprof.analysis.report_html import write_html
 
@@ -264,7 +283,12 @@ def _trace(args: argparse.Namespace) -> int:
     if files is None:
         return 2
     result = write_trace(
-        files, args.output, warn, metrics=not args.no_metrics, read_budget=args.read_budget
+        files,
+        args.output,
+        warn,
+        metrics=not args.no_metrics,
+        read_budget=args.read_budget,
+        max_line=args.max_line,
     )
     if result.sample:
         print(f"otelprof trace: {result.sample['note']}", file=sys.stderr)

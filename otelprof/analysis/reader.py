@@ -1,8 +1,9 @@
 """Streaming reader of detached run directories (OTLP JSON Lines written by the file exporters).
 
 Why our own reader: files can be gigabytes, a crashed run leaves a truncated last line, and
-users still want every intact line. So files are read one line at a time (memory bounded by
-the longest line), every bad line or item is skipped with a warning naming file and line, and
+users still want every intact line. So files are read one line at a time, never more than
+`max_line` bytes of one line held (a longer line is read past in bounded chunks and skipped
+with a warning), every bad line or item is skipped with a warning naming file and line, and
 each line is dispatched on its top-level key, so any `*.jsonl` name (per-rank files, renamed
 files) works.
 """
@@ -97,7 +98,7 @@ def _run_files(path: Path, warn: Warn | None = None) -> list[Path]:
             except OSError as exc:  # ELOOP and the like on some Pythons
                 if warn:
                     warn(f"{p}: cannot be read ({exc}); skipped")
-    return sorted(found)
+    return sorted(found, key=lambda p: p.name)  # one directory: the order of the names, cheaply
 
 
 def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
@@ -228,6 +229,13 @@ larger one (hundreds of ranks, hours) is read in evenly spaced parts of every fi
 (the histograms are cumulative and the tail of every file holds the last ones), the sampled
 traces and gauges are read as a sample spread over the whole run."""
 
+DEFAULT_MAX_LINE = 32 << 20
+"""Longest line (bytes, newline not counted) a reader decodes by default; a longer one is
+skipped with a warning naming file and line (`--max-line`). otelprof's exporters write lines
+of at most a few MiB (512 spans, a few exports' points), so only a damaged or foreign file
+has longer ones, and a line's decoded objects take several times its bytes: the limit bounds
+the reader's memory whatever the file holds."""
+
 _TAIL = 64 << 10  # every file's last lines: the final export (exact histograms), the end
 _WINDOW_MIN = 16 << 10
 _MAX_WINDOWS = 64
@@ -240,27 +248,37 @@ class ReadPlan:
     evenly spaced windows from the file's start, plus its tail. A window yields the whole
     lines that start in it; the tail (the last window) of a metrics file every line that
     ends in it, so the final export, which carries the exact cumulative histograms, is read
-    however long its line (the budget is then exceeded by at most that line per file).
-    Compressed files cannot be read in parts and are read whole."""
+    however long its line, and so does the tail of a file whose other windows held no line
+    start (lines longer than its share): every file read in parts yields whole lines. The
+    budget is then exceeded by at most one line per file. Compressed files cannot be read
+    in parts and are read whole. No line longer than `max_line` is held, in any plan."""
 
     windows: dict[Path, tuple[tuple[int, int], ...]]  # files read in parts; others whole
     total_bytes: int = 0  # size of every file (compressed size for *.gz)
     budget: int | None = None
+    max_line: int = DEFAULT_MAX_LINE
 
     @property
     def partial(self) -> bool:
         return bool(self.windows)
 
     @classmethod
-    def whole(cls) -> ReadPlan:
-        return cls({})
+    def whole(cls, max_line: int = DEFAULT_MAX_LINE) -> ReadPlan:
+        return cls({}, max_line=max_line)
+
+    def for_file(self, path: Path) -> ReadPlan:
+        """The plan of one file (what a worker process is handed for it)."""
+        windows = self.windows.get(path)
+        return ReadPlan({path: windows} if windows else {}, max_line=self.max_line)
 
     @classmethod
-    def for_files(cls, files: Iterable[Path], budget: int | None) -> ReadPlan:
+    def for_files(
+        cls, files: Iterable[Path], budget: int | None, max_line: int = DEFAULT_MAX_LINE
+    ) -> ReadPlan:
         sizes = {path: file_size(path) for path in files}
         total = sum(sizes.values())
         if budget is None or total <= budget:
-            return cls({}, total, budget)
+            return cls({}, total, budget, max_line)
         plain = {p: n for p, n in sizes.items() if not p.name.endswith(".gz")}
         left = max(0, budget - (total - sum(plain.values())))
         plain_total = sum(plain.values()) or 1
@@ -277,7 +295,7 @@ class ReadPlan:
                 step = (body - width) / max(1, count - 1)
                 parts = [(round(i * step), round(i * step) + width) for i in range(count)]
             windows[path] = (*parts, (body, size))
-        return cls(windows, total, budget)
+        return cls(windows, total, budget, max_line)
 
 
 def file_size(path: Path) -> int:
@@ -325,11 +343,37 @@ def open_lines(path: Path) -> IO[bytes]:
     return path.open("rb", buffering=_READ_BUFFER)
 
 
-def _raw_lines(handle: IO[bytes], path: Path, warn: Warn) -> Iterator[bytes]:
-    """Lines of a file; a gzip stream cut short (the writer crashed mid-member) ends the
-    file with a warning, keeping every whole line before it."""
+_SKIP_CHUNK = 1 << 20  # a line over the limit is read past this much at a time
+
+
+def read_line(handle: IO[bytes], limit: int) -> bytes | int:
+    """The next line of `handle` (b"" at its end), holding at most `limit` bytes of it; a
+    longer line is read past in bounded chunks and its length returned instead (an int), so
+    no line, however long, is held whole."""
+    raw = handle.readline(limit + 1)
+    if len(raw) <= limit or raw.endswith(b"\n"):
+        return raw
+    length = len(raw)
+    while not raw.endswith(b"\n"):
+        raw = handle.readline(_SKIP_CHUNK)
+        if not raw:
+            break
+        length += len(raw)
+    return length
+
+
+def bounded_lines(handle: IO[bytes], limit: int) -> Iterator[bytes | int]:
+    """`read_line` to the end of the file: each line, or the length of one over `limit`."""
+    while raw := read_line(handle, limit):
+        yield raw
+
+
+def _raw_lines(handle: IO[bytes], path: Path, warn: Warn, limit: int) -> Iterator[bytes | int]:
+    """Lines of a file (or lengths of lines over `limit`); a gzip stream cut short (the
+    writer crashed mid-member) ends the file with a warning, keeping every whole line
+    before it."""
     try:
-        yield from handle
+        yield from bounded_lines(handle, limit)
     except (EOFError, OSError, zlib.error) as exc:
         warn(f"{path}: compressed data ends early ({exc}); lines after it skipped")
 
@@ -349,28 +393,51 @@ def line_start(handle: IO[bytes], position: int) -> int:
     return 0
 
 
-def _window_lines(handle: IO[bytes], windows: tuple[tuple[int, int], ...]) -> Iterator[bytes]:
+def _first_line_start(handle: IO[bytes], start: int, end: int) -> int | None:
+    """Where the first line that starts in [start, end) starts (None: none does), looking no
+    further than `end` (a long line that covers the window is not read to its end here)."""
+    if start == 0:
+        return 0
+    handle.seek(start - 1)
+    position = start - 1
+    while position < end - 1:
+        chunk = handle.read(min(64 << 10, end - 1 - position))
+        if not chunk:
+            return None
+        newline = chunk.find(b"\n")
+        if newline >= 0:
+            return position + newline + 1
+        position += len(chunk)
+    return None
+
+
+def _window_lines(
+    handle: IO[bytes], windows: tuple[tuple[int, int], ...], limit: int
+) -> Iterator[bytes | int]:
     """The whole lines that start inside each (start, end) byte window of a plain file;
-    in a metrics file, for the last window (the file's tail), every line that ends in it:
-    the final export, with the exact cumulative histograms, however long its line."""
+    for the last window (the file's tail) of a metrics file, or of a file whose earlier
+    windows held no line start, every line that ends in it: the final export, with the
+    exact cumulative histograms, and whole lines of a file whose lines are longer than its
+    windows. A line over `limit` comes as its length (`read_line`)."""
     done = 0  # lines before this offset were read already (windows may touch)
     metrics = handle.read(len(_METRICS_START)) == _METRICS_START
     handle.seek(0)
     for index, (start, end) in enumerate(windows):
-        if index == len(windows) - 1 and metrics:
-            handle.seek(max(done, line_start(handle, start)))
-        elif start > 0:
-            handle.seek(start - 1)
-            if handle.read(1) != b"\n":
-                handle.readline()  # the rest of a line that started before the window
-        if handle.tell() < done:
-            handle.seek(done)
-        position = handle.tell()
+        if index == len(windows) - 1 and (metrics or not done):
+            position = max(done, line_start(handle, start))
+        elif start <= done:
+            position = done
+        else:
+            found = _first_line_start(handle, start, end)
+            if found is None:
+                continue  # a line that started before the window covers it
+            position = found
+        handle.seek(position)
         while position < end:
-            raw = handle.readline()
+            raw = read_line(handle, limit)
             if not raw:
                 break
-            position += len(raw)
+            position += raw if isinstance(raw, int) else len(raw)
             done = position
             yield raw
 
@@ -394,10 +461,22 @@ def iter_lines(
             stats.partial_files += 1
         with handle:
             number = 0  # in a file read in parts: the number among the lines read
-            source = _window_lines(handle, windows) if windows else _raw_lines(handle, path, warn)
+            source = (
+                _window_lines(handle, windows, plan.max_line)
+                if windows
+                else _raw_lines(handle, path, warn, plan.max_line)
+            )
             for raw in source:
                 number += 1
                 stats.lines += 1
+                if isinstance(raw, int):
+                    stats.bytes += raw
+                    stats.bad_lines += 1
+                    warn(
+                        f"{path}:{number}: line of {raw:,} bytes skipped: longer than the "
+                        f"line limit ({plan.max_line:,} bytes, --max-line)"
+                    )
+                    continue
                 stats.bytes += len(raw)
                 if not raw.strip():
                     continue

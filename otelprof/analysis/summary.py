@@ -27,11 +27,13 @@ from otelprof._schema import (
     TELEMETRY_DROPPED,
 )
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
-from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.aggregates import HistRec, keep_latest
+from otelprof.analysis.aggregates import SeriesKey as HistKey
 from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.parallel_summary import read_in_workers, read_serially
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
+    DEFAULT_MAX_LINE,
     PointRec,
     ReadPlan,
     ReadStats,
@@ -440,12 +442,10 @@ class _FilePass:
         self.stragglers = StragglerPass()
         self.first_ns: int | None = None
         self.last_ns: int | None = None
-        self.hists: list[HistRec] = []
+        self.hists: dict[HistKey, HistRec] = {}  # the latest point of each series
 
-    def read_file(
-        self, path: Path, windows: tuple[tuple[int, int], ...] | None, warn: Warn
-    ) -> None:
-        """Aggregate one file (`windows`: the parts a read plan reads; None: all of it)."""
+    def read_file(self, path: Path, plan: ReadPlan, warn: Warn) -> None:
+        """Aggregate one file (`plan`: how it is read, `ReadPlan.for_file`)."""
         steps = self.steps
         exact_cap = self.exact_cap
         work = self.work
@@ -462,12 +462,11 @@ class _FilePass:
         straggler_pass = StragglerPass()
         first_ns = self.first_ns
         last_ns = self.last_ns
-        plan = ReadPlan({path: windows}) if windows else ReadPlan.whole()
         records = iter_all_records([path], warn, self.read, histograms=steps is None, plan=plan)
         for rec in records:
             work.feed(rec)
             if isinstance(rec, HistRec):
-                hists.append(rec)
+                keep_latest(hists, rec)
                 continue
             if isinstance(rec, SpanRec):
                 if steps is not None and not _in_range(rec, steps):
@@ -588,7 +587,8 @@ class _FilePass:
         self.stragglers.merge(other.stragglers)
         self.first_ns = _least(self.first_ns, other.first_ns)
         self.last_ns = _most(self.last_ns, other.last_ns)
-        self.hists.extend(other.hists)
+        for rec in other.hists.values():
+            keep_latest(self.hists, rec)
 
     def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
         counters: dict[str, float] = {}
@@ -625,7 +625,10 @@ class _FilePass:
         )
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(
-            summary, self.hists, timing_key, lambda name, stats: TimingAgg(name, stats)
+            summary,
+            list(self.hists.values()),
+            timing_key,
+            lambda name, stats: TimingAgg(name, stats),
         )
         return summary
 
@@ -666,6 +669,7 @@ def summarize(
     steps: tuple[int | None, int | None] | None = None,
     read_budget: int | None = None,
     jobs: int = 1,
+    max_line: int = DEFAULT_MAX_LINE,
 ) -> RunSummary:
     """Read the run once and aggregate it (the throughput figures in the same pass).
 
@@ -673,9 +677,10 @@ def summarize(
     durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
     `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
     `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`; `jobs` > 1 reads
-    the files in that many worker processes (`parallel_summary`; the same result).
+    the files in that many worker processes (`parallel_summary`; the same result); a line
+    longer than `max_line` bytes is skipped with a warning.
     """
-    plan = ReadPlan.for_files(files.jsonl, read_budget)
+    plan = ReadPlan.for_files(files.jsonl, read_budget, max_line)
     return read_files(files.jsonl, plan, warn, jobs, (window, exact_cap, steps)).result(files, plan)
 
 

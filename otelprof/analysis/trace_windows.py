@@ -38,10 +38,12 @@ from typing import Any
 
 from otelprof._schema import ATTR_PHASE, ATTR_STEP, PHASE_TRAIN
 from otelprof.analysis.reader import (
+    DEFAULT_MAX_LINE,
     ReadPlan,
     ReadStats,
     SpanRec,
     Warn,
+    bounded_lines,
     file_size,
     iter_records,
     line_start,
@@ -171,13 +173,17 @@ class _LineIndex:
     size: int
 
     @classmethod
-    def of(cls, path: Path, exported_at: bool = False) -> _LineIndex:
+    def of(cls, path: Path, max_line: int, exported_at: bool = False) -> _LineIndex:
         """`exported_at`: a line is one moment, its latest time (a metrics export: its
-        points' time; the exemplars in it are older)."""
+        points' time; the exemplars in it are older). A line over `max_line` is left out
+        (its bytes counted: the reading pass skips it with a warning)."""
         lines = []
         offset = 0
         with open_lines(path) as handle:
-            for raw in handle:
+            for raw in bounded_lines(handle, max_line):
+                if isinstance(raw, int):
+                    offset += raw
+                    continue
                 times = [int(m) for m in _TIME.findall(raw)]
                 if times:
                     last = max(times)
@@ -214,9 +220,16 @@ def _place(start: int, end: int, count: int, index: int, width: int) -> tuple[in
     return begin, begin + width
 
 
-def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: Warn) -> TracePlan:
-    """Read everything when the run fits `budget` (or it is None); else choose the windows."""
-    whole = ReadPlan.for_files(files, budget)
+def plan_trace(
+    files: tuple[Path, ...],
+    budget: int | None,
+    origin: int,
+    warn: Warn,
+    max_line: int = DEFAULT_MAX_LINE,
+) -> TracePlan:
+    """Read everything when the run fits `budget` (or it is None); else choose the windows
+    (no line over `max_line` bytes held, in planning or reading)."""
+    whole = ReadPlan.for_files(files, budget, max_line)
     if budget is None or not whole.partial:
         return TracePlan(whole, read_budget=budget)
     ref_traces = _reference(files, "traces")
@@ -227,7 +240,7 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
         if ref is None:
             continue
         try:
-            index = _LineIndex.of(ref, exported_at=prefix == "metrics")
+            index = _LineIndex.of(ref, max_line, exported_at=prefix == "metrics")
         except OSError:
             continue
         kind_bytes = sum(n for p, n in sizes.items() if p.name.startswith(prefix))
@@ -282,7 +295,7 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
             break  # each window after the start wide enough: as many as that
     estimate = sum(cost(b) for b in chosen)
     if ref_traces is not None:
-        windows = _step_ranges(ref_traces, sizes[ref_traces], chosen, warn)
+        windows = _step_ranges(ref_traces, sizes[ref_traces], chosen, warn, max_line)
     else:
         windows = [Window(a, b) for a, b in chosen]
     byte_windows = {}
@@ -291,14 +304,16 @@ def plan_trace(files: tuple[Path, ...], budget: int | None, origin: int, warn: W
             continue  # cannot be read in parts: read whole, filtered by the windows
         byte_windows[path] = _byte_windows(path, sizes[path], windows, margin)
     return TracePlan(
-        ReadPlan(byte_windows, whole.total_bytes, budget),
+        ReadPlan(byte_windows, whole.total_bytes, budget, max_line),
         tuple(windows),
         budget,
         int(estimate),
     )
 
 
-def _step_ranges(ref: Path, size: int, bounds: list[tuple[int, int]], warn: Warn) -> list[Window]:
+def _step_ranges(
+    ref: Path, size: int, bounds: list[tuple[int, int]], warn: Warn, max_line: int
+) -> list[Window]:
     """Each window with the step numbers (per phase) whose step spans start in it on the
     reference rank; its end grows to the latest end of those steps (so "in the window"
     means the whole step)."""
@@ -307,7 +322,7 @@ def _step_ranges(ref: Path, size: int, bounds: list[tuple[int, int]], warn: Warn
         parts = _byte_windows_of(handle, size, [(a - margin, b + margin) for a, b in bounds])
     found: list[dict[str, tuple[int, int]]] = [{} for _ in bounds]
     ends = [b for _, b in bounds]
-    plan = ReadPlan({ref: parts}, size)
+    plan = ReadPlan({ref: parts}, size, max_line=max_line)
     for rec in iter_records([ref], warn, ReadStats(), frozenset({"traces"}), plan):
         if not isinstance(rec, SpanRec) or rec.parent_span_id:
             continue
