@@ -32,6 +32,7 @@ from otelprof._schema import (
     DDP_COLLECTIVE,
     DDP_SPAN,
     STEP_SPAN,
+    is_torch_step_range,
 )
 from otelprof.analysis.reader import Resource, SpanRec
 
@@ -42,11 +43,15 @@ _WINDOW_STEPS = 64  # open (rank, step) groups kept per rank
 _COLLECTIVE_PREFIXES = ("dist.", "ddp.")  # otelprof._distributed.collectives span names
 
 
+_Child = tuple[str, str, str, int, int, bool]  # span id, parent id, name, start, end, collective
+
+
 @dataclass
 class _StepGroup:
     step_id: str = ""
     step_s: float = 0.0
-    children: list[tuple[str, str, str, int, int, bool]] = field(default_factory=list)
+    step_end: int = 0
+    children: list[_Child] = field(default_factory=list)
     collectives: list[tuple[str, str, str, int, int]] = field(default_factory=list)
 
 
@@ -189,6 +194,25 @@ def _short(rank: RankWork) -> str:
     return f"{name} (attempt {attempt})" if attempt else name
 
 
+def _parts(group: _StepGroup) -> list[_Child]:
+    """The step's direct parts, a range that wraps the step (torch's `ProfilerStep#N`, or
+    one with children open past the step's end) opened up into its children, as the
+    report's breakdown does (summary._StepResolver)."""
+    by_parent: dict[str, list[_Child]] = {}
+    for child in group.children:
+        by_parent.setdefault(child[1], []).append(child)
+    parts = []
+    todo = list(by_parent.get(group.step_id, ()))
+    while todo:
+        child = todo.pop(0)
+        inside = by_parent.get(child[0])
+        if is_torch_step_range(child[2]) or (inside and child[4] > group.step_end):
+            todo.extend(inside or ())
+        else:
+            parts.append(child)
+    return parts
+
+
 class StragglerPass:
     """Fed every span of a run (`span()`), then `result()`."""
 
@@ -211,6 +235,7 @@ class StragglerPass:
         if rec.name == STEP_SPAN and not rec.parent_span_id:
             group.step_id = rec.span_id
             group.step_s = (rec.end_ns - rec.start_ns) / 1e9
+            group.step_end = rec.end_ns
             return
         # only otelprof's collective spans carry the attribute, and they have these names:
         # skip the attribute scan for every other span (the report's hot loop)
@@ -226,21 +251,18 @@ class StragglerPass:
         work = self._ranks.get(resource)
         if work is None:
             work = self._ranks[resource] = RankWork(resource)
-        direct = [c for c in group.children if c[1] == group.step_id]
+        direct = _parts(group)
         work.steps += 1
         work.step_s += group.step_s
         timed = 0.0
         inside: dict[str, float] = {}  # direct child span id -> collective time inside it
-        for span_id, parent, op, start, end in group.collectives:
+        for span_id, _parent, op, start, end in group.collectives:
             dur = (end - start) / 1e9
             work.wait_s += dur
             work.wait_op[op] = work.wait_op.get(op, 0.0) + dur
-            if parent == group.step_id:
-                holder: tuple[str, str, str, int, int, bool] | None = next(
-                    c for c in direct if c[0] == span_id
-                )
-            else:
-                holder = next((c for c in direct if c[3] <= start and end <= c[4]), None)
+            holder = next((c for c in direct if c[0] == span_id), None) or next(
+                (c for c in direct if c[3] <= start and end <= c[4]), None
+            )
             where = holder[2] if holder else UNTIMED
             work.wait_in[where] = work.wait_in.get(where, 0.0) + dur
             key = holder[0] if holder is not None else ""  # "": outside every direct part

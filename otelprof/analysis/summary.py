@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN, is_torch_step_range
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
@@ -91,6 +91,7 @@ class Downsampler:
 
 PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
 PARENT_ROOT = "\0root"
+PARENT_WRAPS = "\0wraps"  # ... and of spans that wrap their step (see _StepResolver)
 _MAX_PARENTS = 50
 _MAX_NESTED_IN = 50
 
@@ -106,6 +107,7 @@ class TimingAgg:
     nested_count: int = 0
     root_count: int = 0
     unresolved_count: int = 0
+    wrapper_count: int = 0  # spans that wrapped their step: no part of it (_StepResolver)
     nested_in: dict[str, int] = field(default_factory=dict)
     # durations by where the span sat: PARENT_STEP, PARENT_ROOT or the parent's timing key
     by_parent: dict[str, DurationStats] = field(default_factory=dict)
@@ -131,6 +133,7 @@ class TimingAgg:
         self.nested_count += other.nested_count
         self.root_count += other.root_count
         self.unresolved_count += other.unresolved_count
+        self.wrapper_count += other.wrapper_count
         for parent, n in other.nested_in.items():
             self.count_nested(parent, n)
         for parent, stats in other.by_parent.items():
@@ -316,15 +319,39 @@ def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """A span whose place waits on its parent's: with its own children, which wait on it."""
+
+    span_id: str
+    key: str  # its timing key
+    name: str  # its name as exported
+    dur_s: float
+    end_ns: int
+    children: list[_Waiting]
+
+
 class _StepResolver:
-    """Decides whether each span is a direct child of a step, within a bounded window."""
+    """Decides where each span sat (directly in a step, nested in another span, at the top
+    level, or around its step), within a bounded window of recently seen span ids.
+
+    A span directly under its step that wraps the step's work is no part of it: torch's
+    `ProfilerStep#N` (a user's `torch.profiler.profile` beside otelprof opens one from each
+    of its `step()` calls to the next), or any range with children still open when its step
+    ended (`with timing("iteration"): ...; prof.step()`). Its children are then the step's
+    parts, and it is counted as wrapping the step (`TimingAgg.wrapper_count`), so neither
+    the breakdown nor the verdict takes it for the step. Children usually come before their
+    parent in a file, so a span whose parent is not seen yet waits, with its own children,
+    until the parent says where they belong.
+    """
 
     def __init__(self, timings: dict[str, TimingAgg], window: int = 50_000) -> None:
         self.window = window
         self.timings = timings
-        self.steps: OrderedDict[str, None] = OrderedDict()
-        self.others: OrderedDict[str, str] = OrderedDict()  # span id -> name (non-step spans)
-        self.pending: OrderedDict[str, list[tuple[str, float]]] = OrderedDict()
+        self.steps: OrderedDict[str, int] = OrderedDict()  # step span id -> its end (ns)
+        # span id -> timing key of the other spans; None: it wraps its step
+        self.others: OrderedDict[str, str | None] = OrderedDict()
+        self.pending: OrderedDict[str, list[_Waiting]] = OrderedDict()
         self.unresolved = 0
 
     @staticmethod
@@ -346,34 +373,64 @@ class _StepResolver:
         agg.add_in(parent, dur_s)
 
     def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
-        children = self.pending.pop(rec.span_id, None)
-        key = rec.name if name is None else name
+        children = self.pending.pop(rec.span_id, None) or []
         if is_step:
-            self._remember(self.steps, rec.span_id, None, self.window)
-            for name, d in children or ():
-                self._direct(name, d)
+            self._remember(self.steps, rec.span_id, rec.end_ns, self.window)
+            for child in children:
+                self._in_step(child, rec.end_ns)
             return
+        key = rec.name if name is None else name
         self._remember(self.others, rec.span_id, key, self.window)
-        for child, d in children or ():
-            self._nested(child, key, d)
+        item = _Waiting(rec.span_id, key, rec.name, dur_s, rec.end_ns, children)
         parent = rec.parent_span_id
         if not parent:
             self.timings[key].root_count += 1
             self.timings[key].add_in(PARENT_ROOT, dur_s)
+            self._nest_children(item)
         elif parent in self.steps:
-            self._direct(key, dur_s)
+            self._in_step(item, self.steps[parent])
         elif parent in self.others:
-            self._nested(key, self.others[parent], dur_s)
+            above = self.others[parent]
+            if above is None:  # its parent wraps a step: it is a part of that step
+                self._direct(key, dur_s)
+            else:
+                self._nested(key, above, dur_s)
+            self._nest_children(item)
         else:
-            self.pending.setdefault(parent, []).append((key, dur_s))
+            self.pending.setdefault(parent, []).append(item)
             if len(self.pending) > self.window:
                 _, lost = self.pending.popitem(last=False)
                 self._lost(lost)
 
-    def _lost(self, items: list[tuple[str, float]]) -> None:
-        for name, _ in items:
-            self.timings[name].unresolved_count += 1
+    def _in_step(self, item: _Waiting, step_end_ns: int) -> None:
+        """A direct child of a step (ending at `step_end_ns`): a part of it, or its wrapper."""
+        if is_torch_step_range(item.name) or (item.children and item.end_ns > step_end_ns):
+            agg = self.timings[item.key]
+            agg.wrapper_count += 1
+            agg.add_in(PARENT_WRAPS, item.dur_s)
+            if item.span_id in self.others:
+                self.others[item.span_id] = None
+            for child in item.children:
+                self._in_step(child, step_end_ns)
+            return
+        self._direct(item.key, item.dur_s)
+        self._nest_children(item)
+
+    def _nest_children(self, item: _Waiting) -> None:
+        """Each waiting descendant of `item` as nested in its parent."""
+        stack = [item]
+        while stack:
+            above = stack.pop()
+            for child in above.children:
+                self._nested(child.key, above.key, child.dur_s)
+                stack.append(child)
+            above.children = []
+
+    def _lost(self, items: list[_Waiting]) -> None:
+        for item in items:
+            self.timings[item.key].unresolved_count += 1
             self.unresolved += 1
+            self._nest_children(item)
 
     def finish(self) -> None:
         for items in self.pending.values():
