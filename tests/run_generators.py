@@ -63,6 +63,8 @@ class RunSpec:
     world_size: int | None = None  # defaults to `ranks`
     extra_resource: dict[str, Any] = field(default_factory=dict)
     shared_trace_ids: bool = False  # step N of every rank in one trace, as otelprof writes it
+    slow_steps: dict[int, float] = field(default_factory=dict)  # step -> untimed s more, all ranks
+    extra_roots: tuple[tuple[str, int], ...] = ()  # (phase, after step): a 20 ms phase span
 
 
 def _ns(seconds: float) -> int:
@@ -143,9 +145,14 @@ def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> li
         t = child("step_lr_schedulers", step, t, d(spec.lr_s), attrs)
         if spec.reduce_every and (i + 1) % spec.reduce_every == 0:
             t = child("reduce_metrics", step, t, d(spec.reduce_s), attrs)
-        t += d(spec.untimed_s)
+        t += d(spec.untimed_s) + _ns(spec.slow_steps.get(i, 0.0))
         step.end(end_time=t)
         windows.append((start, t, (dl_end - start) / max(1, t - start)))
+        for phase, after in spec.extra_roots:
+            if after == i:
+                root = tracer.start_span(phase, start_time=t, attributes={"otelprof.phase": phase})
+                t += _ns(0.02)
+                root.end(end_time=t)
         if spec.validation and (i + 1) % steps_per_epoch == 0:
             ids.next_trace = (1 << 101) + epoch if spec.shared_trace_ids else None
             val = tracer.start_span(

@@ -50,43 +50,64 @@ _MAX_SERIES = 5_000
 
 
 class Downsampler:
-    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows."""
+    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows,
+    each with the least and greatest value it holds (a step chart shows every step's range,
+    outliers included, whatever the run's length)."""
 
     __slots__ = ("_acc", "_buckets", "max_points", "stride")
 
     def __init__(self, max_points: int = 600) -> None:
         self.max_points = max_points
         self.stride = 1
-        self._buckets: list[tuple[float, float]] = []
-        self._acc: list[float] = [0.0, 0.0, 0.0]  # t_sum, v_sum, n
+        self._buckets: list[tuple[float, float, float, float, float]] = []  # t, v, n, lo, hi
+        self._acc: list[float] = [0.0, 0.0, 0.0, math.inf, -math.inf]  # t_sum, v_sum, n, lo, hi
 
-    def add(self, t: float, v: float) -> None:
+    def add(
+        self, t: float, v: float, n: float = 1, lo: float | None = None, hi: float | None = None
+    ) -> None:
+        """One value at `t`, or (`n` > 1) a bucket of `n` values averaging `v` within lo..hi."""
         acc = self._acc
-        acc[0] += t
-        acc[1] += v
-        acc[2] += 1
+        acc[0] += t * n
+        acc[1] += v * n
+        acc[2] += n
+        acc[3] = min(acc[3], v if lo is None else lo)
+        acc[4] = max(acc[4], v if hi is None else hi)
         if acc[2] >= self.stride:
-            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2]))
-            self._acc = [0.0, 0.0, 0.0]
+            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
+            self._acc = [0.0, 0.0, 0.0, math.inf, -math.inf]
             if len(self._buckets) >= self.max_points:
                 b = self._buckets
-                self._buckets = [
-                    ((b[i][0] + b[i + 1][0]) / 2, (b[i][1] + b[i + 1][1]) / 2)
-                    for i in range(0, len(b) - 1, 2)
-                ]
+                self._buckets = [_pair(b[i], b[i + 1]) for i in range(0, len(b) - 1, 2)]
                 self.stride *= 2
 
     def merge(self, other: Downsampler) -> None:
-        """Fold in a later part of the same series (its buckets as points: the shape, not
-        every sample, survives; a series comes from one file in every run otelprof writes)."""
-        for t, v in other.points():
-            self.add(t, v)
+        """Fold in a later part of the same series (its buckets as weighted points: the
+        shape and the extremes, not every sample, survive; a series comes from one file in
+        every run otelprof writes)."""
+        for t, v, n, lo, hi in other._all():
+            self.add(t, v, n, lo, hi)
+
+    def _all(self) -> list[tuple[float, float, float, float, float]]:
+        out = list(self._buckets)
+        acc = self._acc
+        if acc[2]:
+            out.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
+        return sorted(out)
 
     def points(self) -> list[tuple[float, float]]:
-        out = list(self._buckets)
-        if self._acc[2]:
-            out.append((self._acc[0] / self._acc[2], self._acc[1] / self._acc[2]))
-        return sorted(out)
+        return [(t, v) for t, v, _n, _lo, _hi in self._all()]
+
+    def extremes(self) -> list[tuple[float, float, float]]:
+        """(time, least, greatest) of each bucket, in time order."""
+        return [(t, lo, hi) for t, _v, _n, lo, hi in self._all()]
+
+
+def _pair(
+    a: tuple[float, float, float, float, float], b: tuple[float, float, float, float, float]
+) -> tuple[float, float, float, float, float]:
+    n = a[2] + b[2]
+    return ((a[0] * a[2] + b[0] * b[2]) / n, (a[1] * a[2] + b[1] * b[2]) / n, n,
+            min(a[3], b[3]), max(a[4], b[4]))  # fmt: skip
 
 
 PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
