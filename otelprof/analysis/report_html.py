@@ -100,7 +100,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     parts.append(
         f"<p class='meta'>{len(files.jsonl)} files ({escape(fmt.size(summary.read.bytes))}), "
         f"{summary.read.spans:,} spans, {summary.read.points:,} metric points, "
-        f"{len(summary.ranks)} process(es), {escape(fmt.duration(max(t1 - t0, 0)))} covered"
+        f"{summary.processes} process(es), {escape(fmt.duration(max(t1 - t0, 0)))} covered"
         + (
             f"; skipped {summary.read.bad_lines} bad line(s) and "
             f"{summary.read.skipped_items} malformed item(s)"

@@ -102,7 +102,7 @@ class StragglerReport:
 
     ranks: list[RankWork]
     straggler: RankWork | None = None
-    extra_s: float = 0.0  # the straggler's own work beyond the others' median, per step
+    extra_s: float = 0.0  # own work beyond the others' median own work, per step
     extra_in: str = ""  # the direct part that holds most of it
     extra_in_s: float = 0.0
     others_wait_in: str = ""  # where the others wait for it
@@ -147,16 +147,26 @@ class StragglerReport:
         if s is None:
             return []
         name = self.name(s)
-        parts = ", ".join(
-            f"{'untimed' if n == UNTIMED else n} +{1e3 * v:.1f}"
-            for n, v in sorted(self.extras.items(), key=lambda kv: -kv[1])[:3]
-            if v > 0
-        )
         return [
             f"{name} arrives late: its own work (step time outside collectives) exceeds the "
-            f"other ranks' median by {1e3 * self.extra_s:.1f} ms per step ({parts} ms)",
+            f"other ranks' median by {1e3 * self.extra_s:.1f} ms per step ({self.parts_text} ms)",
             self.waiting_sentence,
         ]
+
+    @property
+    def parts_text(self) -> str:
+        """Where `extra_s` goes, part by part (the largest first, lower parts included), the
+        figures adding up to it: "untimed +322.4, train_batch -31.0"; with more than two
+        ranks a median of sums is no sum of medians, and "other parts" holds the rest."""
+        shown = sorted(self.extras.items(), key=lambda kv: -abs(kv[1]))[:3]
+        shown = [(n, v) for n, v in shown if round(1e3 * v, 1)]
+        rest = self.extra_s - sum(v for _, v in shown)
+        if round(1e3 * rest, 1):
+            shown.append(("other parts", rest))
+        return ", ".join(
+            f"{'untimed' if n == UNTIMED else n} {1e3 * v:+.1f}"
+            for n, v in sorted(shown, key=lambda kv: -kv[1])
+        )
 
     def to_dict(self) -> dict[str, Any]:
         s = self.straggler
@@ -313,6 +323,11 @@ class StragglerPass:
         return _judge(ranks)
 
 
+def own_work(rank: RankWork) -> float:
+    """Step time outside collectives, per step (the per-rank table's "own work ms")."""
+    return rank.per_step(rank.step_s - rank.wait_s)
+
+
 def _judge(ranks: list[RankWork]) -> StragglerReport:
     report = StragglerReport(ranks)
     timed = [r for r in ranks if r.wait_s > 0]
@@ -347,7 +362,8 @@ def _judge(ranks: list[RankWork]) -> StragglerReport:
         for n in ops
     }
     report.straggler = straggler
-    report.extra_s = sum(v for v in extra.values() if v > 0)
+    # the table's own figure: step time outside collectives, against the others' median
+    report.extra_s = own_work(straggler) - statistics.median(own_work(r) for r in others)
     report.extra_in = where
     report.extra_in_s = extra[where]
     report.others_wait_in = wait_in
@@ -375,7 +391,7 @@ def split_rows(report: StragglerReport | None) -> list[dict[str, Any]]:
                 "straggler": r is report.straggler,
                 "steps": r.steps,
                 "step ms": round(1e3 * step, 3),
-                "own work ms": round(1e3 * (step - wait), 3),
+                "own work ms": round(1e3 * own_work(r), 3),
                 "waiting ms": round(1e3 * wait, 3),
                 "waits in": ", ".join(
                     f"{n} {1e3 * r.per_step(v):.2f}"

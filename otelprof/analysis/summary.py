@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN, is_torch_step_range
+from otelprof._schema import (
+    ATTR_EPOCH,
+    ATTR_STEP,
+    PHASE_AFTER_TRAINING,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    is_torch_step_range,
+)
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
@@ -249,6 +256,9 @@ class RunSummary:
     series_over_limit: int = 0  # metric points of series beyond the report's series cap
     throughput: list[PhaseThroughput] = field(default_factory=list)  # throughput_pass.py
     plan: ReadPlan = field(default_factory=ReadPlan.whole)  # the parts of the files read
+    processes: int = 0  # processes whose spans or metric points were read
+    # (host, pid) -> the step running when that process crashed or was stopped
+    unfinished_steps: dict[tuple[str, Any], int] = field(default_factory=dict)
 
     @property
     def step_total_s(self) -> float:
@@ -475,6 +485,42 @@ def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
     return (low is None or number >= low) and (high is None or number < high)
 
 
+CRASHED_STEP = "crashed step"
+INTERRUPTED_STEP = "interrupted step"
+ProcessKey = tuple[str, Any]  # (host.name, process.pid)
+
+
+def unfinished_label(end: Any) -> str | None:
+    """What the step running at a process's end is called, from run.json's `end`: the
+    crashed step (an exception), an interrupted one (a signal, Ctrl-C, a non-zero exit);
+    None for a run that ended normally (its last ranges are after training)."""
+    if not isinstance(end, dict):
+        return None
+    status = end.get("status")
+    exception = end.get("exception")
+    if status == "exception":
+        interrupted = isinstance(exception, dict) and exception.get("type") == "KeyboardInterrupt"
+        return INTERRUPTED_STEP if interrupted else CRASHED_STEP
+    if status == "signal" or (status == "exit" and end.get("exit_code") not in (0, None)):
+        return INTERRUPTED_STEP
+    return None
+
+
+def unfinished_processes(run_info: Sequence[dict[str, Any]]) -> dict[ProcessKey, str]:
+    """(host, pid) -> `unfinished_label` of each process that did not end normally."""
+    out: dict[ProcessKey, str] = {}
+    for info in run_info:
+        label = unfinished_label(info.get("end"))
+        resource = info.get("resource")
+        if label and isinstance(resource, dict) and "process.pid" in resource:
+            out[(str(resource.get("host.name", "unknown-host")), resource["process.pid"])] = label
+    return out
+
+
+def process_key(resource: Resource) -> ProcessKey:
+    return (resource.host, resource.get("process.pid"))
+
+
 class _FilePass:
     """The aggregates of one file's records, or of several files' merged in file order.
 
@@ -487,9 +533,18 @@ class _FilePass:
     straggler figures close at the end of each file (a rank's spans are in its own file)."""
 
     def __init__(
-        self, window: int, exact_cap: int, steps: tuple[int | None, int | None] | None
+        self,
+        window: int,
+        exact_cap: int,
+        steps: tuple[int | None, int | None] | None,
+        unfinished: dict[ProcessKey, str] | None = None,
     ) -> None:
+        """`unfinished`: the processes whose last ranges are the step running when they
+        crashed or were stopped (`unfinished_processes`), not work after training."""
         self.window = window
+        self.unfinished = unfinished or {}
+        self.unfinished_steps: dict[ProcessKey, int] = {}
+        self.resources: set[Resource] = set()
         self.exact_cap = exact_cap
         self.steps = steps
         self.work = ThroughputPass(steps)
@@ -566,15 +621,20 @@ class _FilePass:
                         step0.append(dur_s)
                 name = rec.name
                 if not is_step:
-                    name = timing_key(rec.name, rec.attr(PHASE_ATTR))
+                    span_name = rec.name
+                    phase = rec.attr(PHASE_ATTR)
+                    if phase == PHASE_AFTER_TRAINING and self.unfinished:
+                        span_name, phase = self._unfinished(rec, span_name, phase)
+                    name = timing_key(span_name, phase)
                     if name not in timings:
                         timings[name] = TimingAgg(name, DurationStats(exact_cap))
                     timings[name].stats.add(dur_s)
                     if not rec.parent_span_id:
-                        phases.root(rec.name, start, end)
+                        phases.root(span_name, start, end)
                 resolver.span(rec, dur_s, is_step, name)
                 straggler_pass.span(rec)
             else:
+                self.resources.add(rec.resource)
                 if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest is the total
                     ckey = (rec.name, rec.resource, rec.attributes)
                     if not _keep_latest(latest, ckey, (rec.time_ns, rec.value)):
@@ -608,6 +668,21 @@ class _FilePass:
         self.stragglers.merge(straggler_pass)
         self.first_ns = first_ns
         self.last_ns = last_ns
+
+    def _unfinished(self, rec: SpanRec, name: str, phase: Any) -> tuple[str, Any]:
+        """An `after_training` span of a process that crashed or was stopped belongs to the
+        step that was running then: its phase is that (`CRASHED_STEP`, ...), and its root
+        span, named after the phase, is named so too."""
+        key = process_key(rec.resource)
+        label = self.unfinished.get(key)
+        if label is None:
+            return name, phase
+        if not rec.parent_span_id:
+            number = rec.attr(ATTR_STEP)
+            if isinstance(number, int):
+                self.unfinished_steps[key] = number
+            return label, label
+        return name, label
 
     def merge(self, other: _FilePass) -> None:
         """Fold in the pass over the files after this one's (see the class docstring)."""
@@ -656,6 +731,8 @@ class _FilePass:
         self.first_ns = _least(self.first_ns, other.first_ns)
         self.last_ns = _most(self.last_ns, other.last_ns)
         self.hists.extend(other.hists)
+        self.unfinished_steps.update(other.unfinished_steps)
+        self.resources |= other.resources
 
     def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
         counters: dict[str, float] = {}
@@ -681,7 +758,15 @@ class _FilePass:
             stragglers=self.stragglers.result(),
             throughput=self.work.result(),
             plan=plan,
+            processes=len(self.resources | set(self.ranks)),
+            unfinished_steps=self.unfinished_steps,
         )
+        for hist in self.hists:  # keyed as the spans are (`_unfinished`)
+            if hist.phase == PHASE_AFTER_TRAINING:
+                label = self.unfinished.get(process_key(hist.resource))
+                if label is not None:
+                    hist.phase = label
+                    hist.timing = label if hist.timing == PHASE_AFTER_TRAINING else hist.timing
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(
             summary, self.hists, timing_key, lambda name, stats: TimingAgg(name, stats)
@@ -735,7 +820,8 @@ def summarize(
     the files in that many worker processes (`parallel_summary`; the same result).
     """
     plan = ReadPlan.for_files(files.jsonl, read_budget)
-    return read_files(files.jsonl, plan, warn, jobs, (window, exact_cap, steps)).result(files, plan)
+    args = (window, exact_cap, steps, unfinished_processes(files.run_info))
+    return read_files(files.jsonl, plan, warn, jobs, args).result(files, plan)
 
 
 def read_files(
@@ -743,7 +829,7 @@ def read_files(
     plan: ReadPlan,
     warn: Warn,
     jobs: int,
-    args: tuple[int, int, tuple[int | None, int | None] | None],
+    args: tuple[int, int, tuple[int | None, int | None] | None, dict[ProcessKey, str]],
 ) -> _FilePass:
     """One pass per file (in `jobs` worker processes when > 1), merged in file order."""
     make = functools.partial(_FilePass, *args)
