@@ -32,6 +32,7 @@ from otelprof._schema import (
     DDP_COLLECTIVE,
     DDP_SPAN,
     STEP_SPAN,
+    TORCH_STEP_RANGE,
     is_torch_step_range,
 )
 from otelprof.analysis.reader import Resource, SpanRec
@@ -208,15 +209,19 @@ def _parts(group: _StepGroup) -> list[_Child]:
     """The step's direct parts, a range that wraps the step (torch's `ProfilerStep#N`, or
     one with children open past the step's end) opened up into its children, as the
     report's breakdown does (summary._StepResolver)."""
+    direct = [c for c in group.children if c[1] == group.step_id]
+    end = group.step_end
+    if not any(c[4] > end or c[2].startswith(TORCH_STEP_RANGE) for c in direct):
+        return direct  # nothing wraps the step: the common case, one pass
     by_parent: dict[str, list[_Child]] = {}
     for child in group.children:
         by_parent.setdefault(child[1], []).append(child)
     parts = []
-    todo = list(by_parent.get(group.step_id, ()))
+    todo = list(direct)
     while todo:
         child = todo.pop(0)
         inside = by_parent.get(child[0])
-        if is_torch_step_range(child[2]) or (inside and child[4] > group.step_end):
+        if is_torch_step_range(child[2]) or (inside and child[4] > end):
             todo.extend(inside or ())
         else:
             parts.append(child)

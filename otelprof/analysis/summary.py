@@ -23,6 +23,7 @@ from otelprof._schema import (
     PHASE_AFTER_TRAINING,
     PHASE_TRAIN,
     STEP_SPAN,
+    TORCH_STEP_RANGE,
     is_torch_step_range,
 )
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
@@ -350,16 +351,9 @@ def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
     return out
 
 
-@dataclass(slots=True)
-class _Waiting:
-    """A span whose place waits on its parent's: with its own children, which wait on it."""
-
-    span_id: str
-    key: str  # its timing key
-    name: str  # its name as exported
-    dur_s: float
-    end_ns: int
-    children: list[_Waiting]
+_Waiting = tuple[str, str, str, float, int, "list[_Waiting] | None"]
+"""A span whose place waits on its parent's: (timing key, name as exported, span id,
+duration s, end ns, its own waiting children or None). A tuple: one is made per span."""
 
 
 class _StepResolver:
@@ -404,64 +398,72 @@ class _StepResolver:
         agg.add_in(parent, dur_s)
 
     def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
-        children = self.pending.pop(rec.span_id, None) or []
+        children = self.pending.pop(rec.span_id, None)
         if is_step:
             self._remember(self.steps, rec.span_id, rec.end_ns, self.window)
-            for child in children:
+            for child in children or ():
                 self._in_step(child, rec.end_ns)
             return
         key = rec.name if name is None else name
         self._remember(self.others, rec.span_id, key, self.window)
-        item = _Waiting(rec.span_id, key, rec.name, dur_s, rec.end_ns, children)
         parent = rec.parent_span_id
         if not parent:
             self.timings[key].root_count += 1
             self.timings[key].add_in(PARENT_ROOT, dur_s)
-            self._nest_children(item)
         elif parent in self.steps:
+            item = (key, rec.name, rec.span_id, dur_s, rec.end_ns, children)
             self._in_step(item, self.steps[parent])
+            return
         elif parent in self.others:
             above = self.others[parent]
             if above is None:  # its parent wraps a step: it is a part of that step
                 self._direct(key, dur_s)
             else:
                 self._nested(key, above, dur_s)
-            self._nest_children(item)
         else:
-            self.pending.setdefault(parent, []).append(item)
+            waiting = self.pending.setdefault(parent, [])
+            waiting.append((key, rec.name, rec.span_id, dur_s, rec.end_ns, children))
             if len(self.pending) > self.window:
                 _, lost = self.pending.popitem(last=False)
                 self._lost(lost)
+            return
+        if children:
+            self._nest(key, children)
 
     def _in_step(self, item: _Waiting, step_end_ns: int) -> None:
         """A direct child of a step (ending at `step_end_ns`): a part of it, or its wrapper."""
-        if is_torch_step_range(item.name) or (item.children and item.end_ns > step_end_ns):
-            agg = self.timings[item.key]
+        key, name, span_id, dur_s, end_ns, children = item
+        if (children and end_ns > step_end_ns) or (
+            name.startswith(TORCH_STEP_RANGE) and is_torch_step_range(name)
+        ):
+            agg = self.timings[key]
             agg.wrapper_count += 1
-            agg.add_in(PARENT_WRAPS, item.dur_s)
-            if item.span_id in self.others:
-                self.others[item.span_id] = None
-            for child in item.children:
+            agg.add_in(PARENT_WRAPS, dur_s)
+            if span_id in self.others:
+                self.others[span_id] = None
+            for child in children or ():
                 self._in_step(child, step_end_ns)
             return
-        self._direct(item.key, item.dur_s)
-        self._nest_children(item)
+        self._direct(key, dur_s)
+        if children:
+            self._nest(key, children)
 
-    def _nest_children(self, item: _Waiting) -> None:
-        """Each waiting descendant of `item` as nested in its parent."""
-        stack = [item]
-        while stack:
-            above = stack.pop()
-            for child in above.children:
-                self._nested(child.key, above.key, child.dur_s)
-                stack.append(child)
-            above.children = []
+    def _nest(self, parent_key: str, children: list[_Waiting]) -> None:
+        """Waiting children, and theirs, as nested in their parents."""
+        todo = [(parent_key, children)]
+        while todo:
+            above, waiting = todo.pop()
+            for key, _name, _span_id, dur_s, _end_ns, theirs in waiting:
+                self._nested(key, above, dur_s)
+                if theirs:
+                    todo.append((key, theirs))
 
     def _lost(self, items: list[_Waiting]) -> None:
-        for item in items:
-            self.timings[item.key].unresolved_count += 1
+        for key, _name, _span_id, _dur_s, _end_ns, children in items:
+            self.timings[key].unresolved_count += 1
             self.unresolved += 1
-            self._nest_children(item)
+            if children:
+                self._nest(key, children)
 
     def finish(self) -> None:
         for items in self.pending.values():
