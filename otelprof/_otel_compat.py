@@ -10,6 +10,7 @@ says so) instead of failing. Public APIs are used everywhere else (`Exemplar` fr
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -74,3 +75,15 @@ def otlp_log_destination(exporter: Any) -> str | None:
     `_endpoint`: host:port, the scheme stripped; checked: 1.45.1); None when unknown."""
     destination = getattr(exporter, "_endpoint", None)
     return destination if isinstance(destination, str) and destination else None
+
+
+def stop_reader_thread(reader: Any) -> bool:
+    """End a PeriodicExportingMetricReader's collection thread without a last collection or
+    export: set the event its loop waits on (`_shutdown_event`, SDK 1.45). Used in a forked
+    child, where the SDK's own at-fork hook has just restarted that thread. False where the
+    reader has no such event (another reader kind, or an SDK without it)."""
+    event = getattr(reader, "_shutdown_event", None)
+    if not isinstance(event, threading.Event):
+        return False
+    event.set()
+    return True

@@ -271,6 +271,7 @@ class _Session:
             ("timing histograms", self._final_aggregates if self.timings else None),
             ("traces", self.tracer_provider.shutdown),
             ("system metrics final sample", self.system.final_sample if self.system else None),
+            ("throughput totals", self._throughput.finish if self._throughput else None),
             ("metrics", self.meter_provider.shutdown),
             ("system metrics", self.system.close if self.system else None),
             ("exporter resources", self.pipelines.close),

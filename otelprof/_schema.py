@@ -52,6 +52,16 @@ DDP_COLLECTIVE = "ddp_allreduce"
 """`otelprof.collective` of DDP's gradient all-reduce (a `torch.distributed` call's is its name,
 on span `dist.<name>`)."""
 COLLECTIVE_SPAN_PREFIX = "dist."
+TORCH_STEP_RANGE = "ProfilerStep"
+"""The range `torch.profiler.profile` opens from one of its `step()` calls to the next
+(`ProfilerStep#N`; torch's `PROFILER_STEP_NAME`): a marker around a step, never a part of one."""
+
+
+def is_torch_step_range(name: str) -> bool:
+    """`ProfilerStep`, as exported (the number folded to an attribute) or as torch names it."""
+    return name == TORCH_STEP_RANGE or name.startswith(TORCH_STEP_RANGE + "#")
+
+
 # Determined's PyTorchTrial timing names
 DATALOADER_NEXT = "dataloader_next"
 TO_DEVICE = "to_device"

@@ -222,6 +222,15 @@ class ThroughputTracker:
     def close(self) -> None:
         self._remove()
 
+    def finish(self) -> None:
+        """At the run's end, before the last collection: a run that never called `step()`
+        is one step (the engine's `step_number` is still 0), so the work declared in it
+        counts in the totals; after a last `step()`, what is pending is no step's."""
+        if self.engine.step_number == 0:
+            samples, tokens, _flops = self.pending
+            self.pending = [0.0, 0.0, 0.0]
+            self.totals = [self.totals[0] + samples, self.totals[1] + tokens]
+
     def resolve_peak(self) -> float | None:
         """The peak FLOP/s, resolved again after `set_peak_flops`/`set_precision` (a
         missing peak is logged once per resolution)."""

@@ -27,6 +27,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import set_span_in_context
 
@@ -62,6 +63,9 @@ class RunSpec:
     first_rank: int = 0  # global rank of this directory's first process (multi-node runs)
     world_size: int | None = None  # defaults to `ranks`
     extra_resource: dict[str, Any] = field(default_factory=dict)
+    shared_trace_ids: bool = False  # step N of every rank in one trace, as otelprof writes it
+    slow_steps: dict[int, float] = field(default_factory=dict)  # step -> untimed s more, all ranks
+    extra_roots: tuple[tuple[str, int], ...] = ()  # (phase, after step): a 20 ms phase span
 
 
 def _ns(seconds: float) -> int:
@@ -81,9 +85,19 @@ def _resource(spec: RunSpec, rank: int) -> Resource:
     return Resource.create(attrs)
 
 
+class _StepTraceIds(RandomIdGenerator):
+    """Random ids, but the trace id of a root span set beforehand (`next_trace`)."""
+
+    next_trace: int | None = None
+
+    def generate_trace_id(self) -> int:
+        return self.next_trace if self.next_trace is not None else super().generate_trace_id()
+
+
 def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> list[tuple]:
     """Write one rank's spans; return the step windows (start, end, dl_share) for metrics."""
-    provider = TracerProvider(resource=_resource(spec, rank))
+    ids = _StepTraceIds()
+    provider = TracerProvider(resource=_resource(spec, rank), id_generator=ids)
     # a queue that holds every span: the default (2,048) drops spans when the export thread
     # falls behind on a loaded machine ("Queue full, dropping Span"), and a rank's file then
     # lacks steps the others have; batches of 256 keep every file's lines the same run to run
@@ -113,6 +127,7 @@ def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> li
     for i in range(spec.steps):
         epoch = i // steps_per_epoch
         attrs = {"otelprof.step": i, "otelprof.epoch": epoch}
+        ids.next_trace = (1 << 100) + i if spec.shared_trace_ids else None
         step = tracer.start_span("step", start_time=t, attributes=attrs)
         start = t
         t = child("dataloader_next", step, t, d(spec.dataloader_s + spec.slow_dataloader_s), attrs)
@@ -131,10 +146,16 @@ def _write_spans(spec: RunSpec, rank: int, path: Path, rng: random.Random) -> li
         t = child("step_lr_schedulers", step, t, d(spec.lr_s), attrs)
         if spec.reduce_every and (i + 1) % spec.reduce_every == 0:
             t = child("reduce_metrics", step, t, d(spec.reduce_s), attrs)
-        t += d(spec.untimed_s)
+        t += d(spec.untimed_s) + _ns(spec.slow_steps.get(i, 0.0))
         step.end(end_time=t)
         windows.append((start, t, (dl_end - start) / max(1, t - start)))
+        for phase, after in spec.extra_roots:
+            if after == i:
+                root = tracer.start_span(phase, start_time=t, attributes={"otelprof.phase": phase})
+                t += _ns(0.02)
+                root.end(end_time=t)
         if spec.validation and (i + 1) % steps_per_epoch == 0:
+            ids.next_trace = (1 << 101) + epoch if spec.shared_trace_ids else None
             val = tracer.start_span(
                 "validation", start_time=t, attributes={"otelprof.epoch": epoch}
             )

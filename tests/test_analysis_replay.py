@@ -250,3 +250,39 @@ def test_remote_write_keeps_every_sample_of_a_shifted_run_and_refuses_an_old_one
             time.sleep(3)  # the collector's batch + remote-write round trip
             assert prom.query('count_over_time(system_cpu_utilization_ratio{job="old"}[3h])') == []
             assert "out of bounds" in collector.log_text()
+
+
+def test_the_report_and_replay_count_a_runs_metric_points_alike(
+    tmp_path: Path, sink: OtlpSink, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Gauges, counters and the timing histograms: every data point the run exported (its
+    own count), as the test's own reading of the files counts them; the closing record is
+    the run's end, no telemetry."""
+    import json
+
+    import otelprof
+
+    with otelprof.instrument(output_dir=tmp_path, run_id="run", interval=0.2) as prof:
+        for _ in range(20):
+            with otelprof.train_batch():
+                time.sleep(0.01)
+            prof.step()
+    run = tmp_path / "run"
+    in_files = 0
+    kinds = set()
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        for rm in json.loads(line)["resourceMetrics"]:
+            for sm in rm["scopeMetrics"]:
+                for metric in sm["metrics"]:
+                    if metric["name"] == "otelprof.run.end":
+                        continue
+                    for kind in ("gauge", "sum", "histogram"):
+                        if kind in metric:
+                            kinds.add(kind)
+                            in_files += len(metric[kind]["dataPoints"])
+    assert kinds == {"gauge", "sum", "histogram"}
+    sent = replay(open_run([run]), ReplayOptions(endpoint=sink.endpoint), _quiet())
+    assert cli_main(["report", "--json", str(run)]) == 0
+    reported = json.loads(capsys.readouterr().out)["run"]["metric_points"]
+    exported = json.loads((run / "run.json").read_text())["stats"]["files.metric_points_exported"]
+    assert reported == sent.points == in_files == exported

@@ -36,6 +36,41 @@ def test_an_sdk_without_the_drop_hook_is_reported_not_fatal() -> None:
     assert not _otel_compat.count_span_queue_drops(object(), lambda *_: None)
 
 
+def test_a_periodic_readers_thread_ends_on_the_event_otelprof_sets_in_forked_children() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        InMemoryMetricReader,
+        MetricExporter,
+        MetricExportResult,
+        PeriodicExportingMetricReader,
+    )
+
+    exports = []
+
+    class Recording(MetricExporter):
+        def export(self, metrics_data: Any, timeout_millis: float = 0, **_: Any) -> Any:
+            exports.append(metrics_data)
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 0) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 0, **_: Any) -> None:
+            pass
+
+    reader = PeriodicExportingMetricReader(Recording(), export_interval_millis=60_000)
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        assert reader._daemon_thread.is_alive()
+        assert _otel_compat.stop_reader_thread(reader)
+        reader._daemon_thread.join(timeout=5)
+        assert not reader._daemon_thread.is_alive()
+        assert not exports  # stopped without a last collection or export
+    finally:
+        provider.shutdown()
+    assert not _otel_compat.stop_reader_thread(InMemoryMetricReader())
+
+
 def test_the_gauge_encoders_otelprof_wraps_exist() -> None:
     import importlib
 

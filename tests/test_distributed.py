@@ -141,6 +141,35 @@ def test_spawn_job_takes_ranks_from_the_process_group_and_names_the_slow_rank(
     assert waits[0] > waits[1] + 0.2, waits  # 30 steps x ~20 ms of waiting on rank 0
 
 
+def test_the_trace_of_a_ddp_job_shows_every_ranks_steps_on_tracks_that_nest(
+    tmp_path: Path,
+) -> None:
+    from otelprof.analysis.chrome_trace import ALL_RANKS, write_trace
+    from otelprof.analysis.reader import WarningLog, open_run
+    from tests.test_analysis_trace import load_chrome_trace, partial_overlaps
+
+    # rank 1 late every step, a validation phase of three batches every 10 steps
+    result = _spawn(tmp_path, "--slow-rank", "1", "--slow-ms", "5", "--validate-every", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "trace.json"
+    write_trace(open_run([_only_run_dir(tmp_path)]), out, WarningLog(sink=lambda _m: None))
+    events = load_chrome_trace(out)
+    (view,) = [e["pid"] for e in events if e.get("args", {}).get("name") == ALL_RANKS]
+    tracks = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == view
+    }
+    assert sorted(tracks.values()) == ["rank 0", "rank 1"]
+    for tid in tracks:
+        names = [
+            e["name"] for e in events if e["ph"] == "X" and (e["pid"], e["tid"]) == (view, tid)
+        ]
+        assert names.count("step 29") == 1 and sum(n.startswith("step ") for n in names) == 30
+        assert sum(n.startswith("validation") for n in names) == 9  # 3 phases x 3 batches
+    assert not partial_overlaps(events)
+
+
 def test_instrument_before_init_process_group_restarts_under_the_groups_ranks(
     tmp_path: Path,
 ) -> None:

@@ -41,3 +41,36 @@ def test_readme_example_runs_and_writes_a_run(marker: str, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-3000:]
     runs = list((tmp_path / "otelprof-runs").glob("*/traces.jsonl"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_the_lightning_module_ranges_the_readme_names_are_what_lightning_records(
+    tmp_path: Path,
+) -> None:
+    """The README's Lightning example under `profiler="pytorch"`: the module range it names
+    is a span Lightning records, nested in `forward` as it says."""
+    import json
+
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(\[pl\]\[module\][^`]+)`", readme))
+    assert named, "the README names a module range"
+    script = tmp_path / "example.py"
+    block = _block("OtelprofCallback(peak_flops=1e12)")
+    script.write_text(block.replace("callbacks=[", 'profiler="pytorch", callbacks=['))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (traces,) = (tmp_path / "otelprof-runs").glob("*/traces.jsonl")
+    spans = [
+        span
+        for line in traces.read_text().splitlines()
+        for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"]
+        for span in ss["spans"]
+    ]
+    names = {s["spanId"]: s["name"] for s in spans}
+    recorded = {s["name"]: names.get(s.get("parentSpanId", "")) for s in spans}
+    for name in named:
+        assert recorded.get(name) == "forward", (name, sorted(n for n in recorded if "[pl]" in n))

@@ -297,3 +297,19 @@ def test_a_timing_under_two_parents_gets_one_row_per_parent(
         assert matmul[f"in {parent}"]["total_s"] <= totals[parent]
     text = report(capsys, str(prof.run_dir))
     assert "in forward" in text and "in backward" in text
+
+
+def test_a_drop_message_names_every_kind_of_loss_it_sums(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = record_run(tmp_path, steps=3)
+    (info_path,) = run.glob("run*.json")
+    info = json.loads(info_path.read_text())
+    # losses a collector outage counts: failed exports of spans, dropped metric points
+    info["stats"].update({"otlp.spans_failed": 7, "otlp.points_dropped": 2, "dropped_total": 9})
+    info_path.write_text(json.dumps(info))
+    doc = report_json(capsys, str(run))
+    (message,) = [p["message"] for p in doc["problems"] if p["kind"] == "dropped"]
+    assert message.endswith(
+        "9 telemetry item(s) dropped (otlp.points_dropped 2, otlp.spans_failed 7)"
+    )

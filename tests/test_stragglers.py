@@ -111,3 +111,43 @@ def test_a_small_wait_gap_is_not_a_straggler() -> None:
     # 2 ms less waiting on a 100 ms step: under 5 % of the step, noise rather than a straggler
     report = _judge([_rank(0, 4.0, work), _rank(1, 2.0, work)])
     assert report.straggler is None
+
+
+def _evidence_parts(line: str) -> dict[str, float]:
+    """'... by 291.4 ms per step (untimed +322.4, train_batch -31.0 ms)' -> the parts."""
+    inside = line.rsplit("(", 1)[1].removesuffix(" ms)")
+    return {n: float(v) for n, v in (p.rsplit(" ", 1) for p in inside.split(", "))}
+
+
+def test_the_evidence_adds_up_to_the_tables_own_work_with_the_parts_that_are_lower() -> None:
+    from otelprof.analysis.stragglers import split_rows
+
+    fast = {"train_batch": 100.0, "dataloader_next": 20.0, UNTIMED: 5.0}
+    # slower outside any timing, but faster in train_batch (a smaller last batch, say)
+    slow = {"train_batch": 69.0, "dataloader_next": 20.0, UNTIMED: 327.4}
+    ranks = [_rank(0, 330.0, fast), _rank(1, 8.0, slow)]
+    report = _judge(ranks)
+    assert report.straggler is ranks[1]
+    rows = {row["process"]: row for row in split_rows(report)}
+    table = rows[ranks[1].label]["own work ms"] - rows[ranks[0].label]["own work ms"]
+    assert round(table, 1) == 291.4
+    first = report.evidence()[0]
+    assert "median by 291.4 ms per step (untimed +322.4, train_batch -31.0 ms)" in first, first
+    assert round(sum(_evidence_parts(first).values()), 1) == 291.4
+
+
+def test_with_more_ranks_the_parts_still_add_up_to_the_figure_they_explain() -> None:
+    ranks = [
+        _rank(0, 60.0, {"train_batch": 100.0, "dataloader_next": 10.0, UNTIMED: 1.0}),
+        _rank(1, 55.0, {"train_batch": 90.0, "dataloader_next": 30.0, UNTIMED: 2.0}),
+        _rank(2, 58.0, {"train_batch": 110.0, "dataloader_next": 20.0, UNTIMED: 3.0}),
+        _rank(3, 2.0, {"train_batch": 95.0, "dataloader_next": 70.0, UNTIMED: 1.0}),
+    ]
+    report = _judge(ranks)
+    assert report.straggler is ranks[3]
+    own = sorted(r.per_step(r.step_s - r.wait_s) for r in ranks[:3])[1]  # the others' median
+    assert round(1e3 * report.extra_s, 1) == round(
+        1e3 * (ranks[3].per_step(ranks[3].step_s - ranks[3].wait_s) - own), 1
+    )
+    parts = _evidence_parts(report.evidence()[0])
+    assert abs(sum(parts.values()) - 1e3 * report.extra_s) < 0.15, parts

@@ -8,10 +8,13 @@ grow with the run's spans; viewers sort events themselves.
 
 A step of every rank is one trace (its trace id is derived from the run, attempt, phase and
 step on every rank), so with several ranks a process "all ranks" on top shows each step
-(and phase batch) once: a slice from the first rank's start to the last rank's end, named
-after the step, with each rank's duration and the rank that ended last in its args. The
-ranks' own step slices below it carry the same trace id. It holds one small entry per kept
-step (at most `MAX_STEP_GROUPS`; past that, steps are left out and counted in a warning).
+(and phase batch) of every rank side by side: a track per rank, one slice per step, named
+after the step, with the rank that ended last, the spread of the ends and how long after
+the first end this rank ended in its args (one slice of all ranks, first start to last end,
+would overlap the next step on its track, and a viewer nests slices of a track). The
+ranks' own step slices below carry the same trace id. It holds one small entry per kept
+step and rank (at most `MAX_STEP_GROUPS` steps; past that, steps are left out and counted
+in a warning).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class TraceResult:
     slices: int
     counters: int
     origin_ns: int
-    steps: int = 0  # slices of the "all ranks" process
+    steps: int = 0  # steps (and phase batches) in the "all ranks" process
     spans_read: int = 0
     bytes_read: int = 0
     total_bytes: int = 0
@@ -225,46 +228,74 @@ class _StepGroups:
     """Root spans (steps, phase batches) by trace id: every rank's part of one step."""
 
     def __init__(self) -> None:
-        # trace id -> [name, step, first start, last end, {rank label: (start, end)}]
+        # trace id -> [name, step, {(rank order, rank label): (start, end)}]
         self.groups: dict[str, list[Any]] = {}
         self.left_out = 0
 
-    def add(self, rec: SpanRec, who: str) -> None:
+    def add(self, rec: SpanRec, who: tuple[int, str]) -> None:
         group = self.groups.get(rec.trace_id)
         if group is None:
             if len(self.groups) >= MAX_STEP_GROUPS:
                 self.left_out += 1
                 return
             step = rec.attr("otelprof.step")
-            group = self.groups[rec.trace_id] = [rec.name, step, rec.start_ns, rec.end_ns, {}]
-        group[2] = min(group[2], rec.start_ns)
-        group[3] = max(group[3], rec.end_ns)
-        group[4][who] = (rec.start_ns, rec.end_ns)
+            group = self.groups[rec.trace_id] = [rec.name, step, {}]
+        group[2][who] = (rec.start_ns, rec.end_ns)
 
-    def emit(self, out: _EventWriter, pid: int, origin: int) -> int:
-        """One slice per step of all ranks; returns how many."""
-        for trace_id, (name, step, start, end, ranks) in self.groups.items():
-            if step is None:
-                title = name
-            elif name == "step":
-                title = f"step {step}"
-            else:  # a phase batch (or the time after the last step)
-                title = f"{name} (at step {step})"
-            last = max(ranks, key=lambda who: ranks[who][1])
-            args: dict[str, Any] = {
-                "trace_id": trace_id,
-                "ranks": len(ranks),
-                "last_to_end": last,
-                "end_spread_ms": round((end - min(e for _, e in ranks.values())) / 1e6, 3),
-            }
-            for who, (s, e) in sorted(ranks.items()):
-                args[f"{who} ms"] = round((e - s) / 1e6, 3)
-            out.raw(
-                f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
-                f'"tid":{SPAN_TID},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
-                f'"args":{_compact(args)}}}'
-            )
+    def emit(self, out: _EventWriter, procs: _Processes, pid: int, origin: int) -> int:
+        """One slice per rank per step, each rank on a track of its own (slices on a track
+        must nest, and a step of all ranks, from the first start to the last end, overlaps
+        the next step); returns how many steps."""
+        by_rank: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
+        for trace_id, (_name, _step, ranks) in self.groups.items():
+            for who, (start, end) in ranks.items():
+                by_rank.setdefault(who, []).append((start, end, trace_id))
+        tid = SPAN_TID
+        for who in sorted(by_rank):
+            lanes: list[tuple[int, int]] = []  # (tid, end of its last slice)
+            for start, end, trace_id in sorted(by_rank[who]):
+                lane = next((i for i, (_t, last) in enumerate(lanes) if last <= start), None)
+                if lane is None:  # overlaps this rank's previous root span: a track more
+                    lane = len(lanes)
+                    lanes.append((tid, end))
+                    procs.thread(pid, tid, who[1] if lane == 0 else f"{who[1]} ({lane + 1})")
+                    tid += 1
+                lanes[lane] = (lanes[lane][0], end)
+                self._slice(out, pid, lanes[lane][0], origin, trace_id, who, start, end)
         return len(self.groups)
+
+    def _slice(
+        self,
+        out: _EventWriter,
+        pid: int,
+        tid: int,
+        origin: int,
+        trace_id: str,
+        who: tuple[int, str],
+        start: int,
+        end: int,
+    ) -> None:
+        name, step, ranks = self.groups[trace_id]
+        if step is None:
+            title = name
+        elif name == "step":
+            title = f"step {step}"
+        else:  # a phase batch (or the time after the last step)
+            title = f"{name} (at step {step})"
+        ends = [e for _s, e in ranks.values()]
+        last = max(ranks, key=lambda w: ranks[w][1])
+        args: dict[str, Any] = {
+            "trace_id": trace_id,
+            "ranks": len(ranks),
+            "last_to_end": last[1],
+            "end_spread_ms": round((max(ends) - min(ends)) / 1e6, 3),
+            "ends_after_first_ms": round((end - min(ends)) / 1e6, 3),
+        }
+        out.raw(
+            f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
+            f'"tid":{tid},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
+            f'"args":{_compact(args)}}}'
+        )
 
 
 def _counter_name(point: PointRec) -> str:
@@ -354,7 +385,8 @@ def write_trace(
                     args["parent_span_id"] = rec.parent_span_id
                 else:  # a step's (or phase batch's) root: this rank's part of the step
                     rank = rec.resource.rank
-                    steps.add(rec, f"rank {rank}" if rank is not None else f"pid {pid}")
+                    who = (rank, f"rank {rank}") if rank is not None else (pid, f"pid {pid}")
+                    steps.add(rec, who)
                 if rec.status_code == 2:
                     args["status"] = "ERROR"
                 start = _us(rec.start_ns - origin)
@@ -377,7 +409,7 @@ def write_trace(
                 counters += 1
         step_slices = 0
         if len(procs.pids) > 1 and steps.groups:
-            step_slices = steps.emit(events, procs.extra(ALL_RANKS, -1), origin)
+            step_slices = steps.emit(events, procs, procs.extra(ALL_RANKS, -1), origin)
         if steps.left_out:
             warn(
                 f"{steps.left_out} steps past the first {MAX_STEP_GROUPS:,} are not in the "

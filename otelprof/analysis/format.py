@@ -10,8 +10,9 @@ def value(v: float, unit: str) -> str:
     """'23.0%' for unit 1, '1.50 GiB' for By, '12.0 MiB/s' for By/s, else 3 significant digits."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    if unit == "1":
-        return f"{100 * v:.1f}%"
+    if unit == "1":  # 23.0%, and a small share with its digits: 0.026%, not 0.0%
+        pct = 100 * v
+        return f"{pct:.2g}%" if 0 < abs(pct) < 0.95 else f"{pct:.1f}%"
     if unit in ("By", "By/s"):
         suffix = "/s" if unit == "By/s" else ""
         size = abs(v)
@@ -31,6 +32,13 @@ def ms(seconds: float) -> str:
     if seconds is None or math.isnan(seconds):
         return "-"
     return f"{seconds * 1e3:.2f}"
+
+
+def ms_text(seconds: float) -> str:
+    """A duration in milliseconds with its significant digits: '1,234.5 ms', '12.3 ms',
+    '0.0412 ms' (not '0.0 ms')."""
+    ms = seconds * 1e3
+    return f"{ms:,.1f} ms" if abs(ms) >= 10 else f"{ms:.3g} ms"
 
 
 def size(nbytes: int) -> str:

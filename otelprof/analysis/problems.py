@@ -10,11 +10,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from otelprof._schema import is_loss
 from otelprof.analysis import format as fmt
-from otelprof.analysis.summary import RunSummary
+from otelprof.analysis.summary import RunSummary, unfinished_label
 
 STEP0_OUTLIER_FACTOR = 3.0
-"""Step 0 is called an outlier when it takes this many times the median of later steps."""
+"""Step 0 is called an outlier when it takes this many times the median of later steps..."""
+STEP0_MIN_EXTRA_S = 1e-3
+"""... and at least this much longer (a few µs more on µs steps moves no figure)."""
+STEP0_MIN_LATER = 2
+"""Later steps the median needs (a 3-step run has them: torch.compile's README example)."""
 
 
 @dataclass
@@ -38,7 +43,20 @@ def _process_label(info: dict[str, Any]) -> str:
     return f"{label} (attempt {attempt})" if attempt is not None else label
 
 
-def _end_finding(info: dict[str, Any]) -> Finding | None:
+def _in_step(info: dict[str, Any], summary: RunSummary) -> str:
+    """' in step 4 (its ranges: the "crashed step" rows)' for a process that ended in a step."""
+    resource = info.get("resource") if isinstance(info.get("resource"), dict) else None
+    if resource is None:
+        return ""
+    key = (str(resource.get("host.name", "unknown-host")), resource.get("process.pid"))
+    number = summary.unfinished_steps.get(key)
+    label = unfinished_label(info.get("end"))
+    if number is None or label is None:
+        return ""
+    return f' in step {number} (its ranges: the "{label}" rows)'
+
+
+def _end_finding(info: dict[str, Any], summary: RunSummary) -> Finding | None:
     who = _process_label(info)
     end = info.get("end") if isinstance(info.get("end"), dict) else None
     if "finished_unix_nano" not in info:
@@ -71,19 +89,20 @@ def _end_finding(info: dict[str, Any]) -> Finding | None:
         )
     status = end.get("status")
     exception = end.get("exception") if isinstance(end.get("exception"), dict) else None
+    where = _in_step(info, summary)
     if status == "exception" and exception and exception.get("type") == "KeyboardInterrupt":
-        return Finding("interrupted", f"{who}: interrupted (KeyboardInterrupt, e.g. Ctrl-C)")
+        return Finding("interrupted", f"{who}: interrupted (KeyboardInterrupt, e.g. Ctrl-C){where}")
     if status == "exception" and exception:
         return Finding(
             "crashed",
-            f"{who}: training died of {exception.get('type')}: {exception.get('message')}",
+            f"{who}: training died of {exception.get('type')}: {exception.get('message')}{where}",
         )
     if status == "signal":
         code = end.get("exit_code")
         tail = f" (exit code {code})" if code is not None else ""
-        return Finding("signal", f"{who}: stopped by {end.get('signal')}{tail}")
+        return Finding("signal", f"{who}: stopped by {end.get('signal')}{tail}{where}")
     if status == "exit":
-        return Finding("exit", f"{who}: exited with code {end.get('exit_code')}")
+        return Finding("exit", f"{who}: exited with code {end.get('exit_code')}{where}")
     return None
 
 
@@ -98,7 +117,9 @@ def problems(summary: RunSummary) -> list[Finding]:
             summary.files.run_info, [dict(resource.attrs) for resource in summary.ranks]
         )
     )
-    found.extend(f for info in summary.files.run_info if (f := _end_finding(info)) is not None)
+    found.extend(
+        f for info in summary.files.run_info if (f := _end_finding(info, summary)) is not None
+    )
 
     found.extend(
         Finding("missing rank", message) for message in missing_ranks(summary.files.run_info)
@@ -121,7 +142,7 @@ def problems(summary: RunSummary) -> list[Finding]:
             lost = ", ".join(
                 f"{k} {v:,}"
                 for k, v in sorted(stats.items())
-                if k != "dropped_total" and isinstance(v, int) and v and "dropped" in k
+                if isinstance(v, int) and v and is_loss(k)
             )
             found.append(
                 Finding(
@@ -216,13 +237,17 @@ def notes(summary: RunSummary) -> list[str]:
         )
     step = summary.step
     ranks = [r for r in summary.ranks.values() if r.steps.count]
-    if summary.step0_s and step.count - len(summary.step0_s) >= 3:
-        later = _median_excluding_step0(summary)
+    if summary.step0_s and step.count - len(summary.step0_s) >= STEP0_MIN_LATER:
+        later = step.median_without(summary.step0_s)
         first = max(summary.step0_s)
-        if later and first > STEP0_OUTLIER_FACTOR * later:
+        if (
+            later > 0
+            and first > STEP0_OUTLIER_FACTOR * later
+            and first - later >= STEP0_MIN_EXTRA_S
+        ):
             out.append(
-                f"step 0 took {first * 1e3:,.1f} ms, {first / later:.0f}x the median step "
-                f"({later * 1e3:,.1f} ms): compilation or warm-up; exclude it with "
+                f"step 0 took {fmt.ms_text(first)}, {first / later:.0f}x the median of the "
+                f"later steps ({fmt.ms_text(later)}): compilation or warm-up; exclude it with "
                 "`otelprof report --steps 1:`"
             )
     for info in summary.files.run_info:
@@ -254,10 +279,3 @@ def notes(summary: RunSummary) -> list[str]:
                 "step to get per-step timings"
             )
     return out
-
-
-def _median_excluding_step0(summary: RunSummary) -> float | None:
-    """Median step duration; with at least 3 later steps per step 0, step 0 cannot move it
-    past the later steps' own middle values."""
-    median = summary.step.percentile(50)
-    return median if median > 0 else None

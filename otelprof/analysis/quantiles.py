@@ -9,8 +9,10 @@ within `rel_err` of the true value and memory stays bounded (~7,000 buckets cove
 
 from __future__ import annotations
 
+import bisect
 import math
 from array import array
+from collections.abc import Sequence
 
 
 class DurationStats:
@@ -92,6 +94,22 @@ class DurationStats:
     def _bucket_add(self, value: float) -> None:
         key = -(10**9) if value <= 0 else math.ceil(math.log(value) / self._gamma_log)
         self._buckets[key] = self._buckets.get(key, 0) + 1
+
+    def median_without(self, values: Sequence[float]) -> float:
+        """The median of what was added less one of each of `values` (step 0 of each
+        process, say); beyond the exact cap, the sketch's median, which so few values cannot
+        move past the others' middle. NaN when nothing is left."""
+        if self._values is None:
+            return self.percentile(50)
+        rest = sorted(self._values)
+        for value in values:
+            i = bisect.bisect_left(rest, value)
+            if i < len(rest) and rest[i] == value:
+                del rest[i]
+        if not rest:
+            return math.nan
+        mid = len(rest) // 2
+        return rest[mid] if len(rest) % 2 else (rest[mid - 1] + rest[mid]) / 2
 
     def percentile(self, q: float) -> float:
         """The q-th percentile (0..100)."""

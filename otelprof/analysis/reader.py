@@ -782,7 +782,7 @@ def _points_of(
             name = str(metric["name"])
             unit = str(metric.get("unit", ""))
             if name == CLOSING_METRIC:
-                continue  # the run's end (read with run.json), not a hardware gauge
+                continue  # the run's end (read with run.json), no telemetry (replay skips it)
             if "gauge" in metric:
                 kind, data, mono = "gauge", metric["gauge"], False
             elif "sum" in metric:
@@ -791,8 +791,9 @@ def _points_of(
             elif histograms and name == HIST_METRIC and "histogram" in metric:
                 yield from _histograms_of(metric, resource, where, warn, stats)
                 continue
-            else:
-                continue  # other histograms/summaries: not hardware gauges
+            else:  # other histograms/summaries: not hardware gauges, counted all the same
+                stats.points += _point_count(metric)
+                continue
             dps = _list(data.get("dataPoints"), "dataPoints")
         except MALFORMED as exc:
             stats.skipped_items += 1
@@ -833,10 +834,22 @@ def _histograms_of(
         return
     for dp in points:
         try:
-            yield parse_hist(dp, attributes(dp.get("attributes")), resource)
+            hist = parse_hist(dp, attributes(dp.get("attributes")), resource)
         except MALFORMED as exc:
             stats.skipped_items += 1
             warn(f"{where}: malformed histogram point of {HIST_METRIC} skipped ({exc!r})")
+            continue
+        stats.points += 1
+        yield hist
+
+
+def _point_count(metric: dict[str, Any]) -> int:
+    """Data points of a metric the reader does not summarize (what `replay` sends of it)."""
+    for kind in ("gauge", "sum", "histogram", "exponentialHistogram", "summary"):
+        data = metric.get(kind)
+        if isinstance(data, dict) and isinstance(data.get("dataPoints"), list):
+            return len(data["dataPoints"])
+    return 0
 
 
 def iter_records(

@@ -100,7 +100,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     parts.append(
         f"<p class='meta'>{len(files.jsonl)} files ({escape(fmt.size(summary.read.bytes))}), "
         f"{summary.read.spans:,} spans, {summary.read.points:,} metric points, "
-        f"{len(summary.ranks)} process(es), {escape(fmt.duration(max(t1 - t0, 0)))} covered"
+        f"{summary.processes} process(es), {escape(fmt.duration(max(t1 - t0, 0)))} covered"
         + (
             f"; skipped {summary.read.bad_lines} bad line(s) and "
             f"{summary.read.skipped_items} malformed item(s)"
@@ -126,22 +126,29 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
                 [(n, s, f"{100 * s:.1f}%") for n, s in shares],
             )
         )
-    step_lines = [
-        (r.resource.label.split(" (pid")[0], [(t, v * 1e3) for t, v in r.step_series.points()])
-        for r in summary.ranks.values()
-        if r.steps.count
-    ]
-    if step_lines:
+    stepping = [r for r in summary.ranks.values() if r.steps.count]
+    if stepping:
         parts.append(
             line_chart(
                 "step duration (ms)",
-                step_lines,
+                [
+                    (
+                        r.resource.label.split(" (pid")[0],
+                        [(t, v * 1e3) for t, v in r.step_series.points()],
+                    )
+                    for r in stepping
+                ],
                 (t0, t1),
                 phases,
-                y_format=lambda v: f"{v:.0f} ms",
+                y_format=lambda v: f"{v:,.0f} ms" if v >= 10 else f"{v:.3g} ms",
                 gaps=[
                     (a, b) for label, a, b in phases if not label.startswith(("epoch ", "training"))
                 ],
+                spreads=[
+                    [(t, lo * 1e3, hi * 1e3) for t, lo, hi in r.step_series.extremes()]
+                    for r in stepping
+                ],
+                outliers=True,
             )
         )
     rows = timing_rows(summary)

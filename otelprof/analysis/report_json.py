@@ -49,7 +49,7 @@ def build_json(summary: RunSummary, verdict: Verdict, sections: list[Section]) -
             "bytes": summary.read.bytes,
             "spans": summary.read.spans,
             "metric_points": summary.read.points,
-            "processes": len(summary.ranks),
+            "processes": summary.processes,
             "first_unix_nano": summary.first_ns,
             "last_unix_nano": summary.last_ns,
             "covered_s": covered,

@@ -24,7 +24,7 @@ def _run_header(summary: RunSummary) -> str:
         f"run: {', '.join(ids) or ', '.join(str(d) for d in files.dirs)}",
         f"files: {len(files.jsonl)} ({fmt.size(summary.read.bytes)}), "
         f"{summary.read.spans:,} spans, {summary.read.points:,} metric points, "
-        f"{len(summary.ranks) or '?'} process(es)",
+        f"{summary.processes} process(es)",
     ]
     if summary.first_ns is not None and summary.last_ns is not None:
         lines.append(f"time covered: {fmt.duration((summary.last_ns - summary.first_ns) / 1e9)}")

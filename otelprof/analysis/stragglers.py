@@ -32,6 +32,8 @@ from otelprof._schema import (
     DDP_COLLECTIVE,
     DDP_SPAN,
     STEP_SPAN,
+    TORCH_STEP_RANGE,
+    is_torch_step_range,
 )
 from otelprof.analysis.reader import Resource, SpanRec
 
@@ -42,11 +44,15 @@ _WINDOW_STEPS = 64  # open (rank, step) groups kept per rank
 _COLLECTIVE_PREFIXES = ("dist.", "ddp.")  # otelprof._distributed.collectives span names
 
 
+_Child = tuple[str, str, str, int, int, bool]  # span id, parent id, name, start, end, collective
+
+
 @dataclass
 class _StepGroup:
     step_id: str = ""
     step_s: float = 0.0
-    children: list[tuple[str, str, str, int, int, bool]] = field(default_factory=list)
+    step_end: int = 0
+    children: list[_Child] = field(default_factory=list)
     collectives: list[tuple[str, str, str, int, int]] = field(default_factory=list)
 
 
@@ -97,7 +103,7 @@ class StragglerReport:
 
     ranks: list[RankWork]
     straggler: RankWork | None = None
-    extra_s: float = 0.0  # the straggler's own work beyond the others' median, per step
+    extra_s: float = 0.0  # own work beyond the others' median own work, per step
     extra_in: str = ""  # the direct part that holds most of it
     extra_in_s: float = 0.0
     others_wait_in: str = ""  # where the others wait for it
@@ -142,16 +148,26 @@ class StragglerReport:
         if s is None:
             return []
         name = self.name(s)
-        parts = ", ".join(
-            f"{'untimed' if n == UNTIMED else n} +{1e3 * v:.1f}"
-            for n, v in sorted(self.extras.items(), key=lambda kv: -kv[1])[:3]
-            if v > 0
-        )
         return [
             f"{name} arrives late: its own work (step time outside collectives) exceeds the "
-            f"other ranks' median by {1e3 * self.extra_s:.1f} ms per step ({parts} ms)",
+            f"other ranks' median by {1e3 * self.extra_s:.1f} ms per step ({self.parts_text} ms)",
             self.waiting_sentence,
         ]
+
+    @property
+    def parts_text(self) -> str:
+        """Where `extra_s` goes, part by part (the largest first, lower parts included), the
+        figures adding up to it: "untimed +322.4, train_batch -31.0"; with more than two
+        ranks a median of sums is no sum of medians, and "other parts" holds the rest."""
+        shown = sorted(self.extras.items(), key=lambda kv: -abs(kv[1]))[:3]
+        shown = [(n, v) for n, v in shown if round(1e3 * v, 1)]
+        rest = self.extra_s - sum(v for _, v in shown)
+        if round(1e3 * rest, 1):
+            shown.append(("other parts", rest))
+        return ", ".join(
+            f"{'untimed' if n == UNTIMED else n} {1e3 * v:+.1f}"
+            for n, v in sorted(shown, key=lambda kv: -kv[1])
+        )
 
     def to_dict(self) -> dict[str, Any]:
         s = self.straggler
@@ -189,6 +205,29 @@ def _short(rank: RankWork) -> str:
     return f"{name} (attempt {attempt})" if attempt else name
 
 
+def _parts(group: _StepGroup) -> list[_Child]:
+    """The step's direct parts, a range that wraps the step (torch's `ProfilerStep#N`, or
+    one with children open past the step's end) opened up into its children, as the
+    report's breakdown does (summary._StepResolver)."""
+    direct = [c for c in group.children if c[1] == group.step_id]
+    end = group.step_end
+    if not any(c[4] > end or c[2].startswith(TORCH_STEP_RANGE) for c in direct):
+        return direct  # nothing wraps the step: the common case, one pass
+    by_parent: dict[str, list[_Child]] = {}
+    for child in group.children:
+        by_parent.setdefault(child[1], []).append(child)
+    parts = []
+    todo = list(direct)
+    while todo:
+        child = todo.pop(0)
+        inside = by_parent.get(child[0])
+        if is_torch_step_range(child[2]) or (inside and child[4] > end):
+            todo.extend(inside or ())
+        else:
+            parts.append(child)
+    return parts
+
+
 class StragglerPass:
     """Fed every span of a run (`span()`), then `result()`."""
 
@@ -211,6 +250,7 @@ class StragglerPass:
         if rec.name == STEP_SPAN and not rec.parent_span_id:
             group.step_id = rec.span_id
             group.step_s = (rec.end_ns - rec.start_ns) / 1e9
+            group.step_end = rec.end_ns
             return
         # only otelprof's collective spans carry the attribute, and they have these names:
         # skip the attribute scan for every other span (the report's hot loop)
@@ -226,21 +266,18 @@ class StragglerPass:
         work = self._ranks.get(resource)
         if work is None:
             work = self._ranks[resource] = RankWork(resource)
-        direct = [c for c in group.children if c[1] == group.step_id]
+        direct = _parts(group)
         work.steps += 1
         work.step_s += group.step_s
         timed = 0.0
         inside: dict[str, float] = {}  # direct child span id -> collective time inside it
-        for span_id, parent, op, start, end in group.collectives:
+        for span_id, _parent, op, start, end in group.collectives:
             dur = (end - start) / 1e9
             work.wait_s += dur
             work.wait_op[op] = work.wait_op.get(op, 0.0) + dur
-            if parent == group.step_id:
-                holder: tuple[str, str, str, int, int, bool] | None = next(
-                    c for c in direct if c[0] == span_id
-                )
-            else:
-                holder = next((c for c in direct if c[3] <= start and end <= c[4]), None)
+            holder = next((c for c in direct if c[0] == span_id), None) or next(
+                (c for c in direct if c[3] <= start and end <= c[4]), None
+            )
             where = holder[2] if holder else UNTIMED
             work.wait_in[where] = work.wait_in.get(where, 0.0) + dur
             key = holder[0] if holder is not None else ""  # "": outside every direct part
@@ -291,6 +328,11 @@ class StragglerPass:
         return _judge(ranks)
 
 
+def own_work(rank: RankWork) -> float:
+    """Step time outside collectives, per step (the per-rank table's "own work ms")."""
+    return rank.per_step(rank.step_s - rank.wait_s)
+
+
 def _judge(ranks: list[RankWork]) -> StragglerReport:
     report = StragglerReport(ranks)
     timed = [r for r in ranks if r.wait_s > 0]
@@ -325,7 +367,8 @@ def _judge(ranks: list[RankWork]) -> StragglerReport:
         for n in ops
     }
     report.straggler = straggler
-    report.extra_s = sum(v for v in extra.values() if v > 0)
+    # the table's own figure: step time outside collectives, against the others' median
+    report.extra_s = own_work(straggler) - statistics.median(own_work(r) for r in others)
     report.extra_in = where
     report.extra_in_s = extra[where]
     report.others_wait_in = wait_in
@@ -353,7 +396,7 @@ def split_rows(report: StragglerReport | None) -> list[dict[str, Any]]:
                 "straggler": r is report.straggler,
                 "steps": r.steps,
                 "step ms": round(1e3 * step, 3),
-                "own work ms": round(1e3 * (step - wait), 3),
+                "own work ms": round(1e3 * own_work(r), 3),
                 "waiting ms": round(1e3 * wait, 3),
                 "waits in": ", ".join(
                     f"{n} {1e3 * r.per_step(v):.2f}"

@@ -22,9 +22,12 @@ from otelprof._schema import (
     ATTR_REASON,
     ATTR_SOURCE,
     ATTR_STEP,
+    PHASE_AFTER_TRAINING,
     PHASE_TRAIN,
     STEP_SPAN,
     TELEMETRY_DROPPED,
+    TORCH_STEP_RANGE,
+    is_torch_step_range,
 )
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec, keep_latest
@@ -60,47 +63,69 @@ _MAX_SERIES = 5_000
 
 
 class Downsampler:
-    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows."""
+    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows,
+    each with the least and greatest value it holds (a step chart shows every step's range,
+    outliers included, whatever the run's length)."""
 
     __slots__ = ("_acc", "_buckets", "max_points", "stride")
 
     def __init__(self, max_points: int = 600) -> None:
         self.max_points = max_points
         self.stride = 1
-        self._buckets: list[tuple[float, float]] = []
-        self._acc: list[float] = [0.0, 0.0, 0.0]  # t_sum, v_sum, n
+        self._buckets: list[tuple[float, float, float, float, float]] = []  # t, v, n, lo, hi
+        self._acc: list[float] = [0.0, 0.0, 0.0, math.inf, -math.inf]  # t_sum, v_sum, n, lo, hi
 
-    def add(self, t: float, v: float) -> None:
+    def add(
+        self, t: float, v: float, n: float = 1, lo: float | None = None, hi: float | None = None
+    ) -> None:
+        """One value at `t`, or (`n` > 1) a bucket of `n` values averaging `v` within lo..hi."""
         acc = self._acc
-        acc[0] += t
-        acc[1] += v
-        acc[2] += 1
+        acc[0] += t * n
+        acc[1] += v * n
+        acc[2] += n
+        acc[3] = min(acc[3], v if lo is None else lo)
+        acc[4] = max(acc[4], v if hi is None else hi)
         if acc[2] >= self.stride:
-            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2]))
-            self._acc = [0.0, 0.0, 0.0]
+            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
+            self._acc = [0.0, 0.0, 0.0, math.inf, -math.inf]
             if len(self._buckets) >= self.max_points:
                 b = self._buckets
-                self._buckets = [
-                    ((b[i][0] + b[i + 1][0]) / 2, (b[i][1] + b[i + 1][1]) / 2)
-                    for i in range(0, len(b) - 1, 2)
-                ]
+                self._buckets = [_pair(b[i], b[i + 1]) for i in range(0, len(b) - 1, 2)]
                 self.stride *= 2
 
     def merge(self, other: Downsampler) -> None:
-        """Fold in a later part of the same series (its buckets as points: the shape, not
-        every sample, survives; a series comes from one file in every run otelprof writes)."""
-        for t, v in other.points():
-            self.add(t, v)
+        """Fold in a later part of the same series (its buckets as weighted points: the
+        shape and the extremes, not every sample, survive; a series comes from one file in
+        every run otelprof writes)."""
+        for t, v, n, lo, hi in other._all():
+            self.add(t, v, n, lo, hi)
+
+    def _all(self) -> list[tuple[float, float, float, float, float]]:
+        out = list(self._buckets)
+        acc = self._acc
+        if acc[2]:
+            out.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
+        return sorted(out)
 
     def points(self) -> list[tuple[float, float]]:
-        out = list(self._buckets)
-        if self._acc[2]:
-            out.append((self._acc[0] / self._acc[2], self._acc[1] / self._acc[2]))
-        return sorted(out)
+        return [(t, v) for t, v, _n, _lo, _hi in self._all()]
+
+    def extremes(self) -> list[tuple[float, float, float]]:
+        """(time, least, greatest) of each bucket, in time order."""
+        return [(t, lo, hi) for t, _v, _n, lo, hi in self._all()]
+
+
+def _pair(
+    a: tuple[float, float, float, float, float], b: tuple[float, float, float, float, float]
+) -> tuple[float, float, float, float, float]:
+    n = a[2] + b[2]
+    return ((a[0] * a[2] + b[0] * b[2]) / n, (a[1] * a[2] + b[1] * b[2]) / n, n,
+            min(a[3], b[3]), max(a[4], b[4]))  # fmt: skip
 
 
 PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
 PARENT_ROOT = "\0root"
+PARENT_WRAPS = "\0wraps"  # ... and of spans that wrap their step (see _StepResolver)
 _MAX_PARENTS = 50
 _MAX_NESTED_IN = 50
 
@@ -116,6 +141,7 @@ class TimingAgg:
     nested_count: int = 0
     root_count: int = 0
     unresolved_count: int = 0
+    wrapper_count: int = 0  # spans that wrapped their step: no part of it (_StepResolver)
     nested_in: dict[str, int] = field(default_factory=dict)
     # durations by where the span sat: PARENT_STEP, PARENT_ROOT or the parent's timing key
     by_parent: dict[str, DurationStats] = field(default_factory=dict)
@@ -141,6 +167,7 @@ class TimingAgg:
         self.nested_count += other.nested_count
         self.root_count += other.root_count
         self.unresolved_count += other.unresolved_count
+        self.wrapper_count += other.wrapper_count
         for parent, n in other.nested_in.items():
             self.count_nested(parent, n)
         for parent, stats in other.by_parent.items():
@@ -238,6 +265,9 @@ class RunSummary:
     dropped_counted: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     """(host, pid) -> the drops its last `otelprof.telemetry.dropped` export counted, by
     `source.reason`: what a process whose final counts were never recorded had lost."""
+    processes: int = 0  # processes whose spans or metric points were read
+    # (host, pid) -> the step running when that process crashed or was stopped
+    unfinished_steps: dict[tuple[str, Any], int] = field(default_factory=dict)
 
     @property
     def step_total_s(self) -> float:
@@ -329,15 +359,32 @@ def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
     return out
 
 
+_Waiting = tuple[str, str, str, float, int, "list[_Waiting] | None"]
+"""A span whose place waits on its parent's: (timing key, name as exported, span id,
+duration s, end ns, its own waiting children or None). A tuple: one is made per span."""
+
+
 class _StepResolver:
-    """Decides whether each span is a direct child of a step, within a bounded window."""
+    """Decides where each span sat (directly in a step, nested in another span, at the top
+    level, or around its step), within a bounded window of recently seen span ids.
+
+    A span directly under its step that wraps the step's work is no part of it: torch's
+    `ProfilerStep#N` (a user's `torch.profiler.profile` beside otelprof opens one from each
+    of its `step()` calls to the next), or any range with children still open when its step
+    ended (`with timing("iteration"): ...; prof.step()`). Its children are then the step's
+    parts, and it is counted as wrapping the step (`TimingAgg.wrapper_count`), so neither
+    the breakdown nor the verdict takes it for the step. Children usually come before their
+    parent in a file, so a span whose parent is not seen yet waits, with its own children,
+    until the parent says where they belong.
+    """
 
     def __init__(self, timings: dict[str, TimingAgg], window: int = 50_000) -> None:
         self.window = window
         self.timings = timings
-        self.steps: OrderedDict[str, None] = OrderedDict()
-        self.others: OrderedDict[str, str] = OrderedDict()  # span id -> name (non-step spans)
-        self.pending: OrderedDict[str, list[tuple[str, float]]] = OrderedDict()
+        self.steps: OrderedDict[str, int] = OrderedDict()  # step span id -> its end (ns)
+        # span id -> timing key of the other spans; None: it wraps its step
+        self.others: OrderedDict[str, str | None] = OrderedDict()
+        self.pending: OrderedDict[str, list[_Waiting]] = OrderedDict()
         self.unresolved = 0
 
     @staticmethod
@@ -360,33 +407,71 @@ class _StepResolver:
 
     def span(self, rec: SpanRec, dur_s: float, is_step: bool, name: str | None = None) -> None:
         children = self.pending.pop(rec.span_id, None)
-        key = rec.name if name is None else name
         if is_step:
-            self._remember(self.steps, rec.span_id, None, self.window)
-            for name, d in children or ():
-                self._direct(name, d)
+            self._remember(self.steps, rec.span_id, rec.end_ns, self.window)
+            for child in children or ():
+                self._in_step(child, rec.end_ns)
             return
+        key = rec.name if name is None else name
         self._remember(self.others, rec.span_id, key, self.window)
-        for child, d in children or ():
-            self._nested(child, key, d)
         parent = rec.parent_span_id
         if not parent:
             self.timings[key].root_count += 1
             self.timings[key].add_in(PARENT_ROOT, dur_s)
         elif parent in self.steps:
-            self._direct(key, dur_s)
+            item = (key, rec.name, rec.span_id, dur_s, rec.end_ns, children)
+            self._in_step(item, self.steps[parent])
+            return
         elif parent in self.others:
-            self._nested(key, self.others[parent], dur_s)
+            above = self.others[parent]
+            if above is None:  # its parent wraps a step: it is a part of that step
+                self._direct(key, dur_s)
+            else:
+                self._nested(key, above, dur_s)
         else:
-            self.pending.setdefault(parent, []).append((key, dur_s))
+            waiting = self.pending.setdefault(parent, [])
+            waiting.append((key, rec.name, rec.span_id, dur_s, rec.end_ns, children))
             if len(self.pending) > self.window:
                 _, lost = self.pending.popitem(last=False)
                 self._lost(lost)
+            return
+        if children:
+            self._nest(key, children)
 
-    def _lost(self, items: list[tuple[str, float]]) -> None:
-        for name, _ in items:
-            self.timings[name].unresolved_count += 1
+    def _in_step(self, item: _Waiting, step_end_ns: int) -> None:
+        """A direct child of a step (ending at `step_end_ns`): a part of it, or its wrapper."""
+        key, name, span_id, dur_s, end_ns, children = item
+        if (children and end_ns > step_end_ns) or (
+            name.startswith(TORCH_STEP_RANGE) and is_torch_step_range(name)
+        ):
+            agg = self.timings[key]
+            agg.wrapper_count += 1
+            agg.add_in(PARENT_WRAPS, dur_s)
+            if span_id in self.others:
+                self.others[span_id] = None
+            for child in children or ():
+                self._in_step(child, step_end_ns)
+            return
+        self._direct(key, dur_s)
+        if children:
+            self._nest(key, children)
+
+    def _nest(self, parent_key: str, children: list[_Waiting]) -> None:
+        """Waiting children, and theirs, as nested in their parents."""
+        todo = [(parent_key, children)]
+        while todo:
+            above, waiting = todo.pop()
+            for key, _name, _span_id, dur_s, _end_ns, theirs in waiting:
+                self._nested(key, above, dur_s)
+                if theirs:
+                    todo.append((key, theirs))
+
+    def _lost(self, items: list[_Waiting]) -> None:
+        for key, _name, _span_id, _dur_s, _end_ns, children in items:
+            self.timings[key].unresolved_count += 1
             self.unresolved += 1
+            if children:
+                self._nest(key, children)
 
     def finish(self) -> None:
         for items in self.pending.values():
@@ -410,6 +495,42 @@ def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
     return (low is None or number >= low) and (high is None or number < high)
 
 
+CRASHED_STEP = "crashed step"
+INTERRUPTED_STEP = "interrupted step"
+ProcessKey = tuple[str, Any]  # (host.name, process.pid)
+
+
+def unfinished_label(end: Any) -> str | None:
+    """What the step running at a process's end is called, from run.json's `end`: the
+    crashed step (an exception), an interrupted one (a signal, Ctrl-C, a non-zero exit);
+    None for a run that ended normally (its last ranges are after training)."""
+    if not isinstance(end, dict):
+        return None
+    status = end.get("status")
+    exception = end.get("exception")
+    if status == "exception":
+        interrupted = isinstance(exception, dict) and exception.get("type") == "KeyboardInterrupt"
+        return INTERRUPTED_STEP if interrupted else CRASHED_STEP
+    if status == "signal" or (status == "exit" and end.get("exit_code") not in (0, None)):
+        return INTERRUPTED_STEP
+    return None
+
+
+def unfinished_processes(run_info: Sequence[dict[str, Any]]) -> dict[ProcessKey, str]:
+    """(host, pid) -> `unfinished_label` of each process that did not end normally."""
+    out: dict[ProcessKey, str] = {}
+    for info in run_info:
+        label = unfinished_label(info.get("end"))
+        resource = info.get("resource")
+        if label and isinstance(resource, dict) and "process.pid" in resource:
+            out[(str(resource.get("host.name", "unknown-host")), resource["process.pid"])] = label
+    return out
+
+
+def process_key(resource: Resource) -> ProcessKey:
+    return (resource.host, resource.get("process.pid"))
+
+
 class _FilePass:
     """The aggregates of one file's records, or of several files' merged in file order.
 
@@ -422,9 +543,18 @@ class _FilePass:
     straggler figures close at the end of each file (a rank's spans are in its own file)."""
 
     def __init__(
-        self, window: int, exact_cap: int, steps: tuple[int | None, int | None] | None
+        self,
+        window: int,
+        exact_cap: int,
+        steps: tuple[int | None, int | None] | None,
+        unfinished: dict[ProcessKey, str] | None = None,
     ) -> None:
+        """`unfinished`: the processes whose last ranges are the step running when they
+        crashed or were stopped (`unfinished_processes`), not work after training."""
         self.window = window
+        self.unfinished = unfinished or {}
+        self.unfinished_steps: dict[ProcessKey, int] = {}
+        self.resources: set[Resource] = set()
         self.exact_cap = exact_cap
         self.steps = steps
         self.work = ThroughputPass(steps)
@@ -498,15 +628,20 @@ class _FilePass:
                         step0.append(dur_s)
                 name = rec.name
                 if not is_step:
-                    name = timing_key(rec.name, rec.attr(PHASE_ATTR))
+                    span_name = rec.name
+                    phase = rec.attr(PHASE_ATTR)
+                    if phase == PHASE_AFTER_TRAINING and self.unfinished:
+                        span_name, phase = self._unfinished(rec, span_name, phase)
+                    name = timing_key(span_name, phase)
                     if name not in timings:
                         timings[name] = TimingAgg(name, DurationStats(exact_cap))
                     timings[name].stats.add(dur_s)
                     if not rec.parent_span_id:
-                        phases.root(rec.name, start, end)
+                        phases.root(span_name, start, end)
                 resolver.span(rec, dur_s, is_step, name)
                 straggler_pass.span(rec)
             else:
+                self.resources.add(rec.resource)
                 if rec.kind == "sum" and rec.monotonic:  # cumulative: the latest is the total
                     ckey = (rec.name, rec.resource, rec.attributes)
                     if not _keep_latest(latest, ckey, (rec.time_ns, rec.value)):
@@ -540,6 +675,21 @@ class _FilePass:
         self.stragglers.merge(straggler_pass)
         self.first_ns = first_ns
         self.last_ns = last_ns
+
+    def _unfinished(self, rec: SpanRec, name: str, phase: Any) -> tuple[str, Any]:
+        """An `after_training` span of a process that crashed or was stopped belongs to the
+        step that was running then: its phase is that (`CRASHED_STEP`, ...), and its root
+        span, named after the phase, is named so too."""
+        key = process_key(rec.resource)
+        label = self.unfinished.get(key)
+        if label is None:
+            return name, phase
+        if not rec.parent_span_id:
+            number = rec.attr(ATTR_STEP)
+            if isinstance(number, int):
+                self.unfinished_steps[key] = number
+            return label, label
+        return name, label
 
     def merge(self, other: _FilePass) -> None:
         """Fold in the pass over the files after this one's (see the class docstring)."""
@@ -589,6 +739,8 @@ class _FilePass:
         self.last_ns = _most(self.last_ns, other.last_ns)
         for rec in other.hists.values():
             keep_latest(self.hists, rec)
+        self.unfinished_steps.update(other.unfinished_steps)
+        self.resources |= other.resources
 
     def result(self, files: RunFiles, plan: ReadPlan) -> RunSummary:
         counters: dict[str, float] = {}
@@ -622,7 +774,15 @@ class _FilePass:
             throughput=self.work.result(),
             plan=plan,
             dropped_counted=dropped,
+            processes=len(self.resources | set(self.ranks)),
+            unfinished_steps=self.unfinished_steps,
         )
+        for hist in self.hists.values():  # keyed as the spans are (`_unfinished`)
+            if hist.phase == PHASE_AFTER_TRAINING:
+                label = self.unfinished.get(process_key(hist.resource))
+                if label is not None:
+                    hist.phase = label
+                    hist.timing = label if hist.timing == PHASE_AFTER_TRAINING else hist.timing
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(
             summary,
@@ -681,7 +841,8 @@ def summarize(
     longer than `max_line` bytes is skipped with a warning.
     """
     plan = ReadPlan.for_files(files.jsonl, read_budget, max_line)
-    return read_files(files.jsonl, plan, warn, jobs, (window, exact_cap, steps)).result(files, plan)
+    args = (window, exact_cap, steps, unfinished_processes(files.run_info))
+    return read_files(files.jsonl, plan, warn, jobs, args).result(files, plan)
 
 
 def read_files(
@@ -689,7 +850,7 @@ def read_files(
     plan: ReadPlan,
     warn: Warn,
     jobs: int,
-    args: tuple[int, int, tuple[int | None, int | None] | None],
+    args: tuple[int, int, tuple[int | None, int | None] | None, dict[ProcessKey, str]],
 ) -> _FilePass:
     """One pass per file (in `jobs` worker processes when > 1), merged in file order."""
     make = functools.partial(_FilePass, *args)

@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from otelprof.analysis.quantiles import DurationStats
-from otelprof.analysis.summary import PARENT_ROOT, PARENT_STEP, STEP_SPAN, RunSummary, SeriesAgg
+from otelprof.analysis.summary import (
+    PARENT_ROOT,
+    PARENT_STEP,
+    PARENT_WRAPS,
+    STEP_SPAN,
+    RunSummary,
+    SeriesAgg,
+)
+
+WRAPS_STEP = "wraps step"
+"""Where a range open across its step's end sat (torch's ProfilerStep#N): around the step's
+parts, not one of them (summary._StepResolver)."""
 
 
 @dataclass
@@ -64,6 +75,8 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
             level = f"in {agg.main_parent}"
         elif agg.root_count:
             level = "top level"
+        elif agg.wrapper_count:
+            level = WRAPS_STEP
         else:
             level = "parent not found"
         row = TimingRow(
@@ -103,6 +116,8 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
 def _where(parent: str) -> str:
     if parent == PARENT_STEP:
         return "in step"
+    if parent == PARENT_WRAPS:
+        return WRAPS_STEP
     return "top level" if parent == PARENT_ROOT else f"in {parent}"
 
 

@@ -41,6 +41,11 @@ def throughput_section(summary: RunSummary) -> Section | None:
             "over every step's time (otelprof.timing.duration, step 0 included); TFLOP/s "
             "and MFU are the kept steps' rate"
         )
+    if any(r.step0_only for r in rows):
+        notes.append(
+            "step() was never called, so the run is one step: its training rate is that "
+            "step's, set-up and warm-up included"
+        )
     notes += [
         "rates are work / step time of each phase's steps (other phases excluded), summed "
         "over processes; MFU is per device; "

@@ -4,7 +4,8 @@
 `otelprof.tokens`, `otelprof.flops` and `otelprof.peak_flops` on each step's root span:
 `step` in training, the phase's root span (`validation`, ...) elsewhere. Here, per phase and
 process: samples/s = Σsamples / Σ(root span durations), likewise tokens/s and FLOP/s; MFU =
-FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics.
+FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics,
+unless it is a process's only step with work (a run that never called `step()`).
 A job's samples/s and tokens/s are the sum over its processes; its MFU is their mean.
 
 Under trace sampling the kept step spans are a sample of the steps; when a process's
@@ -78,6 +79,7 @@ class PhaseThroughput:
     mfu: float | None
     peak_flops: float | None
     from_aggregates: bool = False  # counters + step histogram: traces were sampled
+    step0_only: bool = False  # a process's only training step was step 0 (no step() calls)
 
 
 def _number(value: Any) -> float | None:
@@ -96,6 +98,8 @@ class ThroughputPass:
         self.kept_steps: dict[Resource, int] = {}  # kept training step spans, step 0 included
         self.step_hists: dict[Resource, HistRec] = {}  # latest cumulative step histogram
         self.counters: dict[tuple[Resource, str], tuple[int, float]] = {}  # latest (time, total)
+        # training step 0's work per process: the rate of a run that is that one step
+        self.first_steps: dict[tuple[str, Resource], _Acc] = {}
 
     def feed(self, rec: SpanRec | PointRec | HistRec) -> None:
         steps = self.steps
@@ -126,16 +130,17 @@ class ThroughputPass:
             low, high = steps
             if (low is not None and number < low) or (high is not None and number >= high):
                 return
+        first = False
         if rec.name == STEP_SPAN:
             phase = phase or PHASE_TRAIN
-            if phase == PHASE_TRAIN and number == 0 and steps is None:
-                return
+            first = phase == PHASE_TRAIN and number == 0 and steps is None
         elif not phase or phase != rec.name:
             return  # a root span that is no phase's batch
         work = [_number(rec.attr(key)) for key in WORK_ATTRS]
         if all(w is None for w in work):
             return
-        acc = self.accs.setdefault((str(phase), rec.resource), _Acc())
+        accs = self.first_steps if first else self.accs
+        acc = accs.setdefault((str(phase), rec.resource), _Acc())
         acc.steps += 1
         acc.seconds += max(0, rec.end_ns - rec.start_ns) / 1e9
         for name, amount in zip(_WORK, work, strict=True):
@@ -146,17 +151,18 @@ class ThroughputPass:
 
     def merge(self, other: ThroughputPass) -> None:
         """Fold in the pass over later files (the same as feeding their records here)."""
-        for key, acc in other.accs.items():
-            mine = self.accs.get(key)
-            if mine is None:
-                self.accs[key] = acc
-                continue
-            mine.steps += acc.steps
-            mine.seconds += acc.seconds
-            for name in _WORK:
-                mine.add_work(name, getattr(acc, name))
-            if acc.peak:
-                mine.peak = acc.peak
+        for accs, theirs in ((self.accs, other.accs), (self.first_steps, other.first_steps)):
+            for key, acc in theirs.items():
+                mine = accs.get(key)
+                if mine is None:
+                    accs[key] = acc
+                    continue
+                mine.steps += acc.steps
+                mine.seconds += acc.seconds
+                for name in _WORK:
+                    mine.add_work(name, getattr(acc, name))
+                if acc.peak:
+                    mine.peak = acc.peak
         for resource, kept in other.kept_steps.items():
             self.kept_steps[resource] = self.kept_steps.get(resource, 0) + kept
         for resource, rec in other.step_hists.items():
@@ -168,8 +174,13 @@ class ThroughputPass:
                 self.counters[ckey] = latest
 
     def result(self) -> list[PhaseThroughput]:
-        """A row per phase that recorded any work."""
-        accs = self.accs
+        """A row per phase that recorded any work. Training step 0 is left out, except for
+        a process whose only training step with work it is (a run that never called
+        `step()` is that one step): its rate is that step's, set-up included."""
+        accs = dict(self.accs)
+        only_first = [key for key in self.first_steps if key not in accs]
+        for key in only_first:
+            accs[key] = self.first_steps[key]
         sampled = False
         if self.steps is None:  # the histograms cannot be filtered by step number
             sampled = _from_aggregates(accs, self.kept_steps, self.step_hists, self.counters)
@@ -199,6 +210,7 @@ class ThroughputPass:
                     mfu=sum(mfus) / len(mfus) if mfus else None,
                     peak_flops=max(peaks) if peaks else None,
                     from_aggregates=sampled and phase == PHASE_TRAIN,
+                    step0_only=any(k[0] == phase for k in only_first),
                 )
             )
         return out

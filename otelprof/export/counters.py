@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -127,6 +128,14 @@ class _Abandonable:
         self._abandoned = False
         self._inner_shut = False
         self._shut_lock = threading.Lock()
+        self._pid = os.getpid()
+
+    @property
+    def _forked(self) -> bool:
+        """In a process forked from the one that made it (a DataLoader worker, which the SDK
+        hands its readers' and processors' threads): it does nothing there, so no worker
+        writes its own samples into the parent's files or exports under its identity."""
+        return os.getpid() != self._pid
 
     def _shutdown_inner_once(self, **kwargs: Any) -> None:
         with self._shut_lock:
@@ -172,6 +181,8 @@ class CountingSpanExporter(_Abandonable, SpanExporter):
         self._init_abandon()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._forked:
+            return SpanExportResult.SUCCESS
         if self._abandoned:
             self._counters.add(f"{self.name}.spans_failed", len(spans))
             return SpanExportResult.FAILURE
@@ -200,9 +211,12 @@ class CountingSpanExporter(_Abandonable, SpanExporter):
         return result
 
     def shutdown(self) -> None:
-        self._shutdown_inner_once()
+        if not self._forked:
+            self._shutdown_inner_once()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
+        if self._forked:
+            return True
         try:
             return bool(self._inner.force_flush(timeout_millis))
         except Exception:
@@ -239,6 +253,8 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
+        if self._forked:
+            return MetricExportResult.SUCCESS
         metrics_data = self._counters.merge_metric_extras(self.name, metrics_data)
         points = count_points(metrics_data)
         if self._abandoned:
@@ -281,13 +297,16 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        if self._forked:
+            return True
         try:
             return bool(self._inner.force_flush(timeout_millis=timeout_millis))
         except Exception:
             return False
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self._shutdown_inner_once(timeout_millis=timeout_millis, **kwargs)
+        if not self._forked:
+            self._shutdown_inner_once(timeout_millis=timeout_millis, **kwargs)
 
 
 class CountingBatchSpanProcessor(BatchSpanProcessor):

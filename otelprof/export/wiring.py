@@ -8,6 +8,8 @@ wrapped so its failures are counted (`ExportCounters`) and never reach training 
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.trace import SpanProcessor
 
-from otelprof._otel_compat import otlp_log_destination
+from otelprof._otel_compat import otlp_log_destination, stop_reader_thread
 from otelprof._run.layout import RunLayout
 from otelprof.config import Settings
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
@@ -331,4 +333,25 @@ def build_pipelines(
             processor.shutdown()
         pipelines.close()
         raise
+    _quiet_in_forked_children(pipelines)
     return pipelines
+
+
+def _quiet_in_forked_children(pipelines: ExportPipelines) -> None:
+    """A process forked from this one (a DataLoader worker under Linux's default `fork`)
+    collects and exports nothing: the SDK restarts each periodic reader's thread in the
+    child (its at-fork hook, registered with the reader, runs before this one), and this
+    stops it again, so workers spend nothing on samples; the counting exporters export
+    nothing from a child either (`counters._Abandonable._forked`). The worker's CPU and
+    memory are in the host's metrics."""
+    if not hasattr(os, "register_at_fork"):
+        return
+    owner = weakref.ref(pipelines)
+
+    def after_in_child() -> None:
+        current = owner()
+        if current is not None:
+            for reader in current.metric_readers:
+                stop_reader_thread(reader)
+
+    os.register_at_fork(after_in_child=after_in_child)

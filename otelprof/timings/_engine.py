@@ -37,13 +37,19 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 
 from otelprof import _torch_compat
-from otelprof._schema import ATTR_ATTEMPT, PHASE_AFTER_TRAINING, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import (
+    ATTR_ATTEMPT,
+    PHASE_AFTER_TRAINING,
+    PHASE_TRAIN,
+    STEP_SPAN,
+    is_torch_step_range,
+)
 from otelprof.config import Settings
 from otelprof.timings import _quiet_steps
 from otelprof.timings import _recorder as rec
 from otelprof.timings._bridge import Bridge
 from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._frames import row_spans
+from otelprof.timings._frames import F_NAME, row_spans
 from otelprof.timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
 from otelprof.timings._schedule import ScheduleAction, as_action, schedule
 from otelprof.timings._targets import SpanTargets
@@ -239,7 +245,11 @@ class TimingsEngine:
             if self._kineto is not None:
                 self._kineto.stop(self._window_step(ctx, end))
             self._builder.flush(timeout)
-            if ctx is not None and (ctx.has_children or ctx.frames):
+            if (
+                ctx is not None
+                and (ctx.has_children or ctx.frames)
+                and not (self._step > 0 and _only_torch_steps(ctx))
+            ):
                 ctx.trim_end = True
                 if ctx.phase == PHASE_TRAIN and self._step > 0:
                     ctx.phase = PHASE_AFTER_TRAINING  # after the last step(): no step
@@ -583,3 +593,10 @@ def _version() -> str:
 
 
 use_compiled(rec.compiled)
+
+
+def _only_torch_steps(ctx: rec.StepContext) -> bool:
+    """Whether the ranges after the last `step()` are only the `ProfilerStep#N` that a
+    user's torch.profiler.profile opened at its own last `step()`: the marker of a step that
+    never ran, not work after training (no `after_training` phase for it)."""
+    return not ctx.has_children and all(is_torch_step_range(f[F_NAME]) for f in ctx.frames)
