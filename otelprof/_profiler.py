@@ -154,8 +154,19 @@ class _Session:
         self._aggregate_metrics: Any = None
         self.timings: Any = None
         self._helpers = HelperSwap()
+        self.step_peaks: Any = None
+        if settings.step_memory and settings.timings:
+            from otelprof.system.step_memory import StepPeaks
+
+            self.step_peaks = StepPeaks()
         self.system = _degrade("system metrics", self._start_system_metrics)
         self.timings = _degrade("timings", self._start_timings)
+        self.modules: Any = None
+        if self.timings is not None:
+            if self.step_peaks is not None:
+                _degrade("memory by step", lambda: self.step_peaks.attach(self.timings))
+            if settings.module_timings:
+                self.modules = _degrade("module timings", self._start_module_timings)
         self.distributed = _degrade(
             "distributed hooks", lambda: self._start_distributed(on_new_identity)
         )
@@ -247,6 +258,8 @@ class _Session:
         watchdog.start()
         steps: list[tuple[str, Any]] = [
             ("distributed hooks", self.distributed.remove if self.distributed else None),
+            ("module timings", self.modules.close if self.modules else None),
+            ("memory by step", self.step_peaks.close if self.step_peaks else None),
             ("per-step helpers", self._helpers.uninstall),
             ("timings", self.timings.shutdown if self.timings else None),
             ("timing histograms", self._final_aggregates if self.timings else None),
@@ -283,6 +296,7 @@ class _Session:
                 torch_cuda_memory=s.process_metrics,
             ),
             training=self._training_progress,
+            step_peaks=self.step_peaks,
         )
 
     def _training_progress(self) -> tuple[int, str] | None:
@@ -319,6 +333,15 @@ class _Session:
                 lambda: register(registry, engine.aggregates, self.resource.attributes, _version()),
             )
         return engine
+
+    def _start_module_timings(self) -> Any:
+        import torch
+
+        from otelprof._module_timings import ModuleTimings
+
+        modules = ModuleTimings(self.settings.module_timings, torch)
+        modules.start()
+        return modules
 
     def _start_distributed(self, on_new_identity: Callable[[], None]) -> Any:
         from otelprof._distributed.hooks import DistributedHooks

@@ -52,6 +52,11 @@ DDP_COLLECTIVE = "ddp_allreduce"
 """`otelprof.collective` of DDP's gradient all-reduce (a `torch.distributed` call's is its name,
 on span `dist.<name>`)."""
 COLLECTIVE_SPAN_PREFIX = "dist."
+MODULE_FORWARD_PREFIX = "module.forward:"
+"""A module's forward (`module_timings`): `module.forward:<Model class>.<path>`, e.g.
+`module.forward:Net.encoder.layers.0`."""
+MODULE_BACKWARD_PREFIX = "module.backward:"
+MODULE_PREFIXES = (MODULE_FORWARD_PREFIX, MODULE_BACKWARD_PREFIX)
 # Determined's PyTorchTrial timing names
 DATALOADER_NEXT = "dataloader_next"
 TO_DEVICE = "to_device"
@@ -77,3 +82,8 @@ TRAIN_TOKENS = "otelprof.train.tokens"
 TRAIN_THROUGHPUT_SAMPLES = "otelprof.train.throughput.samples"
 TRAIN_THROUGHPUT_TOKENS = "otelprof.train.throughput.tokens"
 TRAIN_MFU = "otelprof.train.mfu"
+MEMORY_BY_PHASE = "otelprof.process.memory.by_phase"
+"""This process's RSS, sampled, with `otelprof.phase` (`system/step_memory.py`)."""
+CUDA_PEAK_ALLOCATED = "otelprof.torch.cuda.memory.peak.allocated"
+CUDA_PEAK_RESERVED = "otelprof.torch.cuda.memory.peak.reserved"
+"""The CUDA allocator's peaks per step, by `otelprof.phase` (the `step_memory` option)."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otelprof._schema import ATTR_EPOCH, ATTR_STEP, PHASE_TRAIN, STEP_SPAN
+from otelprof._schema import ATTR_EPOCH, ATTR_STEP, MODULE_PREFIXES, PHASE_TRAIN, STEP_SPAN
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
@@ -334,6 +334,9 @@ class _StepResolver:
             od.popitem(last=False)
 
     def _direct(self, name: str, dur_s: float) -> None:
+        if name.startswith(MODULE_PREFIXES):  # a model's parts: its own section, no share
+            self._nested(name, STEP_SPAN, dur_s)
+            return
         agg = self.timings[name]
         agg.direct_total_s += dur_s
         agg.direct_count += 1

@@ -30,6 +30,7 @@ from .amd import AmdGpuSampler
 from .gpu import GpuSampler
 from .host import HostSampler
 from .process import ProcessSampler
+from .step_memory import PhaseMemory, StepPeaks
 from .torch_memory import TorchMemorySampler
 
 MIN_INTERVAL_S = 0.1
@@ -180,14 +181,17 @@ def register_system_metrics(
     clock: Clock | Callable[[], float] | None = None,
     amdsmi: Any = None,
     training: Training | None = None,
+    step_peaks: StepPeaks | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
     `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi and
     os.environ (tests use fakes for hardware this machine lacks). `training` returns
     (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (the Profiler
-    passes its timings engine's; default: none). `clock` is a `_stamps.Clock`, or a function
-    returning monotonic seconds (a test's scripted time).
+    passes its timings engine's; default: none), which also labels this process's RSS
+    with the phase (`step_memory.PhaseMemory`); `step_peaks` exports the per-step CUDA
+    peaks its listeners gather (`step_memory.StepPeaks`). `clock` is a `_stamps.Clock`, or a
+    function returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()
     clock = _as_clock(clock)
@@ -216,12 +220,19 @@ def register_system_metrics(
             None if psutil_module is None else psutil_module.Process(), log=log, clock=clock
         )
         process.prime()
-        sources.append(("process", process.sample))
+        if training is None:
+            sources.append(("process", process.sample))
+        else:
+            sources.append(("process", PhaseMemory(process.sample, training).sample))
+            instruments.extend(names.PHASE_MEMORY)
         closers.append(process.close)
         instruments.extend(names.PROCESS)
     if settings.torch_cuda_memory:
         sources.append(("torch", TorchMemorySampler(log=log, clock=clock).sample))
         instruments.extend(names.TORCH)
+    if step_peaks is not None:
+        sources.append(("step memory", step_peaks.source(clock)))
+        instruments.extend(names.STEP_MEMORY)
 
     counters = frozenset(i.name for i in instruments if i.kind == "counter")
     snapshots = Snapshots(

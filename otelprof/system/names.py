@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE
+
 
 @dataclass(frozen=True)
 class Instrument:
@@ -104,6 +106,25 @@ TORCH_CUDA_RESERVED = Instrument(
     "otelprof.torch.cuda.memory.reserved", "By", "Bytes reserved by the caching allocator"
 )
 
+# memory by training phase and step (`step_memory.py`), with `otelprof.phase`
+PROCESS_MEMORY_BY_PHASE = Instrument(
+    MEMORY_BY_PHASE,
+    "By",
+    "This process's resident memory, sampled, with the training phase current at the sample",
+)
+TORCH_CUDA_PEAK_ALLOCATED = Instrument(
+    CUDA_PEAK_ALLOCATED,
+    "By",
+    "Highest bytes held by tensors in a step of the phase (allocator peak, reset each step), "
+    "the largest since the last collection",
+)
+TORCH_CUDA_PEAK_RESERVED = Instrument(
+    CUDA_PEAK_RESERVED,
+    "By",
+    "Highest bytes reserved by the caching allocator in a step of the phase, the largest "
+    "since the last collection",
+)
+
 HOST = (CPU_UTILIZATION, MEMORY_AVAILABLE, NETWORK_THROUGHPUT, DISK_IOPS, DISK_THROUGHPUT)
 GPU = (
     GPU_UTILIZATION,
@@ -124,8 +145,10 @@ GPU = (
     GPU_IDLE,
 )
 PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
+PHASE_MEMORY = (PROCESS_MEMORY_BY_PHASE,)
+STEP_MEMORY = (TORCH_CUDA_PEAK_ALLOCATED, TORCH_CUDA_PEAK_RESERVED)
 TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
-ALL = HOST + GPU + PROCESS + TORCH
+ALL = HOST + GPU + PROCESS + TORCH + PHASE_MEMORY + STEP_MEMORY
 
 # attribute keys and values
 HW_ID = "hw.id"
