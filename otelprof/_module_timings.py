@@ -304,7 +304,7 @@ def _submodules(model: Any, depth: int, prefix: str = "", level: int = 1) -> Ite
             yield from _submodules(child, depth, path, level + 1)
 
 
-def _grad_nodes(tensor: type, value: Any) -> list[Any]:
+def _grad_nodes(tensor: Any, value: Any) -> list[Any]:
     """The distinct autograd nodes that made the tensors in a call's arguments or result
     (tuples, lists, dicts such as Hugging Face's ModelOutput; at most `_MAX_TENSORS`
     tensors looked at). Tensors that need no gradient, and leaves, have none."""
@@ -319,7 +319,7 @@ def _grad_nodes(tensor: type, value: Any) -> list[Any]:
     return nodes
 
 
-def _collect(tensor: type, value: Any, nodes: list[Any], budget: list[int]) -> None:
+def _collect(tensor: Any, value: Any, nodes: list[Any], budget: list[int]) -> None:
     if budget[0] <= 0:
         return
     if isinstance(value, tensor):

@@ -154,17 +154,17 @@ class _Session:
         self._aggregate_metrics: Any = None
         self.timings: Any = None
         self._helpers = HelperSwap()
-        self.step_peaks: Any = None
-        if settings.step_memory and settings.timings:
-            from otelprof.system.step_memory import StepPeaks
+        self.memory_peaks: Any = None
+        if settings.memory_peaks and settings.timings:
+            from otelprof.system.memory_peaks import PhasePeaks
 
-            self.step_peaks = StepPeaks()
+            self.memory_peaks = PhasePeaks()
         self.system = _degrade("system metrics", self._start_system_metrics)
         self.timings = _degrade("timings", self._start_timings)
         self.modules: Any = None
         if self.timings is not None:
-            if self.step_peaks is not None:
-                _degrade("memory by step", lambda: self.step_peaks.attach(self.timings))
+            if self.memory_peaks is not None:
+                _degrade("memory peaks", lambda: self.memory_peaks.attach(self.timings))
             if settings.module_timings:
                 self.modules = _degrade("module timings", self._start_module_timings)
         self.distributed = _degrade(
@@ -259,7 +259,7 @@ class _Session:
         steps: list[tuple[str, Any]] = [
             ("distributed hooks", self.distributed.remove if self.distributed else None),
             ("module timings", self.modules.close if self.modules else None),
-            ("memory by step", self.step_peaks.close if self.step_peaks else None),
+            ("memory peaks", self.memory_peaks.close if self.memory_peaks else None),
             ("per-step helpers", self._helpers.uninstall),
             ("timings", self.timings.shutdown if self.timings else None),
             ("timing histograms", self._final_aggregates if self.timings else None),
@@ -296,7 +296,7 @@ class _Session:
                 torch_cuda_memory=s.process_metrics,
             ),
             training=self._training_progress,
-            step_peaks=self.step_peaks,
+            memory_peaks=self.memory_peaks,
         )
 
     def _training_progress(self) -> tuple[int, str] | None:

@@ -399,9 +399,9 @@ class Settings:
     module_timings: int = field(
         default=0, metadata=opt(env=("OTELPROF_MODULE_TIMINGS",), parse=module_depth)
     )
-    # CUDA allocator peaks per training step and phase (resets torch's peak counters)
-    step_memory: bool = field(
-        default=False, metadata=opt(env=("OTELPROF_STEP_MEMORY",), parse=boolean)
+    # the CUDA allocator's peak by phase, every interval (resets torch's peak counters)
+    memory_peaks: bool = field(
+        default=False, metadata=opt(env=("OTELPROF_MEMORY_PEAKS",), parse=boolean)
     )
     max_queued_spans: int = field(
         default=65536,

@@ -1,7 +1,7 @@
-"""Memory by phase and step: RSS labelled by phase (every run), CUDA allocator peaks per step
-(`step_memory`), as metrics and in the report's memory section.
+"""Memory by phase: RSS labelled by phase (every run), the CUDA allocator's peaks by phase
+(`memory_peaks`), as metrics and in the report's memory section.
 
-The CUDA calls sit behind `step_memory.CudaPeaks`; on this machine (no GPU) a scripted
+The CUDA calls sit behind `memory_peaks.CudaPeaks`; on this machine (no GPU) a scripted
 allocator with torch's peak semantics stands in for `torch.cuda`, and the GPU test skips.
 """
 
@@ -19,8 +19,8 @@ import pytest
 
 import otelprof
 from otelprof.cli import main as cli_main
-from otelprof.system import names, step_memory
-from otelprof.system.step_memory import StepPeaks, TorchCudaPeaks
+from otelprof.system import memory_peaks, names
+from otelprof.system.memory_peaks import PhasePeaks, TorchCudaPeaks
 from tests.otlp_files import read_points
 
 MiB = 1 << 20
@@ -116,12 +116,14 @@ def test_rss_by_phase_matches_what_psutil_saw_in_each_phase(
     assert rows["train"]["processes"] == 1
 
 
-def test_cuda_peaks_per_step_and_phase_with_step_memory(
+def test_cuda_peaks_by_phase_with_memory_peaks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cuda = ScriptedAllocator(base=100 * MiB)
     monkeypatch.setattr(
-        step_memory, "TorchCudaPeaks", lambda: TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)})
+        memory_peaks,
+        "TorchCudaPeaks",
+        lambda: TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)}),
     )
 
     def training_step(transient: int) -> None:
@@ -130,7 +132,7 @@ def test_cuda_peaks_per_step_and_phase_with_step_memory(
         prof.step()
 
     with otelprof.instrument(
-        output_dir=tmp_path, interval=0.2, host_metrics=False, step_memory=True
+        output_dir=tmp_path, interval=0.2, host_metrics=False, memory_peaks=True
     ) as prof:
         for _ in range(4):
             training_step(64 * MiB)
@@ -155,18 +157,23 @@ def test_cuda_peaks_per_step_and_phase_with_step_memory(
         if p.name == names.TORCH_CUDA_PEAK_ALLOCATED.name
         and p.attributes["otelprof.phase"] == "train"
     ]
-    # reset each step: after the large steps, the collections see the small steps' peak
-    assert peaks[0].value == 164 * MiB and peaks[-1].value == 108 * MiB
+    values = [p.value for p in peaks]
+    # read and reset each interval: after the large steps, the intervals see the small ones
+    assert max(values) == 164 * MiB
+    last_large = len(values) - 1 - values[::-1].index(164 * MiB)
+    assert max(values[last_large + 1 :]) == 108 * MiB
     assert all(p.attributes["hw.id"] == "GPU-5d3e1b2c" for p in peaks)
     assert all(p.start_ns is not None and p.start_ns < p.time_ns for p in peaks[1:])
 
 
-def test_without_step_memory_the_programs_peak_counters_are_left_alone(
+def test_without_memory_peaks_the_programs_peak_counters_are_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cuda = ScriptedAllocator(base=0)
     monkeypatch.setattr(
-        step_memory, "TorchCudaPeaks", lambda: TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)})
+        memory_peaks,
+        "TorchCudaPeaks",
+        lambda: TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)}),
     )
     with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
         for _ in range(3):
@@ -174,7 +181,7 @@ def test_without_step_memory_the_programs_peak_counters_are_left_alone(
     assert cuda.resets == 0
 
 
-def test_a_failing_allocator_read_turns_step_memory_off_without_reaching_training() -> None:
+def test_a_failing_allocator_read_turns_memory_peaks_off_without_reaching_training() -> None:
     class Broken:
         calls = 0
 
@@ -183,27 +190,36 @@ def test_a_failing_allocator_read_turns_step_memory_off_without_reaching_trainin
             raise RuntimeError("CUDA error: an illegal memory access")
 
     broken = Broken()
-    peaks = StepPeaks(broken)
-    peaks.on_step(1, 1000, False)
+    peaks = PhasePeaks(broken)
     peaks.on_phase("train", "validation")
     assert broken.calls == 1 and peaks.failed
-    assert peaks.sample(0) == []
+    assert peaks.sample(0, "train") == []
+    assert broken.calls == 1
 
 
-def test_step_peaks_keep_each_phases_highest_until_a_collection_takes_them() -> None:
+def test_a_change_of_phase_closes_the_phases_window_until_a_collection_takes_it() -> None:
     cuda = ScriptedAllocator(base=10 * MiB)
-    peaks = StepPeaks(TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)}))
-    for transient in (5 * MiB, 20 * MiB, 1 * MiB):
-        cuda.alloc(transient)
-        cuda.free(transient)
-        peaks.on_step(0, 0, False)
-    cuda.alloc(40 * MiB)
-    cuda.free(40 * MiB)
-    peaks.on_phase("validation", "train")  # leaving validation: its block's peak
-    got = {(r.name, r.attributes["otelprof.phase"]): r.value for r in peaks.sample(5)}
+    peaks = PhasePeaks(TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)}))
+
+    def transient(n: int) -> None:
+        cuda.alloc(n)
+        cuda.free(n)
+
+    transient(20 * MiB)
+    peaks.on_phase("train", "validation")  # the training peak so far is training's
+    transient(40 * MiB)
+    peaks.on_phase("validation", "train")  # the validation block's own peak
+    transient(5 * MiB)
+    got = {(r.name, r.attributes["otelprof.phase"]): r.value for r in peaks.sample(5, "train")}
     assert got[(names.TORCH_CUDA_PEAK_ALLOCATED.name, "train")] == 30 * MiB
     assert got[(names.TORCH_CUDA_PEAK_ALLOCATED.name, "validation")] == 50 * MiB
-    assert peaks.sample(6) == []  # taken: the next collection starts afresh
+    assert got[(names.TORCH_CUDA_PEAK_RESERVED.name, "validation")] == 50 * MiB
+    # taken and reset: the next interval's peak is what is held now
+    again = peaks.sample(6, "train")
+    assert [(r.name, r.value) for r in again if "allocated" in r.name] == [
+        (names.TORCH_CUDA_PEAK_ALLOCATED.name, 10 * MiB)
+    ]
+    assert cuda.resets == 4
 
 
 def test_real_torch_without_cuda_gives_no_peaks_and_leaves_cuda_alone() -> None:
@@ -224,7 +240,7 @@ def test_cuda_peaks_on_a_gpu_match_the_tensors_the_step_allocated(
     device = torch.device("cuda", 0)
     keep = torch.zeros(16 * MiB // 4, device=device)  # resident across steps
     with otelprof.instrument(
-        output_dir=tmp_path, interval=0.2, host_metrics=False, step_memory=True
+        output_dir=tmp_path, interval=0.2, host_metrics=False, memory_peaks=True
     ) as prof:
         base = torch.cuda.memory_allocated(device)
         for _ in range(5):

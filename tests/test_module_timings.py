@@ -230,3 +230,30 @@ def test_an_error_in_a_modules_forward_reaches_the_program_and_ends_its_range(
     }
     assert rows["Sequential.0"]["calls"] == 3  # the failed call's range ended too
     assert rows["Sequential.1"]["calls"] == 2
+
+
+def test_on_a_gpu_backward_ranges_come_from_the_autograd_engines_device_thread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine (runs on a GPU host: make gpu-check)")
+    clock = Clock()
+    model = Net(clock).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with otelprof.instrument(output_dir=tmp_path, module_timings=1, host_metrics=False) as prof:
+        for _ in range(6):
+            with otelprof.timing("train_batch"):
+                optimizer.zero_grad()
+                model(torch.randn(16, 4, device="cuda")).sum().backward()
+                optimizer.step()
+            torch.cuda.synchronize()
+            prof.step()
+    assert prof.run_dir is not None
+    rows = {
+        r["module"]: r for r in report_json(capsys, prof.run_dir)["sections"]["modules"]["rows"]
+    }
+    forward_ms = 1e3 * sum(clock.forward) / len(clock.forward)
+    assert forward_ms <= rows["Net.slow"]["forward ms"] <= forward_ms + 1.0
+    backward_ms = 1e3 * sum(clock.backward) / len(clock.backward)
+    assert backward_ms <= rows["Net.slow_back"]["backward ms"] <= backward_ms + 1.5
+    assert rows["Net.embed"]["backward ms"] is not None  # ended with the backward pass

@@ -1,10 +1,10 @@
-"""The report's memory by phase: this process's RSS and, with `step_memory`, the CUDA
-allocator's peak per step, for each training phase (`otelprof.phase`).
+"""The report's memory by phase: this process's RSS and, with `memory_peaks`, the CUDA
+allocator's peak, for each training phase (`otelprof.phase`).
 
-Both come from gauges the run exported (`system/step_memory.py`): the RSS sampled every
-interval and labelled with the phase running at the sample, and the highest per-step
-allocator peak of each collection interval. Several processes: the largest process's
-figure, and the mean over every process's samples.
+Both come from gauges the run exported (`system/memory_peaks.py`): the RSS sampled every
+interval and labelled with the phase running at the sample, and the allocator's peak of each
+collection interval and each block of a phase (reset after each read). Several processes:
+the largest process's figure, and the mean over every process's samples.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def memory(summary: RunSummary) -> Section | None:
     ]
     if cuda:
         notes.append(
-            "CUDA peaks: the caching allocator's highest bytes in any one step of the phase "
-            "(its peak counters reset at each training step and phase change: step_memory)"
+            "CUDA peaks: the caching allocator's highest bytes at any moment of the phase "
+            "(its peak counters read and reset every interval and at each change of phase: "
+            "memory_peaks)"
         )
     elif any(s.name == _CUDA_CURRENT for s in summary.series.values()):
         notes.append(
-            "this run used CUDA: step_memory=True (OTELPROF_STEP_MEMORY=1) adds each step's "
-            "allocator peak per phase"
+            "this run used CUDA: memory_peaks=True (OTELPROF_MEMORY_PEAKS=1) adds the "
+            "allocator's peak per phase"
         )
     return Section("memory", "Memory by phase", table, notes)

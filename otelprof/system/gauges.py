@@ -29,8 +29,8 @@ from ._stamps import Clock, StampedValue, attr_key, recent_counters
 from .amd import AmdGpuSampler
 from .gpu import GpuSampler
 from .host import HostSampler
+from .memory_peaks import PhaseMemory, PhasePeaks
 from .process import ProcessSampler
-from .step_memory import PhaseMemory, StepPeaks
 from .torch_memory import TorchMemorySampler
 
 MIN_INTERVAL_S = 0.1
@@ -181,7 +181,7 @@ def register_system_metrics(
     clock: Clock | Callable[[], float] | None = None,
     amdsmi: Any = None,
     training: Training | None = None,
-    step_peaks: StepPeaks | None = None,
+    memory_peaks: PhasePeaks | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
@@ -189,8 +189,8 @@ def register_system_metrics(
     os.environ (tests use fakes for hardware this machine lacks). `training` returns
     (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (the Profiler
     passes its timings engine's; default: none), which also labels this process's RSS
-    with the phase (`step_memory.PhaseMemory`); `step_peaks` exports the per-step CUDA
-    peaks its listeners gather (`step_memory.StepPeaks`). `clock` is a `_stamps.Clock`, or a
+    with the phase (`memory_peaks.PhaseMemory`); `memory_peaks` reads the CUDA allocator's
+    peaks by phase at each snapshot (`memory_peaks.PhasePeaks`). `clock` is a `_stamps.Clock`, or a
     function returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()
@@ -230,9 +230,9 @@ def register_system_metrics(
     if settings.torch_cuda_memory:
         sources.append(("torch", TorchMemorySampler(log=log, clock=clock).sample))
         instruments.extend(names.TORCH)
-    if step_peaks is not None:
-        sources.append(("step memory", step_peaks.source(clock)))
-        instruments.extend(names.STEP_MEMORY)
+    if memory_peaks is not None:
+        sources.append(("memory peaks", memory_peaks.source(clock, training)))
+        instruments.extend(names.PEAK_MEMORY)
 
     counters = frozenset(i.name for i in instruments if i.kind == "counter")
     snapshots = Snapshots(

@@ -106,7 +106,7 @@ TORCH_CUDA_RESERVED = Instrument(
     "otelprof.torch.cuda.memory.reserved", "By", "Bytes reserved by the caching allocator"
 )
 
-# memory by training phase and step (`step_memory.py`), with `otelprof.phase`
+# memory by training phase (`memory_peaks.py`), with `otelprof.phase`
 PROCESS_MEMORY_BY_PHASE = Instrument(
     MEMORY_BY_PHASE,
     "By",
@@ -115,14 +115,13 @@ PROCESS_MEMORY_BY_PHASE = Instrument(
 TORCH_CUDA_PEAK_ALLOCATED = Instrument(
     CUDA_PEAK_ALLOCATED,
     "By",
-    "Highest bytes held by tensors in a step of the phase (allocator peak, reset each step), "
-    "the largest since the last collection",
+    "Highest bytes held by tensors since the last collection, in the phase (allocator peak, "
+    "reset at each collection and change of phase)",
 )
 TORCH_CUDA_PEAK_RESERVED = Instrument(
     CUDA_PEAK_RESERVED,
     "By",
-    "Highest bytes reserved by the caching allocator in a step of the phase, the largest "
-    "since the last collection",
+    "Highest bytes reserved by the caching allocator since the last collection, in the phase",
 )
 
 HOST = (CPU_UTILIZATION, MEMORY_AVAILABLE, NETWORK_THROUGHPUT, DISK_IOPS, DISK_THROUGHPUT)
@@ -146,9 +145,9 @@ GPU = (
 )
 PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
 PHASE_MEMORY = (PROCESS_MEMORY_BY_PHASE,)
-STEP_MEMORY = (TORCH_CUDA_PEAK_ALLOCATED, TORCH_CUDA_PEAK_RESERVED)
+PEAK_MEMORY = (TORCH_CUDA_PEAK_ALLOCATED, TORCH_CUDA_PEAK_RESERVED)
 TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
-ALL = HOST + GPU + PROCESS + TORCH + PHASE_MEMORY + STEP_MEMORY
+ALL = HOST + GPU + PROCESS + TORCH + PHASE_MEMORY + PEAK_MEMORY
 
 # attribute keys and values
 HW_ID = "hw.id"

@@ -1,18 +1,18 @@
-"""Memory by training phase and by step: what `otelprof report` shows per phase.
+"""Memory by training phase: what `otelprof report` and `otelprof compare` show per phase.
 
 - `otelprof.process.memory.by_phase` (By, gauge, `otelprof.phase`): this process's resident
   memory as the sampler reads it for `process.memory.usage`, labelled with the training
   phase current at that read (`PhaseMemory`). Nothing runs on the training thread.
 - `otelprof.torch.cuda.memory.peak.allocated` / `.peak.reserved` (By, gauge,
-  `otelprof.phase`, `otelprof.cuda.device`, `hw.id`), with the `step_memory` option
-  (`StepPeaks`): at each training step boundary and each change of phase, on the training
-  thread, the caching allocator's peak since the previous boundary is read and reset, so
-  each step (and each block of another phase, such as a validation pass) has a peak of its
-  own. The thread does no I/O: it keeps, per phase and device, the highest peak since the
-  last collection, which the sampler's thread exports (the point's start time is the
-  previous collection's). Resetting the allocator's peak changes what the program's own
-  `torch.cuda.max_memory_allocated()` means (the current step's peak), hence opt-in. The
-  cost per step is in BENCHMARKS.md; without CUDA initialized a boundary costs one check.
+  `otelprof.phase`, `otelprof.cuda.device`, `hw.id`), with the `memory_peaks` option
+  (`PhasePeaks`): the caching allocator's peak since the previous read, read and reset by
+  the sampler's thread at each snapshot and, on the thread that changes phase, at each
+  change of phase, so each collection interval and each block of a phase (a validation
+  pass) has a peak of its own: the highest any of its steps reached. Training steps cost
+  nothing more (no step hook: the per-step peaks of an interval would be exported as their
+  highest anyway); a change of phase costs one read (BENCHMARKS.md). Resetting the peak
+  changes what the program's own `torch.cuda.max_memory_allocated()` means (the peak since
+  the last collection), hence opt-in.
 
 The CUDA calls sit behind `CudaPeaks` (`TorchCudaPeaks` is the real one), so tests drive the
 logic without a GPU.
@@ -72,63 +72,56 @@ class TorchCudaPeaks:
         ]
 
 
-class StepPeaks:
-    """Per-step CUDA peaks, read on the training thread, exported by the sampler's.
+class PhasePeaks:
+    """The CUDA allocator's peaks by phase: read and reset by the sampler's thread at each
+    snapshot and, on the thread that changes phase, at each change of phase (so a window
+    never spans two phases); nothing at step boundaries.
 
-    `attach(engine)` listens to the timings engine's training steps and phase changes; the
-    system sampler reads `source(clock)` once per snapshot."""
+    `attach(engine)` listens to the timings engine's phase changes; the system sampler reads
+    `source(clock, training)` once per snapshot."""
 
-    def __init__(
-        self,
-        peaks: CudaPeaks | None = None,
-        log: LogOnce | None = None,
-    ) -> None:
+    def __init__(self, peaks: CudaPeaks | None = None, log: LogOnce | None = None) -> None:
         self._peaks = peaks or TorchCudaPeaks()
         self._log = log or LogOnce()
         self._lock = threading.Lock()
         # (phase, device attributes) -> [peak allocated, peak reserved, attributes]
         self._window: dict[tuple[str, tuple[tuple[str, Any], ...]], list[Any]] = {}
         self._window_start: int | None = None
+        self._phase = PHASE_TRAIN  # the last phase seen (the sampler's, or a change's)
         self._removers: list[Callable[[], None]] = []
         self.failed = False
 
     def attach(self, engine: Any) -> None:
-        """Listen to `engine`'s step boundaries and phase changes (the training thread)."""
-        self._removers = [
-            engine.add_step_listener(self.on_step),
-            engine.add_phase_listener(self.on_phase),
-        ]
+        """Listen to `engine`'s changes of phase (on the thread that changes it)."""
+        self._removers = [engine.add_phase_listener(self.on_phase)]
 
     def close(self) -> None:
         for remove in self._removers:
             remove()
         self._removers = []
 
-    def on_step(self, _step: int, _train_ns: int, _first: bool) -> None:
-        self._boundary(PHASE_TRAIN)
+    def on_phase(self, previous: str, phase: str) -> None:
+        """A change of phase: the peak so far belongs to the phase that ends."""
+        self._take(previous)
+        self._phase = phase
 
-    def on_phase(self, previous: str, _phase: str) -> None:
-        self._boundary(previous)
-
-    def _boundary(self, phase: str) -> None:
-        """The training thread's part: read and reset, keep the window's highest."""
+    def _take(self, phase: str) -> None:
+        """Read and reset the allocator's peaks; keep the window's highest for `phase`."""
         if self.failed:
             return
-        try:
-            read = self._peaks.read_and_reset()
-        except Exception as error:  # telemetry never breaks training
-            self.failed = True
-            self._log(
-                f"step-peaks:{type(error).__name__}",
-                logging.WARNING,
-                "cannot read the CUDA allocator's peaks (%s: %s); per-step memory off",
-                type(error).__name__,
-                error,
-            )
-            return
-        if not read:
-            return
-        with self._lock:
+        with self._lock:  # one reader at a time: a peak is read and reset once
+            try:
+                read = self._peaks.read_and_reset()
+            except Exception as error:  # telemetry never breaks training
+                self.failed = True
+                self._log(
+                    f"memory-peaks:{type(error).__name__}",
+                    logging.WARNING,
+                    "cannot read the CUDA allocator's peaks (%s: %s); memory peaks off",
+                    type(error).__name__,
+                    error,
+                )
+                return
             window = self._window
             for attrs, allocated, reserved in read:
                 key = (phase, tuple(attrs.items()))
@@ -136,24 +129,33 @@ class StepPeaks:
                 if have is None:
                     window[key] = [allocated, reserved, attrs]
                 else:
-                    if allocated > have[0]:
-                        have[0] = allocated
-                    if reserved > have[1]:
-                        have[1] = reserved
+                    have[0] = max(have[0], allocated)
+                    have[1] = max(have[1], reserved)
 
-    def source(self, clock: Callable[[], int]) -> Callable[[], list[Reading]]:
+    def source(
+        self, clock: Callable[[], int], training: Training | None = None
+    ) -> Callable[[], list[Reading]]:
         """A source for the system sampler (one call per snapshot, shared by every reader),
-        its readings stamped by `clock`, the sampler's."""
-        return lambda: self.sample(clock())
+        its readings stamped by `clock`, the sampler's; `training` gives the phase now."""
 
-    def sample(self, now: int | None = None) -> list[Reading]:
-        """The highest peaks per phase and device since the previous sample."""
+        def sample() -> list[Reading]:
+            state = training() if training is not None else None
+            return self.sample(clock(), state[1] if state is not None else None)
+
+        return sample
+
+    def sample(self, now: int | None = None, phase: str | None = None) -> list[Reading]:
+        """The highest peaks per phase and device since the previous sample; the peak since
+        the last read is the current phase's (`phase`, else the last one seen)."""
+        if phase is not None:
+            self._phase = phase
+        self._take(self._phase)
         with self._lock:
             window, self._window = self._window, {}
         start, self._window_start = self._window_start, now
         out = []
-        for (phase, _), (allocated, reserved, attrs) in window.items():
-            labelled = {**attrs, ATTR_PHASE: phase}
+        for (phase_of, _), (allocated, reserved, attrs) in window.items():
+            labelled = {**attrs, ATTR_PHASE: phase_of}
             out.append(
                 Reading(names.TORCH_CUDA_PEAK_ALLOCATED.name, allocated, labelled, now, start)
             )
