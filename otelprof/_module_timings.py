@@ -24,9 +24,9 @@ What each hooked module records (ranges through the recorder's public `begin_lea
   producers are (every gradient of its inputs is then in), through torch's public
   `Node.register_prehook` on that call's nodes, which go with the graph. A module none of
   whose inputs needs a gradient (a model's first layer) ends when the backward pass ends
-  (the autograd engine's final callback), as does one whose inputs' gradients never come.
-  An input used elsewhere too ends when all its uses' gradients are in, as torch's own
-  multi-gradient hooks would say.
+  (the autograd engine's final callback); a range whose inputs' gradients never come (a
+  path cut inside the module) is not recorded. An input used elsewhere too ends when all
+  its uses' gradients are in, as torch's own multi-gradient hooks would say.
 The ranges are leaves (never parents), so the program's own ranges nest exactly as they
 do without module timings, and the report keeps module ranges out of the step breakdown.
 `close()` removes every hook this added. Hooks never raise into the model.
@@ -214,7 +214,7 @@ class ModuleTimings:
             node.register_prehook(call.end)
 
     def _opened(self, call: _BackwardCall) -> None:
-        """A backward range began: make sure the pass's end closes it if nothing else does."""
+        """A backward range began that no input's gradient will end: the pass's end does."""
         with self._lock:
             if len(self._open_backward) >= _MAX_OPEN_BACKWARD:  # passes that never ended
                 self._open_backward.clear()
@@ -225,10 +225,6 @@ class ModuleTimings:
         if queue and not _torch_compat.queue_backward_callback(self._torch, self._pass_ended):
             with self._lock:
                 self._callback_queued = False
-
-    def _closed_call(self, call: _BackwardCall) -> None:
-        with self._lock:
-            self._open_backward.pop(id(call), None)
 
     def _pass_ended(self) -> None:
         with self._lock:
@@ -258,7 +254,7 @@ class _BackwardCall:
             if self.frame is not None or self.done or owner._closed:
                 return
             self.frame = owner._rec.begin_leaf(self.name)
-            if self.frame is not None:
+            if self.frame is not None and not self.pending:  # no input to end it
                 owner._opened(self)
         except Exception as error:
             _log.debug("otelprof: module backward hook failed: %r", error)
@@ -267,7 +263,6 @@ class _BackwardCall:
         try:
             self.pending -= 1
             if self.pending <= 0 and self.frame is not None:
-                self.owner._closed_call(self)
                 self.finish()
         except Exception as error:
             _log.debug("otelprof: module backward hook failed: %r", error)
