@@ -21,6 +21,7 @@ import pytest
 import otelprof
 from otelprof.cli import main as cli_main
 from tests.run_generators import RunSpec, write_sdk_run
+from tests.test_memory_by_phase import wait_for_samples
 
 TRAIN_S = 0.010
 LOADER_S = 0.002
@@ -150,3 +151,41 @@ def test_a_missing_run_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFi
     run = write_sdk_run(tmp_path / "a", RunSpec(steps=4))
     assert cli_main(["compare", str(run), str(tmp_path / "nope")]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_a_slower_module_and_memory_by_phase_are_in_the_comparison(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    class Sleepy(torch.nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.seconds = seconds
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.seconds)
+            return self.lin(x)  # type: ignore[no-any-return]
+
+    runs = []
+    for name, seconds in (("a", 0.004), ("b", 0.016)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), Sleepy(seconds))
+        with otelprof.instrument(
+            output_dir=tmp_path / name, module_timings=1, interval=0.2, host_metrics=False
+        ) as prof:
+            for _ in range(6):
+                with otelprof.timing("train_batch"):
+                    model(torch.randn(2, 4)).sum().backward()
+                prof.step()
+            wait_for_samples(prof)  # RSS labelled with the phase while the loop runs
+        assert prof.run_dir is not None
+        runs.append(prof.run_dir)
+    doc = compare_json(capsys, *runs)
+
+    sleepy = row(doc, "modules", "Sequential.1")
+    assert sleepy["change"] == pytest.approx(0.012, abs=0.003)
+    assert sleepy["direction"] == "slower"
+    assert any(c.startswith("module Sequential.1 +") for c in doc["changes"])
+    rss = row(doc, "memory", "RSS max (train)")
+    assert rss["a"] > 0 and rss["b"] > 0 and rss["unit"] == "By"

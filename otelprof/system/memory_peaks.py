@@ -165,11 +165,13 @@ class PhasePeaks:
 
 class PhaseMemory:
     """Wraps the process sampler: its RSS reading again, labelled with the phase current
-    at the read (`training` returns (steps, phase), or None without a running loop)."""
+    at the read (`training` returns (steps, phase), or None without a running loop: the
+    final sample, after the loop stopped, keeps the last phase seen)."""
 
     def __init__(self, sample: Callable[[], list[Reading]], training: Training) -> None:
         self._sample = sample
         self._training = training
+        self._phase: str | None = None
 
     def sample(self) -> list[Reading]:
         readings = self._sample()
@@ -177,9 +179,11 @@ class PhaseMemory:
             state = self._training()
         except Exception:  # the derived figure must never cost the process readings
             return readings
-        if state is None:
+        if state is not None:
+            self._phase = state[1]
+        phase = self._phase
+        if phase is None:
             return readings
-        phase = state[1]
         for r in list(readings):
             if r.name == names.PROCESS_MEMORY_USAGE.name:
                 readings.append(
