@@ -33,7 +33,7 @@ def _no_profiler_left_running() -> Iterator[None]:
 
 
 class ScriptedAllocator:
-    """`torch.cuda` as far as per-step peaks go: allocated/reserved with torch's peak
+    """`torch.cuda` as far as peaks go: allocated/reserved with torch's peak
     counters (a peak is the highest since the last reset; a reset starts it at the current)."""
 
     def __init__(self, base: int) -> None:
@@ -53,19 +53,25 @@ class ScriptedAllocator:
     def is_initialized(self) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
+    def device_count(self) -> int:
+        return 2  # this process uses device 0 only: device 1 reports nothing
 
     def get_device_properties(self, _device: int) -> Any:
         return SimpleNamespace(uuid="5d3e1b2c")
 
-    def memory_stats_as_nested_dict(self, _device: int) -> dict[str, Any]:
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
+        if device == 1:
+            return {
+                "allocated_bytes": {"all": {"current": 0, "peak": 0}},
+                "reserved_bytes": {"all": {"current": 0, "peak": 0}},
+            }
         return {
             "allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
             "reserved_bytes": {"all": {"current": self.reserved, "peak": self.reserved_peak}},
         }
 
-    def reset_peak_memory_stats(self, _device: int) -> None:
+    def reset_peak_memory_stats(self, device: int) -> None:
+        assert device == 0
         self.resets += 1
         self.peak, self.reserved_peak = self.allocated, self.reserved
 

@@ -44,9 +44,11 @@ class CudaPeaks(Protocol):
 
 
 class TorchCudaPeaks:
-    """The allocator's peaks of the process's current CUDA device, from torch's public
-    calls: `memory_stats_as_nested_dict` (one call for both peaks, no flattening) and
-    `reset_peak_memory_stats`. Never imports torch nor initializes CUDA."""
+    """The allocator's peaks of every CUDA device this process has memory on, from torch's
+    public calls: `memory_stats_as_nested_dict` (one call for both peaks, no flattening) and
+    `reset_peak_memory_stats`. Every device, not the current one: the current device is a
+    per-thread setting, and the reads come from the sampler's thread too. Never imports
+    torch nor initializes CUDA."""
 
     def __init__(self, modules: Any = None) -> None:
         self._modules = sys.modules if modules is None else modules
@@ -57,19 +59,19 @@ class TorchCudaPeaks:
         cuda = getattr(torch, "cuda", None)
         if cuda is None or not cuda.is_initialized():
             return []
-        device = cuda.current_device()
-        stats = cuda.memory_stats_as_nested_dict(device)
-        cuda.reset_peak_memory_stats(device)
-        attrs = self._attributes.get(device)
-        if attrs is None:
-            attrs = self._attributes[device] = device_attributes(cuda, device)
-        return [
-            (
-                attrs,
-                float(stats["allocated_bytes"]["all"]["peak"]),
-                float(stats["reserved_bytes"]["all"]["peak"]),
-            )
-        ]
+        out = []
+        for device in range(cuda.device_count()):
+            stats = cuda.memory_stats_as_nested_dict(device)
+            reserved = stats.get("reserved_bytes", {}).get("all", {}).get("peak", 0)
+            if not reserved:
+                continue  # no memory of this process on that device
+            cuda.reset_peak_memory_stats(device)
+            attrs = self._attributes.get(device)
+            if attrs is None:
+                attrs = self._attributes[device] = device_attributes(cuda, device)
+            allocated = stats["allocated_bytes"]["all"]["peak"]
+            out.append((attrs, float(allocated), float(reserved)))
+        return out
 
 
 class PhasePeaks:
