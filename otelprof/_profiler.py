@@ -160,8 +160,19 @@ class _Session:
         self._aggregate_metrics: Any = None
         self.timings: Any = None
         self._helpers = HelperSwap()
+        self.memory_peaks: Any = None
+        if settings.memory_peaks and settings.timings:
+            from otelprof.system.memory_peaks import PhasePeaks
+
+            self.memory_peaks = PhasePeaks()
         self.system = _degrade("system metrics", self._start_system_metrics)
         self.timings = _degrade("timings", self._start_timings)
+        self.modules: Any = None
+        if self.timings is not None:
+            if self.memory_peaks is not None:
+                _degrade("memory peaks", lambda: self.memory_peaks.attach(self.timings))
+            if settings.module_timings:
+                self.modules = _degrade("module timings", self._start_module_timings)
         self.distributed = _degrade(
             "distributed hooks", lambda: self._start_distributed(on_new_identity)
         )
@@ -266,6 +277,8 @@ class _Session:
         watchdog.start()
         steps: list[tuple[str, Any]] = [
             ("distributed hooks", self.distributed.remove if self.distributed else None),
+            ("module timings", self.modules.close if self.modules else None),
+            ("memory peaks", self.memory_peaks.close if self.memory_peaks else None),
             ("per-step helpers", self._helpers.uninstall),
             ("timings", self.timings.shutdown if self.timings else None),
             ("timing histograms", self._final_aggregates if self.timings else None),
@@ -303,6 +316,7 @@ class _Session:
                 torch_cuda_memory=s.process_metrics,
             ),
             training=self._training_progress,
+            memory_peaks=self.memory_peaks,
         )
 
     def _training_progress(self) -> tuple[int, str] | None:
@@ -339,6 +353,15 @@ class _Session:
                 lambda: register(registry, engine.aggregates, self.resource.attributes, _version()),
             )
         return engine
+
+    def _start_module_timings(self) -> Any:
+        import torch
+
+        from otelprof._module_timings import ModuleTimings
+
+        modules = ModuleTimings(self.settings.module_timings, torch)
+        modules.start()
+        return modules
 
     def _start_distributed(self, on_new_identity: Callable[[], None]) -> Any:
         from otelprof._distributed.hooks import DistributedHooks

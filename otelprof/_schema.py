@@ -52,6 +52,11 @@ DDP_COLLECTIVE = "ddp_allreduce"
 """`otelprof.collective` of DDP's gradient all-reduce (a `torch.distributed` call's is its name,
 on span `dist.<name>`)."""
 COLLECTIVE_SPAN_PREFIX = "dist."
+MODULE_FORWARD_PREFIX = "module.forward:"
+"""A module's forward (`module_timings`): `module.forward:<Model class>.<path>`, e.g.
+`module.forward:Net.encoder.layers.0`."""
+MODULE_BACKWARD_PREFIX = "module.backward:"
+MODULE_PREFIXES = (MODULE_FORWARD_PREFIX, MODULE_BACKWARD_PREFIX)
 TORCH_STEP_RANGE = "ProfilerStep"
 """The range `torch.profiler.profile` opens from one of its `step()` calls to the next
 (`ProfilerStep#N`; torch's `PROFILER_STEP_NAME`): a marker around a step, never a part of one."""
@@ -93,6 +98,11 @@ TRAIN_TOKENS = "otelprof.train.tokens"
 TRAIN_THROUGHPUT_SAMPLES = "otelprof.train.throughput.samples"
 TRAIN_THROUGHPUT_TOKENS = "otelprof.train.throughput.tokens"
 TRAIN_MFU = "otelprof.train.mfu"
+MEMORY_BY_PHASE = "otelprof.process.memory.by_phase"
+"""This process's RSS, sampled, with `otelprof.phase` (`system/memory_peaks.py`)."""
+CUDA_PEAK_ALLOCATED = "otelprof.torch.cuda.memory.peak.allocated"
+CUDA_PEAK_RESERVED = "otelprof.torch.cuda.memory.peak.reserved"
+"""The CUDA allocator's peaks by `otelprof.phase` (the `memory_peaks` option)."""
 
 
 def is_loss(key: str) -> bool:

@@ -58,3 +58,14 @@ def default_store(dist: Any) -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:
         return None
+
+
+def queue_backward_callback(torch: Any, callback: Any) -> bool:
+    """Run `callback` when the backward pass now running ends (the autograd engine's final
+    callbacks, which DDP uses too); False when this torch has no such queue. Call it only
+    from inside a backward pass (a gradient hook)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        return True
+    except Exception:
+        return False

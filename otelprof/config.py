@@ -323,6 +323,21 @@ def run_name(src: _Source) -> str:
     return name
 
 
+MAX_MODULE_DEPTH = 8
+
+
+def module_depth(src: _Source) -> int:
+    """`module_timings`: a depth (0 = off), or a boolean (on = 1, the model's children)."""
+    raw = src.value
+    if isinstance(raw, bool):
+        return int(raw)
+    if isinstance(raw, str):
+        word = raw.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return int(word in _TRUE)
+    return integer(0, MAX_MODULE_DEPTH, hint=" (0 = off)")(src)
+
+
 def schedule_function(src: _Source) -> Callable[[int], Any]:
     if src.from_env or not callable(src.value):
         raise src.error("expected a callable step -> action")
@@ -421,6 +436,14 @@ class Settings:
         default=True, metadata=opt(env=("OTELPROF_CUDA_EVENTS",), parse=boolean)
     )
     sync_cuda: bool = field(default=False, metadata=opt(env=("OTELPROF_SYNC_CUDA",), parse=boolean))
+    # forward/backward ranges of nn.Module models to this depth (1: the model's children)
+    module_timings: int = field(
+        default=0, metadata=opt(env=("OTELPROF_MODULE_TIMINGS",), parse=module_depth)
+    )
+    # the CUDA allocator's peak by phase, every interval (resets torch's peak counters)
+    memory_peaks: bool = field(
+        default=False, metadata=opt(env=("OTELPROF_MEMORY_PEAKS",), parse=boolean)
+    )
     max_queued_spans: int = field(
         default=65536,
         metadata=opt(env=("OTELPROF_MAX_QUEUED_SPANS",), parse=integer(1, 1 << 30)),

@@ -60,6 +60,16 @@ def test_environment_values_are_parsed(tmp_path: Path) -> None:
     assert s.headers == {"authorization": "Bearer x"}
 
 
+def test_module_timings_take_a_depth_or_a_switch(tmp_path: Path) -> None:
+    assert settings(tmp_path).module_timings == 0
+    assert settings(tmp_path, module_timings=True).module_timings == 1
+    assert settings(tmp_path, module_timings=3).module_timings == 3
+    for text, depth in (("off", 0), ("on", 1), ("true", 1), ("0", 0), ("1", 1), ("2", 2)):
+        env = {"OTELPROF_MODULE_TIMINGS": text}
+        assert settings(tmp_path, env=env).module_timings == depth, text
+    assert settings(tmp_path, env={"OTELPROF_MEMORY_PEAKS": "1"}).memory_peaks is True
+
+
 def test_host_metrics_default_to_local_rank_zero_only(tmp_path: Path) -> None:
     assert settings(tmp_path, env={"LOCAL_RANK": "0"}).host_metrics is True
     assert settings(tmp_path, env={"LOCAL_RANK": "3"}).host_metrics is False
@@ -173,6 +183,10 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("headers", "OTEL_EXPORTER_OTLP_HEADERS", "A=1,a=2", "given twice"),
     ("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES", "team=a%00b", "NUL byte"),
     ("gpus", "OTELPROF_GPUS", "\x00", "contains a NUL byte"),
+    ("module_timings", "OTELPROF_MODULE_TIMINGS", 9, "must be between 0 and 8 (0 = off)"),
+    ("module_timings", "OTELPROF_MODULE_TIMINGS", 1.5, "expected an integer"),
+    ("module_timings", "OTELPROF_MODULE_TIMINGS", "deep", "expected an integer"),
+    ("memory_peaks", "OTELPROF_MEMORY_PEAKS", "maybe", "expected"),
 ]
 
 

@@ -71,6 +71,21 @@ def register(subparsers: Any) -> None:
     )
     report.set_defaults(func=_report)
 
+    compare = subparsers.add_parser(
+        "compare",
+        help="compare two detached runs: what changed from A to B, and how much",
+        description="Compare run A with run B (each read as `otelprof report` reads it): "
+        "step time and its parts, throughput, memory by phase, top modules, hardware, "
+        "verdicts; the main changes in words.",
+    )
+    compare.add_argument("run_a", type=Path, metavar="A", help="the run before the change")
+    compare.add_argument("run_b", type=Path, metavar="B", help="the run after the change")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("--html", type=Path, metavar="FILE", help="also write an HTML page")
+    compare.add_argument("--width", type=int, default=None, help="terminal width for tables")
+    _add_read_budget(compare, "a larger run is read in parts, as by `otelprof report`")
+    compare.set_defaults(func=_compare)
+
     trace = subparsers.add_parser(
         "trace",
         help="convert a detached run to a Chrome/Perfetto trace (ranks merged on one time axis)",
@@ -273,6 +288,17 @@ def _report(args: argparse.Namespace) -> int:
         print(f"HTML report written to {args.html}")
     _finish(warn)
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from otelprof.analysis.compare_cli import run_compare
+
+    warn = WarningLog()
+    try:
+        code = run_compare(args, warn, _open)
+    finally:
+        _finish(warn)
+    return code
 
 
 def _trace(args: argparse.Namespace) -> int:

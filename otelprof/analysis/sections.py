@@ -40,6 +40,8 @@ _BUILTIN: tuple[str, ...] = (
     "otelprof.analysis.gpu_energy",
     "otelprof.analysis.straggler_section",
     "otelprof.analysis.throughput",
+    "otelprof.analysis.memory_section",
+    "otelprof.analysis.module_section",
 )
 """Analysis modules whose sections every report shows (imported on first use)."""
 

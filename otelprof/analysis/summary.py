@@ -22,6 +22,7 @@ from otelprof._schema import (
     ATTR_REASON,
     ATTR_SOURCE,
     ATTR_STEP,
+    MODULE_PREFIXES,
     PHASE_AFTER_TRAINING,
     PHASE_TRAIN,
     STEP_SPAN,
@@ -394,6 +395,9 @@ class _StepResolver:
             od.popitem(last=False)
 
     def _direct(self, name: str, dur_s: float) -> None:
+        if name.startswith(MODULE_PREFIXES):  # a model's parts: its own section, no share
+            self._nested(name, STEP_SPAN, dur_s)
+            return
         agg = self.timings[name]
         agg.direct_total_s += dur_s
         agg.direct_count += 1

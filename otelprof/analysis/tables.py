@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from otelprof._schema import MODULE_PREFIXES
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.summary import (
     PARENT_ROOT,
@@ -53,6 +54,8 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     direct: list[TimingRow] = []
     other: list[TimingRow] = []
     for agg in summary.timings.values():
+        if agg.name.startswith(MODULE_PREFIXES):
+            continue  # the per-module section's (module_section.py)
         s = agg.stats
         if len(agg.by_parent) > 1:  # one row per parent: no total beyond any parent's own
             kept = sum(stats.count for stats in agg.by_parent.values())

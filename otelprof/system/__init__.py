@@ -35,10 +35,16 @@ exported point's time is the read and its start time the window's start, see `_s
 | `process.memory.usage` | `By` | – | this process's RSS |
 | `otelprof.torch.cuda.memory.allocated` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
 | `otelprof.torch.cuda.memory.reserved` | `By` | `otelprof.cuda.device`, `hw.id` | torch |
+| `otelprof.process.memory.by_phase` | `By` | phase | this process's RSS, labelled by phase |
+| `otelprof.torch.cuda.memory.peak.allocated` | `By` | device, `hw.id`, phase | torch, reset |
+| `otelprof.torch.cuda.memory.peak.reserved` | `By` | device, `hw.id`, phase | torch, reset |
 
 src = `otelprof.gpu.source` (`gpm` or `nvml`: where the value came from, `_gpu_perf.py`);
-direction = `network.io.direction`. `otelprof.gpu.process.memory.usage` is the memory this
-process and its children hold on that GPU, beside the device-wide `hw.gpu.memory.usage`.
+direction = `network.io.direction`; phase = `otelprof.phase`; device =
+`otelprof.cuda.device`. The memory rows by phase are `memory_peaks.py`'s (the peaks with the
+`memory_peaks` option: the allocator's peak of each interval and phase block, then reset).
+`otelprof.gpu.process.memory.usage` is the memory this process and its children hold on
+that GPU, beside the device-wide `hw.gpu.memory.usage`.
 Host rows come with `host_metrics` (local rank 0 by default, decided in config), GPU rows
 with `gpus="visible"|"all"` when NVML finds a GPU, process rows with `process_metrics`,
 torch rows once this process has initialized CUDA. A value that cannot be read is absent

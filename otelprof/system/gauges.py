@@ -30,6 +30,7 @@ from ._stamps import Clock, StampedValue, attr_key, recent_counters
 from .amd import AmdGpuSampler
 from .gpu import GpuSampler
 from .host import HostSampler
+from .memory_peaks import PhaseMemory, PhasePeaks
 from .process import ProcessSampler
 from .torch_memory import TorchMemorySampler
 
@@ -189,14 +190,17 @@ def register_system_metrics(
     clock: Clock | Callable[[], float] | None = None,
     amdsmi: Any = None,
     training: Training | None = None,
+    memory_peaks: PhasePeaks | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
     `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi and
     os.environ (tests use fakes for hardware this machine lacks). `training` returns
     (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (the Profiler
-    passes its timings engine's; default: none). `clock` is a `_stamps.Clock`, or a function
-    returning monotonic seconds (a test's scripted time).
+    passes its timings engine's; default: none), which also labels this process's RSS
+    with the phase (`memory_peaks.PhaseMemory`); `memory_peaks` reads the CUDA allocator's
+    peaks by phase at each snapshot (`memory_peaks.PhasePeaks`). `clock` is a `_stamps.Clock`, or a
+    function returning monotonic seconds (a test's scripted time).
     """
     log = LogOnce()
     clock = _as_clock(clock)
@@ -225,12 +229,19 @@ def register_system_metrics(
             None if psutil_module is None else psutil_module.Process(), log=log, clock=clock
         )
         process.prime()
-        sources.append(("process", process.sample))
+        if training is None:
+            sources.append(("process", process.sample))
+        else:
+            sources.append(("process", PhaseMemory(process.sample, training).sample))
+            instruments.extend(names.PHASE_MEMORY)
         closers.append(process.close)
         instruments.extend(names.PROCESS)
     if settings.torch_cuda_memory:
         sources.append(("torch", TorchMemorySampler(log=log, clock=clock).sample))
         instruments.extend(names.TORCH)
+    if memory_peaks is not None:
+        sources.append(("memory peaks", memory_peaks.source(clock, training)))
+        instruments.extend(names.PEAK_MEMORY)
 
     counters = frozenset(i.name for i in instruments if i.kind == "counter")
     snapshots = Snapshots(

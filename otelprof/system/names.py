@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE
+
 
 @dataclass(frozen=True)
 class Instrument:
@@ -104,6 +106,24 @@ TORCH_CUDA_RESERVED = Instrument(
     "otelprof.torch.cuda.memory.reserved", "By", "Bytes reserved by the caching allocator"
 )
 
+# memory by training phase (`memory_peaks.py`), with `otelprof.phase`
+PROCESS_MEMORY_BY_PHASE = Instrument(
+    MEMORY_BY_PHASE,
+    "By",
+    "This process's resident memory, sampled, with the training phase current at the sample",
+)
+TORCH_CUDA_PEAK_ALLOCATED = Instrument(
+    CUDA_PEAK_ALLOCATED,
+    "By",
+    "Highest bytes held by tensors since the last collection, in the phase (allocator peak, "
+    "reset at each collection and change of phase)",
+)
+TORCH_CUDA_PEAK_RESERVED = Instrument(
+    CUDA_PEAK_RESERVED,
+    "By",
+    "Highest bytes reserved by the caching allocator since the last collection, in the phase",
+)
+
 HOST = (CPU_UTILIZATION, MEMORY_AVAILABLE, NETWORK_THROUGHPUT, DISK_IOPS, DISK_THROUGHPUT)
 GPU = (
     GPU_UTILIZATION,
@@ -124,8 +144,10 @@ GPU = (
     GPU_IDLE,
 )
 PROCESS = (PROCESS_CPU_UTILIZATION, PROCESS_MEMORY_USAGE)
+PHASE_MEMORY = (PROCESS_MEMORY_BY_PHASE,)
+PEAK_MEMORY = (TORCH_CUDA_PEAK_ALLOCATED, TORCH_CUDA_PEAK_RESERVED)
 TORCH = (TORCH_CUDA_ALLOCATED, TORCH_CUDA_RESERVED)
-ALL = HOST + GPU + PROCESS + TORCH
+ALL = HOST + GPU + PROCESS + TORCH + PHASE_MEMORY + PEAK_MEMORY
 
 # attribute keys and values
 HW_ID = "hw.id"

@@ -66,14 +66,20 @@ class TorchMemorySampler:
     def _device_attributes(self, cuda: Any, ordinal: int) -> Attributes:
         known = self._attributes.get(ordinal)
         if known is None:
-            known = {names.CUDA_DEVICE: ordinal}
-            try:
-                uuid = str(cuda.get_device_properties(ordinal).uuid)
-                if uuid and not uuid.startswith(("GPU-", "MIG-")):
-                    uuid = f"GPU-{uuid}"
-                if uuid:
-                    known[names.HW_ID] = uuid
-            except Exception:
-                pass  # older torch: no uuid property
-            self._attributes[ordinal] = known
+            known = self._attributes[ordinal] = device_attributes(cuda, ordinal)
         return known
+
+
+def device_attributes(cuda: Any, ordinal: int) -> Attributes:
+    """`otelprof.cuda.device` and, when torch knows it, `hw.id` (the GPU's UUID, as NVML
+    names it, to join with the `hw.gpu.*` series)."""
+    attrs: Attributes = {names.CUDA_DEVICE: ordinal}
+    try:
+        uuid = str(cuda.get_device_properties(ordinal).uuid)
+        if uuid and not uuid.startswith(("GPU-", "MIG-")):
+            uuid = f"GPU-{uuid}"
+        if uuid:
+            attrs[names.HW_ID] = uuid
+    except Exception:
+        pass  # older torch: no uuid property
+    return attrs

@@ -24,6 +24,7 @@ advancing the training step number. Back in "train", the step resumes with the s
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import math
@@ -111,6 +112,7 @@ class TimingsEngine:
         "_kineto_action",
         "_phase",
         "_phase_batches",
+        "_phase_listeners",
         "_running",
         "_schedule",
         "_schedule_errors",
@@ -193,6 +195,7 @@ class TimingsEngine:
         self._train_t0: int | None = None
         self._train_acc_ns = 0
         self._step_listeners: list[Callable[[int, int, bool], None]] = []
+        self._phase_listeners: list[Callable[[str, str], None]] = []
         self._stepping: rec.ThreadState | None = None  # the thread that calls step()
 
     # ---- lifecycle ----
@@ -396,9 +399,17 @@ class TimingsEngine:
                 rec.recorder.emit_step(ctx, end)
             self._begin_step(perf_counter_ns(), trim_start=True)
             self._ctx_is_block = phase != PHASE_TRAIN
+            for listener in tuple(self._phase_listeners):
+                listener(previous, phase)
         except Exception as error:  # telemetry never breaks training
             _log.warning("otelprof: set_phase() failed: %r", error)
         return previous
+
+    def add_phase_listener(self, listener: Callable[[str, str], None]) -> Callable[[], None]:
+        """Call `listener(previous, phase)` on the calling thread at each change of phase
+        while the engine runs. Returns a remover."""
+        self._phase_listeners.append(listener)
+        return functools.partial(_remove_listener, self._phase_listeners, listener)
 
     def timing(self, name: str, **attributes: Any) -> rec.Timing:
         """A timing span (context manager or decorator); see `otelprof.timing`."""
@@ -559,6 +570,11 @@ class TimingsEngine:
             rec.recorder.set_torch_hooks(None, None, None)
         else:
             rec.recorder.set_torch_hooks(_torch_compat.profiler_state(torch), *ops)
+
+
+def _remove_listener(listeners: list[Any], listener: Any) -> None:
+    with contextlib.suppress(ValueError):
+        listeners.remove(listener)
 
 
 def step_failed(error: Exception) -> None:

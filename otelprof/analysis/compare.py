@@ -1,0 +1,350 @@
+"""`otelprof compare A B`: what changed from run A to run B, in figures and in plain words.
+
+Each run is read once, exactly as `otelprof report` reads it (`summary.summarize`, the
+verdict and the report's sections); the comparison only pairs the two reports' figures:
+
+- steps: step time (mean, p50, p95), steps and processes; per process (rank) step means
+  when both runs have several;
+- per step: each direct part of a training step (and the untimed rest) as time per step,
+  so a part that got faster shows as fewer milliseconds in every step;
+- throughput per phase (samples/s, tokens/s, MFU), hardware gauge means, memory by phase
+  (RSS, per-step CUDA peaks) and the top modules' time per step, where the runs have them;
+- the verdicts of both runs.
+
+Every row has its direction: `lower` or `higher` is better, or neither (a gauge such as
+CPU utilization, whose change is neither good nor bad by itself). `changes` puts the few
+changes that matter in words, the largest first, and `headline` joins the main one with the
+verdict ("dataloader_next -41 % per step (20.1 -> 11.9 ms); now compute bound").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE
+from otelprof.analysis.memory_section import memory_by_phase
+from otelprof.analysis.module_section import module_times
+from otelprof.analysis.sections import Section
+from otelprof.analysis.summary import RunSummary
+from otelprof.analysis.verdict import UNTIMED, Verdict, direct_shares
+
+SIGNIFICANT = 0.05
+"""A part's change is named in words when it moves by at least this share of itself ..."""
+SIGNIFICANT_OF_STEP = 0.02
+"""... and by at least this share of run A's step time (noise on tiny parts stays quiet)."""
+STEP_UNCHANGED = 0.02
+"""Step time moving less than this is "unchanged"."""
+SAME = 0.005
+"""A figure moving less than this share of itself reads "same"."""
+TOP_MODULES = 10
+_HIGHER_IS_BETTER = ("hw.gpu.utilization", "hw.gpu.sm.activity", "hw.gpu.tensor.activity")
+_MEMORY_GAUGES = (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED)
+
+
+@dataclass
+class Run:
+    """One side of the comparison: a run as `otelprof report` sees it."""
+
+    label: str  # "A" or "B"
+    summary: RunSummary
+    verdict: Verdict
+    sections: list[Section] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        files = self.summary.files
+        return ", ".join(files.run_ids) or ", ".join(str(d) for d in files.dirs)
+
+
+@dataclass
+class Delta:
+    """One figure in both runs."""
+
+    group: str  # "steps", "per step", "throughput", "hardware", "memory", "modules", ...
+    name: str
+    unit: str  # an OTel unit: "s", "1", "By", "{sample}/s", ...
+    a: float | None
+    b: float | None
+    better: str = ""  # "lower", "higher" or "" (neither)
+
+    @property
+    def change(self) -> float | None:
+        return None if self.a is None or self.b is None else self.b - self.a
+
+    @property
+    def relative(self) -> float | None:
+        change = self.change
+        if change is None or not self.a:
+            return None
+        return change / abs(self.a)
+
+    @property
+    def direction(self) -> str:
+        """faster/slower (times), better/worse (other figures with a better side),
+        higher/lower (figures without), same (within `SAME`), new or gone."""
+        if self.a is None and self.b is None:
+            return ""
+        if self.a is None:
+            return "new"
+        if self.b is None:
+            return "gone"
+        relative = self.relative
+        if self.b == self.a or (relative is not None and abs(relative) < SAME):
+            return "same"
+        up = self.b > self.a
+        if not self.better:
+            return "higher" if up else "lower"
+        good = up == (self.better == "higher")
+        if self.unit == "s":
+            return "faster" if good else "slower"
+        return "better" if good else "worse"
+
+
+@dataclass
+class Comparison:
+    a: Run
+    b: Run
+    rows: list[Delta]
+    changes: list[str]  # the changes that matter, in words, most important first
+    headline: str
+
+    def group(self, name: str) -> list[Delta]:
+        return [r for r in self.rows if r.group == name]
+
+    def find(self, group: str, name: str) -> Delta | None:
+        return next((r for r in self.rows if r.group == group and r.name == name), None)
+
+
+def compare(a: Run, b: Run) -> Comparison:
+    """Pair the two runs' figures and say what changed."""
+    rows = (
+        _steps(a.summary, b.summary)
+        + _per_step(a.summary, b.summary)
+        + _processes(a.summary, b.summary)
+        + _throughput(a.summary, b.summary)
+        + _memory(a.summary, b.summary)
+        + _modules(a.summary, b.summary)
+        + _hardware(a.summary, b.summary)
+    )
+    changes, headline = _in_words(a, b, rows)
+    return Comparison(a, b, rows, changes, headline)
+
+
+# ---- the figures ----
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _steps(a: RunSummary, b: RunSummary) -> list[Delta]:
+    def stat(s: RunSummary, what: str) -> float | None:
+        if not s.step.count:
+            return None
+        return _finite(s.step.mean if what == "mean" else s.step.percentile(float(what[1:])))
+
+    rows = [
+        Delta("steps", f"step time ({what})", "s", stat(a, what), stat(b, what), "lower")
+        for what in ("mean", "p50", "p95")
+    ]
+    rows.append(Delta("steps", "steps", "{step}", float(a.step.count), float(b.step.count)))
+    rows.append(Delta("steps", "processes", "{process}", float(len(a.ranks)), float(len(b.ranks))))
+    return rows
+
+
+def per_step_times(summary: RunSummary) -> dict[str, float]:
+    """Time per training step of each direct part of a step, and of the untimed rest."""
+    steps = summary.step.count
+    if not steps:
+        return {}
+    mean = summary.step.total / steps
+    return {name: share * mean for name, share in direct_shares(summary).items()}
+
+
+def _per_step(a: RunSummary, b: RunSummary) -> list[Delta]:
+    pa, pb = per_step_times(a), per_step_times(b)
+    names = sorted(set(pa) | set(pb), key=lambda n: -max(pa.get(n, 0.0), pb.get(n, 0.0)))
+    if UNTIMED in names:  # the rest last, as in the report
+        names = [n for n in names if n != UNTIMED] + [UNTIMED]
+    return [Delta("per step", n, "s", pa.get(n), pb.get(n), "lower") for n in names]
+
+
+def _processes(a: RunSummary, b: RunSummary) -> list[Delta]:
+    """Step means per rank, paired by rank (multi-process runs only)."""
+    if len(a.ranks) < 2 and len(b.ranks) < 2:
+        return []
+
+    def by_rank(s: RunSummary) -> dict[str, float]:
+        """Paired by rank (pids differ between runs); a process without one by host."""
+        out = {}
+        for r in s.ranks.values():
+            if r.steps.count:
+                rank = r.resource.rank
+                out[f"rank {rank}" if rank is not None else r.resource.host] = r.steps.mean
+        return out
+
+    ra, rb = by_rank(a), by_rank(b)
+    names = sorted(set(ra) | set(rb), key=lambda n: (not n.startswith("rank "), len(n), n))
+    return [
+        Delta("processes", f"{n} step time (mean)", "s", ra.get(n), rb.get(n), "lower")
+        for n in names
+    ]
+
+
+def _throughput(a: RunSummary, b: RunSummary) -> list[Delta]:
+    ta = {t.phase: t for t in a.throughput}
+    tb = {t.phase: t for t in b.throughput}
+    rows = []
+    for phase in (
+        [p for p in ta if p in tb] + [p for p in tb if p not in ta] + [p for p in ta if p not in tb]
+    ):
+        x, y = ta.get(phase), tb.get(phase)
+        for attr, unit, label in (
+            ("samples_per_s", "{sample}/s", "samples/s"),
+            ("tokens_per_s", "{token}/s", "tokens/s"),
+            ("mfu", "1", "MFU"),
+        ):
+            va = getattr(x, attr) if x is not None else None
+            vb = getattr(y, attr) if y is not None else None
+            if va is not None or vb is not None:
+                rows.append(Delta("throughput", f"{label} ({phase})", unit, va, vb, "higher"))
+    return rows
+
+
+def _memory(a: RunSummary, b: RunSummary) -> list[Delta]:
+    ma = {m.phase: m for m in memory_by_phase(a)}
+    mb = {m.phase: m for m in memory_by_phase(b)}
+    rows = []
+    for phase in list(ma) + [p for p in mb if p not in ma]:
+        x, y = ma.get(phase), mb.get(phase)
+        for attr, label in (
+            ("cuda_peak_allocated", "CUDA peak allocated"),
+            ("cuda_peak_reserved", "CUDA peak reserved"),
+            ("rss_max", "RSS max"),
+        ):
+            va = getattr(x, attr) if x is not None else None
+            vb = getattr(y, attr) if y is not None else None
+            if va is not None or vb is not None:
+                rows.append(Delta("memory", f"{label} ({phase})", "By", va, vb, "lower"))
+    return rows
+
+
+def module_per_step(summary: RunSummary) -> dict[str, float]:
+    """Forward + backward time per training step of each timed module (training only)."""
+    steps = summary.step.count
+    if not steps:
+        return {}
+    return {
+        t.module: t.total_s / steps for t in module_times(summary) if not t.module.endswith(")")
+    }
+
+
+def _modules(a: RunSummary, b: RunSummary) -> list[Delta]:
+    ma, mb = module_per_step(a), module_per_step(b)
+    names = sorted(set(ma) | set(mb), key=lambda n: -max(ma.get(n, 0.0), mb.get(n, 0.0)))
+    return [Delta("modules", n, "s", ma.get(n), mb.get(n), "lower") for n in names[:TOP_MODULES]]
+
+
+def _gauges(summary: RunSummary) -> dict[str, tuple[float, str]]:
+    out: dict[str, tuple[float, str]] = {}
+    for s in summary.series.values():
+        if s.name in _MEMORY_GAUGES or s.name in out:
+            continue
+        mean = summary.gauge_mean(s.name)
+        if mean is not None and math.isfinite(mean):
+            out[s.name] = (mean, s.unit)
+    return out
+
+
+def _hardware(a: RunSummary, b: RunSummary) -> list[Delta]:
+    ga, gb = _gauges(a), _gauges(b)
+    rows = []
+    for name in sorted(set(ga) | set(gb)):
+        unit = (ga.get(name) or gb[name])[1]
+        va = ga[name][0] if name in ga else None
+        vb = gb[name][0] if name in gb else None
+        better = "higher" if name in _HIGHER_IS_BETTER else ""
+        rows.append(Delta("hardware", f"{name} (mean)", unit, va, vb, better))
+    return rows
+
+
+# ---- in words ----
+
+
+def percent(relative: float) -> str:
+    """'-41 %', '+3.2 %', '+0.4 %'."""
+    value = 100 * relative
+    return f"{value:+.0f} %" if abs(value) >= 10 else f"{value:+.1f} %"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}" if seconds < 0.01 else f"{seconds * 1e3:.1f}"
+
+
+def _bytes(value: float) -> str:
+    from otelprof.analysis.format import value as by_unit
+
+    return by_unit(value, "By")
+
+
+def _moved(d: Delta, step_a: float | None) -> bool:
+    """A change worth words: new or gone, or large against itself and against the step."""
+    if d.a is None or d.b is None:
+        return max(d.a or 0.0, d.b or 0.0) >= SIGNIFICANT_OF_STEP * (step_a or 0.0)
+    relative, change = d.relative, d.change
+    if relative is None or change is None:
+        return False
+    return abs(relative) >= SIGNIFICANT and abs(change) >= SIGNIFICANT_OF_STEP * (step_a or 0.0)
+
+
+def _part_words(d: Delta, what: str = "per step") -> str:
+    if d.a is None:
+        return f"{d.name} new: {_ms(d.b or 0.0)} ms {what}"
+    if d.b is None:
+        return f"{d.name} gone (was {_ms(d.a)} ms {what})"
+    return f"{d.name} {percent(d.relative or 0.0)} {what} ({_ms(d.a)} -> {_ms(d.b)} ms)"
+
+
+def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
+    step = next((r for r in rows if r.name == "step time (mean)"), None)
+    step_a = step.a if step is not None else None
+    changes: list[str] = []
+    first: str | None = None
+    if step is not None and step.a is not None and step.b is not None:
+        if abs(step.relative or 0.0) < STEP_UNCHANGED:
+            changes.append(f"step time unchanged ({_ms(step.a)} -> {_ms(step.b)} ms)")
+        else:
+            changes.append(
+                f"step time {percent(step.relative or 0.0)} ({_ms(step.a)} -> {_ms(step.b)} ms)"
+            )
+    parts = [r for r in rows if r.group == "per step" and _moved(r, step_a)]
+    parts.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
+    for i, d in enumerate(parts[:3]):
+        words = _part_words(d)
+        if i == 0:
+            first = words
+        changes.append(words)
+    if a.verdict.kind != b.verdict.kind:
+        verdict = f"now {b.verdict.kind} (was {a.verdict.kind})"
+    else:
+        verdict = f"still {b.verdict.kind}"
+    changes.append(verdict)
+    for d in rows:
+        if d.group == "throughput" and d.relative is not None and abs(d.relative) >= 0.02:
+            changes.append(f"{d.name} {percent(d.relative)}")
+    for d in rows:
+        if d.group == "memory" and d.relative is not None and abs(d.relative) >= SIGNIFICANT:
+            changes.append(
+                f"{d.name} {percent(d.relative)} ({_bytes(d.a or 0.0)} -> {_bytes(d.b or 0.0)})"
+            )
+    modules = [r for r in rows if r.group == "modules" and _moved(r, step_a)]
+    modules.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
+    changes.extend(f"module {_part_words(d)}" for d in modules[:2])
+    if len(a.summary.ranks) != len(b.summary.ranks):
+        changes.append(
+            f"processes: {len(a.summary.ranks)} -> {len(b.summary.ranks)} (per-step figures "
+            "are per process)"
+        )
+    lead = first or (changes[0] if changes else "nothing to compare")
+    return changes, f"{lead}; {verdict}"
