@@ -103,7 +103,7 @@ def between_steps(prof: Any) -> Iterator[None]:
     there (DataLoader, Optimizer) are recorded into it, and the next instrumented block
     pays for one 0.5 s step of thousands of ranges, while the bare block pays the bridge.
     The step's clock restarts when the bare block ends; background threads run throughout."""
-    from otelprof.timings import _recorder
+    from otelprof._timings import _recorder
 
     engine = prof._timings
     ctx = engine._ctx

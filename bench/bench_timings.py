@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import otelprof
-from otelprof.timings import timing
+from otelprof._timings import timing
 
 record_function = torch.profiler.record_function
 

@@ -18,7 +18,7 @@ from otelprof._profiler import Profiler, active_profiler, instrument, uninstrume
 from otelprof._throughput import set_peak_flops
 from otelprof._work import step_work
 from otelprof.config import ConfigError, Settings
-from otelprof.timings import (
+from otelprof._timings import (
     HookHandle,
     ScheduleAction,
     Timing,

@@ -48,9 +48,9 @@ from otelprof.export import ExportCounters, build_pipelines
 from otelprof.export.counters import is_loss as _is_loss
 from otelprof.export.wiring import file_names, file_suffix, provisional_pid
 from otelprof.resource import build_resource
-from otelprof.timings import _recorder
-from otelprof.timings._helpers import HelperSwap
-from otelprof.timings._targets import SpanTargets
+from otelprof._timings import _recorder
+from otelprof._timings._helpers import HelperSwap
+from otelprof._timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _lock = threading.RLock()
@@ -297,7 +297,7 @@ class _Session:
         if not self.settings.timings:
             return None
         from otelprof._overhead import calibrate_range_cost
-        from otelprof.timings import TimingsEngine
+        from otelprof._timings import TimingsEngine
 
         engine = TimingsEngine(
             self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
@@ -494,7 +494,7 @@ class Profiler:
         (see `otelprof.phase`)."""
         timings = self._session.timings
         if timings is None:
-            from otelprof.timings._engine import check_phase
+            from otelprof._timings._engine import check_phase
 
             check_phase(phase)
             return PHASE_TRAIN

@@ -9,7 +9,7 @@ from __future__ import annotations
 from otelprof import _profiler
 from otelprof._schema import ATTR_FLOPS, ATTR_PEAK_FLOPS, ATTR_SAMPLES, ATTR_TOKENS, PHASE_TRAIN
 from otelprof._throughput import _check_amount
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 
 def step_work(

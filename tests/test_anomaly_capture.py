@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import otelprof
-from otelprof.timings import _sampling
+from otelprof._timings import _sampling
 from tests.otlp_files import read_spans
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import otelprof
-from otelprof.timings import _api, _helpers
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _api, _helpers
+from otelprof._timings import _recorder as rec
 from tests.otlp_files import Span, read_spans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _compiled_helpers_expected() -> None:
     if rec.speedups is None:
-        pytest.fail("the C extension otelprof.timings._speedups was not built")
+        pytest.fail("the C extension otelprof._timings._speedups was not built")
     if not _helpers.can_substitute():
         pytest.fail(
             f"torch {torch.__version__} has no torch.compiler.substitute_in_graph: the "

@@ -1,4 +1,4 @@
-"""The compiled hot path (`otelprof/timings/_speedups.c`) records exactly what the Python
+"""The compiled hot path (`otelprof/_timings/_speedups.c`) records exactly what the Python
 reference in `_recorder.py` / `_quiet_steps.py` records.
 
 Each scenario drives the recorder through one implementation, then the other, under a fake
@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _api, _engine, _quiet_steps
-from otelprof.timings import _frames as fr
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _api, _engine, _quiet_steps
+from otelprof._timings import _frames as fr
+from otelprof._timings import _recorder as rec
 from tests.timings_harness import start_run
 
 IMPLEMENTATIONS = ("python", "compiled")
@@ -35,7 +35,7 @@ def test_the_compiled_hot_path_is_built() -> None:
     if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
         pytest.fail("OTELPROF_PURE_PYTHON is set: the compiled hot path cannot be checked")
     assert rec.speedups is not None, (
-        "the C extension otelprof.timings._speedups was not built: installing otelprof "
+        "the C extension otelprof._timings._speedups was not built: installing otelprof "
         "(pip install -e .) needs a C compiler and Python's headers"
     )
     assert rec.compiled and _quiet_steps.sample_out is rec.speedups.sample_out
@@ -55,7 +55,7 @@ def test_the_compiled_hot_path_is_built() -> None:
 def use() -> Iterator[Callable[[str], None]]:
     """Switch the hot path; the default (compiled when built) comes back afterwards."""
     if rec.speedups is None:
-        pytest.fail("the C extension otelprof.timings._speedups was not built")
+        pytest.fail("the C extension otelprof._timings._speedups was not built")
     default = rec.compiled
 
     def switch(implementation: str) -> None:

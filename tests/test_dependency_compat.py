@@ -90,7 +90,7 @@ def test_the_c_hot_path_reaches_cpython_internals_only_through_its_compat_header
 
 
 def test_the_compiled_hot_path_was_built_with_the_compat_headers_guards() -> None:
-    from otelprof.timings import _speedups as speedups  # built whatever the path in use
+    from otelprof._timings import _speedups as speedups  # built whatever the path in use
 
     assert speedups.CPYTHON_CHECKED
     # dict version tags exist (and are used) up to 3.13, not from 3.14 on

@@ -287,7 +287,7 @@ def test_the_files_get_the_timing_histograms_every_30_s_and_once_more_at_the_end
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from otelprof.export import _aggregates
-    from otelprof.timings._sampling import Aggregates
+    from otelprof._timings._sampling import Aggregates
 
     now = [1000.0]
     monkeypatch.setattr(_aggregates.time, "monotonic", lambda: now[0])

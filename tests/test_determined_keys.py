@@ -27,7 +27,7 @@ from otelprof.determined.mapping import (
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import MemorySpool
-from otelprof.timings._names import OVERFLOW_NAME, RESERVED
+from otelprof._timings._names import OVERFLOW_NAME, RESERVED
 from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
 from tests.determined_feed import (
     OTLP_HEADERS_ENV,

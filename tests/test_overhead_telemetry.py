@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import otelprof
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 from tests.otlp_files import read_points, read_spans
 
 

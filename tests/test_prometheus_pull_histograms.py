@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import otelprof
 from otelprof.analysis.aggregates import parse_point
-from otelprof.timings._sampling import BOUNDS
+from otelprof._timings._sampling import BOUNDS
 from tests.dashboard_queries import label_values, load, queries, substitute, variable_query
 from tests.otlp_files import read_lines, read_spans
 from tests.services import REPO, Collector, Prometheus, wait_for

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _engine, _quiet_steps, _sampling
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _engine, _quiet_steps, _sampling
+from otelprof._timings import _recorder as rec
 from tests.otlp_files import read_lines, read_spans, timing_histograms
 
 
@@ -229,7 +229,7 @@ def test_rows_of_steps_sampled_out_on_their_thread_are_left_alone_by_the_garbage
 def test_cuda_events_of_sampled_out_steps_are_reused(
     tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, on_thread: bool
 ) -> None:
-    from otelprof.timings._cuda import CudaTimer
+    from otelprof._timings._cuda import CudaTimer
     from tests.test_timings_cuda import _StandInEvent, _StandInTorch
 
     created = []

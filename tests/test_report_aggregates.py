@@ -15,7 +15,7 @@ from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import WarningLog, iter_all_records, open_run
 from otelprof.analysis.summary import TimingAgg, summarize, timing_key
 from otelprof.cli import main as cli_main
-from otelprof.timings._sampling import BOUNDS
+from otelprof._timings._sampling import BOUNDS
 
 
 def _train(prof: Any, steps: int) -> None:

@@ -11,8 +11,8 @@ from opentelemetry.sdk.resources import Resource
 import otelprof
 from otelprof.export._spanlines import SpanLineWriter, encode_span
 from otelprof.export.counters import ExportCounters
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._targets import SpanTargets
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._targets import SpanTargets
 from tests.otlp_files import read_lines, read_spans
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import otelprof
-from otelprof.timings._trace_ids import RunTraces, level_for
+from otelprof._timings._trace_ids import RunTraces, level_for
 from tests.otlp_files import Span, read_spans
 from tests.test_distributed import JOB, _env, _only_run_dir
 

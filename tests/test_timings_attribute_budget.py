@@ -19,7 +19,7 @@ import pytest
 import otelprof
 from otelprof import _limits
 from otelprof._schema import ATTR_ATTRIBUTES_DROPPED
-from otelprof.timings._builder import SpanBuilder
+from otelprof._timings._builder import SpanBuilder
 from tests.otlp_files import read_spans
 
 STEPS = 3000
@@ -96,10 +96,10 @@ def test_the_charge_moves_with_the_values_into_the_built_span() -> None:
     # attribute values after the range's frame is gone: the budget still counts them.
     from opentelemetry.sdk.resources import Resource
 
-    from otelprof.timings import _recorder as rec
-    from otelprof.timings._builder import Clock
-    from otelprof.timings._frames import timing_frame
-    from otelprof.timings._targets import SpanTargets
+    from otelprof._timings import _recorder as rec
+    from otelprof._timings._builder import Clock
+    from otelprof._timings._frames import timing_frame
+    from otelprof._timings._targets import SpanTargets
 
     before = _limits.budget.held_bytes()
     timing = otelprof.timing("load_batch", batch="y" * VALUE)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import otelprof.timings as timings
+import otelprof._timings as timings
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
 from otelprof.analysis.verdict import judge
-from otelprof.timings import ScheduleAction, cyclic_schedule, schedule, timing
+from otelprof._timings import ScheduleAction, cyclic_schedule, schedule, timing
 from tests.timings_harness import by_name, one, start_run
 
 
@@ -237,7 +237,7 @@ def test_a_forked_child_records_nothing(tmp_path: Path) -> None:
         pass
     pid = os.fork()
     if pid == 0:  # child: e.g. a DataLoader worker; nothing may queue up there
-        from otelprof.timings import _recorder as rec
+        from otelprof._timings import _recorder as rec
 
         with timing("child"), torch.profiler.record_function("child_rf"):
             pass

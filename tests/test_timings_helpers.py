@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import otelprof.timings as timings
-from otelprof.timings import (
+import otelprof._timings as timings
+from otelprof._timings import (
     from_device,
     instrument_lr_scheduler,
     instrument_optimizer,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-import otelprof.timings as timings
-from otelprof.timings import schedule, timing
+import otelprof._timings as timings
+from otelprof._timings import schedule, timing
 from tests.timings_harness import by_name, start_run
 
 

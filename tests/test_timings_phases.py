@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import otelprof
-import otelprof.timings as timings
-from otelprof.timings import timing
+import otelprof._timings as timings
+from otelprof._timings import timing
 from tests.timings_harness import by_name, start_run
 
 

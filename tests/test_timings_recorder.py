@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _frames
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _frames
+from otelprof._timings import _recorder as rec
 
 STATE = (
     "current",

@@ -12,7 +12,7 @@ import otelprof
 from otelprof.analysis.problems import notes
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
-from otelprof.timings._names import (
+from otelprof._timings._names import (
     ATTR_NUMBER,
     ATTR_ORIGINAL,
     MAX_SPAN_NAMES,

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _recorder, _sampling
-from otelprof.timings._sampling import TraceSampler
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings import _recorder, _sampling
+from otelprof._timings._sampling import TraceSampler
+from otelprof._timings._trace_ids import RunTraces
 from tests.otlp_files import read_spans, timing_histograms
 
 

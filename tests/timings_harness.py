@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from otelprof.config import Settings
-from otelprof.timings import TimingsEngine
-from otelprof.timings._targets import SpanTargets
+from otelprof._timings import TimingsEngine
+from otelprof._timings._targets import SpanTargets
 from tests.otlp_files import Span, read_spans
 
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from otelprof import _throughput
 from otelprof._work import step_work
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -30,8 +30,8 @@ from otelprof import _throughput
 from otelprof._patch import Patch, Patches
 from otelprof._schema import BACKWARD, FORWARD, PHASE_TRAIN, PHASE_VALIDATION
 from otelprof.integrations import _common as common
-from otelprof.timings import _recorder as rec
-from otelprof.timings._api import (
+from otelprof._timings import _recorder as rec
+from otelprof._timings._api import (
     DATALOADER_NEXT,
     OPTIMIZER_STEP,
     STEP_LR_SCHEDULERS,

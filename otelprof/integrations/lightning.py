@@ -36,8 +36,8 @@ import otelprof
 from otelprof._patch import Patch
 from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_TRAIN, PHASE_VALIDATION
 from otelprof.integrations import _common as common
-from otelprof.timings import _recorder as rec
-from otelprof.timings._api import (
+from otelprof._timings import _recorder as rec
+from otelprof._timings._api import (
     DATALOADER_NEXT,
     OPTIMIZER_STEP,
     STEP_LR_SCHEDULERS,

@@ -30,7 +30,7 @@ from otelprof._patch import Patches
 from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_VALIDATION
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
-from otelprof.timings._api import STEP_LR_SCHEDULERS
+from otelprof._timings._api import STEP_LR_SCHEDULERS
 
 _lock = threading.Lock()
 _active: list[OtelprofTrainerCallback] = []  # callbacks whose Trainer is training

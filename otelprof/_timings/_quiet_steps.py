@@ -27,9 +27,9 @@ from operator import itemgetter
 from typing import Any
 
 from otelprof._schema import PHASE_TRAIN, STEP_SPAN
-from otelprof.timings import _recorder as rec
-from otelprof.timings._frames import F_CUDA, F_NAME, pack_row
-from otelprof.timings._sampling import CAPTURE_STEPS
+from otelprof._timings import _recorder as rec
+from otelprof._timings._frames import F_CUDA, F_NAME, pack_row
+from otelprof._timings._sampling import CAPTURE_STEPS
 
 ROWS_PER_ITEM = 64
 """Sampled-out steps per queue item: the histograms lag the training thread by at most this."""

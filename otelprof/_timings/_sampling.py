@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 from otelprof._schema import ATTR_ANOMALY_RATIO, ATTR_SAMPLED, PHASE_TRAIN
-from otelprof.timings._trace_ids import RunTraces, level_for
+from otelprof._timings._trace_ids import RunTraces, level_for
 
 BOUNDS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 2) for i in range(61))
 """Histogram bucket bounds in seconds: 1 µs to ~1 ks, a factor √2 apart (percentiles read

@@ -16,7 +16,7 @@ from otelprof._schema import (
     PHASE_TRAIN,
     PHASE_VALIDATION,
 )
-from otelprof.timings._api import (
+from otelprof._timings._api import (
     DATALOADER_NEXT,
     DETERMINED_TIMINGS,
     FROM_DEVICE,
@@ -39,9 +39,9 @@ from otelprof.timings._api import (
     to_device,
     train_batch,
 )
-from otelprof.timings._engine import TimingsEngine
-from otelprof.timings._recorder import Timing, timing
-from otelprof.timings._schedule import (
+from otelprof._timings._engine import TimingsEngine
+from otelprof._timings._recorder import Timing, timing
+from otelprof._timings._schedule import (
     CyclicSchedule,
     Schedule,
     ScheduleAction,

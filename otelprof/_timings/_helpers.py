@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from otelprof._patch import Patches
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 

@@ -23,9 +23,9 @@ from otelprof._schema import (
     TO_DEVICE,
     TRAIN_BATCH,
 )
-from otelprof.timings import _engine
-from otelprof.timings import _recorder as _rec
-from otelprof.timings._recorder import Timing, timing
+from otelprof._timings import _engine
+from otelprof._timings import _recorder as _rec
+from otelprof._timings._recorder import Timing, timing
 
 DETERMINED_TIMINGS = (
     DATALOADER_NEXT,

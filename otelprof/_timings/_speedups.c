@@ -1290,7 +1290,7 @@ timed_items_dealloc(TimedItems *self)
 }
 
 static PyTypeObject TimedItemsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "otelprof.timings._speedups.TimedItems",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "otelprof._timings._speedups.TimedItems",
     .tp_basicsize = sizeof(TimedItems),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "timed_items(iterator, span, before, after): each next() a span",
@@ -2070,10 +2070,10 @@ static PyMethodDef methods[] = {
     {"emit_step", (PyCFunction)(void (*)(void))emit_step, METH_FASTCALL,
      "Recorder.emit_step(self, ctx, end_ns)"},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
-     "bind(globals(), template, recorder) of otelprof.timings._recorder"},
+     "bind(globals(), template, recorder) of otelprof._timings._recorder"},
     {"step_context", (PyCFunction)(void (*)(void))step_context, METH_FASTCALL,
      "StepContext(step, epoch, start_ns, trim_start, phase), positional"},
-    {"bind_quiet", bind_quiet, METH_O, "bind_quiet(globals()) of otelprof.timings._quiet_steps"},
+    {"bind_quiet", bind_quiet, METH_O, "bind_quiet(globals()) of otelprof._timings._quiet_steps"},
     {"method", method, METH_O, "method(function): a class attribute that binds like a def"},
     {"timing_enter", timing_enter, METH_O, "Timing.__enter__"},
     {"timing_exit", (PyCFunction)(void (*)(void))timing_exit, METH_FASTCALL, "Timing.__exit__"},
@@ -2084,7 +2084,7 @@ static PyMethodDef methods[] = {
     {"sample_out", (PyCFunction)(void (*)(void))sample_out, METH_FASTCALL,
      "_quiet_steps.sample_out(ctx, end_ns, state)"},
     {"bind_engine", (PyCFunction)(void (*)(void))bind_engine, METH_FASTCALL,
-     "bind_engine(TimingsEngine, globals()) of otelprof.timings._engine"},
+     "bind_engine(TimingsEngine, globals()) of otelprof._timings._engine"},
     {"engine_step", engine_step, METH_O, "TimingsEngine.step"},
     {"step", api_step, METH_NOARGS,
      "step($module, /)\n--\n\nMark a training-step boundary on the running profiler (no-op "
@@ -2098,7 +2098,7 @@ static PyMethodDef methods[] = {
      "_api.to_device's copies: move_to_device(span, data, device, non_blocking, tensor, nested)"},
     {"move_to_host", (PyCFunction)(void (*)(void))move_to_host, METH_FASTCALL,
      "_api.from_device's copies: move_to_host(span, data, tensor, nested)"},
-    {"bind_api", bind_api, METH_O, "bind_api(globals()) of otelprof.timings._api"},
+    {"bind_api", bind_api, METH_O, "bind_api(globals()) of otelprof._timings._api"},
     {"train_batch", (PyCFunction)(void (*)(void))helper_train_batch,
      METH_FASTCALL | METH_KEYWORDS,
      "train_batch($module, /, **attributes)\n--\n\n`with train_batch():` — the `train_batch` "
@@ -2109,7 +2109,7 @@ static PyMethodDef methods[] = {
      "`reduce_metrics` span."},
     {"timing", (PyCFunction)(void (*)(void))helper_timing, METH_FASTCALL | METH_KEYWORDS,
      "timing($module, name, **attributes)\n--\n\nA timing span around a block or a "
-     "function (see otelprof.timings.timing)."},
+     "function (see otelprof._timings.timing)."},
     {"to_device", (PyCFunction)(void (*)(void))helper_to_device, METH_FASTCALL | METH_KEYWORDS,
      "to_device($module, data, device, non_blocking=False)\n--\n\nMove a batch (tensors, "
      "nested lists/tuples/dicts) to `device` inside a `to_device` span."},
@@ -2124,7 +2124,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef speedups = {
     PyModuleDef_HEAD_INIT,
-    "otelprof.timings._speedups",
+    "otelprof._timings._speedups",
     "The training thread's hot path in C (see _speedups.c).",
     -1,
     methods,

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 from otelprof import _limits
 from otelprof._schema import PHASE_TRAIN, STEP_SPAN
-from otelprof.timings._frames import (
+from otelprof._timings._frames import (
     F_CTX,
     F_END,
     F_KIND,
@@ -62,7 +62,7 @@ from otelprof.timings._frames import (
     rows_item,
     step_item,
 )
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings._trace_ids import RunTraces
 
 CHUNK = 512
 """Ranges a step collects on its thread before they are handed to the builder mid-step
@@ -849,7 +849,7 @@ def _load_speedups() -> Any:
     if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
         return None
     try:
-        from otelprof.timings import _speedups
+        from otelprof._timings import _speedups
     except ImportError:
         return None
     return _speedups

@@ -28,9 +28,9 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from otelprof._limits import HeldAttributes
 from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
-from otelprof.timings import _quiet_steps
-from otelprof.timings import _recorder as rec
-from otelprof.timings._frames import (
+from otelprof._timings import _quiet_steps
+from otelprof._timings import _recorder as rec
+from otelprof._timings._frames import (
     CHUNK_RANGES,
     F_ATTRS,
     F_CTX,
@@ -53,9 +53,9 @@ from otelprof.timings._frames import (
     row_spans,
     row_values,
 )
-from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
-from otelprof.timings._names import SpanNames
-from otelprof.timings._sampling import (
+from otelprof._timings._names import _MAX_CACHED as MAX_CACHED_NAMES
+from otelprof._timings._names import SpanNames
+from otelprof._timings._sampling import (
     ANOMALY_BUDGET,
     MAX_BUFFERED,
     Aggregates,
@@ -65,8 +65,8 @@ from otelprof.timings._sampling import (
     _Pending,
     fold_column,
 )
-from otelprof.timings._targets import SpanTargets
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings._targets import SpanTargets
+from otelprof._timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)

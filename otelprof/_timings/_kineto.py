@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from otelprof import _torch_compat
 from otelprof._patch import Patch
 from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
-from otelprof.timings import _recorder as rec
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._schedule import ScheduleAction
+from otelprof._timings import _recorder as rec
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
 

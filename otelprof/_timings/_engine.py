@@ -39,15 +39,15 @@ from opentelemetry.sdk.resources import Resource
 from otelprof import _torch_compat
 from otelprof._schema import ATTR_ATTEMPT, PHASE_AFTER_TRAINING, PHASE_TRAIN, STEP_SPAN
 from otelprof.config import Settings
-from otelprof.timings import _quiet_steps
-from otelprof.timings import _recorder as rec
-from otelprof.timings._bridge import Bridge
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._frames import row_spans
-from otelprof.timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
-from otelprof.timings._schedule import ScheduleAction, as_action, schedule
-from otelprof.timings._targets import SpanTargets
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings import _quiet_steps
+from otelprof._timings import _recorder as rec
+from otelprof._timings._bridge import Bridge
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._frames import row_spans
+from otelprof._timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
+from otelprof._timings._schedule import ScheduleAction, as_action, schedule
+from otelprof._timings._targets import SpanTargets
+from otelprof._timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _lock = threading.Lock()
@@ -511,14 +511,14 @@ class TimingsEngine:
         return True
 
     def _window_step(self, ctx: rec.StepContext | None, end_ns: int) -> Any:
-        from otelprof.timings._kineto import WindowStep
+        from otelprof._timings._kineto import WindowStep
 
         if ctx is None or not self._kineto_action.records:
             return None
         return WindowStep(ctx, self._clock.to_wall(ctx.start_ns), self._clock.to_wall(end_ns))
 
     def _start_kineto(self) -> None:
-        from otelprof.timings._kineto import KinetoSession
+        from otelprof._timings._kineto import KinetoSession
 
         self._kineto = KinetoSession(
             self._torch, self._builder, self._clock, self._settings.run_dir / "kineto"
@@ -536,7 +536,7 @@ class TimingsEngine:
                 return None
         except Exception:
             return None
-        from otelprof.timings._cuda import CudaTimer
+        from otelprof._timings._cuda import CudaTimer
 
         return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
 
