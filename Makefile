@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # Tests of the recorder that `make test` runs a second time with OTELPROF_PURE_PYTHON=1: the
 # Python hot path is the reference, and what runs where the C extension could not be built.
 PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
-  tests/test_quiet_steps.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
+  tests/test_on_thread_sampler.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from otelprof import _profiler
 from otelprof.config import DEFAULT_INTERVAL_S, ConfigError, Settings
 
 
@@ -305,5 +306,5 @@ def test_instrument_refuses_a_bad_value_before_starting_anything(tmp_path: Path)
     ):
         with pytest.raises(ConfigError):
             otelprof.instrument(output_dir=tmp_path, **options)
-        assert otelprof.active_profiler() is None
+        assert _profiler.active_profiler() is None
     assert not any(tmp_path.iterdir())

@@ -80,7 +80,7 @@ def train(prof: Any, steps: int) -> None:
     for _ in range(steps):
         with otelprof.timing("train_batch"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
 
 
 def spans_in(path: Path) -> int:
@@ -141,7 +141,7 @@ def test_metric_exports_on_a_full_disk_warn_once_without_a_traceback_and_are_cou
         while time.monotonic() < end:
             with otelprof.timing("train_batch", note="x" * 500):
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
 
     train_for(0.5)
     ballast = fill(small_fs)
@@ -266,7 +266,7 @@ def train(prof, steps):
     for _ in range(steps):
         with otelprof.timing("train_batch"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
 
 def report_shutdown(prof):
     start = time.monotonic()

@@ -30,7 +30,7 @@ def test_overhead_gauges_follow_the_ranges_recorded_and_calibration_leaves_no_tr
                 with otelprof.timing("busy"):
                     pass
             ranges += 100
-            prof.step()
+            otelprof.step()
             time.sleep(0.001)
         busy_from = idle_until
         time.sleep(0.3)

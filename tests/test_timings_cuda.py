@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from otelprof._timings import ATTR_CUDA_DURATION, timing
+from otelprof._schema import ATTR_CUDA_DURATION
+from otelprof._timings._recorder import timing
 from tests.timings_harness import one, start_run
 
 

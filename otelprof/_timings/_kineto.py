@@ -264,7 +264,7 @@ def trace_file_spans(
         while stack and stack[-1][1] <= start:
             stack.pop()
         parent = stack[-1][0] if stack and event.get("cat") == "cpu_op" else ctx.span_id
-        span_id = rec._getrandbits(64) or 1
+        span_id = rec.new_span_id()
         if event.get("cat") == "cpu_op":
             stack.append((span_id, end))
         attributes: dict[str, Any] = {
