@@ -99,7 +99,8 @@ def test_the_profilers_own_step_epoch_phase_and_timing_warn_and_still_work(
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="old", host_metrics=False, process_metrics=False
     ) as prof:
-        with pytest.warns(DeprecationWarning, match=r"Profiler.step\(\) is deprecated; use otelprof.step\(\)"):  # fmt: skip
+        deprecated = r"Profiler.step\(\) is deprecated; use otelprof.step\(\)"
+        with pytest.warns(DeprecationWarning, match=deprecated):
             prof.step()
         with pytest.warns(DeprecationWarning, match=r"use otelprof.set_epoch\(\)"):
             prof.set_epoch(3)
