@@ -87,13 +87,13 @@ def test_training_resumes_the_interrupted_step_after_a_phase(tmp_path: Path) -> 
 
 def test_phase_restores_the_previous_phase_and_nests(tmp_path: Path) -> None:
     run = start_run(tmp_path)
-    assert _steps.current_phase() == "train"
+    assert otelprof.phase.current() == "train"
     with otelprof.phase("validation"):
-        assert _steps.current_phase() == "validation"
+        assert otelprof.phase.current() == "validation"
         with otelprof.phase("checkpoint"):
-            assert _steps.current_phase() == "checkpoint"
-        assert _steps.current_phase() == "validation"
-    assert _steps.current_phase() == "train"
+            assert otelprof.phase.current() == "checkpoint"
+        assert otelprof.phase.current() == "validation"
+    assert otelprof.phase.current() == "train"
     previous = _steps.set_phase("validation")
     assert previous == "train"
     assert _steps.set_phase("train") == "validation"
@@ -103,7 +103,7 @@ def test_phase_restores_the_previous_phase_and_nests(tmp_path: Path) -> None:
 def test_phase_as_decorator_and_without_a_profiler() -> None:
     @otelprof.phase("validation")
     def evaluate() -> str:
-        return _steps.current_phase()
+        return otelprof.phase.current()
 
     assert evaluate() == "train"  # no profiler runs: a no-op that still runs the function
     with otelprof.phase("validation"):
