@@ -254,13 +254,13 @@ def test_nested_instrument_exit_does_not_shut_down_the_outer_profiler(tmp_path: 
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as outer:
         with otelprof.instrument() as inner:  # a callback or library doing its own
             assert inner.run_dir == outer.run_dir
-            inner.step()
+            otelprof.step()
         assert _profiler.active_profiler() is outer
         inner.shutdown()
         assert _profiler.active_profiler() is outer
         with otelprof.timing("train_batch"):
             time.sleep(0.001)
-        outer.step()
+        otelprof.step()
         assert outer.stats()["timings.steps"] == 2
     assert _profiler.active_profiler() is None
     info = json.loads((outer.settings.run_dir / "run.json").read_text())
