@@ -65,15 +65,31 @@ def reduce_metrics(**attributes: Any) -> Timing:
 def to_device(data: T, device: Any, non_blocking: bool = False) -> T:
     """Move every tensor in `data` to `device` under a `to_device` span."""
     with timing(TO_DEVICE):
-        if non_blocking:
-            return _map_tensors(data, lambda t: t.to(device, non_blocking=True))
-        return _map_tensors(data, lambda t: t.to(device))
+        tensor: Any = _tensor_class or _tensor_type()
+        batch: Any = data
+        kind: Any = type(batch)
+        if kind is tuple or kind is list:  # a flat batch (nearly every one): no call per item
+            moved = []
+            for value in batch:
+                if not isinstance(value, tensor):
+                    value = _map_tensors(value, _mover(device, non_blocking))
+                elif non_blocking:
+                    value = value.to(device, non_blocking=True)
+                else:
+                    value = value.to(device)
+                moved.append(value)
+            return moved if kind is list else tuple(moved)  # type: ignore[return-value]
+        return _map_tensors(batch, _mover(device, non_blocking))
 
 
 def from_device(data: T) -> T:
     """Detach every tensor in `data` and copy it to the host under a `from_device` span."""
     with timing(FROM_DEVICE):
-        return _map_tensors(data, _to_host)
+        value: Any = data
+        tensor: Any = _tensor_class or _tensor_type()
+        if isinstance(value, tensor):  # a loss, a metric: the usual case
+            return value.detach().cpu()
+        return _map_tensors(value, _to_host)
 
 
 def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> HookHandle:
@@ -95,6 +111,12 @@ def instrument_lr_scheduler(scheduler: Any, name: str = STEP_LR_SCHEDULERS) -> H
 
 def _to_host(tensor: Any) -> Any:
     return tensor.detach().cpu()
+
+
+def _mover(device: Any, non_blocking: bool) -> Callable[[Any], Any]:
+    if non_blocking:
+        return lambda tensor: tensor.to(device, non_blocking=True)
+    return lambda tensor: tensor.to(device)
 
 
 def _map_tensors(data: Any, move: Callable[[Any], Any]) -> Any:

@@ -880,7 +880,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Timing:
-    """A timing span around a block or a function; made by `timing()`."""
+    """A timing span around a block or a function; made by `timing()`. Its `__enter__` and
+    `__exit__` below are the reference of the compiled ones (`use_compiled`)."""
 
     __slots__ = ("attributes", "name")
 
