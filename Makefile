@@ -4,14 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The venv is reinstalled when what the install builds changes (the C hot path included).
-INSTALL_INPUTS := pyproject.toml setup.py otelprof/timings/_speedups.c \
-  otelprof/timings/_cpython_compat.h
+INSTALL_INPUTS := pyproject.toml setup.py otelprof/_timings/_speedups.c \
+  otelprof/_timings/_cpython_compat.h
 STAMP := $(VENV)/.installed-$(shell cat $(INSTALL_INPUTS) | sha256sum | cut -c1-12)
 PYTEST_ARGS ?=
 # Tests of the recorder that `make test` runs a second time with OTELPROF_PURE_PYTHON=1: the
 # Python hot path is the reference, and what runs where the C extension could not be built.
 PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
-  tests/test_quiet_steps.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
+  tests/test_on_thread_sampler.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
 

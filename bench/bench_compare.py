@@ -9,7 +9,7 @@ blocks that alternate A-B-B-A:
 
 - `otelprof`: `otelprof.instrument()` (default settings) and the README's helpers;
 - `torch.profiler`: `torch.profiler.profile(schedule=schedule(wait=1, warmup=1, active=3,
-  repeat=1), on_trace_ready=tensorboard_trace_handler(dir))` and `prof.step()` per step,
+  repeat=1), on_trace_ready=tensorboard_trace_handler(dir))` and `otelprof.step()` per step,
   one profile per block: one traced cycle per block, as a user samples a run now and then;
 - `wandb`: `wandb.init(mode="offline")`, system metrics at W&B's default interval, nothing
   logged per step (the profiling part only);

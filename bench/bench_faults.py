@@ -47,7 +47,7 @@ def train(prof, n=200, **attrs):
     for _ in range(n):
         with otelprof.timing("train_batch", **attrs):
             time.sleep(0.001)
-        prof.step()
+        otelprof.step()
 def report(prof, **extra):
     start = time.monotonic()
     prof.shutdown()
@@ -118,7 +118,7 @@ i = 0
 while time.monotonic() < end:
     with otelprof.timing("load_batch", batch=(str(i) * 70000)[:65536]):
         pass
-    prof.step()
+    otelprof.step()
     i += 1
     if i % 200 == 0:
         peak = max(peak, rss_mb())

@@ -5,7 +5,7 @@
 Each helper is timed beside the bare operation it wraps (`to_device((x, y), "cpu")` beside
 `x.to("cpu"), y.to("cpu")`, `from_device(loss)` beside `loss.detach().cpu()`, ...), in one
 running `instrument()` session (detached, default settings, background threads running),
-rounds alternating helper and bare. In the helper's rounds a step boundary (`prof.step()`)
+rounds alternating helper and bare. In the helper's rounds a step boundary (`otelprof.step()`)
 follows every 8 calls, then 0.3 ms of other work (both untimed), so its spans land in
 ordinary small steps at a training loop's rate, sampled out like a training loop's; the
 bare rounds have the same gaps and no steps (a loop without a profiler has none). Printed
@@ -28,6 +28,7 @@ import torch
 from _machine import load_average, print_machine
 
 import otelprof
+from otelprof import determined_timings
 
 STEP_EVERY = 8
 GAP_S = 0.0003
@@ -76,13 +77,13 @@ def main() -> None:
             pass
 
     def helper_block() -> None:
-        with otelprof.train_batch():
+        with determined_timings.train_batch():
             pass
 
     cases: list[tuple[str, Callable[[], object], Callable[[], object], int]] = [
-        ("to_device((x, y), 'cpu')", lambda: otelprof.to_device((x, y), "cpu"),
+        ("to_device((x, y), 'cpu')", lambda: determined_timings.to_device((x, y), "cpu"),
          lambda: (x.to("cpu"), y.to("cpu")), 1),
-        ("from_device(loss)", lambda: otelprof.from_device(loss),
+        ("from_device(loss)", lambda: determined_timings.from_device(loss),
          lambda: loss.detach().cpu(), 1),
         ("timed_dataloader, per item", iterate_timed, iterate_bare, STEP_EVERY),
         ("with timing(name): pass", timed_block, lambda: None, 1),

@@ -5,7 +5,7 @@
 
 `bench_real_loop.py`'s loop and model, cut into the parts a step runs (the next batch, the
 copy to the device, entering `train_batch`, `zero_grad`, forward, backward, the optimizer
-step, leaving `train_batch`, the scheduler, the copy back, the metric, `prof.step()`), each
+step, leaving `train_batch`, the scheduler, the copy back, the metric, `otelprof.step()`), each
 timed with the training thread's CPU clock (`--clock thread`, the default: otelprof's own
 work and what it costs torch's code around it) or the wall clock (`--clock wall`: lock waits
 too). One `instrument()` session stays up; rounds of `--steps` steps alternate bare (no step
@@ -36,6 +36,7 @@ from bench_real_loop import _option, calibrate
 from bench_step_rate import between_steps, mean_and_interval
 
 import otelprof
+from otelprof import determined_timings
 
 PARTS = (
     "next batch",
@@ -49,7 +50,7 @@ PARTS = (
     "scheduler",
     "from_device",
     "reduce_metrics",
-    "prof.step()",
+    "otelprof.step()",
 )
 
 
@@ -62,7 +63,7 @@ class Loop:
 
     def step(self, instrumented: bool) -> list[int]:
         """One step; per part, its time in ns."""
-        m, prof, clock = self.m, self.prof, self.clock
+        m, clock = self.m, self.clock
         model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
         while True:
             batches = self.batches.get(instrumented)
@@ -77,11 +78,11 @@ class Loop:
                 del self.batches[instrumented]
         t.append(clock())
         if instrumented:
-            x, y = otelprof.to_device((x, y), "cpu")
+            x, y = determined_timings.to_device((x, y), "cpu")
         else:
             x, y = x.to("cpu"), y.to("cpu")
         t.append(clock())
-        block: Any = otelprof.train_batch() if instrumented else None
+        block: Any = determined_timings.train_batch() if instrumented else None
         if instrumented:  # the bare loop has no block at all
             block.__enter__()
         t.append(clock())
@@ -102,16 +103,16 @@ class Loop:
         else:
             scheduler.step()
         t.append(clock())
-        out = otelprof.from_device(loss) if instrumented else loss.detach().cpu()
+        out = determined_timings.from_device(loss) if instrumented else loss.detach().cpu()
         t.append(clock())
         if instrumented:
-            with otelprof.reduce_metrics():
+            with determined_timings.reduce_metrics():
                 out.item()
         else:
             out.item()
         t.append(clock())
         if instrumented:
-            prof.step()
+            otelprof.step()
         t.append(clock())
         return [t[index + 1] - t[index] for index in range(len(PARTS))]
 

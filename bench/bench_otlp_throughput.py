@@ -85,7 +85,7 @@ def span_run(collector: Collector, rate: float | None, seconds: float) -> dict[s
             for _ in range(SPANS_PER_STEP - 1):  # the step span is the eighth
                 with otelprof.timing("bench_phase"):
                     pass
-            prof.step()
+            otelprof.step()
             emitted += SPANS_PER_STEP
         elapsed = time.perf_counter() - started
     finally:
@@ -175,7 +175,7 @@ def overhead_run(
                     t0 = time.perf_counter()
                     step(extra_spans)
                     if prof is not None:
-                        prof.step()
+                        otelprof.step()
                     times.append(time.perf_counter() - t0)
             finally:
                 if prof is not None:

@@ -6,17 +6,17 @@
 Per step, instrumented (otelprof's default `instrument()`, detached, hardware metrics on):
 
     for x, y in otelprof.timed_dataloader(loader):           # dataloader_next (+ torch's range)
-        x, y = otelprof.to_device((x, y), "cpu")                # to_device
-        with otelprof.train_batch():                            # train_batch
+        x, y = determined_timings.to_device((x, y), "cpu")                # to_device
+        with determined_timings.train_batch():                            # train_batch
             optimizer.zero_grad()                               # torch's Optimizer.zero_grad#SGD
             loss = loss_fn(model(x), y); loss.backward()
             optimizer.step()                                    # torch's Optimizer.step#SGD
         with otelprof.timing("step_lr_schedulers"):
             scheduler.step()
-        out = otelprof.from_device(loss)                        # from_device
-        with otelprof.reduce_metrics():                         # reduce_metrics
+        out = determined_timings.from_device(loss)                        # from_device
+        with determined_timings.reduce_metrics():                         # reduce_metrics
             total += out.item()
-        prof.step()
+        otelprof.step()
 
 and bare: the same loop, the same copies (`x.to("cpu")`, `y.to("cpu")`, `loss.detach().cpu()`),
 no otelprof call. The model is torch's own (an MLP, SGD, CrossEntropyLoss, a real DataLoader
@@ -67,6 +67,7 @@ from bench_step_rate import GcClock, between_steps, mean_and_interval
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
+from otelprof import determined_timings
 
 FEATURES = 32
 TOLERANCE = 1.25
@@ -94,7 +95,7 @@ class Model:
 
 def bare_loop(m: Model, seconds: float, prof: Any) -> int:
     """The baseline: the README's loop with the same copies and no otelprof call (with
-    `prof`, another tool's `prof.step()` ends each step: bench_compare's torch.profiler)."""
+    `prof`, another tool's `otelprof.step()` ends each step: bench_compare's torch.profiler)."""
     model, optimizer, scheduler, loss_fn = m.model, m.optimizer, m.scheduler, m.loss_fn
     steps = 0
     total = 0.0
@@ -110,7 +111,7 @@ def bare_loop(m: Model, seconds: float, prof: Any) -> int:
             out = loss.detach().cpu()
             total += out.item()
             if prof is not None:
-                prof.step()
+                otelprof.step()
             steps += 1
             if time.perf_counter() >= deadline:
                 return steps
@@ -124,18 +125,18 @@ def instrumented_loop(m: Model, seconds: float, prof: Any) -> int:
     deadline = time.perf_counter() + seconds
     while True:
         for x, y in otelprof.timed_dataloader(m.loader):
-            x, y = otelprof.to_device((x, y), "cpu")
-            with otelprof.train_batch():
+            x, y = determined_timings.to_device((x, y), "cpu")
+            with determined_timings.train_batch():
                 optimizer.zero_grad()
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 optimizer.step()
             with otelprof.timing("step_lr_schedulers"):
                 scheduler.step()
-            out = otelprof.from_device(loss)
-            with otelprof.reduce_metrics():
+            out = determined_timings.from_device(loss)
+            with determined_timings.reduce_metrics():
                 total += out.item()
-            prof.step()
+            otelprof.step()
             steps += 1
             if time.perf_counter() >= deadline:
                 return steps

@@ -6,7 +6,7 @@
 `--method interleaved` (default): one `otelprof.instrument()` session stays up (default
 settings, every background thread free), in its steady state; short blocks alternate A-B-B-A
 between the bare loop (the same matmuls, no otelprof call at all) and the instrumented loop
-(six `otelprof.timing` blocks and `prof.step()` per step). A shared VM's speed drifts by
+(six `otelprof.timing` blocks and `otelprof.step()` per step). A shared VM's speed drifts by
 ±25 % over seconds, so many short pairs compared pair by pair give a far steadier figure than
 a few long sessions. An instrumented block's time includes the span builder's catch-up after
 it (the ranges it recorded that were still queued when the block ended, built before the
@@ -16,7 +16,7 @@ next bare block starts), so no otelprof work is left to land in a bare block.
 
 A CPU training step of `--step-ms` (small torch matmuls, 1 intra-op thread) split over
 Determined's six timings (`dataloader_next`, `to_device`, `train_batch`, `step_lr_schedulers`,
-`from_device`, `reduce_metrics`), each an `otelprof.timing` block, then `prof.step()`.
+`from_device`, `reduce_metrics`), each an `otelprof.timing` block, then `otelprof.step()`.
 Instrumented blocks run under a plain `otelprof.instrument()` (default settings: detached
 mode writing OTLP JSON Lines, hardware metrics every 1 s, every background thread free to
 run); baseline blocks run the same loop with no profiler. Blocks alternate A-B-B-A. The
@@ -98,12 +98,12 @@ def mean_and_interval(values: list[float]) -> tuple[float, float]:
 @contextlib.contextmanager
 def between_steps(prof: Any) -> Iterator[None]:
     """Run a bare block of an interleaved pair with no step open, as a user's loop never
-    runs hundreds of ms of work outside `prof.step()`. Without it the step the instrumented
-    block's last `prof.step()` began spans the whole bare block: torch's own bridged ranges
+    runs hundreds of ms of work outside `otelprof.step()`. Without it the step the instrumented
+    block's last `otelprof.step()` began spans the whole bare block: torch's own bridged ranges
     there (DataLoader, Optimizer) are recorded into it, and the next instrumented block
     pays for one 0.5 s step of thousands of ranges, while the bare block pays the bridge.
     The step's clock restarts when the bare block ends; background threads run throughout."""
-    from otelprof.timings import _recorder
+    from otelprof._timings import _recorder
 
     engine = prof._timings
     ctx = engine._ctx
@@ -189,7 +189,7 @@ def _loop(work: Work, units: list[int], seconds: float, prof: Any) -> int:
             with timing(name):
                 work.run(n)
         if prof is not None:
-            prof.step()
+            otelprof.step()
         steps += 1
     return steps
 

@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import otelprof
-from otelprof.timings import timing
+from otelprof._timings._recorder import timing
 
 record_function = torch.profiler.record_function
 
@@ -113,7 +113,7 @@ def main() -> int:
             cpu = background_cpu()
             results["bridged"].append(_burst(bare, n))
             results["timing"].append(_burst(timed, n))
-            prof.step()
+            otelprof.step()
             time.sleep(0.25)  # the builder's interval: let it catch up, still unhelped
             background_s += background_cpu() - cpu
             prof.shutdown()

@@ -1,82 +1,78 @@
 """otelprof: OpenTelemetry profiling for deep-learning training.
 
     import otelprof
-    with otelprof.instrument() as prof:          # detached mode: OTLP JSON Lines files
+    with otelprof.instrument():                  # detached mode: OTLP JSON Lines files
         for batch in otelprof.timed_dataloader(loader):
             with otelprof.timing("train_batch"):
                 ...
-            prof.step()
+            otelprof.step()
 
 Hardware metrics become OTel observable gauges, training timings become OTel spans
 (bridged from `torch.profiler.record_function`), exported over OTLP, to files, or to a
 Prometheus endpoint. Importing otelprof never imports torch by itself.
 """
 
-import sys
+from __future__ import annotations
 
-from otelprof._profiler import Profiler, active_profiler, instrument, uninstrument
+import importlib
+import warnings
+from typing import Any
+
+from otelprof._profiler import Profiler, instrument, uninstrument
+from otelprof._steps import phase, set_epoch, step, step_work
 from otelprof._throughput import set_peak_flops
-from otelprof._work import step_work
-from otelprof.config import ConfigError, Settings
-from otelprof.timings import (
-    HookHandle,
-    ScheduleAction,
-    Timing,
-    _helpers,
-    current_phase,
-    cyclic_schedule,
-    from_device,
-    instrument_lr_scheduler,
-    instrument_optimizer,
-    phase,
-    reduce_metrics,
-    schedule,
-    set_epoch,
-    set_phase,
-    step,
-    timed_dataloader,
-    timing,
-    to_device,
-    train_batch,
-)
+from otelprof._timings._api import instrument_optimizer, timed_dataloader
+from otelprof._timings._recorder import timing
+from otelprof._timings._schedule import cyclic_schedule, schedule
+from otelprof.config import ConfigError
 
 __all__ = [
     "ConfigError",
-    "HookHandle",
     "Profiler",
-    "ScheduleAction",
-    "Settings",
-    "Timing",
-    "active_profiler",
-    "current_phase",
     "cyclic_schedule",
-    "from_device",
     "instrument",
-    "instrument_lr_scheduler",
     "instrument_optimizer",
     "phase",
-    "reduce_metrics",
     "schedule",
     "set_epoch",
     "set_peak_flops",
-    "set_phase",
     "step",
     "step_work",
     "timed_dataloader",
     "timing",
-    "to_device",
-    "train_batch",
     "uninstrument",
 ]
 
-# while a profiler runs, the per-step helpers above are swapped for compiled twins here
-_helpers.provide(
-    sys.modules[__name__],
-    {
-        "timing": timing,
-        "train_batch": train_batch,
-        "reduce_metrics": reduce_metrics,
-        "to_device": to_device,
-        "from_device": from_device,
-    },
-)
+_DEPRECATED = {
+    # name: (module, attribute, the replacement a warning names)
+    "train_batch": ("otelprof.determined_timings", "train_batch", None),
+    "reduce_metrics": ("otelprof.determined_timings", "reduce_metrics", None),
+    "to_device": ("otelprof.determined_timings", "to_device", None),
+    "from_device": ("otelprof.determined_timings", "from_device", None),
+    "instrument_lr_scheduler": ("otelprof.determined_timings", "instrument_lr_scheduler", None),
+    "set_phase": ("otelprof._steps", "set_phase", "with otelprof.phase(name):"),
+    "current_phase": ("otelprof._steps", "current_phase", "otelprof.phase.current()"),
+    "active_profiler": (
+        "otelprof._profiler",
+        "active_profiler",
+        "the Profiler instrument() returns",
+    ),
+    "Settings": ("otelprof.config", "Settings", None),
+    "Timing": ("otelprof._timings._recorder", "Timing", "otelprof.timing(name)"),
+    "HookHandle": ("otelprof._timings._api", "HookHandle", "instrument_optimizer()'s result"),
+    "ScheduleAction": ("otelprof._timings._schedule", "ScheduleAction", "otelprof.schedule()"),
+}
+"""Names `otelprof` exported before 0.2: they keep working for one release, with a warning."""
+
+
+def __getattr__(name: str) -> Any:
+    found = _DEPRECATED.get(name)
+    if found is None:
+        raise AttributeError(f"module 'otelprof' has no attribute {name!r}")
+    module, attribute, replacement = found
+    warnings.warn(
+        f"otelprof.{name} is deprecated; use {replacement or f'{module}.{attribute}'}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), attribute)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import otelprof
+from otelprof import determined_timings
 from otelprof._profiler import Profiler
 
 
@@ -107,7 +108,10 @@ def train(
         pin_memory=device.type == "cuda",
         drop_last=True,
     )
-    hooks = [otelprof.instrument_optimizer(optimizer), otelprof.instrument_lr_scheduler(scheduler)]
+    hooks = [
+        otelprof.instrument_optimizer(optimizer),
+        determined_timings.instrument_lr_scheduler(scheduler),
+    ]
     deadline = None if seconds is None else time.perf_counter() + seconds
     step_times: list[float] = []
     losses: list[torch.Tensor] = []
@@ -118,7 +122,7 @@ def train(
         while True:
             otelprof.set_epoch(epoch)
             for images, labels in otelprof.timed_dataloader(loader):
-                images, labels = otelprof.to_device(
+                images, labels = determined_timings.to_device(
                     (images, labels), device, non_blocking=device.type == "cuda"
                 )
                 with otelprof.timing("train_batch"):
@@ -129,7 +133,7 @@ def train(
                         loss.backward()
                     optimizer.step()
                 scheduler.step()
-                losses.append(otelprof.from_device(loss.detach()))
+                losses.append(determined_timings.from_device(loss.detach()))
                 with otelprof.timing("reduce_metrics"):
                     window_loss = float(torch.stack(losses[-20:]).mean())
                 done += 1

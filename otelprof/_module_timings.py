@@ -43,7 +43,7 @@ from typing import Any
 
 from otelprof import _torch_compat
 from otelprof._schema import MODULE_BACKWARD_PREFIX, MODULE_FORWARD_PREFIX
-from otelprof.timings import _recorder
+from otelprof._timings import _recorder
 
 _log = logging.getLogger("otelprof")
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 THREAD_PREFIXES = ("otelprof", "Otel")
 

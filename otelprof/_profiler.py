@@ -6,8 +6,8 @@ once (`_Identity`), builds the parts in dependency order and hands each its coll
 (`_Session`); a new identity (a process group that appeared after `instrument()`) ends the
 session and starts a new one. Everything after `instrument()` returns runs on background
 threads, and nothing here lets an exception reach training code. Only the public functions
-(`instrument`, `uninstrument`, `active_profiler`, and those of `otelprof._work`) read the
-running profiler; parts are handed what they need.
+(`instrument`, `uninstrument`, and those of `otelprof._steps` through `running_session`)
+read the running profiler; parts are handed what they need.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -45,14 +46,12 @@ from otelprof._schema import (
     TELEMETRY_DROPPED,
 )
 from otelprof._throughput import ThroughputTracker
+from otelprof._timings._targets import SpanTargets
 from otelprof.config import ConfigError, Settings
 from otelprof.export.counters import ExportCounters
 from otelprof.export.counters import is_loss as _is_loss
 from otelprof.export.wiring import build_pipelines
 from otelprof.resource import build_resource
-from otelprof.timings import _recorder
-from otelprof.timings._helpers import HelperSwap
-from otelprof.timings._targets import SpanTargets
 
 _log = logging.getLogger("otelprof")
 _lock = threading.RLock()
@@ -159,7 +158,6 @@ class _Session:
         self._throughput: ThroughputTracker | None = None
         self._aggregate_metrics: Any = None
         self.timings: Any = None
-        self._helpers = HelperSwap()
         self.memory_peaks: Any = None
         if settings.memory_peaks and settings.timings:
             from otelprof.system.memory_peaks import PhasePeaks
@@ -279,7 +277,6 @@ class _Session:
             ("distributed hooks", self.distributed.remove if self.distributed else None),
             ("module timings", self.modules.close if self.modules else None),
             ("memory peaks", self.memory_peaks.close if self.memory_peaks else None),
-            ("per-step helpers", self._helpers.uninstall),
             ("timings", self.timings.shutdown if self.timings else None),
             ("timing histograms", self._final_aggregates if self.timings else None),
             ("traces", self.tracer_provider.shutdown),
@@ -331,14 +328,12 @@ class _Session:
         if not self.settings.timings:
             return None
         from otelprof._overhead import calibrate_range_cost
-        from otelprof.timings import TimingsEngine
+        from otelprof._timings._engine import TimingsEngine
 
         engine = TimingsEngine(
             self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
         )
         engine.start()
-        # the per-step helpers without a Python frame while this session runs
-        _degrade("compiled per-step helpers", self._helpers.install)
         from otelprof.export._aggregates import AggregateMetrics
 
         # every range's duration, as histograms in every metrics export (traces are sampled)
@@ -492,7 +487,6 @@ class Profiler:
         self._current = self._new_session(
             _Identity(settings, dict(os.environ) if env is None else env, settled)
         )
-        _step_at(self)
 
     def _new_session(
         self,
@@ -583,34 +577,34 @@ class Profiler:
         return self._session.pipelines.prometheus_port
 
     def step(self) -> None:
-        """Mark a training-step boundary (like `torch.profiler.profile.step()`)."""
-        timings = self._owner._current.timings  # `_session`, inline: once per step
+        """Deprecated: `otelprof.step()`, the one way to mark a step boundary."""
+        _deprecated("Profiler.step()", "otelprof.step()")
+        timings = self._session.timings
         if timings is not None:
             timings.step()
 
     def set_epoch(self, epoch: int | None) -> None:
-        """Tag the following steps' spans with `otelprof.epoch`."""
+        """Deprecated: `otelprof.set_epoch(epoch)`."""
+        _deprecated("Profiler.set_epoch()", "otelprof.set_epoch()")
         timings = self._session.timings
         if timings is not None:
             timings.set_epoch(epoch)
 
     def set_phase(self, phase: str) -> str:
-        """Enter a phase ("train", "validation", "checkpoint"); returns the previous one
-        (see `otelprof.phase`)."""
-        timings = self._session.timings
-        if timings is None:
-            from otelprof.timings._engine import check_phase
+        """Deprecated: `with otelprof.phase(name):`."""
+        _deprecated("Profiler.set_phase()", "with otelprof.phase(name):")
+        from otelprof._timings._engine import check_phase
 
-            check_phase(phase)
-            return PHASE_TRAIN
-        return timings.set_phase(phase)
+        check_phase(phase)
+        timings = self._session.timings
+        return PHASE_TRAIN if timings is None else str(timings.set_phase(phase))
 
     def timing(self, name: str, **attributes: Any) -> Any:
-        """A timing span around a block or function (see `otelprof.timing`)."""
-        timings = self._session.timings
-        if timings is None:
-            return contextlib.nullcontext()
-        return timings.timing(name, **attributes)
+        """Deprecated: `otelprof.timing(name)`."""
+        _deprecated("Profiler.timing()", "otelprof.timing()")
+        from otelprof._timings._recorder import timing
+
+        return timing(name, **attributes)
 
     def stats(self) -> dict[str, int]:
         """Counts of what was exported, dropped or failed, per exporter and per source.
@@ -667,8 +661,6 @@ class Profiler:
         with _lock:
             if _active is self and not self._session.closed:
                 _active = None
-        if _stepping is self:
-            _step_at(None)
         self._session.shutdown(end, final=final)
 
     def _new_identity(self) -> None:
@@ -698,7 +690,6 @@ class Profiler:
         with _lock:
             self._current = self._new_session(new, named=named, before=session)
             _active = self
-        _step_at(self)
 
 
 def _claim_or_stay(identity: _Identity, before: _Session | None) -> tuple[RunLayout, RunClaim]:
@@ -750,23 +741,9 @@ def _int_attribute(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
-if _recorder.speedups is not None:  # the same without a Python frame: it runs every step
-    Profiler.step = _recorder.speedups.method(_recorder.speedups.profiler_step)  # type: ignore[method-assign]
-
-_stepping: Profiler | None = None
-"""The owner whose session's engine the compiled `Profiler.step` was told of (`_step_at`)."""
-
-
-def _step_at(owner: Profiler | None) -> None:
-    """Tell the compiled `Profiler.step` which engine `owner._current.timings` is, after
-    every change of `_current`: that step then reads no attribute. Any other handle, or none
-    told, takes the attribute path, which is the same engine."""
-    global _stepping
-    speedups = _recorder.speedups
-    if speedups is None:
-        return
-    _stepping = owner
-    speedups.set_step_target(owner, None if owner is None else owner._current.timings)
+def _deprecated(old: str, new: str) -> None:
+    """A DeprecationWarning naming the replacement (shown once per calling line)."""
+    warnings.warn(f"{old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
 
 
 def instrument(**options: Any) -> Profiler:
@@ -805,3 +782,10 @@ def uninstrument() -> None:
 def active_profiler() -> Profiler | None:
     """The running profiler, if any."""
     return _active
+
+
+def running_session() -> _Session | None:
+    """The running profiler's session (its timings engine, its throughput tracker), if any:
+    what the public per-step functions act on (`otelprof._steps`)."""
+    profiler = _active
+    return None if profiler is None else profiler._current

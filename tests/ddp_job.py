@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import otelprof
+from otelprof import determined_timings
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,15 +104,15 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 with otelprof.timing("dataloader_next"):
                     time.sleep(args.step_sleep_ms / 1000)
-                with otelprof.train_batch():
+                with determined_timings.train_batch():
                     loss = torch.nn.functional.mse_loss(model(data), target)
                     optimizer.zero_grad()
                     loss.backward()
                     optimizer.step()
-                with otelprof.reduce_metrics():
+                with determined_timings.reduce_metrics():
                     value = loss.detach().clone()
                     dist.all_reduce(value)
-                prof.step()
+                otelprof.step()
                 if args.validate_every and step % args.validate_every == args.validate_every - 1:
                     _validate(prof, model, data)
             dist.barrier()
@@ -142,7 +143,7 @@ def _validate(prof: otelprof.Profiler, model: torch.nn.Module, data: torch.Tenso
                 value = model(data).sum()
                 dist.all_reduce(value)
             if batch < 2:
-                prof.step()  # the next batch of the phase
+                otelprof.step()  # the next batch of the phase
 
 
 def _launch_like_lightning(world_size: int) -> list[subprocess.Popen[bytes]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import otelprof
+from otelprof import _profiler
 
 if "--callback-only" not in sys.argv:
     otelprof.instrument()  # at the top of the script, before Lightning starts any rank
@@ -48,7 +49,7 @@ class TinyModule(pl.LightningModule):
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_end(self) -> None:
-        active = otelprof.active_profiler()
+        active = _profiler.active_profiler()
         assert active is not None
         trainer = self.trainer
         seen = {  # what Lightning and otelprof each say this process is

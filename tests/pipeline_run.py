@@ -166,7 +166,7 @@ def training_loop(
         with otelprof.timing("reduce_metrics"):
             float(torch.stack(losses).mean())
         otelprof.step_work(samples=batch, tokens=batch * 64, flops=step_flops)
-        prof.step()
+        otelprof.step()
         step_times.append(time.perf_counter() - t0)
         if pause_s:
             time.sleep(pause_s)  # a few steps per gauge interval, like a real job's cadence

@@ -151,7 +151,7 @@ def test_each_track_of_a_process_has_its_own_name(tmp_path: Path) -> None:
         for _ in range(3):
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     out = tmp_path / "trace.json"
     assert cli_main(["trace", str(prof.run_dir), "-o", str(out)]) == 0
@@ -173,11 +173,11 @@ def _rank_run(out: Path, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
     with otelprof.instrument(
         output_dir=str(out), run_id="job", trace_budget=float("inf"),
         host_metrics=False, process_metrics=False,
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for step in range(6):
             with otelprof.timing("train_batch"):
                 time.sleep(0.2 if (rank, step) == (1, 3) else 0.001)
-            prof.step()
+            otelprof.step()
             if step == 2:
                 with otelprof.phase("validation"), otelprof.timing("eval_batch"):
                     pass

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import otelprof
-from otelprof.timings import _sampling
+from otelprof._timings import _sampling
 from tests.otlp_files import read_spans
 
 
@@ -35,7 +35,7 @@ def test_an_anomaly_runs_a_kineto_window_whose_steps_the_slow_step_links_to(
                     time.sleep(max(0.05, 10 * _sampling.ANOMALY_FACTOR * median(recent)))
                 else:
                     time.sleep(0.002)
-            prof.step()
+            otelprof.step()
             now = time.perf_counter()
             step_times.append(now - last)
             last = now
@@ -109,7 +109,7 @@ def test_steps_of_a_scheduled_kineto_window_are_kept_whatever_the_trace_budget(
         for _ in range(30):
             with otelprof.timing("train_batch"):
                 (x @ x).relu()
-            prof.step()
+            otelprof.step()
     finally:
         prof.shutdown()
     spans = read_spans(prof.files["traces"])

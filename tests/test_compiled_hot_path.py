@@ -1,5 +1,7 @@
-"""The compiled hot path (`otelprof/timings/_speedups.c`) records exactly what the Python
-reference in `_recorder.py` / `_quiet_steps.py` records.
+"""The compiled recorder (`otelprof/_timings/_speedups.c`) records exactly what the Python
+reference in `_recorder.py` records: every function it compiles (`Timing.__enter__` and
+`__exit__`, the record_function bridge's, `Recorder.begin_step` and `Recorder.end_step`),
+and nothing else is compiled.
 
 Each scenario drives the recorder through one implementation, then the other, under a fake
 clock, and compares a transcript of everything left behind: the frames of the step, the
@@ -9,65 +11,62 @@ out on their thread, the token budgets and the calls made to torch and CUDA stan
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-import otelprof
-from otelprof.timings import _api, _engine, _quiet_steps
-from otelprof.timings import _frames as fr
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _frames as fr
+from otelprof._timings import _recorder as rec
 from tests.timings_harness import start_run
 
 IMPLEMENTATIONS = ("python", "compiled")
 
 
-def test_the_compiled_hot_path_is_built() -> None:
+COMPILED = {
+    (rec.Timing, "__enter__"): "timing_enter",
+    (rec.Timing, "__exit__"): "timing_exit",
+    (rec.Recorder, "begin_step"): "begin_step",
+    (rec.Recorder, "end_step"): "end_step",
+}
+"""Every method the compiled recorder replaces, and its C function."""
+
+
+def test_the_compiled_hot_path_is_built_and_is_the_recorder_only() -> None:
     if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
         pytest.fail("OTELPROF_PURE_PYTHON is set: the compiled hot path cannot be checked")
     assert rec.speedups is not None, (
-        "the C extension otelprof.timings._speedups was not built: installing otelprof "
+        "the C extension otelprof._timings._speedups was not built: installing otelprof "
         "(pip install -e .) needs a C compiler and Python's headers"
     )
-    assert rec.compiled and _quiet_steps.sample_out is rec.speedups.sample_out
+    assert rec.compiled
+    for (cls, name), function in COMPILED.items():
+        assert getattr(cls, name) is getattr(rec.speedups, function), name
     enter, exit_ = rec.bridged_methods(print, print)  # record_function.__enter__, __exit__
     assert enter.__func__.func is rec.speedups.bridge_enter
     assert exit_.__func__.func is rec.speedups.bridge_exit
-    assert _engine.TimingsEngine.step is rec.speedups.engine_step  # (unbound: the function)
-    assert not inspect.isgenerator(_api.timed_items(iter(())))  # an iterator object
-    assert _api._move_to_device is rec.speedups.move_to_device
-    assert _api._move_to_host is rec.speedups.move_to_host
-    # otelprof.step() and Profiler.step() call the engine's step with no frame of their own
-    assert otelprof.step is rec.speedups.step
-    assert otelprof.Profiler.step is rec.speedups.profiler_step  # (unbound: the function)
+    functions = {name for name in dir(rec.speedups) if callable(getattr(rec.speedups, name))}
+    assert functions == {*COMPILED.values(), "bridge_enter", "bridge_exit", "bind", "method"}
 
 
 @pytest.fixture
 def use() -> Iterator[Callable[[str], None]]:
     """Switch the hot path; the default (compiled when built) comes back afterwards."""
     if rec.speedups is None:
-        pytest.fail("the C extension otelprof.timings._speedups was not built")
+        pytest.fail("the C extension otelprof._timings._speedups was not built")
     default = rec.compiled
 
     def switch(implementation: str) -> None:
         on = implementation == "compiled"
         assert rec.use_compiled(on) is on
-        assert _quiet_steps.use_compiled(on) is on
-        assert _engine.use_compiled(on) is on
 
     yield switch
     rec.use_compiled(default)
-    _quiet_steps.use_compiled(default)
-    _engine.use_compiled(default)
 
 
 class _Clock:
@@ -95,12 +94,14 @@ class _Recording:
             "exhausted": 0,
             "in_items": 0,
             "out_items": 0,
-            "torch_profiler_state": None,
+            "torch_profiler_flags": None,
             "cuda_timer": None,
+            "clock": self.clock,
+            "threads": rec._Local(),
         }.items():
             monkeypatch.setattr(rec.recorder, name, value)
-        monkeypatch.setattr(rec, "perf_counter_ns", self.clock)
-        monkeypatch.setattr(rec, "_local", rec._Local())
+        for name in ("limits", "layouts", "layout_ids"):
+            monkeypatch.setattr(rec.on_thread, name, type(getattr(rec.on_thread, name))())
         monkeypatch.setattr(rec, "_timings_by_name", {})
         self.state = rec.thread_state()
         self.ctx = rec.StepContext(3, 1, self.clock.now)
@@ -108,9 +109,7 @@ class _Recording:
 
     def torch_on(self) -> None:
         patch = self.patch
-        patch.setattr(
-            rec.recorder, "torch_profiler_state", SimpleNamespace(_is_profiler_enabled=True)
-        )
+        patch.setattr(rec.recorder, "torch_profiler_flags", ({"recording": True}, "recording"))
         patch.setattr(rec.recorder, "torch_range_enter", self._range_enter)
         patch.setattr(rec.recorder, "torch_range_exit", lambda handle: self.calls.append(handle))
 
@@ -143,6 +142,8 @@ class _Recording:
                 return obj
             if obj is self.ctx:
                 return "ctx"
+            if isinstance(obj, rec.StepContext):
+                return labels.setdefault(id(obj), f"step context {obj.step} #{len(labels)}")
             if obj is self.state:
                 return "main thread"
             if isinstance(obj, rec.ThreadState):
@@ -181,8 +182,11 @@ class _Recording:
             "calls": self.calls,
             "rows": self.state.rows,
             "hold": self.state.hold,
-            "layouts": dict(_quiet_steps.layouts),
-            "quiet": {phase: list(limits) for phase, limits in _quiet_steps.quiet.items()},
+            "layouts": dict(rec.on_thread.layouts),
+            "quiet": {
+                phase: [getattr(limits, name) for name in rec.QuietLimits.__slots__]
+                for phase, limits in rec.on_thread.limits.items()
+            },
         }
 
 
@@ -348,6 +352,7 @@ def _bridged_chunks_and_drops(r: _Recording) -> None:
 def _bridged_too_deep(r: _Recording) -> None:
     rf = _record_function(r)
     r.patch.setattr(rec, "MAX_DEPTH", 3)  # the base frame and two ranges; no deeper ones
+    rec.use_compiled(rec.compiled)  # (a constant: the compiled code is handed it again)
     with rf("one"), rf("two"), rf("three"), rf("four"):
         pass
 
@@ -359,93 +364,7 @@ def _bridged_nothing_records(r: _Recording) -> None:
         pass
 
 
-def _timed_items(r: _Recording) -> None:
-    """`timed_items` (compiled: an iterator object; Python: a generator): a span per item
-    with the hooks around it, none for the exhausted next(), an error span for an iterator
-    that raises; finished after either, as a generator is."""
-
-    def items(n: int, fail: bool = False) -> Iterator[int]:
-        yield from range(n)
-        if fail:
-            raise ValueError("disk gone")
-
-    def before() -> None:
-        r.calls.append(("before", len(r.ctx.frames)))
-
-    def after(item: int) -> None:
-        r.calls.append(("after", item, len(r.ctx.frames)))
-
-    timed = _api.timed_items(items(3), "dataloader_next", before, after)
-    assert list(timed) == [0, 1, 2]
-    assert list(timed) == []  # exhausted: no next() of the iterator, no span
-    failing = _api.timed_items(items(1, fail=True), "load")
-    assert next(failing) == 0
-    with pytest.raises(ValueError, match="disk gone"):
-        next(failing)
-    assert list(failing) == []
-    plain = _api.timed_items(items(2))  # no hooks, the default name
-    assert list(plain) == [0, 1]
-
-    def refuse() -> None:
-        raise RuntimeError("before refused")
-
-    refused = _api.timed_items(items(2), "refused", refuse)
-    with pytest.raises(RuntimeError, match="before refused"):
-        next(refused)
-    assert list(refused) == []
-
-    def reject(_item: int) -> None:
-        raise RuntimeError("after rejected")
-
-    rejected = _api.timed_items(items(2), "rejected", None, reject)
-    with pytest.raises(RuntimeError, match="after rejected"):
-        next(rejected)
-    assert list(rejected) == []
-
-
-class _Tensor:
-    """Stands for torch.Tensor in `_device_copies`: says what was done to it."""
-
-    def __init__(self, name: str, calls: list[tuple[Any, ...]]) -> None:
-        self.name, self.calls = name, calls
-
-    def to(self, device: str, non_blocking: bool = False) -> str:
-        if self.name == "broken":
-            raise RuntimeError("device lost")
-        self.calls.append(("to", self.name, device, non_blocking))
-        return f"{self.name}@{device}"
-
-    def detach(self) -> _Tensor:
-        self.calls.append(("detach", self.name))
-        return self
-
-    def cpu(self) -> str:
-        self.calls.append(("cpu", self.name))
-        return f"{self.name}@host"
-
-
-def _device_copies(r: _Recording) -> None:
-    """`to_device`/`from_device` (compiled: their copies and span in C): flat batches, single
-    tensors, nested data through `_map_nested`, non_blocking, and a copy that raises."""
-    r.patch.setattr(_api, "_tensor_class", _Tensor)
-    x, y = _Tensor("x", r.calls), _Tensor("y", r.calls)
-    results = [
-        _api.to_device((x, y), "dev"),
-        _api.to_device([x, {"label": y}, 3], "dev", non_blocking=True),
-        _api.to_device(x, "dev", non_blocking=True),
-        _api.to_device({"x": x}, "dev"),
-        _api.to_device((), "dev"),
-        _api.from_device(x),
-        _api.from_device([x, (y,)]),
-    ]
-    with pytest.raises(RuntimeError, match="device lost"):
-        _api.to_device((x, _Tensor("broken", r.calls)), "dev")
-    r.calls.append(tuple(repr(result) for result in results))
-
-
 SCENARIOS: dict[str, Callable[[_Recording], None]] = {
-    "timed-items": _timed_items,
-    "device-copies": _device_copies,
     "bridged-nested": _bridged_nested,
     "bridged-errors": _bridged_errors,
     "bridged-out-of-order": _bridged_out_of_order,
@@ -512,7 +431,7 @@ def test_compiled_ranges_read_the_same_clock_as_perf_counter_ns(
     use("compiled")
     with monkeypatch.context() as patch:
         recording = _Recording(patch)
-        patch.setattr(rec, "perf_counter_ns", time.perf_counter_ns)
+        patch.setattr(rec.recorder, "clock", time.perf_counter_ns)
         before = time.perf_counter_ns()
         with rec.timing("timed"):
             pass
@@ -536,13 +455,13 @@ def _step(r: _Recording, names: tuple[str, ...], ns: int) -> rec.StepContext:
 
 
 def _decide_steps(r: _Recording) -> None:
-    """Steps against published limits: head-selected numbers (steps and phase batches) and
-    those past the published ones, tail tokens, the slowest recent step, the anomaly
-    threshold, holds after it, errors, a full layout table, a full batch of rows."""
+    """Steps ended (`end_step`) against published limits: head-selected numbers (steps and
+    phase batches) and those past the published ones, tail tokens, the slowest recent step,
+    the anomaly threshold, holds after it, errors, a full layout table, a full batch of rows;
+    each is sampled out on this thread or queued whole."""
     r.cuda_on()
-    _quiet_steps.reset()
-    r.patch.setattr(_quiet_steps, "ROWS_PER_ITEM", 3)
-    r.patch.setattr(_quiet_steps, "MAX_LAYOUTS", 3)
+    r.patch.setattr(rec.on_thread, "rows_per_item", 3)
+    r.patch.setattr(rec.on_thread, "max_layouts", 3)
     decisions: list[Any] = []
 
     def decide(
@@ -554,13 +473,14 @@ def _decide_steps(r: _Recording) -> None:
         for key, value in ctx_attrs.items():
             setattr(ctx, key, value)
         end = ctx.start_ns + took if took else r.clock.now + ns * len(names)
-        decisions.append((names, _quiet_steps.sample_out(ctx, end, r.state), ctx.kept))
+        ran_on = rec.recorder.end_step(ctx, end)
+        decisions.append((names, ctx.kept, ran_on is r.state, rec.recorder.current))
         decisions.append(("frames left", len(ctx.frames), ctx.owner is None))
 
     decide(("a", "b"), 100)  # nothing published: to the builder
-    _quiet_steps.publish({
-        "train": [1000.0, 4.0, 1e6, 5e6, frozenset({7, 9})],
-        "validation": [1e9, 0.0, 0.0, float("inf"), frozenset({3})],
+    rec.on_thread.publish({
+        "train": rec.QuietLimits(1000.0, 4.0, 1e6, 5e6, frozenset({7, 9})),
+        "validation": rec.QuietLimits(1e9, 0.0, 0.0, float("inf"), frozenset({3})),
     })  # fmt: skip
     decide(("a", "b"), 100, step=7)  # head-selected: to the builder
     decide(("a", "b"), 100, step=1000)  # past the published numbers: to the builder
@@ -573,7 +493,7 @@ def _decide_steps(r: _Recording) -> None:
     decide(("a",), 100, took=5_000_000)  # at the anomaly threshold: to the builder, held
     for _ in range(6):
         decide(("a", "b"), 100)  # five held, then sampled out again
-    decide(("a",), 100, took=_quiet_steps.LONG_STEP_NS)  # long: to the builder, held
+    decide(("a",), 100, took=rec.on_thread.long_step_ns)  # long: to the builder, held
     for _ in range(7):
         decide(("a", "b"), 100)  # five held, then sampled out again
     decide(("a", "b"), 100, error=True)
@@ -584,11 +504,12 @@ def _decide_steps(r: _Recording) -> None:
     decide(("y",), 100, phase="validation")  # the layout table is full: to the builder
     decide(("x",), 100, phase="checkpoint")  # a phase with nothing published
     ended_elsewhere = _step(r, ("a", "b"), 100)  # ended by a thread that does not own it
-    decisions.append(_quiet_steps.sample_out(ended_elsewhere, r.clock.now, rec.ThreadState()))
+    ended_elsewhere.owner = rec.ThreadState()
+    decisions.append(rec.recorder.end_step(ended_elsewhere, r.clock.now) is r.state)
     r.calls.append(tuple(decisions))
 
 
-def test_compiled_step_decisions_equal_the_python_ones(
+def test_compiled_step_ends_equal_the_python_ones(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     python, compiled = _run(use, monkeypatch, _decide_steps)
@@ -597,10 +518,10 @@ def test_compiled_step_decisions_equal_the_python_ones(
     assert compiled == python
 
 
-def _emit_steps(r: _Recording) -> None:
-    """Steps queued whole: in training and in another phase, with attributes, ended by a
-    thread that does not own them, then past half the queue (the builder is woken) and past
-    all of it (ranges dropped, the step span still queued)."""
+def _queue_steps(r: _Recording) -> None:
+    """Steps queued whole (nothing published): in training and in another phase, with
+    attributes, ended by a thread that does not own them, then past half the queue (the
+    builder is woken) and past all of it (ranges dropped, the step span still queued)."""
     r.patch.setattr(rec.recorder, "wake_builder", lambda: r.calls.append(("wake",)))
     ctx = r.ctx
     for phase, attrs, owner, names in (
@@ -611,19 +532,20 @@ def _emit_steps(r: _Recording) -> None:
         ("train", None, r.state, ("h", "i", "j", "k", "l")),
     ):
         ctx.phase, ctx.attrs, ctx.owner = phase, attrs, r.state
+        rec.recorder.record(ctx)
         for name in names:
             with rec.timing(name):
                 pass
         ctx.owner = owner
-        rec.recorder.emit_step(ctx, r.clock())
-        r.calls.append(("emitted", len(ctx.frames), ctx.owner, rec.recorder.in_items))
+        rec.recorder.end_step(ctx, r.clock())
+        r.calls.append(("queued", len(ctx.frames), ctx.owner, rec.recorder.in_items))
         ctx.frames = []
 
 
 def test_compiled_step_items_equal_the_python_ones(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    python, compiled = _run(use, monkeypatch, _emit_steps, 12)
+    python, compiled = _run(use, monkeypatch, _queue_steps, 12)
     steps = [entry for entry in python["queue"] if entry[9] == fr.KIND_STEP]  # (F_ATTRS last)
     assert [(s[1], s[4], s[11]) for s in steps] == [
         ("step", "ctx", False),
@@ -644,37 +566,39 @@ def test_a_long_step_goes_to_the_builder_whole_and_holds_the_next_steps_there(
         use(implementation)
         with monkeypatch.context() as patch:
             r = _Recording(patch)
-            _quiet_steps.reset()
-            _quiet_steps.publish({"train": [1e9, 0.0, 1e12, 1e12, frozenset()]})
+            rec.on_thread.publish({"train": rec.QuietLimits(1e9, 0.0, 1e12, 1e12, frozenset())})
             decided = []
-            for took in (1_000, _quiet_steps.LONG_STEP_NS, 1_000, 1_000):
+            for took in (1_000, rec.on_thread.long_step_ns, 1_000, 1_000):
                 ctx = _step(r, ("a", "b"), 100)
                 ctx.step = 8
-                decided.append(_quiet_steps.sample_out(ctx, ctx.start_ns + took, r.state))
+                rec.recorder.end_step(ctx, ctx.start_ns + took)
+                decided.append(ctx.kept is False)  # sampled out on this thread
             assert decided == [True, False, False, False], implementation
-            assert r.state.hold == _quiet_steps.CAPTURE_STEPS - 2, implementation
+            assert r.state.hold == rec.on_thread.capture_steps - 2, implementation
 
 
 def test_compiled_step_contexts_start_like_the_python_ones(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made = {}
+    monkeypatch.setattr(rec.recorder, "current", None)
     for implementation in IMPLEMENTATIONS:
         use(implementation)
-        ctx = rec.new_step_context(12, 3, 10**12, True, "validation")
-        assert type(ctx) is rec.StepContext
+        ctx = rec.recorder.begin_step(12, 3, 10**12, True, "validation")
+        assert type(ctx) is rec.StepContext and rec.recorder.current is ctx
         made[implementation] = {name: getattr(ctx, name) for name in rec.StepContext.__slots__}
     python, compiled = made["python"], made["compiled"]
     assert compiled["frames"] == [] and compiled["frames"] is not python["frames"]
     assert compiled["owner"] is python["owner"] is rec.thread_state()
     assert compiled == python
-    assert rec.new_step_context(1, None, 0, False, "train").frames is not compiled["frames"]
+    again = rec.recorder.begin_step(1, None, 0, False, "train")
+    assert again.frames is not compiled["frames"]
 
 
 def test_compiled_ranges_follow_the_recorder_fields_as_they_change(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    use("compiled")  # it reads the recorder's fields in place, module globals from a cache
+    use("compiled")  # it reads the recorder's fields in place, at every call
     recording = _Recording(monkeypatch)
     first, second = recording.ctx, rec.StepContext(4, 1, 0)
     timed = rec.timing("timed")
@@ -683,49 +607,15 @@ def test_compiled_ranges_follow_the_recorder_fields_as_they_change(
         with timed:
             pass
     assert (len(first.frames), len(second.frames)) == (2, 2)
-    rec.perf_counter_ns = lambda: 42
+    monkeypatch.setattr(rec.recorder, "clock", lambda: 42)
     with timed:
         pass
     assert second.frames[-1][fr.F_START] == second.frames[-1][fr.F_END] == 42
-
-
-def test_compiled_steps_hand_every_case_but_the_common_one_to_the_python_step(
-    use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A training step with no schedule, Kineto or listener is the compiled step's own;
-    one with a listener, in another phase, or while `sample_out` is a stand-in runs
-    `_engine._py_step`, the reference."""
-    use("compiled")
-    python_steps: list[str] = []
-    python_step = _engine._py_step
-
-    def counted(engine: Any) -> None:
-        python_steps.append(engine.phase)
-        python_step(engine)
-
-    monkeypatch.setattr(_engine, "_py_step", counted)
-    run = start_run(tmp_path)
-    engine = run.engine
-    try:
-        for _ in range(3):
-            with rec.timing("work"):
-                pass
-            engine.step()
-        assert (python_steps, engine.step_number) == ([], 3)
-        remove = engine.add_step_listener(lambda *_: None)
-        engine.step()
-        remove()
-        engine.set_phase("validation")
-        engine.step()
-        engine.set_phase("train")
-        with monkeypatch.context() as patch:
-            patch.setattr(_quiet_steps, "sample_out", lambda *_: False)
-            engine.step()
-        engine.step()
-        assert (python_steps, engine.step_number) == (["train", "validation", "train"], 6)
-    finally:
-        spans = run.finish()
-    assert len([s for s in spans if s.name == "work"]) == 3
+    monkeypatch.setattr(rec.recorder, "threads", rec._Local())  # every thread starts afresh
+    with timed:
+        pass
+    assert rec.thread_state() is not recording.state
+    assert recording.queue[-1][fr.F_THREAD] is rec.thread_state()  # (not the step's thread)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -763,15 +653,15 @@ def test_a_step_that_fails_is_logged_and_training_goes_on(
 def test_compiled_ranges_see_a_torch_profiler_start_and_stop_at_once(
     use: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """torch.autograd.profiler's `_is_profiler_enabled` is a module global the compiled
-    enter reads from the module's dict at its version: each change is seen by the next range."""
+    """torch's profiler flag is a module global the compiled enter reads from the module's
+    dict at its version: each change is seen by the next range."""
     use("compiled")
     recording = _Recording(monkeypatch)
     recording.torch_on()
-    profiler = types.ModuleType("profiler_stand_in")
-    monkeypatch.setattr(rec.recorder, "torch_profiler_state", profiler)
+    namespace: dict[str, Any] = {}
+    monkeypatch.setattr(rec.recorder, "torch_profiler_flags", (namespace, "recording"))
     for enabled in (False, True, True, False, True):
-        profiler._is_profiler_enabled = enabled  # type: ignore[attr-defined]
+        namespace["recording"] = enabled
         with rec.timing(f"while {enabled}"):
             pass
     torch_calls = [call for call in recording.calls if call[0] == "range"]
@@ -784,10 +674,8 @@ def test_compiled_ranges_see_a_torch_profiler_start_and_stop_at_once(
         ("timing_exit", "timing_exit(self, exc_type, exc, tb)"),
         ("bridge_enter", "bridge_enter(original_enter, self)"),
         ("bridge_exit", "bridge_exit(python_exit, original_exit, self, exc_type, exc, tb)"),
-        ("sample_out", "sample_out(ctx, end_ns, state)"),
-        ("timed_items", "timed_items(iterator, span, before, after)"),
-        ("move_to_device", "move_to_device(span, data, device, non_blocking, tensor, nested)"),
-        ("move_to_host", "move_to_host(span, data, tensor, nested)"),
+        ("begin_step", "begin_step(recorder, step, epoch, start_ns, trim_start, phase)"),
+        ("end_step", "end_step(recorder, ctx, end_ns)"),
     ],
 )
 def test_a_compiled_function_called_wrongly_names_its_arguments(name: str, usage: str) -> None:

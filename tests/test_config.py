@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from otelprof import _profiler
 from otelprof.config import DEFAULT_INTERVAL_S, ConfigError, Settings
 
 
@@ -339,7 +340,7 @@ def test_instrument_refuses_a_bad_value_before_starting_anything(
     ):
         with pytest.raises(ConfigError):
             otelprof.instrument(output_dir=tmp_path, **options)
-        assert otelprof.active_profiler() is None
+        assert _profiler.active_profiler() is None
     for variable, value in (
         ("DET_TRIAL_ID", "abc"),
         ("OTELPROF_PEAK_FLOPS", "abc"),
@@ -350,7 +351,7 @@ def test_instrument_refuses_a_bad_value_before_starting_anything(
             env.setenv(variable, value)
             with pytest.raises(ConfigError, match=f"environment variable {variable}: "):
                 otelprof.instrument(output_dir=tmp_path)
-        assert otelprof.active_profiler() is None
+        assert _profiler.active_profiler() is None
     assert not any(tmp_path.iterdir())
 
 

@@ -79,16 +79,18 @@ def test_the_gauge_encoders_otelprof_wraps_exist() -> None:
 
 
 def test_torchs_profiler_internals_are_there_and_idle() -> None:
-    assert _torch_compat.profiler_state(torch) is torch.autograd.profiler
+    namespace, flag = _torch_compat.profiler_flag(torch)  # type: ignore[misc]
+    assert namespace is vars(torch.autograd.profiler) and namespace[flag] is False
     assert _torch_compat.record_function_ops(torch) is not None
     assert _torch_compat.profile_class(torch) is torch.autograd.profiler.profile
     assert _torch_compat.profiler_enabled(torch) is False
     with torch.profiler.profile():
         assert _torch_compat.profiler_enabled(torch) is True
+        assert namespace[flag] is True
 
 
 def test_missing_torch_internals_degrade_to_none_or_a_safe_answer() -> None:
-    assert _torch_compat.profiler_state(object()) is None
+    assert _torch_compat.profiler_flag(object()) is None
     assert _torch_compat.record_function_ops(object()) is None
     assert _torch_compat.profile_class(object()) is None
     assert _torch_compat.profiler_enabled(object()) is True  # cannot tell: assume one runs
@@ -109,7 +111,7 @@ def test_the_otlp_exporters_log_records_name_the_destination_otelprof_filters_on
         assert name in logging.Logger.manager.loggerDict, name
 
 
-SPEEDUPS = Path(__file__).resolve().parents[1] / "otelprof" / "timings" / "_speedups.c"
+SPEEDUPS = Path(__file__).resolve().parents[1] / "otelprof" / "_timings" / "_speedups.c"
 PRIVATE_CPYTHON = re.compile(
     r"\b(_Py\w+|ma_version_tag|d_member|PyMemberDescr\w*|PyDictObject|PyThreadState_\w+|"
     r"T_OBJECT_EX|Py_T_\w+|PY_VERSION_HEX)\b|structmember\.h"
@@ -125,7 +127,7 @@ def test_the_c_hot_path_reaches_cpython_internals_only_through_its_compat_header
 
 
 def test_the_compiled_hot_path_was_built_with_the_compat_headers_guards() -> None:
-    from otelprof.timings import _speedups as speedups  # built whatever the path in use
+    from otelprof._timings import _speedups as speedups  # built whatever the path in use
 
     assert speedups.CPYTHON_CHECKED
     # dict version tags exist (and are used) up to 3.13, not from 3.14 on

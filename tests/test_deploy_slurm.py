@@ -60,7 +60,7 @@ with otelprof.instrument() as prof:
     for _ in range(3):
         with otelprof.timing("work"):
             sum(range(10_000))
-        prof.step()
+        otelprof.step()
 sys.exit(int(sys.argv[1]))
 """
 

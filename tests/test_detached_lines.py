@@ -152,7 +152,7 @@ def test_force_flush_of_the_tracer_provider_writes_the_held_spans_mid_run(tmp_pa
         for _ in range(3):
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
         prof._timings.flush()  # the builder has handed its spans to the file's writer
         assert prof.tracer_provider.force_flush()
         names = [s.name for s in read_spans(prof.files["traces"])]
@@ -286,8 +286,8 @@ def test_the_collectors_otlpjsonfile_receiver_delivers_every_sample_of_multi_exp
 def test_the_files_get_the_timing_histograms_every_30_s_and_once_more_at_the_end(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from otelprof._timings._sampling import Aggregates
     from otelprof.export import _aggregates
-    from otelprof.timings._sampling import Aggregates
 
     now = [1000.0]
     monkeypatch.setattr(_aggregates.time, "monotonic", lambda: now[0])

@@ -161,7 +161,7 @@ def test_instrument_with_determined_posts_real_hardware_and_timings_from_the_pro
         for _ in range(3):
             with otelprof.timing("train_batch"):
                 time.sleep(0.01)
-            prof.step()
+            otelprof.step()
         time.sleep(0.5)
     names = {x["name"] for x in available_series(master.url, master.token, 42)}  # type: ignore[attr-defined]
     assert {"cpu_util_simple", "memory_free", "disk_iops", "net_throughput_sent"} <= names

@@ -64,12 +64,12 @@ def test_timings_report_counts_every_step_when_most_traces_are_sampled_out(
         for i in range(TRAIN_STEPS):
             _timed(mine, "dataloader_next", "dataloader_next", 0.0)
             _timed(mine, "forward", "forward", 0.0002 if i % 7 else 0.0006)
-            prof.step()
+            otelprof.step()
             if i == TRAIN_STEPS // 2:
                 with otelprof.phase("validation"):
                     for _ in range(VALIDATION_BATCHES):
                         _timed(mine, "forward_validation", "forward", 0.0001)
-                        prof.step()
+                        otelprof.step()
         time.sleep(0.6)  # a few metric exports after the last step
     # read once shutdown has decided every step (the builder thread may lag far behind the
     # training loop on a busy machine): the burst budget keeps 5,500 of 3 x TRAIN_STEPS spans
@@ -131,7 +131,7 @@ def test_bridge_timings_count_every_step_of_a_sampled_otlp_run(
                     pass
                 with otelprof.timing("forward"):
                     pass
-                prof.step()
+                otelprof.step()
             time.sleep(0.6)
         # once shutdown has decided every step (see the test above)
         assert prof.stats()["timings.spans_sampled_out"] > TRAIN_STEPS

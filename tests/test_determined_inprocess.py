@@ -64,7 +64,7 @@ def test_shutdown_keeps_the_export_timeout_when_answers_are_lost_and_counts_them
         for _ in range(20):
             with otelprof.timing("forward"):
                 time.sleep(0.01)
-            prof.step()
+            otelprof.step()
         time.sleep(0.6)
         started = time.monotonic()
     took = time.monotonic() - started
@@ -90,7 +90,7 @@ def test_what_the_master_refused_is_kept_in_the_run_directory(
         determined=True, detached=True, interval=0.2, output_dir=str(tmp_path)
     ) as prof:
         for _ in range(5):
-            prof.step()
+            otelprof.step()
         time.sleep(0.6)
     assert prof.stats()["determined.reports_failed_refused_by_master"] >= 1
     run_dir = tmp_path / prof.settings.run_id
@@ -114,7 +114,7 @@ def test_withheld_timing_windows_are_counted_as_dropped(
         for _ in range(5):
             with otelprof.timing("forward"):
                 pass
-            prof.step()
+            otelprof.step()
         time.sleep(0.6)
     stats = prof.stats()
     assert stats["determined.timing_windows_dropped_unknown_steps"] >= 1

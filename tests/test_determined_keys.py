@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import otelprof
+from otelprof._timings._names import OVERFLOW_NAME, RESERVED
 from otelprof.determined.aggregate import WindowAggregator
 from otelprof.determined.client import Credentials, DeterminedClient
 from otelprof.determined.mapping import (
@@ -27,7 +28,6 @@ from otelprof.determined.mapping import (
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
 from otelprof.determined.spool import MemorySpool
-from otelprof.timings._names import OVERFLOW_NAME, RESERVED
 from tests.determined_contract import DeterminedContractServer, set_trial_env, trial_metrics
 from tests.determined_feed import (
     OTLP_HEADERS_ENV,
@@ -119,9 +119,9 @@ def test_torchs_dataloader_range_inside_timed_dataloader_is_not_added_into_it(
 
     set_trial_env(monkeypatch, master)
     loader = DataLoader(TensorDataset(torch.zeros(12, 2)), batch_size=2)
-    with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
+    with otelprof.instrument(determined=True, detached=False, interval=0.2):
         for _batch in otelprof.timed_dataloader(loader):
-            prof.step()
+            otelprof.step()
         time.sleep(0.5)
     counts = _counts(_rows(master))
     assert counts["dataloader_next_count"] == 6  # one per batch, not two
@@ -143,11 +143,11 @@ def test_the_bridge_builds_timings_from_global_rank_0_only(
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", OTLP_HEADERS_ENV)
         rank1 = OtlpClient(bridge.port)
         node2 = trial_resource(42, agent="agent-2", **{"otelprof.rank": 1})
-        with otelprof.instrument(determined=True, detached=False, interval=0.2) as prof:
+        with otelprof.instrument(determined=True, detached=False, interval=0.2):
             for step in range(20):
                 with otelprof.timing("forward"):
                     time.sleep(0.002)
-                prof.step()
+                otelprof.step()
                 rank1.send_traces(timing_spans_request(node2, [step * 3, step * 3 + 1]))
             rank1.send_metrics(seed_metrics_request(node2))
             time.sleep(0.5)

@@ -43,12 +43,12 @@ def test_determined_gets_throughput_mfu_and_validation_apart_from_training(
                 with otelprof.timing("forward"):
                     time.sleep(0.005)
                 otelprof.step_work(samples=8, tokens=64, flops=1e9)
-                prof.step()
+                otelprof.step()
             with otelprof.phase("validation"):
                 for _ in range(2):
                     with otelprof.timing("forward"):
                         time.sleep(0.005)
-                    prof.step()
+                    otelprof.step()
             time.sleep(0.5)
     finally:
         otelprof.set_peak_flops(None)

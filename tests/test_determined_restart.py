@@ -88,7 +88,7 @@ def _train(steps: int, **options: Any) -> otelprof.Profiler:
         for _ in range(steps):
             with otelprof.timing("train_batch"):
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
         time.sleep(0.3)
     return prof
 

@@ -183,7 +183,7 @@ def test_the_run_directory_and_its_files_are_owner_only_unless_shared(
         assert stat.S_IMODE(prof.run_dir.stat().st_mode) == mode
         with otelprof.timing("train_batch"):
             pass
-        prof.step()
+        otelprof.step()
     finally:
         prof.shutdown()
     # every file the run left (run.json rewritten at the end included) is as private

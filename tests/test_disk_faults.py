@@ -82,7 +82,7 @@ def train(prof: Any, steps: int) -> None:
     for _ in range(steps):
         with otelprof.timing("train_batch"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
 
 
 def report_tells_a_clean_end(run_dir: Path) -> None:
@@ -156,7 +156,7 @@ def test_metric_exports_on_a_full_disk_warn_once_without_a_traceback_and_are_cou
         while time.monotonic() < end:
             with otelprof.timing("train_batch", note="x" * 500):
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
 
     train_for(0.5)
     ballast = fill(small_fs)
@@ -316,7 +316,7 @@ def train(prof, steps):
     for _ in range(steps):
         with otelprof.timing("train_batch"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
 
 def report_shutdown(prof):
     start = time.monotonic()

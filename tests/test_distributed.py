@@ -224,7 +224,7 @@ def test_a_taken_prometheus_port_is_a_logged_degradation_not_an_error(
             assert any(f":{port}" in r.getMessage() for r in caplog.records)
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
         finally:
             prof.shutdown()
     assert read_spans(prof.files["traces"])  # the rest of the profiler ran
@@ -415,7 +415,7 @@ for step in range(3):
     model(torch.randn(2, 4)).sum().backward()
     if step == 0:  # after otelprof registered its hook at the first forward
         model.register_comm_hook(None, user_hook)
-    prof.step()
+    otelprof.step()
 print("user hook calls", len(calls), "timed", collectives.snapshot()["ddp_allreduce"][1])
 prof.shutdown()
 dist.destroy_process_group()
@@ -452,7 +452,7 @@ def test_a_process_group_of_one_after_instrument_names_the_run_directory_once(
             )
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
         finally:
             prof.shutdown()
             if dist.is_initialized():

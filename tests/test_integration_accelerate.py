@@ -15,6 +15,7 @@ from accelerate.data_loader import DataLoaderShard
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
+from otelprof import _profiler
 from otelprof.integrations.accelerate import instrument_accelerator
 from tests.framework_runs import (
     INSTRUMENT,
@@ -66,7 +67,7 @@ def _train(tmp_path: Path, run_id: str) -> Path:
             for x, _y in val:
                 model(x)
     handle.remove()
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     return tmp_path / run_id
 
 
@@ -120,7 +121,7 @@ def test_instrument_accelerator_restores_everything_it_patched(tmp_path: Path) -
     assert accelerate.data_loader.send_to_device is send_before
     assert "prepare" not in vars(accelerator) and "backward" not in vars(accelerator)
     assert not model._forward_pre_hooks and not model._forward_hooks
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     assert len(list(loader)) == 2  # still iterates, untimed
 
 

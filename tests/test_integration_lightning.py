@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
+from otelprof import _profiler
 from otelprof.integrations.lightning import OtelprofCallback
 from tests.framework_runs import (
     INSTRUMENT,
@@ -92,7 +93,7 @@ def _fit(
     trainer.fit(
         TinyModule(), DataLoader(data, batch_size=BATCH), DataLoader(data, batch_size=BATCH)
     )
-    assert otelprof.active_profiler() is None  # the callback's profiler ended with the fit
+    assert _profiler.active_profiler() is None  # the callback's profiler ended with the fit
     return tmp_path / run_id
 
 
@@ -280,7 +281,7 @@ def test_the_wrapped_profiler_context_times_actions_and_lets_exceptions_through(
             with pytest.raises(RuntimeError, match="boom"), profiler.profile(timed) as name:
                 assert name == timed
                 raise RuntimeError("boom")
-            prof.step()
+            otelprof.step()
         assert profiler.profile(ignored) is profiler.profile(ignored)  # one shared no-op
     spans = read_spans(prof.run_dir / "traces.jsonl")
     backward = [s for s in spans if s.name == "backward"]
@@ -311,7 +312,7 @@ def test_a_timed_action_has_one_shared_context_whose_ranges_start_and_stop_can_c
             pass
         context.__enter__()
         profiler.stop(timed)  # and stop() the one the context opened
-        prof.step()
+        otelprof.step()
         assert profiler._open[timed] == []
     backward = [s for s in read_spans(prof.run_dir / "traces.jsonl") if s.name == "backward"]
     assert len(backward) == 4

@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import otelprof
+from otelprof import _profiler
 from otelprof.integrations.transformers import OtelprofTrainerCallback
 from tests.framework_runs import (
     INSTRUMENT,
@@ -87,7 +87,7 @@ def _train(tmp_path: Path, run_id: str) -> Path:
         callbacks=[callback],
     )
     trainer.train()
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     return tmp_path / run_id
 
 

@@ -31,7 +31,7 @@ def _train_until(prof: otelprof.Profiler, done: object, seconds: float = 300) ->
         assert time.monotonic() < deadline, prof.stats()
         with otelprof.timing("train_batch"):
             time.sleep(0.005)
-        prof.step()
+        otelprof.step()
 
 
 def test_a_collector_outage_logs_one_line_and_one_on_recovery_with_the_losses(

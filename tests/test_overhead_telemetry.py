@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import otelprof
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 from tests.otlp_files import read_points, read_spans
 
 
@@ -30,7 +30,7 @@ def test_overhead_gauges_follow_the_ranges_recorded_and_calibration_leaves_no_tr
                 with otelprof.timing("busy"):
                     pass
             ranges += 100
-            prof.step()
+            otelprof.step()
             time.sleep(0.001)
         busy_from = idle_until
         time.sleep(0.3)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 import otelprof
+from otelprof import _profiler
 from tests.otlp_files import read_points, read_spans
 from tests.otlp_sink import OtlpSink
 
@@ -40,9 +41,9 @@ def small_loop(steps: int = 5, sleep_s: float = 0.01) -> None:
 def test_second_instrument_call_returns_the_running_profiler(tmp_path: Path) -> None:
     first = otelprof.instrument(output_dir=tmp_path)
     assert otelprof.instrument().run_dir == first.run_dir  # a handle on the same profiler
-    assert otelprof.active_profiler() is first
+    assert _profiler.active_profiler() is first
     first.shutdown()
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     second = otelprof.instrument(output_dir=tmp_path)
     assert second is not first
 
@@ -68,7 +69,7 @@ def test_each_profilers_step_steps_its_own_running_session_and_nothing_once_it_i
 def test_context_manager_shuts_down_once_and_shutdown_is_idempotent(tmp_path: Path) -> None:
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as prof:
         small_loop(2)
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     prof.shutdown()  # a second call is harmless
     info = json.loads((prof.settings.run_dir / "run.json").read_text())
     assert info["run_id"] == prof.settings.run_id
@@ -78,7 +79,7 @@ def test_context_manager_shuts_down_once_and_shutdown_is_idempotent(tmp_path: Pa
 def test_bad_configuration_raises_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(otelprof.ConfigError, match="interval"):
         otelprof.instrument(output_dir=tmp_path, interval=0)
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
 
 
 def test_an_output_dir_no_run_can_be_made_in_is_a_config_error_naming_it_and_why() -> None:
@@ -194,7 +195,7 @@ with otelprof.instrument(interval=0.2) as prof:
     for _ in range(3):
         with otelprof.timing("train_batch"):
             time.sleep(0.01)
-        prof.step()
+        otelprof.step()
 """
 
 

@@ -25,8 +25,8 @@ from prometheus_client.openmetrics.parser import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import otelprof
+from otelprof._timings._sampling import BOUNDS
 from otelprof.analysis.aggregates import parse_point
-from otelprof.timings._sampling import BOUNDS
 from tests.dashboard_queries import label_values, load, queries, substitute, variable_query
 from tests.otlp_files import read_lines, read_spans
 from tests.services import REPO, Collector, Prometheus, wait_for
@@ -46,7 +46,7 @@ def _train(prof: Any, steps: int, slow_every: int = 4) -> None:
             if i % slow_every == 0:
                 with otelprof.timing("forward"):
                     time.sleep(SLEEPS["forward"])
-        prof.step()
+        otelprof.step()
 
 
 def _scrape(port: int, headers: dict[str, str] | None = None) -> str:
@@ -295,7 +295,7 @@ def test_scrapes_during_training_are_each_consistent_and_never_go_back(tmp_path:
                 for _ in range(25):
                     with otelprof.timing("train_batch"):
                         pass
-                    prof.step()
+                    otelprof.step()
                 time.sleep(0.01)
                 rounds += 1
         finally:
@@ -328,7 +328,7 @@ def test_a_failing_histogram_read_leaves_the_rest_of_the_scrape_served(
         aggregates.snapshot = broken
         with otelprof.timing("train_batch"):
             pass
-        prof.step()
+        otelprof.step()
         time.sleep(0.3)
         body = _scrape(prof.prometheus_port)
         _scrape(prof.prometheus_port)

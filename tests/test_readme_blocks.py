@@ -23,7 +23,7 @@ FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
 BLOCKS = [(m.group(2), textwrap.dedent(m.group(3))) for m in FENCE.finditer(README)]
 # blocks run by test_readme_example.py and test_readme_framework_examples.py
 RUN_ELSEWHERE = (
-    "prof.set_epoch(epoch)",
+    "otelprof.set_epoch(epoch)",
     'otelprof.phase("validation")',
     "otelprof.step_work(samples=32",
     "OtelprofCallback(peak_flops=1e12)",

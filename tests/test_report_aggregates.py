@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 import otelprof
+from otelprof._timings._sampling import BOUNDS
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import WarningLog, iter_all_records, open_run
 from otelprof.analysis.summary import TimingAgg, summarize, timing_key
 from otelprof.cli import main as cli_main
-from otelprof.timings._sampling import BOUNDS
 
 
 def _train(prof: Any, steps: int) -> None:
@@ -24,7 +24,7 @@ def _train(prof: Any, steps: int) -> None:
             pass
         with otelprof.timing("train_batch"), otelprof.timing("forward"):
             time.sleep(0.0003 if i % 5 else 0.0008)
-        prof.step()
+        otelprof.step()
 
 
 def _run(tmp_path: Path, run_id: str, steps: int, budget: float) -> Path:

@@ -58,7 +58,7 @@ def ranks_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             with otelprof.timing("train_batch"), otelprof.timing("forward"):
                 time.sleep(0.0002 if i % 5 else 0.0005)
             otelprof.step_work(samples=8)
-            prof.step()
+            otelprof.step()
     finally:
         prof.shutdown()
     assert prof.run_dir is not None

@@ -48,7 +48,7 @@ def sampled_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             with otelprof.timing("train_batch"), otelprof.timing("forward"):
                 time.sleep(0.0002 if i % 7 else 0.0006)
             otelprof.step_work(samples=8, tokens=64, flops=1e6)
-            prof.step()
+            otelprof.step()
     finally:
         prof.shutdown()
     assert prof.run_dir is not None

@@ -33,7 +33,7 @@ def _run(tmp_path: Path, budget: float) -> tuple[Path, float, float]:
                 time.sleep(0.0002 if i % 9 else 0.0008)
                 inner += time.perf_counter() - t1
             otelprof.step_work(samples=SAMPLES, tokens=TOKENS, flops=1e6)
-            prof.step()
+            otelprof.step()
             wall += time.perf_counter() - t0
     finally:
         prof.shutdown()

@@ -44,7 +44,7 @@ def record_run(
             with otelprof.timing("train_batch"):
                 time.sleep(0.004 + (step0_s if i == 0 else 0.0))
             if call_step:
-                prof.step()
+                otelprof.step()
     assert prof.run_dir is not None
     return prof.run_dir
 
@@ -149,7 +149,7 @@ def test_step_never_called_gives_a_hint(tmp_path: Path, capsys: pytest.CaptureFi
     run = record_run(tmp_path, steps=8, call_step=False)
     text = report(capsys, str(run))
     assert "the whole run is one step" in text
-    assert "prof.step()" in text
+    assert "otelprof.step()" in text
 
 
 def test_crash_and_failed_spans_are_at_the_top_of_the_report(
@@ -162,7 +162,7 @@ def test_crash_and_failed_spans_are_at_the_top_of_the_report(
         for _ in range(3):
             with otelprof.timing("train_batch"):
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
         with otelprof.timing("train_batch"):
             raise RuntimeError("CUDA error: device-side assert triggered")
     text = report(capsys, str(prof.run_dir))
@@ -246,7 +246,7 @@ def test_counters_report_their_totals_and_nothing_reads_as_dropped(
             with otelprof.timing("train_batch"):
                 otelprof.step_work(samples=32)
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     doc = report_json(capsys, str(prof.run_dir))
     # the counters' values at the end, not how many points each exported
@@ -266,7 +266,7 @@ def test_verdict_weighs_the_processs_own_cpu_and_names_the_hosts_as_such(
         while time.monotonic() < deadline:
             with otelprof.timing("train_batch"):
                 sum(i * i for i in range(20_000))  # CPU work of the training process
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     doc = report_json(capsys, str(prof.run_dir))
     verdict = doc["verdict"]
@@ -286,7 +286,7 @@ def test_a_timing_under_two_parents_gets_one_row_per_parent(
                 time.sleep(0.001)
             with otelprof.timing("backward"), otelprof.timing("matmul"):
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     rows = report_json(capsys, str(prof.run_dir))["timings"]
     matmul = {r["level"]: r for r in rows if r["name"] == "matmul"}

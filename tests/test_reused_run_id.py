@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import otelprof
+from otelprof import _profiler
 from otelprof.config import ConfigError
 
 OPTIONS = {"interval": 0.2, "gpus": "none", "host_metrics": False}
@@ -31,7 +32,7 @@ def test_a_finished_runs_id_is_refused_and_its_files_stay_as_they_were(tmp_path:
     assert "run.json" in before
     with pytest.raises(ConfigError, match=r"run_id 'same': .* already holds a run"):
         otelprof.instrument(output_dir=tmp_path, run_id="same", **OPTIONS)
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     assert _snapshot(tmp_path / "same") == before
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import otelprof
+from otelprof import _profiler
 from tests.otlp_files import read_spans
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,15 +274,15 @@ def test_nested_instrument_exit_does_not_shut_down_the_outer_profiler(tmp_path: 
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as outer:
         with otelprof.instrument() as inner:  # a callback or library doing its own
             assert inner.run_dir == outer.run_dir
-            inner.step()
-        assert otelprof.active_profiler() is outer
+            otelprof.step()
+        assert _profiler.active_profiler() is outer
         inner.shutdown()
-        assert otelprof.active_profiler() is outer
+        assert _profiler.active_profiler() is outer
         with otelprof.timing("train_batch"):
             time.sleep(0.001)
-        outer.step()
+        otelprof.step()
         assert outer.stats()["timings.steps"] == 2
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
     info = json.loads((outer.settings.run_dir / "run.json").read_text())
     assert info["end"]["recorded_by"] == "context exit"
 
@@ -290,9 +291,9 @@ def test_repeated_instrument_after_shutdown_starts_a_fresh_profiler(tmp_path: Pa
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as first:
         pass
     with otelprof.instrument(output_dir=tmp_path, interval=0.2) as second:
-        assert otelprof.active_profiler() is second
+        assert _profiler.active_profiler() is second
     assert first.settings.run_id != second.settings.run_id
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
 
 
 @pytest.fixture(autouse=True)

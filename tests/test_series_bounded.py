@@ -33,7 +33,7 @@ def _run(out: Path, run_id: str, epochs: int, steps: int) -> Path:
                 with otelprof.timing("train_batch"), otelprof.timing("forward"):
                     time.sleep(0.0002 if i % 11 else 0.003)  # some anomalies too
                 otelprof.step_work(samples=4, tokens=32)
-                prof.step()
+                otelprof.step()
             with otelprof.phase("validation"):
                 for _ in range(3):
                     with otelprof.timing("forward"):

@@ -53,7 +53,7 @@ for _ in range({STEPS}):
             pass
         with otelprof.timing("backward"):
             pass
-    prof.step()
+    otelprof.step()
 begins, returned = threading.Event(), threading.Event()
 
 def send():
@@ -167,11 +167,11 @@ open(os.path.join(out, "training"), "w").close()
 while not handled:
     with otelprof.timing("train_batch"):
         time.sleep(0.002)
-    prof.step()
+    otelprof.step()
 for _ in range(20):  # training goes on after the program's handler
     with otelprof.timing("train_batch"):
         time.sleep(0.002)
-    prof.step()
+    otelprof.step()
 prof.shutdown()
 """
 
@@ -203,7 +203,7 @@ for i in range(8000):  # 64 KB of distinct text per step: 500 MB in all
     blob = (str(i) * 70000)[:65536]
     with otelprof.timing("load_batch", batch=blob):
         pass
-    prof.step()
+    otelprof.step()
     if i % 200 == 0:
         peak = max(peak, rss_mb())
 prof.shutdown()

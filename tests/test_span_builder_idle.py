@@ -8,9 +8,9 @@ import threading
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 
-from otelprof.timings import _builder
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._targets import SpanTargets
+from otelprof._timings import _builder
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._targets import SpanTargets
 
 
 class _SleepsRecorded:

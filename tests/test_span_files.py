@@ -9,10 +9,10 @@ from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 
 import otelprof
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._targets import SpanTargets
 from otelprof.export._spanlines import SpanLineWriter, encode_span
 from otelprof.export.counters import ExportCounters
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._targets import SpanTargets
 from tests.otlp_files import read_lines, read_spans
 
 
@@ -87,7 +87,7 @@ def test_recorded_ranges_and_user_sdk_spans_share_one_file_of_whole_lines(tmp_pa
         for _ in range(3):
             with otelprof.timing("train_batch", kind="t"), tracer.start_as_current_span("mine"):
                 pass
-            prof.step()
+            otelprof.step()
     finally:
         prof.shutdown()
     path = prof.files["traces"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import otelprof
-from otelprof.timings._trace_ids import RunTraces, level_for
+from otelprof._timings._trace_ids import RunTraces, level_for
 from tests.otlp_files import Span, read_spans
 from tests.test_distributed import JOB, _env, _only_run_dir
 
@@ -78,18 +78,18 @@ def _one_rank(tmp_path: Path, name: str) -> list[tuple[str, str]]:
     with otelprof.instrument(
         output_dir=str(tmp_path / name), run_id="same-job", trace_budget=float("inf"),
         host_metrics=False, process_metrics=False,
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for step in range(10):
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
             if step == 4:
                 with otelprof.phase("validation"):
                     for batch in range(3):
                         with otelprof.timing("eval_batch"):
                             pass
                         if batch < 2:
-                            prof.step()
+                            otelprof.step()
     (path,) = (tmp_path / name / "same-job").glob("traces*.jsonl")  # .attempt1 after a restart
     spans = read_spans(path)
     roots = sorted((s for s in spans if not s.parent_span_id), key=lambda s: s.start_ns)

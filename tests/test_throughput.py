@@ -34,20 +34,20 @@ def _instrumented_run(tmp_path: Path, steps: int = 8) -> Path:
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="tp", host_metrics=False, gpus="none",
         process_metrics=False, interval=0.2,
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for i in range(steps):
             with otelprof.timing("train_batch"):
                 time.sleep(0.05 if i == 0 else 0.004)  # step 0: a slow warm-up
             otelprof.step_work(samples=BATCH / 2, tokens=BATCH * SEQ / 2, flops=FLOPS / 2)
             otelprof.step_work(samples=BATCH / 2, tokens=BATCH * SEQ / 2, flops=FLOPS / 2)
-            prof.step()
+            otelprof.step()
             if i == 3:
                 with otelprof.phase("validation"):
                     for _ in range(2):
                         with otelprof.timing("forward"):
                             time.sleep(0.03)  # would halve the rate if it counted
                         otelprof.step_work(samples=BATCH)
-                        prof.step()
+                        otelprof.step()
     return tmp_path / "tp"
 
 
@@ -206,10 +206,10 @@ def test_without_a_declared_peak_mfu_is_absent_and_said_once(
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="nopeak", host_metrics=False, gpus="none",
         process_metrics=False,
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for _ in range(3):
             otelprof.step_work(samples=4, flops=1e6)
-            prof.step()
+            otelprof.step()
     points = read_points(tmp_path / "nopeak" / "metrics.jsonl")
     assert not [p for p in points if p.name == "otelprof.train.mfu"]
     assert [p for p in points if p.name == "otelprof.train.throughput.samples"]

@@ -19,7 +19,7 @@ import pytest
 import otelprof
 from otelprof import _limits
 from otelprof._schema import ATTR_ATTRIBUTES_DROPPED
-from otelprof.timings._builder import SpanBuilder
+from otelprof._timings._builder import SpanBuilder
 from tests.otlp_files import read_spans
 
 STEPS = 3000
@@ -68,7 +68,7 @@ def test_attributes_past_the_byte_budget_are_dropped_counted_and_memory_stays_bo
             text = f"{i:08d}" * (VALUE // 8)
             with otelprof.timing("load_batch", batch=text, labels=text[::-1]):
                 pass
-            prof.step()
+            otelprof.step()
         growth = tracemalloc.get_traced_memory()[0] - start
         tracemalloc.stop()
         held = _limits.budget.held_bytes()
@@ -96,10 +96,10 @@ def test_the_charge_moves_with_the_values_into_the_built_span() -> None:
     # attribute values after the range's frame is gone: the budget still counts them.
     from opentelemetry.sdk.resources import Resource
 
-    from otelprof.timings import _recorder as rec
-    from otelprof.timings._builder import Clock
-    from otelprof.timings._frames import timing_frame
-    from otelprof.timings._targets import SpanTargets
+    from otelprof._timings import _recorder as rec
+    from otelprof._timings._builder import Clock
+    from otelprof._timings._frames import timing_frame
+    from otelprof._timings._targets import SpanTargets
 
     before = _limits.budget.held_bytes()
     timing = otelprof.timing("load_batch", batch="y" * VALUE)
@@ -109,7 +109,7 @@ def test_the_charge_moves_with_the_values_into_the_built_span() -> None:
     ctx = rec.StepContext(1, None, 0)
     frame = timing_frame("load_batch", None, ctx, rec.thread_state(), timing.attributes, None)
     frame[7] = 10  # F_END
-    span = builder.build(frame)
+    span = builder.make_span(*builder.fields(frame))
     del timing, frame
     gc.collect()
     assert span.attributes is not None and span.attributes["batch"] == "y" * VALUE

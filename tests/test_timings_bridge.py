@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from otelprof.timings import timing
+from otelprof._timings._recorder import timing
 from tests.timings_harness import by_name, one, start_run
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import otelprof
+from otelprof import determined_timings
 from otelprof.analysis.problems import notes
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
@@ -33,14 +34,14 @@ def scaled(x: torch.Tensor) -> torch.Tensor:
 
 
 def step_body(x: torch.Tensor) -> torch.Tensor:
-    x = otelprof.to_device(x, "cpu")
+    x = determined_timings.to_device(x, "cpu")
     with otelprof.timing("inner", layer=1):
         y = torch.relu(x @ x.T)
-    with otelprof.train_batch():
+    with determined_timings.train_batch():
         y = scaled(y) + 1
-    with otelprof.reduce_metrics():
+    with determined_timings.reduce_metrics():
         total = y.sum()
-    return otelprof.from_device(total)
+    return determined_timings.from_device(total)
 
 
 def test_helpers_inside_compiled_code_cause_no_graph_break(tmp_path: Path) -> None:
@@ -70,11 +71,11 @@ def test_compiled_training_times_the_compiled_call_and_notes_the_compile_in_step
         handle = otelprof.instrument_optimizer(optimizer)
         for _ in range(steps):
             optimizer.zero_grad()
-            with otelprof.train_batch():
+            with determined_timings.train_batch():
                 loss = compiled(torch.randn(8, 16))  # step 0 includes the compilation
                 loss.backward()
                 optimizer.step()
-            prof.step()
+            otelprof.step()
         handle.remove()
     assert prof.run_dir is not None
     spans = read_spans(prof.run_dir / "traces.jsonl")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from otelprof.timings import ATTR_CUDA_DURATION, timing
+from otelprof._schema import ATTR_CUDA_DURATION
+from otelprof._timings._recorder import timing
 from tests.timings_harness import one, start_run
 
 
@@ -117,8 +118,8 @@ class _StandInTorch:
 
 
 def test_device_durations_wait_for_their_events_then_reach_the_span(tmp_path: Path) -> None:
-    from otelprof.timings import _recorder as rec
-    from otelprof.timings._cuda import CudaTimer
+    from otelprof._timings import _recorder as rec
+    from otelprof._timings._cuda import CudaTimer
 
     run = start_run(tmp_path)
     timer = CudaTimer(_StandInTorch, events=True, sync=False)

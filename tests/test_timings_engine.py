@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import otelprof.timings as timings
+import otelprof
+from otelprof._timings._recorder import timing
+from otelprof._timings._schedule import ScheduleAction, cyclic_schedule, schedule
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
 from otelprof.analysis.verdict import judge
-from otelprof.timings import ScheduleAction, cyclic_schedule, schedule, timing
 from tests.timings_harness import by_name, one, start_run
 
 
@@ -21,7 +22,7 @@ def _work(steps: int) -> None:
     for i in range(steps):
         with timing("train_batch", index=i), torch.profiler.record_function("forward"):
             pass
-        timings.step()
+        otelprof.step()
 
 
 def test_each_step_is_one_trace_rooted_at_a_step_span(tmp_path: Path) -> None:
@@ -82,7 +83,7 @@ def test_a_run_without_step_calls_is_one_step(tmp_path: Path) -> None:
 def test_epoch_is_carried_by_step_and_timing_spans(tmp_path: Path) -> None:
     run = start_run(tmp_path)
     for epoch in range(2):
-        timings.set_epoch(epoch)
+        otelprof.set_epoch(epoch)
         _work(2)
     spans = run.finish()
     assert {(s.attributes["otelprof.step"], s.attributes["otelprof.epoch"]) for s in spans} == {
@@ -110,7 +111,7 @@ def test_cyclic_schedule_restarts_at_each_epoch(tmp_path: Path) -> None:
         tmp_path, schedule=cyclic_schedule(skip_first=1, wait=0, warmup=0, active=1, repeat=1)
     )
     for epoch in range(2):
-        timings.set_epoch(epoch)
+        otelprof.set_epoch(epoch)
         _work(5)
     spans = run.finish()
     recorded = sorted(
@@ -157,8 +158,8 @@ def test_helpers_are_no_ops_that_still_run_the_code_without_an_engine() -> None:
     with timing("block", k="v"):
         calls.append(2)
     assert work() == 5
-    timings.step()
-    timings.set_epoch(3)
+    otelprof.step()
+    otelprof.set_epoch(3)
     assert calls == [2, 1]
 
 
@@ -204,12 +205,12 @@ def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> No
     with timing("first"):
         pass
     t1 = time.perf_counter_ns()
-    timings.step()
+    otelprof.step()
     step_call_ns = time.perf_counter_ns() - t1
     first_step_ns = time.perf_counter_ns() - t0  # at most this, however busy the machine
     with timing("second"):
         pass
-    timings.step()
+    otelprof.step()
     time.sleep(0.1)
     spans = run.finish()
     steps = sorted(by_name(spans, "step"), key=lambda s: s.attributes["otelprof.step"])
@@ -221,7 +222,7 @@ def test_first_step_starts_at_its_first_range_not_at_start(tmp_path: Path) -> No
 
 def test_after_training_work_ends_at_its_last_range(tmp_path: Path) -> None:
     run = start_run(tmp_path)
-    timings.step()
+    otelprof.step()
     with timing("evaluate"):
         pass
     time.sleep(0.2)  # tear-down before shutdown: not after-training work
@@ -237,7 +238,7 @@ def test_a_forked_child_records_nothing(tmp_path: Path) -> None:
         pass
     pid = os.fork()
     if pid == 0:  # child: e.g. a DataLoader worker; nothing may queue up there
-        from otelprof.timings import _recorder as rec
+        from otelprof._timings import _recorder as rec
 
         with timing("child"), torch.profiler.record_function("child_rf"):
             pass

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import otelprof
+from otelprof import determined_timings
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
 from tests.otlp_files import Span, read_spans
@@ -35,11 +36,11 @@ def several_epochs(prof: otelprof.Profiler, workers: int = 0) -> int:
     calls = 0
     timed = otelprof.timed_dataloader(loader(4, workers))
     for epoch in range(3):
-        prof.set_epoch(epoch)
+        otelprof.set_epoch(epoch)
         for (batch,) in timed:
-            with otelprof.train_batch():
+            with determined_timings.train_batch():
                 batch.sum()
-            prof.step()
+            otelprof.step()
             calls += 1
     return calls
 
@@ -48,9 +49,9 @@ def empty_epochs(prof: otelprof.Profiler) -> int:
     calls = 0
     for n in (0, 3, 0, 0, 2, 0):
         for (batch,) in otelprof.timed_dataloader(loader(n)):
-            with otelprof.train_batch():
+            with determined_timings.train_batch():
                 batch.sum()
-            prof.step()
+            otelprof.step()
             calls += 1
     return calls
 
@@ -60,9 +61,9 @@ def mid_epoch_stop(prof: otelprof.Profiler) -> int:
     timed = otelprof.timed_dataloader(loader(6))
     for _ in range(2):
         for i, (batch,) in enumerate(timed):
-            with otelprof.train_batch():
+            with determined_timings.train_batch():
                 batch.sum()
-            prof.step()
+            otelprof.step()
             calls += 1
             if i == 2:
                 break  # max_steps reached mid-epoch: the generator is closed
@@ -75,7 +76,7 @@ def raw_dataloader(prof: otelprof.Profiler) -> int:
     for _ in range(2):
         for (batch,) in data:  # no timed_dataloader: torch's own ranges only
             batch.sum()
-            prof.step()
+            otelprof.step()
             calls += 1
     return calls
 
@@ -90,11 +91,11 @@ def generator_closed_inside_a_range(prof: otelprof.Profiler) -> int:
     stream = batches()
     for _ in range(3):
         next(stream)
-        prof.step()
+        otelprof.step()
         calls += 1
     with otelprof.timing("close"):
         stream.close()  # GeneratorExit inside the open `produce` range
-    prof.step()
+    otelprof.step()
     return calls + 1
 
 

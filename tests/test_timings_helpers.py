@@ -12,15 +12,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import otelprof.timings as timings
-from otelprof.timings import (
-    from_device,
-    instrument_lr_scheduler,
-    instrument_optimizer,
-    timed_dataloader,
-    timing,
-    to_device,
-)
+import otelprof
+from otelprof._timings._api import instrument_optimizer, timed_dataloader
+from otelprof._timings._recorder import timing
+from otelprof.determined_timings import from_device, instrument_lr_scheduler, to_device
 from tests.timings_harness import by_name, start_run
 
 Pair = namedtuple("Pair", "x y")
@@ -40,8 +35,8 @@ def test_timed_dataloader_spans_each_batch_and_keeps_len(tmp_path: Path) -> None
     assert len(wrapped) == 4
     for epoch in range(2):  # iterable again, like the DataLoader
         for _batch in wrapped:
-            timings.step()
-        timings.set_epoch(epoch + 1)
+            otelprof.step()
+        otelprof.set_epoch(epoch + 1)
     spans = run.finish()
     loads = by_name(spans, "dataloader_next")
     assert len(loads) == 8, "the final exhausted next() is not a span"
@@ -132,7 +127,7 @@ def test_optimizer_hooks_time_each_step_under_the_enclosing_range(tmp_path: Path
         with timing("train_batch"):
             model(torch.ones(2, 4)).sum().backward()
             optimizer.step()
-        timings.step()
+        otelprof.step()
     handle.remove()
     optimizer.step()  # no longer timed
     spans = run.finish()

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-import otelprof.timings as timings
-from otelprof.timings import schedule, timing
+import otelprof
+from otelprof._timings._recorder import timing
+from otelprof._timings._schedule import schedule
 from tests.timings_harness import by_name, start_run
 
 
@@ -21,7 +22,7 @@ def test_kineto_window_operator_events_become_child_spans_of_active_steps(
     for _ in range(6):
         with timing("train_batch"):
             (x @ x).relu()
-        timings.step()
+        otelprof.step()
     spans = run.finish()
     stats = run.engine.stats()
     assert stats["kineto_traces"] == 1
@@ -58,7 +59,7 @@ def test_kineto_without_a_schedule_runs_one_short_window(tmp_path: Path) -> None
     x = torch.randn(16, 16)
     for _ in range(7):
         x @ x
-        timings.step()
+        otelprof.step()
     spans = run.finish()
     kineto_steps = {
         s.attributes["otelprof.step"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import otelprof
-import otelprof.timings as timings
-from otelprof.timings import timing
+from otelprof import _steps
+from otelprof._timings._recorder import timing
 from tests.timings_harness import by_name, start_run
 
 
@@ -19,7 +19,7 @@ def _train(steps: int) -> None:
             pass
         with timing("train_batch"), torch.profiler.record_function("forward"):
             pass
-        timings.step()
+        otelprof.step()
 
 
 def _validate(batches: int) -> None:
@@ -29,7 +29,7 @@ def _validate(batches: int) -> None:
                 pass
             with torch.profiler.record_function("forward"):
                 pass
-            timings.step()
+            otelprof.step()
 
 
 def test_validation_inside_an_epoch_loop_is_not_folded_into_training_steps(
@@ -37,7 +37,7 @@ def test_validation_inside_an_epoch_loop_is_not_folded_into_training_steps(
 ) -> None:
     run = start_run(tmp_path)
     for epoch in range(2):
-        timings.set_epoch(epoch)
+        otelprof.set_epoch(epoch)
         _train(3)
         _validate(2)
     spans = run.finish()
@@ -87,23 +87,23 @@ def test_training_resumes_the_interrupted_step_after_a_phase(tmp_path: Path) -> 
 
 def test_phase_restores_the_previous_phase_and_nests(tmp_path: Path) -> None:
     run = start_run(tmp_path)
-    assert otelprof.current_phase() == "train"
+    assert otelprof.phase.current() == "train"
     with otelprof.phase("validation"):
-        assert otelprof.current_phase() == "validation"
+        assert otelprof.phase.current() == "validation"
         with otelprof.phase("checkpoint"):
-            assert otelprof.current_phase() == "checkpoint"
-        assert otelprof.current_phase() == "validation"
-    assert otelprof.current_phase() == "train"
-    previous = otelprof.set_phase("validation")
+            assert otelprof.phase.current() == "checkpoint"
+        assert otelprof.phase.current() == "validation"
+    assert otelprof.phase.current() == "train"
+    previous = _steps.set_phase("validation")
     assert previous == "train"
-    assert otelprof.set_phase("train") == "validation"
+    assert _steps.set_phase("train") == "validation"
     run.finish()
 
 
 def test_phase_as_decorator_and_without_a_profiler() -> None:
     @otelprof.phase("validation")
     def evaluate() -> str:
-        return otelprof.current_phase()
+        return otelprof.phase.current()
 
     assert evaluate() == "train"  # no profiler runs: a no-op that still runs the function
     with otelprof.phase("validation"):
@@ -115,7 +115,7 @@ def test_a_bad_phase_name_is_refused_with_a_clear_error(bad: object) -> None:
     with pytest.raises(ValueError, match="phase must be"):
         otelprof.phase(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="phase must be"):
-        otelprof.set_phase(bad)  # type: ignore[arg-type]
+        _steps.set_phase(bad)  # type: ignore[arg-type]
 
 
 def test_report_gives_training_steps_without_validation_and_validation_its_own_row(
@@ -131,17 +131,17 @@ def test_report_gives_training_steps_without_validation_and_validation_its_own_r
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="phases", host_metrics=False, gpus="none",
         process_metrics=False,
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for _ in range(2):
             for _ in range(4):
                 with timing("train_batch"):
                     time.sleep(0.001)
-                prof.step()
+                otelprof.step()
             with otelprof.phase("validation"):
                 for _ in range(3):
                     with timing("forward"):
                         time.sleep(0.02)  # validation batches are 20x slower
-                    prof.step()
+                    otelprof.step()
     run_dir = tmp_path / "phases"
     warn = WarningLog(sink=lambda _m: None)
     summary = summarize(open_run([run_dir], warn), warn)
@@ -169,7 +169,7 @@ def test_a_phase_block_without_ranges_still_records_its_time(tmp_path: Path) -> 
     with otelprof.phase("validation"):
         with timing("forward"):
             pass
-        timings.step()  # the trailing, empty validation batch is no batch
+        otelprof.step()  # the trailing, empty validation batch is no batch
     spans = run.finish()
     (checkpoint,) = by_name(spans, "checkpoint")
     assert checkpoint.end_ns - checkpoint.start_ns >= 20_000_000

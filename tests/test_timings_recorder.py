@@ -1,9 +1,11 @@
-"""The recorder is one object, the only writer of its state, and frames have one layout per
-kind, built in `_frames` (the hot paths, Python and C, build the same lists inline)."""
+"""The recorder is one object, the only writer and reader of its private state, and frames
+have one layout per kind, built in `_frames` (the hot paths, Python and C, build the same
+lists inline); the compiled recorder binds only names of the recorder's own module."""
 
 from __future__ import annotations
 
 import ast
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +14,8 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _frames
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _frames
+from otelprof._timings import _recorder as rec
 
 STATE = (
     "current",
@@ -25,20 +27,24 @@ STATE = (
     "dropped",
     "exhausted",
     "cuda_timer",
-    "torch_profiler_state",
+    "torch_profiler_flags",
     "torch_range_enter",
     "torch_range_exit",
     "wake_builder",
+    "started",
+    "clock",
+    "threads",
 )
 
 
 @pytest.fixture
 def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[rec.StepContext]:
     """A fresh recorder state with a step recording on this thread (restored afterwards)."""
-    monkeypatch.setattr(rec, "_local", rec._Local())
     for name in STATE:
         monkeypatch.setattr(rec.recorder, name, getattr(rec.recorder, name))
     monkeypatch.setattr(rec.recorder, "queue", type(rec.recorder.queue)())
+    monkeypatch.setattr(rec.recorder, "threads", rec._Local())
+    monkeypatch.setattr(rec.recorder, "started", False)
     rec.recorder.start(100)
     ctx = rec.StepContext(5, None, 0)
     rec.recorder.record(ctx)
@@ -75,6 +81,54 @@ def test_no_module_outside_the_recorder_writes_its_fields() -> None:
                 ):
                     offenders.append(f"{path.relative_to(root)}:{node.lineno}")
     assert offenders == []
+
+
+PRIVATE_STATE = re.compile(r"\b(?:rec|_rec|_recorder)\._[a-z]\w*|\b_local\b|\b_getrandbits\b")
+"""A read of the recorder module's private names (`rec._local`, `_getrandbits`, ...)."""
+
+
+def test_no_module_outside_the_recorder_reads_its_private_state() -> None:
+    """Others go through the recorder's public functions and methods (`thread_state`,
+    `thread_state_if_any`, `new_span_id`, `compiling`, ...); the engine, the builder, Kineto
+    and the on-thread sampler read `_local`/`_getrandbits` before."""
+    root = Path(otelprof.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name == "_recorder.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if PRIVATE_STATE.search(code):
+                offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert offenders == []
+
+
+def test_the_compiled_recorder_binds_only_names_of_the_recorder_module() -> None:
+    """Its binding table (every attribute it reads or calls by name) names classes of
+    `_recorder.py` and their attributes, and otherwise only public names of what the
+    recorder holds (its deque, its CUDA timer, torch's record_function): renaming anything
+    it reads is a change to `_recorder.py`, which `bind()` and this test catch."""
+    if rec.speedups is None:
+        pytest.skip("the C extension is not built (OTELPROF_PURE_PYTHON or no compiler)")
+    table = dict(rec.speedups.BINDINGS)
+    others = table.pop("")
+    assert others and all(not name.startswith("_") for name in others), others
+    for class_name, attributes in table.items():
+        cls = getattr(rec, class_name)
+        assert isinstance(cls, type) and cls.__module__ == rec.__name__, class_name
+        for attribute in attributes:
+            assert attribute in getattr(cls, "__slots__", ()) or attribute in vars(cls), (
+                f"_speedups binds {class_name}.{attribute}, which _recorder.py does not define"
+            )
+    # and the C source looks nothing up anywhere else: no module dict, no import but the
+    # clock's, no attribute by a literal name but the one class attribute it reads
+    source = (Path(rec.__file__).parent / "_speedups.c").read_text()
+    assert "PyModule_GetDict" not in source and "PyEval_GetGlobals" not in source
+    assert re.findall(r"PyImport_\w+\(([^)]*)\)", source) == ['"time"']
+    assert re.findall(r"GetAttrString\([^,]+, (\"\w+\")\)", source) == [
+        '"__slots__"',
+        '"perf_counter_ns"',
+    ]
 
 
 def test_the_compiled_hot_path_uses_the_python_frame_layout() -> None:
@@ -153,6 +207,7 @@ def test_the_item_that_leaves_the_queue_half_full_wakes_the_builder(
 ) -> None:
     """An idle builder sleeps up to a second; a burst must not wait for it to wake."""
     wakes: list[int] = []
+    rec.recorder.stop()  # (the fixture's start, without a builder)
     rec.recorder.start(100, wake_builder=lambda: wakes.append(rec.recorder.queued_frames()))
     row = _frames.pack_row(range(9), 9, 0)  # 10 spans carried (9 ranges and their step)
     for _ in range(4):  # 4 items of 10 spans: up to 44 of 100 queued
@@ -239,10 +294,16 @@ def test_isolated_recording_restores_every_field_and_queues_nothing(
 def test_stop_leaves_nothing_recording_and_no_room(recording: rec.StepContext) -> None:
     recorder = rec.recorder
     recorder.set_cuda_timer(object())
-    recorder.set_torch_hooks(object(), print, print)
+    recorder.set_torch_hooks(({}, "flag"), print, print)
     recorder.stop()
-    assert recorder.current is None and recorder.capacity == 0
-    assert recorder.cuda_timer is None and recorder.torch_profiler_state is None
+    assert recorder.current is None and recorder.capacity == 0 and not recorder.started
+    assert recorder.cuda_timer is None and recorder.torch_profiler_flags is None
     with rec.timing("after stop"):
         pass
     assert recording.frames == [] and not recorder.queue
+
+
+def test_the_span_builder_uses_only_public_methods_of_the_sampler_and_name_cache() -> None:
+    builder = Path(otelprof.__file__).parent / "_timings" / "_builder.py"
+    reaches = re.findall(r"\b(?:sampler|names)\._\w+", builder.read_text())
+    assert reaches == []

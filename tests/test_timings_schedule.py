@@ -8,8 +8,7 @@ import warnings
 import pytest
 import torch
 
-from otelprof.timings import ScheduleAction, cyclic_schedule, schedule
-from otelprof.timings._schedule import as_action
+from otelprof._timings._schedule import ScheduleAction, as_action, cyclic_schedule, schedule
 
 PARAMETER_SETS = [
     dict(zip(("skip_first", "wait", "warmup", "active", "repeat"), values, strict=True))

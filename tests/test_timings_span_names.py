@@ -9,16 +9,16 @@ import pytest
 import torch
 
 import otelprof
-from otelprof.analysis.problems import notes
-from otelprof.analysis.reader import WarningLog, open_run
-from otelprof.analysis.summary import summarize
-from otelprof.timings._names import (
+from otelprof._timings._names import (
     ATTR_NUMBER,
     ATTR_ORIGINAL,
     MAX_SPAN_NAMES,
     OVERFLOW_NAME,
     SpanNames,
 )
+from otelprof.analysis.problems import notes
+from otelprof.analysis.reader import WarningLog, open_run
+from otelprof.analysis.summary import summarize
 from tests.otlp_files import read_spans
 
 
@@ -40,7 +40,7 @@ def test_profiler_step_numbers_become_an_attribute_not_a_name_per_step(tmp_path:
             with otelprof.timing("train_batch"):
                 model(torch.randn(4, 8)).sum().backward()
             user.step()  # records a ProfilerStep#N range each step
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     spans = read_spans(prof.run_dir / "traces.jsonl")
     numbered = [s for s in spans if s.name.startswith("ProfilerStep")]

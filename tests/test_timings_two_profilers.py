@@ -31,13 +31,13 @@ prof = otelprof.instrument(kineto=True, host_metrics=False, process_metrics=Fals
 if mode == "user profiler first":
     with torch.profiler.profile() as user:
         for _ in range(8):
-            work(); prof.step()
+            work(); otelprof.step()
 elif mode == "user profiler during a window":
     for _ in range(3):  # steps 0-2: wait, warmup, first active step
-        work(); prof.step()
+        work(); otelprof.step()
     with torch.profiler.profile() as user:
         for _ in range(5):
-            work(); prof.step()
+            work(); otelprof.step()
 user.export_chrome_trace(out + ".user.json")
 events = len(user.key_averages())
 prof.shutdown()

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _recorder, _sampling
-from otelprof.timings._sampling import TraceSampler
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings import _sampling
+from otelprof._timings._sampling import SpanFields, TraceSampler
+from otelprof._timings._trace_ids import RunTraces
 from tests.otlp_files import read_spans, timing_histograms
 
 
@@ -49,9 +49,13 @@ def _run_steps(
         ctx = _Ctx(number)
         end = t + int(seconds * 1e9)
         error = ("builtins.ValueError", "x", "") if number in errors else None
-        child = ("train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error)
+        child = SpanFields(
+            "train_batch", number + 1, 2 * number + 10, 2 * number + 11, t, end, {}, error
+        )
         sampler.span(ctx, child, False, seconds, error is not None)
-        step = ("step", number + 1, 2 * number + 11, 0, t, end, {"otelprof.step": number}, None)
+        step = SpanFields(
+            "step", number + 1, 2 * number + 11, 0, t, end, {"otelprof.step": number}, None
+        )
         sampler.span(ctx, step, True, seconds, False, "step")
         t = end
         clock.now += seconds
@@ -59,15 +63,15 @@ def _run_steps(
     return list(range(len(durations)))
 
 
-def _sampler(budget: float = 0.0, **kw: Any) -> tuple[TraceSampler, list[tuple[Any, ...]], _Clock]:
-    out: list[tuple[Any, ...]] = []
+def _sampler(budget: float = 0.0, **kw: Any) -> tuple[TraceSampler, list[SpanFields], _Clock]:
+    out: list[SpanFields] = []
     clock = _Clock()
     kw.setdefault("head_burst", 0.0)
     return TraceSampler(budget, out.append, clock=clock, **kw), out, clock
 
 
-def _kept_steps(out: list[tuple[Any, ...]]) -> dict[int, tuple[Any, ...]]:
-    return {f[6]["otelprof.step"]: f for f in out if f[0] == "step"}
+def _kept_steps(out: list[SpanFields]) -> dict[int, SpanFields]:
+    return {f.attributes["otelprof.step"]: f for f in out if f.name == "step"}
 
 
 def _steady(n: int, seed: int = 1) -> list[float]:
@@ -86,11 +90,13 @@ def test_tail_kept_steps_are_exactly_the_steps_slower_than_every_recent_one() ->
     slowest = {
         i for i in range(1, len(durations)) if durations[i] > max(durations[max(0, i - window) : i])
     }
-    assert {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "tail.slowest"} == slowest
+    assert {
+        i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "tail.slowest"
+    } == slowest
     assert {150, 300, 450} <= slowest
     assert sampler.anomalies == 0
     # every kept step comes with its child; nothing else was written, the rest is counted
-    assert sum(1 for f in out if f[0] == "train_batch") == len(kept)
+    assert sum(1 for f in out if f.name == "train_batch") == len(kept)
     assert sampler.sampled_out + len(out) == 2 * len(durations)
 
 
@@ -101,12 +107,12 @@ def test_the_anomaly_rule_fires_on_an_injected_slow_step_and_captures_the_next_o
     _run_steps(sampler, durations, clock)
     assert sampler.anomalies == 1
     kept = _kept_steps(out)
-    assert kept[250][6]["otelprof.sampled"] == "anomaly"
-    assert kept[250][6]["otelprof.anomaly.ratio"] == pytest.approx(5.0, rel=0.25)
+    assert kept[250].attributes["otelprof.sampled"] == "anomaly"
+    assert kept[250].attributes["otelprof.anomaly.ratio"] == pytest.approx(5.0, rel=0.25)
     captured = range(251, 251 + _sampling.CAPTURE_STEPS)
-    assert all(kept[i][6]["otelprof.sampled"] == "capture" for i in captured)
+    assert all(kept[i].attributes["otelprof.sampled"] == "capture" for i in captured)
     # the slow step's span links to every captured step's span
-    links = kept[250][8]
+    links = kept[250].links
     assert [span_id for _, span_id, _ in links] == [kept[i][2] for i in captured]
     assert all(trace == kept[i][1] for (trace, _, _), i in zip(links, captured, strict=True))
 
@@ -121,15 +127,15 @@ def test_anomalies_within_their_budget_are_all_kept_while_head_and_tail_are_spen
     _run_steps(sampler, durations, clock)
     kept = _kept_steps(out)
     assert set(slow) <= set(kept), sorted(set(slow) - set(kept))
-    assert all(kept[i][6]["otelprof.sampled"] == "anomaly" for i in slow)
-    assert all(kept[i][6]["otelprof.anomaly.ratio"] > 9 for i in slow)
+    assert all(kept[i].attributes["otelprof.sampled"] == "anomaly" for i in slow)
+    assert all(kept[i].attributes["otelprof.anomaly.ratio"] > 9 for i in slow)
     assert sampler.anomalies == len(slow)
     assert sampler.anomalies_refused == 0
     # only the first starts a capture (one per cooldown), and only it links to its steps
-    captured = sorted(i for i, f in kept.items() if f[6]["otelprof.sampled"] == "capture")
+    captured = sorted(i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "capture")
     assert captured == list(range(151, 151 + _sampling.CAPTURE_STEPS))
-    assert len(kept[150][8]) == _sampling.CAPTURE_STEPS
-    assert all(len(kept[i]) < 9 or not kept[i][8] for i in slow[1:])  # no links
+    assert len(kept[150].links) == _sampling.CAPTURE_STEPS
+    assert all(not kept[i].links for i in slow[1:])  # no links
     assert set(kept) == set(slow) | set(captured)
 
 
@@ -147,8 +153,8 @@ def test_a_flood_of_anomalies_is_bounded_by_the_anomaly_budget_and_the_rest_coun
     sampler, out, clock = _sampler(tail_burst=0.0, anomaly_budget=6.0)  # 6 per minute
     _run_steps(sampler, durations, clock)
     kept = _kept_steps(out)
-    anomalies = sorted(i for i, f in kept.items() if f[6]["otelprof.sampled"] == "anomaly")
-    captured = [i for i, f in kept.items() if f[6]["otelprof.sampled"] == "capture"]
+    anomalies = sorted(i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "anomaly")
+    captured = [i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "capture"]
     # the rule fired on every slow step outside a running capture
     assert sampler.anomalies == len(set(slow) - set(captured))
     # kept: the burst, what the bucket refilled in the run's (simulated) time, and at
@@ -170,7 +176,10 @@ def test_the_anomaly_budget_can_keep_every_anomaly_or_none() -> None:
     _run_steps(sampler, durations, clock)
     kept = _kept_steps(out)
     assert sampler.anomalies_refused == 0
-    assert sum(f[6]["otelprof.sampled"] == "anomaly" for f in kept.values()) == sampler.anomalies
+    assert (
+        sum(f.attributes["otelprof.sampled"] == "anomaly" for f in kept.values())
+        == sampler.anomalies
+    )
     sampler, out, clock = _sampler(tail_burst=0.0, anomaly_budget=0.0)
     _run_steps(sampler, durations, clock)
     assert out == []  # no anomaly kept, so no capture either
@@ -190,7 +199,7 @@ def test_preemptions_of_fast_steps_are_not_anomalies_but_a_real_stall_is() -> No
     sampler, out, clock = _sampler(tail_burst=0.0)
     _run_steps(sampler, durations, clock)
     kept = _kept_steps(out)
-    anomalies = sorted(i for i, f in kept.items() if f[6]["otelprof.sampled"] == "anomaly")
+    anomalies = sorted(i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "anomaly")
     assert anomalies == stalls
     assert sampler.anomalies == len(stalls) and sampler.anomalies_refused == 0
 
@@ -213,7 +222,7 @@ def test_injected_slow_steps_of_a_real_run_all_reach_the_trace_file(
         for i in range(300):
             with otelprof.timing("train_batch"):
                 time.sleep(0.250 if i in slow else 0.005)  # 50x: clear of load noise
-            prof.step()
+            otelprof.step()
     finally:
         prof.shutdown()
     steps = {
@@ -238,21 +247,24 @@ def test_the_anomaly_rule_stays_quiet_on_a_steady_run() -> None:
         sampler, out, clock = _sampler(tail_burst=1e9)
         _run_steps(sampler, _steady(1000, seed=seed), clock)
         assert sampler.anomalies == 0
-        assert not any(f[6].get("otelprof.sampled") in ("anomaly", "capture") for f in out)
+        assert not any(f.attributes.get("otelprof.sampled") in ("anomaly", "capture") for f in out)
 
 
 def test_steps_with_an_error_are_kept_while_the_head_budget_is_spent() -> None:
     sampler, out, clock = _sampler(tail_burst=100)
     _run_steps(sampler, [0.010] * 200, clock, errors=frozenset({17, 123}))
     kept = _kept_steps(out)
-    assert {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "tail.error"} == {17, 123}
+    assert {i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "tail.error"} == {
+        17,
+        123,
+    }
 
 
 def test_the_head_budget_bounds_the_spans_written_per_second() -> None:
     sampler, out, clock = _sampler(budget=40.0, head_burst=200.0, tail_burst=0.0)
     durations = [0.001] * 20_000  # 20 s of 1 ms steps, two spans each
     _run_steps(sampler, durations, clock)
-    head = {i: f for i, f in _kept_steps(out).items() if f[6]["otelprof.sampled"] == "head"}
+    head = {i: f for i, f in _kept_steps(out).items() if f.attributes["otelprof.sampled"] == "head"}
     # head gets half the budget: at most 20 spans/s over 20 s plus the burst, and at least
     # half of that (one step in 2**level, the lowest level that fits)
     assert 100 <= len(head) and 2 * len(head) <= 20 * 20 + 200
@@ -274,7 +286,7 @@ def _train(prof: Any, steps: int) -> None:
             pass
         with otelprof.timing("train_batch"), otelprof.timing("forward"):
             time.sleep(0.0002 if i % 7 else 0.001)
-        prof.step()
+        otelprof.step()
         if i % 50 == 49:
             with otelprof.phase("validation"), otelprof.timing("eval_batch"):
                 pass
@@ -359,23 +371,15 @@ def test_batched_durations_fill_the_same_buckets_as_one_at_a_time() -> None:
     assert batch.sum == pytest.approx(one.sum, rel=1e-12)
 
 
-def _column_folds() -> list[Any]:
-    folds: list[Any] = [pytest.param(_sampling.fold_column, id="python")]
-    if _recorder.speedups is not None:
-        folds.append(pytest.param(_recorder.speedups.fold_column, id="compiled"))
-    return folds
-
-
-@pytest.mark.parametrize("fold", _column_folds())
-def test_row_columns_fold_into_the_same_histogram_as_a_sorted_batch(fold: Any) -> None:
-    # rows of 3 columns (two ranges, the step) as `_quiet_steps` packs them, every bound's
+def test_row_columns_fold_into_the_same_histogram_as_a_sorted_batch() -> None:
+    # rows of 3 columns (two ranges, the step) as the on-thread sampler packs them, every bound's
     # edge on both sides in one column, ordinary values in the others
     edges = [k + d for k in _sampling.BOUNDS_NS for d in (-1, 0, 1)] + [0, 10**13]
     rows = [(ns, random.randrange(1, 10**10), random.randrange(10**6, 10**9)) for ns in edges]
     values = memoryview(array("q", [v for row in rows for v in row]).tobytes()).cast("q")
     for index in range(3):
         folded, batch = _sampling.DurationHistogram(), _sampling.DurationHistogram()
-        folded.add_column(values, index, 3, fold)
+        folded.add_column(values, index, 3)
         batch.add_ns([row[index] for row in rows])
         assert folded.buckets == batch.buckets
         assert (folded.count, folded.sum, folded.min, folded.max) == (
@@ -385,22 +389,21 @@ def test_row_columns_fold_into_the_same_histogram_as_a_sorted_batch(fold: Any) -
             batch.max,
         )
     empty = _sampling.DurationHistogram()
-    empty.add_column(values, 3 * len(rows), 3, fold)
+    empty.add_column(values, 3 * len(rows), 3)
     assert (empty.count, sum(empty.buckets), empty.min) == (0, 0, math.inf)
 
 
-@pytest.mark.parametrize("fold", _column_folds())
-def test_a_column_whose_total_overflows_int64_is_still_counted_exactly(fold: Any) -> None:
+def test_a_column_whose_total_overflows_int64_is_still_counted_exactly() -> None:
     huge = (1 << 62) + 5
     values = memoryview(array("q", [huge, 1, huge, 2, huge, 3]).tobytes()).cast("q")
     hist = _sampling.DurationHistogram()
-    hist.add_column(values, 0, 2, fold)
+    hist.add_column(values, 0, 2)
     assert (hist.count, hist.sum) == (3, 3 * huge / 1e9)
     assert hist.buckets[-1] == 3
 
 
-@pytest.mark.parametrize("fold", _column_folds())
-def test_a_column_fold_called_wrongly_says_what_it_needs(fold: Any) -> None:
+def test_a_column_fold_called_wrongly_says_what_it_needs() -> None:
+    fold = _sampling.fold_column
     values = memoryview(array("q", [1, 2]).tobytes()).cast("q")
     with pytest.raises(ValueError, match="one bucket more"):
         fold(values, 0, 1, _sampling.BOUNDS_NS, [0])  # one bucket, not one per bound + 1
@@ -423,14 +426,16 @@ def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_
         for number in range(20_000):  # 1 ms steps
             ctx = _Ctx(number)
             for child in range(spans_per_step - 1):
-                item = ("x", 1, child + 10, 9, t, t + 1, {}, None)
+                item = SpanFields("x", 1, child + 10, 9, t, t + 1, {}, None)
                 sampler.span(ctx, item, False, 0.001, False)
-            step = ("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
+            step = SpanFields("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
             sampler.span(ctx, step, True, 0.001, False, "step")
             t += 1_000_000
             clock.now += 0.001
         kept = _kept_steps(out)
-        later = {i for i, f in kept.items() if f[6]["otelprof.sampled"] == "head" and i >= 1000}
+        later = {
+            i for i, f in kept.items() if f.attributes["otelprof.sampled"] == "head" and i >= 1000
+        }
         return later, sampler.head_level
 
     light, light_level = head_steps(2)
@@ -450,7 +455,7 @@ def test_a_phase_of_one_batch_keeps_its_span_after_fast_steps_raised_the_head_le
     t = 1_000_000_000
     for number, seconds in enumerate(durations):
         ctx = _Ctx(number)
-        step = ("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
+        step = SpanFields("step", 1, 9, 0, t, t + 1_000_000, {"otelprof.step": number}, None)
         sampler.span(ctx, step, True, seconds, False, "step")
         t += 1_000_000
         clock.now += seconds
@@ -458,17 +463,17 @@ def test_a_phase_of_one_batch_keeps_its_span_after_fast_steps_raised_the_head_le
     assert len(_kept_steps(out)) < len(durations) // 8  # the training steps are sampled
     for phase in ("validation", "test", "sanity_check"):
         ctx = _Ctx(0, phase)
-        root = ("validate", 1, 99, 0, t, t + 5_000_000, {"otelprof.phase": phase}, None)
+        root = SpanFields("validate", 1, 99, 0, t, t + 5_000_000, {"otelprof.phase": phase}, None)
         sampler.span(ctx, root, True, 0.005, False, "validate")
         assert ctx.kept, phase
-        assert out[-1][0] == "validate" and out[-1][6]["otelprof.sampled"] == "head"
+        assert out[-1].name == "validate" and out[-1].attributes["otelprof.sampled"] == "head"
         t += 5_000_000
         clock.now += 0.005
 
 
 def test_the_head_level_holds_while_sampled_out_steps_arrive_in_batches() -> None:
     """30 ms steps of 11 spans: the training thread samples out the steps head sampling does
-    not select and hands them over 64 at a time (2 s apart), as `_quiet_steps` does. The
+    not select and hands them over 64 at a time (2 s apart), as the on-thread sampler does. The
     level follows the load averaged over seconds, not each second's share of a batch, so it
     settles once; each window of published numbers costs one hash per selected number."""
     windows: list[int] = []
@@ -492,9 +497,11 @@ def test_the_head_level_holds_while_sampled_out_steps_arrive_in_batches() -> Non
         unknown, selected = published
         if number >= unknown or number in selected:
             ctx = _Ctx(number)
-            step = ("step", 1, 9, 0, t, t + 30_000_000, {"otelprof.step": number}, None)
+            step = SpanFields("step", 1, 9, 0, t, t + 30_000_000, {"otelprof.step": number}, None)
             for child in range(spans - 1):
-                sampler.span(ctx, ("x", 1, child + 10, 9, t, t + 1, {}, None), False, step_s, False)
+                sampler.span(
+                    ctx, SpanFields("x", 1, child + 10, 9, t, t + 1, {}), False, step_s, False
+                )
             sampler.span(ctx, step, True, step_s, False, "step")
         else:
             batched += 1
@@ -511,6 +518,6 @@ def test_the_head_level_holds_while_sampled_out_steps_arrive_in_batches() -> Non
     assert len(levels) <= 3, levels  # (None,) 0 -> 7 at most, no swinging
     assert windows and max(windows) <= _sampling.HEAD_WINDOW_SELECTED
     traces = RunTraces("", 0)
-    head = {n for n, f in _kept_steps(out).items() if f[6]["otelprof.sampled"] == "head"}
+    head = {n for n, f in _kept_steps(out).items() if f.attributes["otelprof.sampled"] == "head"}
     later = {n for n in head if n >= 1000}
     assert later and all(traces.head_selected("train", n, 7) for n in later)

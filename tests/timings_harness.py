@@ -1,7 +1,9 @@
 """A real span pipeline for the timings tests: engine -> BatchSpanProcessor -> JSON Lines file.
 
 The spans are read back with the tests' own OTLP reader (`tests/otlp_files.py`), so what the
-tests check is what reached the detached file, not what the engine kept in memory.
+tests check is what reached the detached file, not what the engine kept in memory. While a
+run is up, `otelprof.step()`, `otelprof.set_epoch()` and `otelprof.phase()` act on its engine,
+as they do on a running profiler's.
 """
 
 from __future__ import annotations
@@ -15,10 +17,28 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from otelprof import _profiler
+from otelprof._timings._engine import TimingsEngine
+from otelprof._timings._targets import SpanTargets
 from otelprof.config import Settings
-from otelprof.timings import TimingsEngine
-from otelprof.timings._targets import SpanTargets
 from tests.otlp_files import Span, read_spans
+
+
+class _Session:
+    """What the public per-step functions act on (`_profiler.running_session`)."""
+
+    def __init__(self, engine: TimingsEngine) -> None:
+        self.timings = engine
+
+    def throughput(self) -> None:
+        return None
+
+
+class _RunningProfiler:
+    """Stands for the running profiler: its session's engine is the run's."""
+
+    def __init__(self, engine: TimingsEngine) -> None:
+        self._current = _Session(engine)
 
 
 @dataclass
@@ -32,6 +52,8 @@ class TimingsRun:
         """Shut the engine and provider down (flushing everything) and read the file."""
         self.engine.shutdown()
         self.provider.shutdown()
+        if isinstance(_profiler._active, _RunningProfiler):
+            _profiler._active = None
         return read_spans(self.path) if self.path.exists() else []
 
 
@@ -48,6 +70,7 @@ def start_run(tmp_path: Path, start: bool = True, **options: Any) -> TimingsRun:
     engine = TimingsEngine(targets, provider.resource, settings)
     if start:
         engine.start()
+    _profiler._active = _RunningProfiler(engine)  # type: ignore[assignment]
     return TimingsRun(engine, provider, path, settings)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from otelprof._patch import Patches
 from otelprof._schema import ATTR_COLLECTIVE, DDP_COLLECTIVE, DDP_SPAN
 from otelprof._schema import COLLECTIVE_SPAN_PREFIX as SPAN_PREFIX
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 

@@ -275,7 +275,7 @@ def notes(summary: RunSummary) -> list[str]:
         if repeated.stats.count > len(ranks):
             out.append(
                 f"the whole run is one step ({repeated.name} ran {repeated.stats.count:,} "
-                "times in it): call `prof.step()` (or `otelprof.step()`) once per training "
+                "times in it): call `otelprof.step()` once per training "
                 "step to get per-step timings"
             )
     return out

@@ -47,7 +47,7 @@ ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
 # bridge leaves its data alone, so one trial's group has exactly one producer.
 ATTR_DIRECT = "otelprof.determined.direct"
 # otelprof's per-(timing, phase) duration histograms, aggregated in process from every
-# recorded range (otelprof.timings._sampling): exact whatever the trace sampling kept.
+# recorded range (otelprof._timings._sampling): exact whatever the trace sampling kept.
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).

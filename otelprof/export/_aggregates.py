@@ -1,7 +1,7 @@
 """The timing histograms (`otelprof.timing.duration`) added to every metrics export.
 
 The histograms are aggregated on the span builder thread from every recorded range (see
-`otelprof.timings._sampling`); recording each range through an SDK Histogram instrument
+`otelprof._timings._sampling`); recording each range through an SDK Histogram instrument
 cost 35-75 µs per range on the test machine, so the aggregation is ours and the points are
 merged into the data each counting metric exporter sends (files, OTLP, Determined), as
 cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
@@ -33,7 +33,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from otelprof._schema import ATTR_PHASE, ATTR_TIMING, TIMINGS_SCOPE
 from otelprof._schema import TIMING_HISTOGRAM as METRIC_NAME
-from otelprof.timings._sampling import BOUNDS
+from otelprof._timings._sampling import BOUNDS
 
 EXPORT_EVERY_S = 30.0
 """Seconds between the histograms in the detached metrics file: a ~10 KB point set (61

@@ -1,6 +1,6 @@
 """The timing histograms (`otelprof.timing.duration`) on the Prometheus pull endpoint.
 
-Why: the histograms are aggregated in process (`otelprof.timings._sampling.Aggregates`),
+Why: the histograms are aggregated in process (`otelprof._timings._sampling.Aggregates`),
 not through an SDK instrument, so the SDK's PrometheusMetricReader never sees them. This
 prometheus_client collector, registered on the endpoint's own registry, reads a consistent
 snapshot at every scrape and exposes it the way the collector's `prometheus` exporter
@@ -27,7 +27,7 @@ from prometheus_client.utils import floatToGoString
 
 from otelprof._schema import TIMING_HISTOGRAM_PROMETHEUS as PROM_NAME
 from otelprof._schema import TIMINGS_SCOPE as SCOPE_NAME
-from otelprof.timings._sampling import BOUNDS
+from otelprof._timings._sampling import BOUNDS
 
 _log = logging.getLogger("otelprof.export")
 

@@ -147,7 +147,7 @@ def _metric_reader(
 
 class TraceFileSink:
     """The trace file's writer as the span builder's frame sink: spans encoded as OTLP JSON
-    straight from their fields, no SDK objects (see otelprof/timings/_targets.py)."""
+    straight from their fields, no SDK objects (see otelprof/_timings/_targets.py)."""
 
     encode_span = staticmethod(encode_span)
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from otelprof import _throughput
-from otelprof._work import step_work
-from otelprof.timings import _recorder as rec
+from otelprof._steps import step_work
+from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -26,20 +26,25 @@ from collections.abc import Iterator
 from typing import Any
 
 import otelprof
-from otelprof import _throughput
+from otelprof import _profiler, _steps, _throughput, determined_timings
 from otelprof._patch import Patch, Patches
-from otelprof._schema import BACKWARD, FORWARD, PHASE_TRAIN, PHASE_VALIDATION
-from otelprof.integrations import _common as common
-from otelprof.timings import _recorder as rec
-from otelprof.timings._api import (
+from otelprof._schema import (
+    BACKWARD,
     DATALOADER_NEXT,
+    FORWARD,
     OPTIMIZER_STEP,
+    PHASE_TRAIN,
+    PHASE_VALIDATION,
     STEP_LR_SCHEDULERS,
     TO_DEVICE,
+)
+from otelprof._timings import _recorder as rec
+from otelprof._timings._api import (
     HookHandle,
     timed_items,
     unwrap_optimizer,
 )
+from otelprof.integrations import _common as common
 
 _AUTO_PHASES = (PHASE_TRAIN, PHASE_VALIDATION)
 
@@ -144,11 +149,11 @@ class _Instrumentation:
         wanted = PHASE_TRAIN
         if self.models and not any(getattr(m, "training", True) for m in self.models):
             wanted = PHASE_VALIDATION
-        current = otelprof.current_phase()
+        current = _steps.current_phase()
         if self.batch_open:
             self._end_step()
         if current != wanted and current in _AUTO_PHASES:
-            otelprof.set_phase(wanted)
+            _steps.set_phase(wanted)
         if (
             self.work.counts_flops
             and wanted == PHASE_TRAIN
@@ -161,7 +166,7 @@ class _Instrumentation:
     def _end_step(self) -> None:
         self.batch_open = False
         flops: float | None = None
-        if otelprof.current_phase() == PHASE_TRAIN:
+        if _steps.current_phase() == PHASE_TRAIN:
             flops = self.work.step_flops()
         if flops is not None:
             common.record_work(None, None, flops)
@@ -197,7 +202,7 @@ class _Instrumentation:
         elif hasattr(obj, "optimizer") and hasattr(obj, "step") and hasattr(obj, "zero_grad"):
             self._optimizer(obj)
         elif hasattr(obj, "scheduler") and hasattr(obj, "step"):
-            handle = otelprof.instrument_lr_scheduler(obj.scheduler, STEP_LR_SCHEDULERS)
+            handle = determined_timings.instrument_lr_scheduler(obj.scheduler, STEP_LR_SCHEDULERS)
             self.undo.append(handle.remove)
 
     def _model(self, model: Any) -> None:
@@ -291,5 +296,5 @@ def instrument_accelerator(
 
 def _timings_running() -> bool:
     """Whether a profiler runs with timings (FLOP counting feeds its MFU only)."""
-    profiler = otelprof.active_profiler()
+    profiler = _profiler.active_profiler()
     return profiler is not None and profiler._timings is not None

@@ -33,16 +33,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler, Profiler
 
 import otelprof
+from otelprof import _steps
 from otelprof._patch import Patch
-from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_TRAIN, PHASE_VALIDATION
-from otelprof.integrations import _common as common
-from otelprof.timings import _recorder as rec
-from otelprof.timings._api import (
+from otelprof._schema import (
+    BACKWARD,
     DATALOADER_NEXT,
+    FORWARD,
     OPTIMIZER_STEP,
+    PHASE_CHECKPOINT,
+    PHASE_TRAIN,
+    PHASE_VALIDATION,
     STEP_LR_SCHEDULERS,
     TO_DEVICE,
 )
+from otelprof._timings import _recorder as rec
+from otelprof.integrations import _common as common
 
 _log = logging.getLogger("otelprof")
 
@@ -207,7 +212,7 @@ class _OtelprofProfiler(Profiler):
             self._opt_frame = None
             return
         if kind == _CHECKPOINT:
-            self._checkpoint.append(otelprof.set_phase(PHASE_CHECKPOINT))
+            self._checkpoint.append(_steps.set_phase(PHASE_CHECKPOINT))
             return
         assert name is not None
         self._timed_action(action, name).open()
@@ -224,7 +229,7 @@ class _OtelprofProfiler(Profiler):
             return
         if kind == _CHECKPOINT:
             if self._checkpoint:
-                otelprof.set_phase(self._checkpoint.pop())
+                _steps.set_phase(self._checkpoint.pop())
             return
         assert name is not None
         self._timed_action(action, name).close()
@@ -394,7 +399,7 @@ class OtelprofCallback(Callback):
     # ---- validation ----
     @common.safe
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._phases.append(otelprof.set_phase(PHASE_VALIDATION))
+        self._phases.append(_steps.set_phase(PHASE_VALIDATION))
 
     @common.safe
     def on_validation_batch_end(
@@ -413,12 +418,12 @@ class OtelprofCallback(Callback):
 
     @common.safe
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        otelprof.set_phase(self._phases.pop() if self._phases else PHASE_TRAIN)
+        _steps.set_phase(self._phases.pop() if self._phases else PHASE_TRAIN)
 
     # ---- test and predict: phases of their own, one trace per batch ----
     @common.safe
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._phases.append(otelprof.set_phase(PHASE_TEST))
+        self._phases.append(_steps.set_phase(PHASE_TEST))
 
     @common.safe
     def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -432,7 +437,7 @@ class OtelprofCallback(Callback):
 
     @common.safe
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._phases.append(otelprof.set_phase(PHASE_PREDICT))
+        self._phases.append(_steps.set_phase(PHASE_PREDICT))
 
     @common.safe
     def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

@@ -26,11 +26,17 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 
 import otelprof
+from otelprof import _steps, determined_timings
 from otelprof._patch import Patches
-from otelprof._schema import BACKWARD, FORWARD, PHASE_CHECKPOINT, PHASE_VALIDATION
+from otelprof._schema import (
+    BACKWARD,
+    FORWARD,
+    PHASE_CHECKPOINT,
+    PHASE_VALIDATION,
+    STEP_LR_SCHEDULERS,
+)
 from otelprof.integrations import _common as common
 from otelprof.integrations.accelerate import instrument_wrapped_optimizer, register_loader
-from otelprof.timings._api import STEP_LR_SCHEDULERS
 
 _lock = threading.Lock()
 _active: list[OtelprofTrainerCallback] = []  # callbacks whose Trainer is training
@@ -47,11 +53,11 @@ def _ours(trainer: Any) -> OtelprofTrainerCallback | None:
 
 @contextlib.contextmanager
 def _phase(name: str) -> Iterator[None]:
-    previous = otelprof.set_phase(name)
+    previous = _steps.set_phase(name)
     try:
         yield
     finally:
-        otelprof.set_phase(previous)
+        _steps.set_phase(previous)
 
 
 def _wrap_compute_loss(original: Any) -> Any:
@@ -197,7 +203,9 @@ class OtelprofTrainerCallback(TrainerCallback):
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             inner = getattr(scheduler, "scheduler", scheduler)
-            self._undo.append(otelprof.instrument_lr_scheduler(inner, STEP_LR_SCHEDULERS).remove)
+            self._undo.append(
+                determined_timings.instrument_lr_scheduler(inner, STEP_LR_SCHEDULERS).remove
+            )
 
     @common.safe
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -220,7 +228,7 @@ class OtelprofTrainerCallback(TrainerCallback):
 
     @common.safe
     def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if otelprof.current_phase() == PHASE_VALIDATION:
+        if _steps.current_phase() == PHASE_VALIDATION:
             otelprof.step()  # one trace per evaluation batch
 
     @common.safe

@@ -30,7 +30,8 @@ ATTR_NUMBER = "otelprof.name.number"
 ATTR_ORIGINAL = "otelprof.name.original"
 
 _NUMBERED = re.compile(r"^(.*\S)\s*#(\d+)$")
-_MAX_CACHED = 20_000
+MAX_CACHED = 20_000
+"""Raw names whose exported name is remembered (past it each is resolved again)."""
 _MAX_ORIGINAL_CHARS = 256
 
 
@@ -44,18 +45,27 @@ class SpanNames:
         self._cache: dict[str, tuple[str, dict[str, Any] | None]] = {}
 
     def name(self, raw: str, attributes: dict[str, Any]) -> str:
-        """The exported name of a span recorded as `raw`; adds attributes in place."""
-        hit = self._cache.get(raw)
-        if hit is None:
-            hit = self._resolve(raw)
-            if len(self._cache) < _MAX_CACHED:
-                self._cache[raw] = hit
-        name, extra = hit
+        """The exported name of a span recorded as `raw`; adds attributes in place, and
+        counts a span folded into `OVERFLOW_NAME`."""
+        name, extra = self._lookup(raw)
         if extra is not None:
             attributes.update(extra)
             if name == OVERFLOW_NAME:
                 self.folded += 1
         return name
+
+    def exported(self, raw: str) -> str:
+        """The name a range recorded as `raw` is exported under, counting nothing (its
+        histogram's name: `name` counts the spans actually written)."""
+        return self._lookup(raw)[0]
+
+    def _lookup(self, raw: str) -> tuple[str, dict[str, Any] | None]:
+        hit = self._cache.get(raw)
+        if hit is None:
+            hit = self._resolve(raw)
+            if len(self._cache) < MAX_CACHED:
+                self._cache[raw] = hit
+        return hit
 
     def _resolve(self, raw: str) -> tuple[str, dict[str, Any] | None]:
         extra: dict[str, Any] | None = None

@@ -52,11 +52,11 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from otelprof._schema import ATTR_ANOMALY_RATIO, ATTR_SAMPLED, PHASE_TRAIN
-from otelprof.timings._trace_ids import RunTraces, level_for
+from otelprof._timings._trace_ids import RunTraces, level_for
 
 BOUNDS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 2) for i in range(61))
 """Histogram bucket bounds in seconds: 1 µs to ~1 ks, a factor √2 apart (percentiles read
@@ -96,11 +96,12 @@ LEVEL_WINDOW_S = 1.0
 """How often the head level is re-read from the offered load."""
 LEVEL_RATE_S = 8.0
 """The offered load the level follows is averaged over this long: steps sampled out on their
-thread reach the builder in batches (`_quiet_steps.ROWS_PER_ITEM` steps, 2 s of 30 ms
+thread reach the builder in batches (`OnThreadSampler.rows_per_item` steps, 2 s of 30 ms
 steps), so a one-second rate swings between none and a batch's worth, and every level
 change recomputes the head window (a burst of the builder's GIL time)."""
 HEAD_WINDOW = 1 << 14
-"""Numbers ahead whose head selection is computed at once (and published to `_quiet_steps`)."""
+"""Numbers ahead whose head selection is computed at once (and published to the on-thread
+sampler)."""
 HEAD_WINDOW_SELECTED = 256
 """At most this many selected numbers per computed window: a window costs one hash per
 selected number (~30 ms of GIL time for the 8,192 of a full window at level 1), so at low
@@ -155,12 +156,13 @@ class DurationHistogram:
             self.max = high
         bucket_counts(durations, self.buckets)
 
-    def add_column(self, values: Any, start: int, stride: int, fold: ColumnFold) -> None:
+    def add_column(self, values: Any, start: int, stride: int) -> None:
         """Add every `stride`-th duration (integer ns) of the int64 buffer `values` from
-        `start`: one column of `_quiet_steps` rows, folded by `fold` (`fold_column`, or the
-        compiled one: one C loop, no Python int per duration and no sort)."""
+        `start`: one column of the rows of steps sampled out on their thread."""
         try:
-            count, total, low_ns, high_ns = fold(values, start, stride, BOUNDS_NS, self.buckets)
+            count, total, low_ns, high_ns = fold_column(
+                values, start, stride, BOUNDS_NS, self.buckets
+            )
         except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
             self.add_ns(list(int64s(values)[start::stride]))
             return
@@ -175,16 +177,12 @@ class DurationHistogram:
             self.max = high
 
 
-ColumnFold = Callable[[Any, int, int, tuple[int, ...], list[int]], tuple[int, int, int, int]]
-"""`fold_column`'s signature (the compiled one in `_speedups` has it too)."""
-
-
 def fold_column(
     values: Any, start: int, stride: int, bounds_ns: tuple[int, ...], buckets: list[int]
 ) -> tuple[int, int, int, int]:
     """Count every `stride`-th int64 of `values` from `start` into `buckets` (over
-    `bounds_ns`, as `bucket_counts`); (count, total, lowest, highest), zeros when empty.
-    The reference for `_speedups.fold_column`."""
+    `bounds_ns`, as `bucket_counts`); (count, total, lowest, highest), zeros when empty:
+    one slice, one sort and a bisection per bucket, each a loop in C."""
     if start < 0 or stride <= 0 or len(buckets) != len(bounds_ns) + 1:
         raise ValueError(
             "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of one bucket more"
@@ -200,7 +198,8 @@ def fold_column(
 
 
 def int64s(values: Any) -> memoryview:
-    """A buffer of native int64s (a `_quiet_steps` row view, or bytes) as one flat view."""
+    """A buffer of native int64s (a row of a step sampled out on its thread, or a view of
+    rows) as one flat view."""
     return memoryview(values).cast("B").cast("q")
 
 
@@ -293,11 +292,26 @@ class TokenBucket:
         return False
 
 
+class SpanFields(NamedTuple):
+    """One span as the builder writes it (`_builder.SpanBuilder.fields`); times in Unix ns."""
+
+    name: str
+    trace_id: int
+    span_id: int
+    parent_id: int
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+    error: tuple[str, str, str] | None = None
+    links: tuple[tuple[int, int, dict[str, Any]], ...] = ()
+    """(trace id, span id, attributes) of linked spans (an anomaly's captured steps)."""
+
+
 class _Pending:
-    __slots__ = ("error", "fields")
+    __slots__ = ("error", "items")
 
     def __init__(self) -> None:
-        self.fields: list[Any] = []  # buffered items (frames), built only if kept
+        self.items: list[Any] = []  # buffered items (frames), built only if kept
         self.error = False
 
 
@@ -307,12 +321,12 @@ class TraceSampler:
     def __init__(
         self,
         budget: float,
-        output: Callable[[tuple[Any, ...]], None],
+        output: Callable[[SpanFields], None],
         *,
         clock: Callable[[], float] = time.monotonic,
         head_burst: float | None = None,
         tail_burst: float | None = None,
-        build: Callable[[Any], tuple[Any, ...] | None] | None = None,
+        build: Callable[[Any], SpanFields | None] | None = None,
         traces: RunTraces | None = None,
         head_fraction: float | None = None,
         anomaly_budget: float = ANOMALY_BUDGET,
@@ -356,7 +370,7 @@ class TraceSampler:
         self._recent_by_root: dict[str, deque[float]] = {}
         self._median: dict[str, tuple[float, int]] = {}
         self._capture_left = 0
-        self._held: tuple[Any, ...] | None = None  # the anomalous step's span, until linked
+        self._held: SpanFields | None = None  # the anomalous step's span, until linked
         self._held_links: list[tuple[int, int, dict[str, Any]]] = []
         self._last_capture = -math.inf
         self.sampled_out = 0
@@ -381,9 +395,9 @@ class TraceSampler:
                 if decided and getattr(ctx, "kineto_capture", False):
                     fields = self._build(item)
                     if fields is not None:
-                        attributes = dict(fields[6])
+                        attributes = dict(fields.attributes)
                         attributes[ATTR_SAMPLED] = "capture.kineto"
-                        self._output((*fields[:6], attributes, fields[7]))
+                        self._output(fields._replace(attributes=attributes))
                         self.kept_steps["capture.kineto"] = (
                             self.kept_steps.get("capture.kineto", 0) + 1
                         )
@@ -391,20 +405,42 @@ class TraceSampler:
                     return
             self._late(decided, item)
             return
+        if not is_step:
+            self.buffer(ctx, [item], error)
+            return
+        pending = self._pending.pop(ctx, None) or _Pending()
+        self._buffered -= len(pending.items)
+        self._decide(ctx, pending, item, seconds, name)
+
+    def buffer(self, ctx: Any, items: list[Any], error: bool = False) -> None:
+        """Hold `items` of step `ctx` (not decided yet) until the step span comes; past
+        MAX_BUFFERED items in all, the oldest steps are decided early (by the head budget)."""
         pending = self._pending.get(ctx)
         if pending is None:
             pending = self._pending[ctx] = _Pending()
-        if is_step:
-            del self._pending[ctx]
-            self._buffered -= len(pending.fields)
-            self._decide(ctx, pending, item, seconds, name)
-            return
-        pending.fields.append(item)
+        pending.items.extend(items)
         if error:
             pending.error = True
-        self._buffered += 1
+        self._buffered += len(items)
         if self._buffered > MAX_BUFFERED:
             self._decide_oldest()
+
+    def release_decided(self) -> None:
+        """Items held for steps decided elsewhere as sampled out (`kept` False: on their own
+        thread, see `_recorder.OnThreadSampler`) are counted as sampled out and dropped."""
+        for ctx in [ctx for ctx in self._pending if getattr(ctx, "kept", None) is False]:
+            items = self._pending.pop(ctx).items
+            self._buffered -= len(items)
+            self.sampled_out += len(items)
+
+    def add_recent(self, root: str, seconds: Iterable[float]) -> None:
+        """Durations of steps named `root` decided elsewhere, for the recent window (tail
+        sampling's slowest, the anomaly median)."""
+        self._recent_of(root).extend(seconds)
+
+    def roots(self) -> list[str]:
+        """The root span names seen so far (`step`, `validation`, ...)."""
+        return list(self._recent_by_root)
 
     def _emit(self, item: Any) -> None:
         fields = self._build(item)
@@ -422,7 +458,7 @@ class TraceSampler:
         if the head budget allows (their tail decision is lost), others stay buffered."""
         for ctx, pending in list(self._pending.items()):
             if self.keep_all or (
-                self.head_selects(ctx) and self._head.take(len(pending.fields) + 1)
+                self.head_selects(ctx) and self._head.take(len(pending.items) + 1)
             ):
                 self._release(ctx, pending, "head")
 
@@ -430,32 +466,32 @@ class TraceSampler:
         """Shutdown: steps whose step span never came (still open) go by the head budget."""
         self._release_held()
         for ctx, pending in list(self._pending.items()):
-            if self.keep_all or self._head.take(len(pending.fields)):
+            if self.keep_all or self._head.take(len(pending.items)):
                 self._release(ctx, pending, "head")
             else:
                 del self._pending[ctx]
-                self._buffered -= len(pending.fields)
+                self._buffered -= len(pending.items)
                 ctx.kept = False
-                self.sampled_out += len(pending.fields)
+                self.sampled_out += len(pending.items)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
         del self._pending[ctx]
-        self._buffered -= len(pending.fields)
+        self._buffered -= len(pending.items)
         ctx.kept = True
         self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
-        for item in pending.fields:
+        for item in pending.items:
             self._emit(item)
 
     def _decide_oldest(self) -> None:
         ctx = next(iter(self._pending))
         pending = self._pending[ctx]
-        if self._head.take(len(pending.fields)):
+        if self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
         else:
             del self._pending[ctx]
-            self._buffered -= len(pending.fields)
+            self._buffered -= len(pending.items)
             ctx.kept = False
-            self.sampled_out += len(pending.fields)
+            self.sampled_out += len(pending.items)
 
     def _recent_of(self, root: str) -> deque[float]:
         recent = self._recent_by_root.get(root)
@@ -472,7 +508,7 @@ class TraceSampler:
         tokens), so a caller may decide a run of such steps without it. None when no step
         is certainly sampled out now.
         Valid until the next `_decide` (which may take tokens) or for a fraction of a
-        second (tokens refill): the builder publishes one per drain (`_quiet_steps`).
+        second (tokens refill): the builder publishes one per drain (`_recorder.OnThreadSampler`).
         Takes nothing."""
         if self.keep_all or self._capture_left > 0:
             return None
@@ -505,7 +541,7 @@ class TraceSampler:
         return number in window[3]
 
     def head_window(self, phase: str, start: int) -> tuple[float, frozenset[int]]:
-        """For `_quiet_steps`: (numbers at or above it are not known here, the numbers
+        """For the on-thread sampler: (numbers at or above it are not known here, the numbers
         below it that head sampling selects), from `start` on."""
         level = self.head_level
         if level is None:
@@ -565,7 +601,7 @@ class TraceSampler:
     def _decide(
         self, ctx: Any, pending: _Pending, step_item: Any, seconds: float, root: str
     ) -> None:
-        n = len(pending.fields) + 1
+        n = len(pending.items) + 1
         recent = self._recent_of(root)
         why: str | None = None
         ratio = 0.0
@@ -623,37 +659,37 @@ class TraceSampler:
             ctx.kept = False
             self.sampled_out += n
             if self.on_sampled_out is not None:
-                self.on_sampled_out(pending.fields)
+                self.on_sampled_out(pending.items)
             return
         ctx.kept = True
         self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
-        for item in pending.fields:
+        for item in pending.items:
             self._emit(item)
         step = self._build(step_item)
         if step is None:
             return
-        attributes = dict(step[6])
+        attributes = dict(step.attributes)
         attributes[ATTR_SAMPLED] = why
         if why == "anomaly":
             attributes[ATTR_ANOMALY_RATIO] = round(ratio, 3)
         if captures:
             # held until its capture is done, so it can link to the captured steps
             self._release_held()
-            self._held = (*step[:6], attributes, step[7])
+            self._held = step._replace(attributes=attributes)
             self._held_links = []
             return
-        self._output((*step[:6], attributes, step[7]))
+        self._output(step._replace(attributes=attributes))
         if why == "capture" and self._held is not None:
-            self._held_links.append((step[1], step[2], {ATTR_SAMPLED: "capture"}))
+            self._held_links.append((step.trace_id, step.span_id, {ATTR_SAMPLED: "capture"}))
             if self._capture_left == 0 and self._awaiting_window <= 0:
                 self._release_held()
 
-    def window_step(self, fields: tuple[Any, ...]) -> None:
+    def window_step(self, fields: SpanFields) -> None:
         """A step of the Kineto window an anomaly started (kept in full, its ops are child
         spans): the held slow step links to it too, and is released after the last one."""
         if self._held is None:
             return
-        self._held_links.append((fields[1], fields[2], {ATTR_SAMPLED: "capture.kineto"}))
+        self._held_links.append((fields.trace_id, fields.span_id, {ATTR_SAMPLED: "capture.kineto"}))
         self._awaiting_window -= 1
         if self._awaiting_window <= 0 and self._capture_left == 0:
             self._release_held()
@@ -661,4 +697,4 @@ class TraceSampler:
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            self._output((*held, tuple(self._held_links)))
+            self._output(held._replace(links=tuple(self._held_links)))

@@ -59,7 +59,7 @@ STEP_ENDED_ELSEWHERE = 12
 CHUNK_RANGES = F_ATTRS
 """Chunk items: the list of ranges carried."""
 ROWS = F_ATTRS
-"""Rows items: the list of duration rows carried (see `_quiet_steps`)."""
+"""Rows items: the list of duration rows carried (see `_recorder.OnThreadSampler`)."""
 
 RF_LEN = 12
 TIMING_LEN = 13
@@ -150,7 +150,7 @@ def chunk_item(ctx: Any, ranges: list[Frame]) -> Frame:
 
 ROW_TYPECODE = "q"
 """A row is one `bytes` of native int64s: its ranges' durations in close order, the step's
-duration, the layout id (`_quiet_steps.layouts`). One object a step, where a tuple and a
+duration, the layout id (`OnThreadSampler.layouts`). One object a step, where a tuple and a
 Python int per range were 12 allocations on the training thread (0.3-0.5 µs a step in the
 README loop); the builder reads each column as one strided slice."""
 

@@ -1,8 +1,8 @@
-"""Steps sampled out on their own thread (`_quiet_steps`) give the same aggregates, the same
-decisions and the same accounting as steps decided by the span builder.
+"""Steps sampled out on their own thread (`_recorder.OnThreadSampler`) give the same
+aggregates, the same decisions and the same accounting as steps decided by the span builder.
 
-A fake `perf_counter_ns` makes every duration known in advance, so the histograms can be
-checked exactly against the schedule, with the on-thread path on and off.
+A fake clock makes every duration known in advance, so the histograms can be checked exactly
+against the schedule, with the on-thread path on and off.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof.timings import _engine, _quiet_steps, _sampling
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _engine, _sampling
+from otelprof._timings import _recorder as rec
 from tests.otlp_files import read_lines, read_spans, timing_histograms
 
 
@@ -34,7 +34,7 @@ class _FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _FakeClock:
     fake = _FakeClock()
-    monkeypatch.setattr(rec, "perf_counter_ns", fake)
+    monkeypatch.setattr(rec.recorder, "clock", fake)
     monkeypatch.setattr(_engine, "perf_counter_ns", fake)
     monkeypatch.setattr(_sampling, "HEAD_BURST", 0.0)  # nothing fits a budget: every
     monkeypatch.setattr(_sampling, "TAIL_BURST", 0.0)  # step is sampled out but anomalies
@@ -79,7 +79,7 @@ def _train(prof: Any, clock: _FakeClock, steps: int, slow_step: int | None = Non
             carry.__enter__()
             clock.now += 1_000
         expected.setdefault(("step", "train"), []).append(clock.now - start)
-        prof.step()
+        otelprof.step()
         if i == 250:
             clock.now += 4_000
             carry.__exit__(None, None, None)
@@ -105,7 +105,7 @@ def _assert_histograms_are(hists: dict, expected: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    ("on_thread", "compiled_step", "long_ns"),
+    ("on_thread", "compiled", "long_ns"),
     [
         (True, True, None),
         (True, False, None),
@@ -115,10 +115,10 @@ def _assert_histograms_are(hists: dict, expected: dict) -> None:
     ],
     ids=[
         "on-thread",
-        "on-thread-python-step",
+        "on-thread-python-recorder",
         "builder-only",
         "long-steps-to-the-builder",
-        "long-steps-to-the-builder-python-step",
+        "long-steps-to-the-builder-python-recorder",
     ],
 )
 def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_schedule(
@@ -126,14 +126,14 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
     clock: _FakeClock,
     monkeypatch: pytest.MonkeyPatch,
     on_thread: bool,
-    compiled_step: bool,
+    compiled: bool,
     long_ns: int | None,
 ) -> None:
-    if not on_thread:
-        monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+    if not on_thread:  # every step is long: each goes to the builder
+        monkeypatch.setattr(rec.on_thread, "long_step_ns", 0)
     if long_ns is not None:  # the schedule's steps take 0.11-0.18 ms: some long, some not
-        monkeypatch.setattr(_quiet_steps, "LONG_STEP_NS", long_ns)
-    _engine.use_compiled(compiled_step)  # the Python step is the reference
+        monkeypatch.setattr(rec.on_thread, "long_step_ns", long_ns)
+    rec.use_compiled(compiled)  # the Python recorder is the reference
     prof = _instrument(tmp_path, "q")
     try:
         expected = _train(prof, clock, 400)
@@ -142,7 +142,7 @@ def test_steps_sampled_out_on_their_thread_give_the_exact_histograms_of_the_sche
         assert prof._timings._builder.sampler._buffered == 0
     finally:
         prof.shutdown()
-        _engine.use_compiled(rec.compiled)
+        rec.use_compiled(True)
     stats = prof.stats()
     if long_ns is not None:  # the long ones reached the builder whole, the rest did not
         assert 20 < stats["timings.steps_sampled_out_on_thread"] < 200
@@ -165,7 +165,7 @@ def test_a_slow_step_after_steps_sampled_out_on_their_thread_is_kept_with_the_ne
     tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, long_ns: int | None
 ) -> None:
     if long_ns is not None:  # the slow step and some others reach the builder whole
-        monkeypatch.setattr(_quiet_steps, "LONG_STEP_NS", long_ns)
+        monkeypatch.setattr(rec.on_thread, "long_step_ns", long_ns)
     prof = _instrument(tmp_path, "a")
     try:
         _train(prof, clock, 300, slow_step=200)
@@ -217,7 +217,7 @@ def test_rows_of_steps_sampled_out_on_their_thread_are_left_alone_by_the_garbage
     prof = _instrument(tmp_path, "g")
     try:
         _train(prof, clock, 150)
-        rows = rec._local.state.rows  # this thread's batch, not handed over yet
+        rows = rec.thread_state().rows  # this thread's batch, not handed over yet
         assert rows
         assert all(type(row) is bytes for row in rows)  # one int64 row, no container
         assert not any(gc.is_tracked(row) for row in rows)
@@ -229,7 +229,7 @@ def test_rows_of_steps_sampled_out_on_their_thread_are_left_alone_by_the_garbage
 def test_cuda_events_of_sampled_out_steps_are_reused(
     tmp_path: Path, clock: _FakeClock, monkeypatch: pytest.MonkeyPatch, on_thread: bool
 ) -> None:
-    from otelprof.timings._cuda import CudaTimer
+    from otelprof._timings._cuda import CudaTimer
     from tests.test_timings_cuda import _StandInEvent, _StandInTorch
 
     created = []
@@ -245,8 +245,8 @@ def test_cuda_events_of_sampled_out_steps_are_reused(
     class _Torch:
         cuda = _Cuda
 
-    if not on_thread:
-        monkeypatch.setattr(_quiet_steps, "sample_out", lambda *_: False)
+    if not on_thread:  # every step is long: each goes to the builder
+        monkeypatch.setattr(rec.on_thread, "long_step_ns", 0)
     prof = _instrument(tmp_path, "c")
     _StandInEvent.completed = True  # the device is done with every range
     try:
@@ -271,7 +271,7 @@ def test_cuda_events_of_sampled_out_steps_are_reused(
 def test_a_second_session_sampling_out_the_same_ranges_gives_exact_histograms(
     tmp_path: Path, clock: _FakeClock
 ) -> None:
-    """Row layouts are numbered per session (`_quiet_steps.reset()`), while the training
+    """Row layouts are numbered per session (`OnThreadSampler.reset()`), while the training
     thread remembers the last layout it found: a new session's first rows of the same
     ranges must name the new session's layouts, never the last session's numbers."""
     first = _instrument(tmp_path, "s1")
@@ -284,7 +284,7 @@ def test_a_second_session_sampling_out_the_same_ranges_gives_exact_histograms(
         # a range the first session never had, so the layouts are numbered differently
         with otelprof.timing("warmup"):
             clock.now += 1_000
-        second.step()
+        otelprof.step()
         expected = _train(second, clock, 300)
         expected[("warmup", "train")] = [1_000]
         expected[("step", "train")].append(1_000)  # the first step starts at its first range

@@ -18,10 +18,15 @@ The recorder is process-wide: one `Recorder` object, `recorder`, whose fields (`
 read by offset from C) only its methods and the hot path here write; every other module
 goes through its methods (see `Recorder` for who calls what).
 
-`Timing.__enter__`/`__exit__`, the record_function bridge's and `StepContext()` also exist
-in C (`_speedups.c`, built at install when a C compiler is there, see `use_compiled`): the
-same frames from the same recorder, uncommon cases handed back to the Python code here,
-which stays the reference.
+At `step()` the engine ends the step (`Recorder.end_step`): while the trace sampler is
+quiet, a step it would not keep is sampled out on its own thread (`OnThreadSampler`), else
+it is queued whole (`emit_step`); then it begins the next (`Recorder.begin_step`).
+
+`Timing.__enter__`/`__exit__`, the record_function bridge's, `Recorder.begin_step` and
+`Recorder.end_step` also exist in C (`_speedups.c`, built at install when a C compiler is
+there, see `use_compiled`): the same frames from the same recorder, the objects it reads
+handed to it by `use_compiled`, uncommon cases handed back to the Python code here, which
+is the reference.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ from typing import Any, TypeVar
 
 from otelprof import _limits
 from otelprof._schema import PHASE_TRAIN, STEP_SPAN
-from otelprof.timings._frames import (
+from otelprof._timings._frames import (
     F_CTX,
+    F_CUDA,
     F_END,
     F_KIND,
     F_NAME,
@@ -58,11 +64,13 @@ from otelprof.timings._frames import (
     chunk_item,
     leaf_frame,
     measured_frame,
+    pack_row,
     row_spans,
     rows_item,
     step_item,
 )
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings._sampling import CAPTURE_STEPS
+from otelprof._timings._trace_ids import RunTraces
 
 CHUNK = 512
 """Ranges a step collects on its thread before they are handed to the builder mid-step
@@ -141,8 +149,27 @@ class StepContext:
         # ranges closed on the step's own thread, handed over with the step (see module doc);
         # `owner` is that thread until the step is queued, then None (later ranges go singly)
         self.frames: list[list[Any]] = []
-        self.owner: ThreadState | None = _local.state or thread_state()
+        self.owner: ThreadState | None = recorder.threads.state or thread_state()
         self.error = False  # a range of it (on its own thread) ended with an exception
+
+    def extend(self, start_ns: int, end_ns: int) -> None:
+        """Builder thread: a range of this step ran from `start_ns` to `end_ns` (the extent
+        of its ranges, which a trimmed side of the step span ends at)."""
+        if not self.has_children or start_ns < self.first_child_ns:
+            self.first_child_ns = start_ns
+        if end_ns > self.last_child_ns:
+            self.last_child_ns = end_ns
+        self.has_children = True
+
+    def trimmed(self, start_ns: int, end_ns: int) -> tuple[int, int]:
+        """Builder thread: the step span's start and end, a side with no `step()` call
+        (`trim_start`, `trim_end`) cut to its ranges' extent."""
+        if self.has_children:
+            if self.trim_start:
+                start_ns = max(start_ns, self.first_child_ns)
+            if self.trim_end:
+                end_ns = min(end_ns, self.last_child_ns)
+        return start_ns, end_ns
 
     @property
     def number(self) -> int:
@@ -186,7 +213,7 @@ class ThreadState:
         thread = threading.current_thread()
         self.ident = threading.get_ident()
         self.name = thread.name
-        # steps this thread sampled out itself (`_quiet_steps`): rows of durations not yet
+        # steps this thread sampled out itself (`OnThreadSampler`): rows of durations not yet
         # queued, and how many more steps go to the builder after a possible anomaly
         self.rows: list[bytes] = []
         self.hold = 0
@@ -199,7 +226,6 @@ class _Local(threading.local):
     state: ThreadState | None = None
 
 
-_local = _Local()
 _rng = random.Random()  # seeded from os.urandom
 _getrandbits = _rng.getrandbits
 """Trace and span ids come from otelprof's own generator: training code seeds (and
@@ -212,17 +238,19 @@ class Recorder:
 
     One instance, `recorder`. Its fields are public to read; only its methods (and the hot
     path in this module and in `_speedups.c`, which reads the fields by offset) write them.
-    Who calls what: the engine `start`s and `stop`s it, sets the recording step (`record`)
-    and emits steps (`emit_step`, `hand_off`); the span builder is the queue's only consumer
-    (`queue.popleft`, then `took`); `_quiet_steps` enqueues rows (`enqueue_rows`); whoever
-    measures a range itself enqueues it (`enqueue_measured`); integrations use `depth`,
-    `top_name` and `forget_above` on the calling thread's stack, and `begin_leaf`/`end_leaf`.
+    Who calls what: the engine `start`s and `stop`s it, begins and ends steps (`begin_step`,
+    `end_step`; `record` and `emit_step` for phases and shutdown, `hand_off`); the span
+    builder is the queue's only consumer (`queue.popleft`, then `took`); `on_thread` enqueues
+    rows (`enqueue_rows`); whoever measures a range itself enqueues it (`enqueue_measured`);
+    integrations use `position`, `depth`, `top_name` and `forget_above` on the calling
+    thread's stack, and `begin_leaf`/`end_leaf`.
     """
 
     __slots__ = (
         "_lock",
         "capacity",
         "chunk_size",
+        "clock",
         "cuda_timer",
         "current",
         "dropped",
@@ -230,7 +258,9 @@ class Recorder:
         "in_items",
         "out_items",
         "queue",
-        "torch_profiler_state",
+        "started",
+        "threads",
+        "torch_profiler_flags",
         "torch_range_enter",
         "torch_range_exit",
         "traces",
@@ -238,6 +268,10 @@ class Recorder:
     )
 
     def __init__(self) -> None:
+        self.threads = _Local()
+        """Each thread's `ThreadState` (`thread_state()`), as `threads.state`."""
+        self.clock: Callable[[], int] = perf_counter_ns
+        """What ranges are timed with (a test may replace it)."""
         self.current: StepContext | None = None
         """The recording step's context; None when nothing records (no engine, or a
         NONE/WARMUP step)."""
@@ -252,14 +286,14 @@ class Recorder:
         """CHUNK, or a quarter of a smaller queue's capacity."""
         self.dropped = 0
         self.exhausted = 0
+        self.started = False
+        """Between `start()` and `stop()`: one engine at a time records (it is process-wide)."""
         self.cuda_timer: Any = None
         """_cuda.CudaTimer while CUDA timing is on."""
         # Optional torch hooks for `timing()`, set by the engine when torch is importable.
-        self.torch_profiler_state: Any = None
-        """torch.autograd.profiler: its `_is_profiler_enabled` flag is set by every
-        Python-level torch profiler (torch.profiler.profile, autograd.profiler.profile,
-        emit_nvtx/itt); a module attribute read is ~4x cheaper than
-        torch.autograd._profiler_enabled()."""
+        self.torch_profiler_flags: tuple[dict[str, Any], str] | None = None
+        """(namespace, key) of the flag every Python-level torch profiler sets while it
+        records (`_torch_compat.profiler_flag`): a dict read, cheaper than a call."""
         self.torch_range_enter: Callable[[str, str | None], Any] | None = None
         self.torch_range_exit: Callable[[Any], Any] | None = None
         self.traces: RunTraces | None = None
@@ -278,7 +312,11 @@ class Recorder:
         """An empty queue of `capacity` frames, counters at zero; nothing records yet. Steps
         take their trace ids from `traces` (random without). `wake_builder` is called when
         an item leaves the queue half full, so a burst after a quiet spell never waits for
-        an idle builder's longer sleep."""
+        an idle builder's longer sleep. RuntimeError while started already."""
+        with self._lock:
+            if self.started:
+                raise RuntimeError("another TimingsEngine is running; shut it down first")
+            self.started = True
         self.traces = traces
         self.wake_builder = wake_builder
         self.dropped = 0
@@ -292,14 +330,17 @@ class Recorder:
         """Time ranges on the GPU too (a `_cuda.CudaTimer`), or not (None)."""
         self.cuda_timer = timer
 
-    def set_torch_hooks(self, profiler_state: Any, range_enter: Any, range_exit: Any) -> None:
+    def set_torch_hooks(
+        self, profiler_flags: tuple[dict[str, Any], str] | None, range_enter: Any, range_exit: Any
+    ) -> None:
         """torch's profiler flag and range functions (`timing()` opens torch ranges too)."""
-        self.torch_profiler_state = profiler_state
+        self.torch_profiler_flags = profiler_flags
         self.torch_range_enter = range_enter
         self.torch_range_exit = range_exit
 
     def stop(self) -> None:
         """Record nothing more: no step, no room in the queue, no torch or CUDA hooks."""
+        self.started = False
         self.current = None
         self.capacity = 0
         self.cuda_timer = None
@@ -310,17 +351,35 @@ class Recorder:
         """Ranges opened from now on belong to step `ctx` (None: nothing records)."""
         self.current = ctx
 
+    def begin_step(
+        self, step: int, epoch: int | None, start_ns: int, trim_start: bool, phase: str
+    ) -> StepContext:
+        """A new step's context, recorded from now on (compiled: `use_compiled`)."""
+        ctx = self.current = StepContext(step, epoch, start_ns, trim_start, phase)
+        return ctx
+
+    def end_step(self, ctx: StepContext, end_ns: int) -> ThreadState | None:
+        """Nothing records; the finished step `ctx` is sampled out on its own thread
+        (`on_thread`) or queued whole (`emit_step`). Returns the thread state it ran on
+        (None: it was queued before). Compiled: `use_compiled`."""
+        self.current = None
+        state = ctx.owner
+        if state is None or not on_thread.sample_out(ctx, end_ns, state):
+            self.emit_step(ctx, end_ns)
+        return state
+
     def _after_fork(self) -> None:
         """A forked child (e.g. a DataLoader worker) has no builder thread: record nothing
         there, rather than filling a queue nobody drains."""
         _rng.seed()  # a child must not repeat its parent's ids
+        self.started = False
         self.current = None
         self.capacity = 0
         self.wake_builder = None  # the parent's builder thread is not in the child
         self.queue.clear()
         self.in_items = self.out_items = 0
         self._lock = threading.Lock()
-        state = _local.state
+        state = self.threads.state
         if state is not None:
             state.rows = []
 
@@ -336,7 +395,7 @@ class Recorder:
             self.in_items,
         )
         queued = len(self.queue)
-        ctx = StepContext(-1, None, perf_counter_ns())
+        ctx = StepContext(-1, None, self.clock())
 
         def discard() -> None:
             ctx.frames.clear()
@@ -414,7 +473,7 @@ class Recorder:
         self.enqueue(measured_frame(name, parent, ctx, state, attrs, start_ns, end_ns))
 
     def enqueue_rows(self, rows: list[bytes]) -> None:
-        """Queue duration rows of steps sampled out on their thread (`_quiet_steps`)."""
+        """Queue duration rows of steps sampled out on their thread (`on_thread`)."""
         self._queue_item(rows_item(rows), row_spans(rows))
 
     def hand_off(self, ctx: StepContext) -> None:
@@ -441,7 +500,7 @@ class Recorder:
             ctx.attrs,
             ctx.start_ns,
             end_ns,
-            owner is not None and owner is not _local.state,
+            owner is not None and owner is not self.threads.state,
         )
         self._queue_item(item, len(ctx.frames))
 
@@ -470,11 +529,11 @@ class Recorder:
         stack = state.stack
         parent = stack[-1] if stack and stack[-1][F_CTX] is ctx else None
         frame = leaf_frame(name, parent, ctx, state)
-        frame[F_START] = perf_counter_ns()
+        frame[F_START] = self.clock()
         return frame
 
     def end_leaf(self, frame: Frame) -> None:
-        frame[F_END] = perf_counter_ns()
+        frame[F_END] = self.clock()
         self.deliver(frame, frame[F_THREAD])
 
     def position(self) -> tuple[StepContext | None, Frame | None, ThreadState]:
@@ -505,15 +564,198 @@ class Recorder:
 recorder = Recorder()
 
 
+class QuietLimits:
+    """What a step of one phase must reach to go to the span builder while its trace
+    sampler is quiet, as the builder last published it (`OnThreadSampler.publish`)."""
+
+    __slots__ = ("anomaly_ns", "first_unknown", "selected", "slowest_ns", "tail_tokens")
+
+    def __init__(
+        self,
+        first_unknown: float,
+        tail_tokens: float,
+        slowest_ns: float,
+        anomaly_ns: float,
+        selected: frozenset[int],
+    ) -> None:
+        self.first_unknown = first_unknown
+        """The first step (batch) number head sampling's selection is not known for."""
+        self.tail_tokens = tail_tokens
+        """Spans the tail budget holds; those of steps handed over are subtracted here (on
+        the training thread) until the next publication."""
+        self.slowest_ns = slowest_ns
+        """The slowest recent step: a slower one may be the tail's."""
+        self.anomaly_ns = anomaly_ns
+        """A step this long may be an anomaly."""
+        self.selected = selected
+        """The numbers below `first_unknown` that head sampling selects."""
+
+
+class OnThreadSampler:
+    """Steps sampled out on their own thread, at `step()`, while the trace sampler is quiet.
+
+    Why: at fast step rates almost every step is sampled out (its trace is not kept; only
+    its durations go into the histograms). Handing each such step to the span builder costs
+    the builder several µs of interpreter-lock time per step and keeps the ranges alive
+    long enough to be promoted by the garbage collector (BENCHMARKS.md). So the builder
+    publishes, once per drain, what a step needs to be kept (`publish`: a `QuietLimits` per
+    phase): no more spans than the head budget holds, or than the tail budget holds while
+    slower than every recent step, or a duration at or above the anomaly threshold. Any
+    other step without errors is decided on the thread that ran it: one row of durations
+    (its ranges' in close order, then its own, then its layout: `_frames.pack_row`) joins
+    the thread's batch of rows, its ranges are freed at once, and every `rows_per_item`
+    steps the batch goes to the builder as one queue item. Every other step (the first
+    ones, anything the budget could keep, errors, anomalies and the `capture_steps` after a
+    step over the threshold) goes to the builder whole, so the sampler's decisions are the
+    same; only their timing differs. Steps of `long_step_ns` or more go to the builder whole
+    too: in them, deciding here costs more than it saves.
+    """
+
+    __slots__ = (
+        "capture_steps",
+        "layout_ids",
+        "layouts",
+        "limits",
+        "long_step_ns",
+        "max_layouts",
+        "rows_per_item",
+    )
+
+    def __init__(self) -> None:
+        self.limits: dict[str, QuietLimits] = {}
+        """Published by the span builder (one atomic rebinding); a phase not in it: every
+        step goes to the builder."""
+        self.layouts: dict[int, tuple[str, str, tuple[str, ...]]] = {}
+        """Row layout id -> (phase, root span name, range names in close order); written on
+        the training thread before the first row of that layout is queued."""
+        self.layout_ids: dict[str, dict[tuple[str, ...], int]] = {}
+        self.max_layouts = 256
+        self.rows_per_item = 64
+        """Sampled-out steps per queue item: the histograms lag by at most this."""
+        self.long_step_ns = 10_000_000
+        """A step this long (10 ms) or longer goes to the builder whole, and holds the next
+        `capture_steps` there too (it may be an anomaly). In a step that long, torch's work
+        has evicted from the caches everything the decision reads, so deciding here costs
+        more than the builder spends deciding it (BENCHMARKS.md, "30 ms")."""
+        self.capture_steps = CAPTURE_STEPS
+
+    def publish(self, limits: dict[str, QuietLimits]) -> None:
+        """Replace what steps must exceed to go to the builder (the span builder's thread)."""
+        self.limits = limits
+
+    def reset(self) -> None:
+        """A new engine: nothing published, no layouts."""
+        self.limits = {}
+        self.layouts.clear()
+        self.layout_ids.clear()
+
+    def sample_out(self, ctx: StepContext, end_ns: int, state: ThreadState) -> bool:
+        """At `step()`: True if the step was sampled out here (its row queued or batched,
+        its ranges freed), False if it must go to the builder. Only `state`'s own thread
+        decides: ended from another thread, a step goes to the builder."""
+        if state is not recorder.threads.state:
+            return False
+        duration = end_ns - ctx.start_ns
+        if duration >= self.long_step_ns:
+            state.hold = self.capture_steps
+            return False
+        phase = ctx.phase
+        limits = self.limits.get(phase)
+        if limits is None:
+            return False
+        if duration >= limits.anomaly_ns:
+            state.hold = self.capture_steps  # maybe an anomaly: the next steps may be captured
+            return False
+        if state.hold:
+            state.hold -= 1
+            return False
+        if ctx.kept is not None or ctx.trim_start or ctx.error:
+            return False
+        frames = ctx.frames
+        if not frames:
+            return False
+        number = ctx.batch
+        if number is None:
+            number = ctx.step
+        if number >= limits.first_unknown or number in limits.selected:  # head sampling's
+            return False
+        spans = len(frames) + 1
+        if spans <= limits.tail_tokens and duration > limits.slowest_ns:  # maybe the tail's
+            limits.tail_tokens -= spans
+            return False
+        layout = self._layout_of(phase, frames)
+        if layout is None:
+            return False
+        # one bytes object (`_frames.pack_row`): no container for the collector to track,
+        # so rows waiting for the builder never set off collections (a GIL stall each)
+        try:
+            row = pack_row([f[F_END] - f[F_START] for f in frames], duration, layout)
+        except (OverflowError, TypeError):  # a clock that gives no int64 ns: the builder's
+            return False
+        cuda = recorder.cuda_timer
+        if cuda is not None:  # its CUDA events are reused by later ranges
+            for frame in frames:
+                if frame[F_CUDA] is not None:
+                    cuda.release(frame[F_CUDA])
+        ctx.owner = None  # ranges of it that close late are queued singly ...
+        ctx.kept = False  # ... and counted as sampled out
+        frames.clear()  # its ranges are freed now, on this thread (no cycle left to collect)
+        rows = state.rows
+        rows.append(row)
+        if len(rows) >= self.rows_per_item:
+            self.hand_rows(state)
+        return True
+
+    def _layout_of(self, phase: str, frames: list[Frame]) -> int | None:
+        """The id of the layout of a step whose ranges closed in this order (None: the table
+        is full)."""
+        names = tuple([f[F_NAME] for f in frames])
+        by_names = self.layout_ids.get(phase)
+        if by_names is None:
+            by_names = self.layout_ids[phase] = {}
+        layout = by_names.get(names)
+        if layout is None:
+            if len(self.layouts) >= self.max_layouts:
+                return None
+            layout = len(self.layouts)
+            root = STEP_SPAN if phase == PHASE_TRAIN else phase
+            self.layouts[layout] = (phase, root, names)
+            by_names[names] = layout
+        return layout
+
+    def hand_rows(self, state: ThreadState) -> None:
+        """Queue the thread's batch of rows (from that thread, or once it no longer steps)."""
+        rows = state.rows
+        if not rows:
+            return
+        state.rows = []
+        recorder.enqueue_rows(rows)
+
+
+on_thread = OnThreadSampler()
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=recorder._after_fork)
 
 
 def thread_state() -> ThreadState:
-    state = _local.state
+    """The calling thread's state, made on its first use."""
+    threads = recorder.threads
+    state = threads.state
     if state is None:
-        state = _local.state = ThreadState()
+        state = threads.state = ThreadState()
     return state
+
+
+def thread_state_if_any() -> ThreadState | None:
+    """The calling thread's state, None if it never recorded."""
+    return recorder.threads.state
+
+
+def new_span_id() -> int:
+    """A span id from otelprof's own generator (`_rng`)."""
+    return _getrandbits(64) or 1
 
 
 def describe_error(
@@ -539,7 +781,7 @@ def discard_frame(frame: Frame) -> None:
 
 def find_owned_frame(owner: object) -> Frame | None:
     """The innermost open frame on this thread opened by `owner`, if any."""
-    state = _local.state
+    state = recorder.threads.state
     if state is None:
         return None
     stack = state.stack
@@ -570,8 +812,6 @@ def bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
 def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, Any]:
     """The Python bridge (the reference; inlined: this is the hot path)."""
 
-    local = _local
-    pc = perf_counter_ns
     kind = KIND_RF
     rec = recorder
 
@@ -579,7 +819,7 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
         result = original_enter(self)
         ctx = rec.current
         if ctx is not None:
-            state = local.state
+            state = rec.threads.state
             if state is None:
                 state = thread_state()
             stack = state.stack
@@ -588,7 +828,7 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
             frame = [self.name, 0, parent, ctx, state, None, 0, 0, None, None, kind, self]
             if len(stack) < MAX_DEPTH:
                 stack.append(frame)
-            frame[6] = pc()
+            frame[6] = rec.clock()
         return result
 
     def __exit__(
@@ -597,17 +837,17 @@ def _py_bridged_methods(original_enter: Any, original_exit: Any) -> tuple[Any, A
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> Any:
-        state = local.state
+        state = rec.threads.state
         if state is not None and state.stack:
             stack = state.stack
             frame: Any = stack[-1]
             if frame[11] is self:
-                end = pc()
+                end = rec.clock()
                 stack.pop()
-            else:  # forgotten (forget_ranges_above), closed twice, or opened while idle
+            else:  # forgotten (forget_above), closed twice, or opened while idle
                 frame = find_owned_frame(self)
                 if frame is not None:
-                    end = pc()
+                    end = rec.clock()
                     _remove(stack, frame)
             if frame is not None:
                 frame[7] = end
@@ -640,7 +880,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class Timing:
-    """A timing span around a block or a function; made by `timing()`."""
+    """A timing span around a block or a function; made by `timing()`. Its `__enter__` and
+    `__exit__` below are the reference of the compiled ones (`use_compiled`)."""
 
     __slots__ = ("attributes", "name")
 
@@ -656,7 +897,7 @@ class Timing:
         ctx = rec.current
         if ctx is None:
             return self
-        state = _local.state
+        state = rec.threads.state
         if state is None:
             state = thread_state()
         stack = state.stack
@@ -666,12 +907,12 @@ class Timing:
         frame = [self.name, 0, parent, ctx, state, self.attributes, 0, 0, None, None, KIND_TIMING,
                  self, None]  # fmt: skip
         stack.append(frame)
-        profiler = rec.torch_profiler_state
-        if profiler is not None and profiler._is_profiler_enabled:
+        flags = rec.torch_profiler_flags
+        if flags is not None and flags[0].get(flags[1]):
             frame[12] = _torch_range_enter(self.name)
         if rec.cuda_timer is not None:
             frame[9] = rec.cuda_timer.enter()
-        frame[6] = perf_counter_ns()
+        frame[6] = rec.clock()
         return self
 
     def __exit__(
@@ -680,7 +921,8 @@ class Timing:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        state = _local.state
+        rec = recorder
+        state = rec.threads.state
         if state is None:
             return
         stack = state.stack
@@ -692,10 +934,9 @@ class Timing:
             if frame is None:
                 return
             _remove(stack, frame)
-        rec = recorder
         if frame[9] is not None:
             rec.cuda_timer.exit(frame[9])
-        frame[7] = perf_counter_ns()
+        frame[7] = rec.clock()
         if exc_type is not None:
             if not issubclass(exc_type, NOT_ERRORS):
                 frame[8] = describe_error(exc_type, exc, tb)
@@ -804,6 +1045,13 @@ class _Passthrough(Timing):
 _PASSTHROUGH = _Passthrough("compiled region")
 
 
+def compiling() -> bool:
+    """Whether torch.compile traces the calling code now (then nothing is recorded: a clock
+    read or a thread-local there is a graph break)."""
+    check = is_compiling or _find_is_compiling()
+    return check is not None and check()
+
+
 def _find_is_compiling() -> Callable[[], bool] | None:
     """torch.compiler.is_compiling, once torch is imported (importing otelprof never imports
     torch); None before."""
@@ -840,7 +1088,8 @@ def _torch_range_exit(handle: Any) -> None:
 # ---- the compiled hot path (`_speedups.c`): the same functions, without the interpreter ----
 _py_timing_enter = Timing.__enter__
 _py_timing_exit = Timing.__exit__
-_py_emit_step = Recorder.emit_step
+_py_begin_step = Recorder.begin_step
+_py_end_step = Recorder.end_step
 
 
 def _load_speedups() -> Any:
@@ -849,7 +1098,7 @@ def _load_speedups() -> Any:
     if os.environ.get("OTELPROF_PURE_PYTHON", "").strip() not in ("", "0"):
         return None
     try:
-        from otelprof.timings import _speedups
+        from otelprof._timings import _speedups
     except ImportError:
         return None
     return _speedups
@@ -857,28 +1106,40 @@ def _load_speedups() -> Any:
 
 speedups = _load_speedups()
 compiled = False
-"""Whether `Timing`'s enter/exit run compiled now (see `use_compiled`)."""
-new_step_context: Callable[[int, int | None, int, bool, str], StepContext] = StepContext
-"""`StepContext(step, epoch, start_ns, trim_start, phase)`, compiled when the hot path is."""
+"""Whether the recorder's hot path runs compiled now (see `use_compiled`)."""
 
 
 def use_compiled(on: bool) -> bool:
-    """Run `Timing`'s enter/exit compiled (when built) or in Python; returns whether they
-    run compiled now. (`timing()` stays Python: torch.compile traces it to step aside.)"""
-    global compiled, new_step_context
+    """Run `Timing`'s enter/exit, `Recorder.begin_step` and `end_step` compiled (when
+    built) or in Python; returns whether they run compiled now. The compiled code is handed
+    what it reads here, as it is now (a test that replaces the clock or the thread-local
+    calls this again). (`timing()` stays Python: torch.compile traces it to step aside.)"""
+    global compiled
     if on and speedups is not None and getattr(speedups, "FRAME_LAYOUT", None) == LAYOUT:
-        # new contexts start as copies of the template; the recorder's fields are read by offset
-        speedups.bind(globals(), StepContext(0, None, 0), recorder)
+        speedups.bind(
+            recorder,
+            on_thread,
+            (Recorder, OnThreadSampler, Timing, ThreadState, StepContext, QuietLimits, _Local),
+            StepContext(0, None, 0),  # what a new context starts as, copied slot by slot
+            (
+                _py_timing_exit,
+                _py_begin_step,
+                _py_end_step,
+                thread_state,
+                _torch_range_enter,
+            ),
+            (KIND_TIMING, KIND_RF, KIND_STEP, MAX_DEPTH, PHASE_TRAIN, STEP_SPAN),
+        )
         Timing.__enter__ = speedups.method(speedups.timing_enter)  # type: ignore[method-assign]
         Timing.__exit__ = speedups.method(speedups.timing_exit)  # type: ignore[method-assign]
-        Recorder.emit_step = speedups.method(speedups.emit_step)  # type: ignore[method-assign]
-        new_step_context = speedups.step_context
+        Recorder.begin_step = speedups.method(speedups.begin_step)  # type: ignore[method-assign]
+        Recorder.end_step = speedups.method(speedups.end_step)  # type: ignore[method-assign]
         compiled = True
     else:
         Timing.__enter__ = _py_timing_enter  # type: ignore[method-assign]
         Timing.__exit__ = _py_timing_exit  # type: ignore[method-assign]
-        Recorder.emit_step = _py_emit_step  # type: ignore[method-assign]
-        new_step_context = StepContext
+        Recorder.begin_step = _py_begin_step  # type: ignore[method-assign]
+        Recorder.end_step = _py_end_step  # type: ignore[method-assign]
         compiled = False
     return compiled
 

@@ -21,7 +21,7 @@ pick a higher level than another (more ranges per step against the same budget) 
 subset of its steps; the steps the sparsest rank keeps are kept everywhere.
 
 Nothing here runs on the training thread: the builder derives ids for kept steps only, and
-publishes the selected numbers of the next steps for `_quiet_steps`.
+publishes the selected numbers of the next steps for the on-thread sampler.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class RunTraces:
         return self.head_number(phase, number >> level, level) == number
 
     def head_numbers(self, phase: str, low: int, high: int, level: int | None) -> frozenset[int]:
-        """Every number in [low, high) head sampling selects at `level` (for `_quiet_steps`:
+        """Every number in [low, high) head sampling selects at `level` (for the on-thread sampler:
         `level` hashes per `2**level` numbers)."""
         if level is None or high <= low:
             return frozenset()

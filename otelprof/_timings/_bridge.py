@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from otelprof._patch import Patches
-from otelprof.timings import _recorder as rec
+from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
 _METHODS = ("__enter__", "__exit__")

@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from otelprof import _torch_compat
 from otelprof._patch import Patch
 from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
-from otelprof.timings import _recorder as rec
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._schedule import ScheduleAction
+from otelprof._timings import _recorder as rec
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
 
@@ -264,7 +264,7 @@ def trace_file_spans(
         while stack and stack[-1][1] <= start:
             stack.pop()
         parent = stack[-1][0] if stack and event.get("cat") == "cpu_op" else ctx.span_id
-        span_id = rec._getrandbits(64) or 1
+        span_id = rec.new_span_id()
         if event.get("cat") == "cpu_op":
             stack.append((span_id, end))
         attributes: dict[str, Any] = {

@@ -26,11 +26,10 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otelprof._limits import HeldAttributes
-from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP
+from otelprof._schema import ATTR_CUDA_DURATION, ATTR_EPOCH, ATTR_PHASE, ATTR_STEP, STEP_SPAN
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
-from otelprof.timings import _quiet_steps
-from otelprof.timings import _recorder as rec
-from otelprof.timings._frames import (
+from otelprof._timings import _recorder as rec
+from otelprof._timings._frames import (
     CHUNK_RANGES,
     F_ATTRS,
     F_CTX,
@@ -53,25 +52,21 @@ from otelprof.timings._frames import (
     row_spans,
     row_values,
 )
-from otelprof.timings._names import _MAX_CACHED as MAX_CACHED_NAMES
-from otelprof.timings._names import SpanNames
-from otelprof.timings._sampling import (
+from otelprof._timings._names import MAX_CACHED as MAX_CACHED_NAMES
+from otelprof._timings._names import SpanNames
+from otelprof._timings._sampling import (
     ANOMALY_BUDGET,
-    MAX_BUFFERED,
     Aggregates,
-    ColumnFold,
     DurationHistogram,
+    SpanFields,
     TraceSampler,
-    _Pending,
-    fold_column,
 )
-from otelprof.timings._targets import SpanTargets
-from otelprof.timings._trace_ids import RunTraces
+from otelprof._timings._targets import SpanTargets
+from otelprof._timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _OK_TYPES = (str, bool, int, float)
-_getrandbits = rec._getrandbits  # otelprof's own generator, not the seedable global one
 _UNSET = Status(StatusCode.UNSET)
 
 YIELD_EVERY = 64
@@ -97,16 +92,9 @@ _get_start = itemgetter(F_START)
 _get_end = itemgetter(F_END)
 _get_error = itemgetter(F_ERROR)
 _row_layout_bytes = itemgetter(slice(-ROW_ITEM_SIZE, None))
-"""A `_quiet_steps` row's layout id, still encoded (`_frames.row_layout` decodes it)."""
+"""A row's layout id, still encoded (`_frames.row_layout` decodes it)."""
 _NO_FRAMES: list[Any] = []
 """What a processed step's `frames` becomes (never appended to: its owner is gone)."""
-
-
-def _fold_column() -> ColumnFold:
-    """The compiled column fold when the hot path is built (same results: tested), else
-    the Python reference."""
-    compiled: ColumnFold | None = getattr(rec.speedups, "fold_column", None)
-    return compiled if compiled is not None else fold_column
 
 
 class Clock:
@@ -143,7 +131,7 @@ def _span_id(frame: list[Any]) -> int:
         if frame[F_KIND] is KIND_STEP:
             span_id = frame[F_SPAN] = frame[F_CTX].span_id
         else:
-            span_id = frame[F_SPAN] = _getrandbits(64) or 1
+            span_id = frame[F_SPAN] = rec.new_span_id()
     return span_id
 
 
@@ -212,7 +200,7 @@ class SpanBuilder:
         self.failed = 0
         self.cuda_unresolved = 0
         self.job_spans = 0
-        self.steps_on_thread = 0  # steps sampled out on their own thread (`_quiet_steps`)
+        self.steps_on_thread = 0  # steps sampled out on their own thread (`rec.on_thread`)
         self._encoded: list[str] = []
         self.names = SpanNames()  # bounded span-name cardinality (builder thread only)
         self.aggregates = Aggregates()
@@ -225,7 +213,6 @@ class SpanBuilder:
         # rows of steps sampled out on their thread: (phase, step name, range names) -> the
         # histograms of its columns
         self._layout_histograms: dict[_LayoutKey, list[DurationHistogram]] = {}
-        self._fold_column = _fold_column()
         self._held_rows: dict[_LayoutKey, list[memoryview]] = {}  # until the drain's end
         self._signature_list: list[_Signature] = []
         # step/chunk items waiting for their ranges' CUDA events: (item, frames)
@@ -352,21 +339,21 @@ class SpanBuilder:
     def _drain_sampling(self) -> None:
         """`_drain_queue` in sampling mode, with the common case inlined: a range (not a
         step) without CUDA events or error, in a step not decided yet. Its duration goes to
-        a per-histogram batch (folded in at the end, in C) and the frame to its step's
-        buffer; no call, tuple or float per range. Everything else takes `_emit`. Measured
-        at ~1 µs of builder CPU per range against ~3.3 µs through `_sample`."""
+        a per-histogram batch (folded in at the end) and the frame, with the others of its
+        step in a row, to the sampler's buffer; no tuple or float per range. Everything
+        else takes `_emit` (BENCHMARKS.md has what each path costs the builder)."""
         queue = rec.recorder.queue
         popleft = queue.popleft
         sampler = self.sampler
-        pending_of = sampler._pending
         stop = self._stop
         by_phase = self._raw_hists
         step_kind = KIND_STEP
         chunk_kind = KIND_CHUNK
         rows_kind = KIND_ROWS
         cur_ctx: Any = None
-        cur_buffer: list[Any] | None = None
+        run: list[Any] = []  # consecutive ranges of `cur_ctx`, for the sampler's buffer
         cur_durations: dict[str, list[int]] = {}
+        phase = DEFAULT_PHASE
         done = 0
         try:
             while True:
@@ -377,61 +364,72 @@ class SpanBuilder:
                 done += 1
                 if done % YIELD_EVERY == 0 and not stop.is_set():
                     time.sleep(YIELD_S)  # see `_drain_queue`
-                ctx = frame[3]
-                kind = frame[10]
-                if kind is rows_kind:
-                    self._rows(frame)
-                    continue
-                if kind is step_kind or kind is chunk_kind:
-                    carried = self._take_carried(frame)
-                    self._unit(frame, carried)
-                    done += len(carried) >> 2  # a step item costs about a quarter per range
+                ctx = frame[F_CTX]
+                kind = frame[F_KIND]
+                if (
+                    ctx is not cur_ctx
+                    or kind is step_kind
+                    or kind is chunk_kind
+                    or kind is rows_kind
+                    or frame[F_CUDA] is not None
+                    or frame[F_ERROR] is not None
+                ):
+                    if run:  # (the sampler may decide its oldest steps now)
+                        sampler.buffer(cur_ctx, run)
+                        run = []
                     cur_ctx = None
-                    continue
-                if frame[9] is not None or frame[8] is not None or ctx is None:
-                    self._emit_or_hold(frame)
-                    cur_ctx = None  # the slow path may have decided a step
-                    continue
-                if ctx is not cur_ctx:
-                    if ctx.kept is not None:
+                    if kind is rows_kind:
+                        self._rows(frame)
+                        continue
+                    if kind is step_kind or kind is chunk_kind:
+                        carried = self._take_carried(frame)
+                        self._unit(frame, carried)
+                        done += len(carried) >> 2  # a step item costs about a quarter per range
+                        continue
+                    if (
+                        frame[F_CUDA] is not None
+                        or frame[F_ERROR] is not None
+                        or ctx is None
+                        or ctx.kept is not None
+                    ):
                         self._emit_or_hold(frame)
-                        cur_ctx = None
                         continue
                     cur_ctx = ctx
-                    pending = pending_of.get(ctx)
-                    if pending is None:
-                        pending = pending_of[ctx] = _Pending()
-                    cur_buffer = pending.fields
                     phase = ctx.phase or DEFAULT_PHASE
                     cur_durations = by_phase.get(phase)  # type: ignore[assignment]
                     if cur_durations is None:
                         cur_durations = by_phase[phase] = {}
-                start = frame[6]
-                end = frame[7]
-                if not ctx.has_children:
-                    ctx.has_children = True
-                    ctx.first_child_ns = start
-                elif start < ctx.first_child_ns:
-                    ctx.first_child_ns = start
-                if end > ctx.last_child_ns:
-                    ctx.last_child_ns = end
-                durations = cur_durations.get(frame[0])
+                start = frame[F_START]
+                end = frame[F_END]
+                ctx.extend(start, end)
+                durations = cur_durations.get(frame[F_NAME])
                 if durations is None:
-                    durations = self._durations_for(frame[0], phase)
+                    durations = self._durations_for(frame[F_NAME], phase)
                 durations.append(end - start)
-                cur_buffer.append(frame)  # type: ignore[union-attr]
-                sampler._buffered += 1
-                if sampler._buffered > MAX_BUFFERED:
-                    sampler._decide_oldest()
-                    cur_ctx = None
+                run.append(frame)
         finally:
+            if run:
+                sampler.buffer(cur_ctx, run)
             self._fold_batches()
-            self._sweep_decided()
-            _quiet_steps.publish(
-                _quiet_steps.limits_for(sampler._recent_by_root, sampler.quiet, self._head_of)
-                if not stop.is_set()
-                else {}
-            )
+            sampler.release_decided()
+            rec.on_thread.publish({} if stop.is_set() else self._quiet_limits())
+
+    def _quiet_limits(self) -> dict[str, rec.QuietLimits]:
+        """What a step must reach, per phase, for the on-thread sampler to hand it over
+        (`rec.OnThreadSampler`): from `TraceSampler.quiet` of the phase's root span and the
+        head selection of its next numbers (`_head_of`)."""
+        out: dict[str, rec.QuietLimits] = {}
+        for root in self.sampler.roots():
+            found = self.sampler.quiet(root)
+            if found is None:
+                continue
+            tail, anomaly_ns, recent = found
+            phase = DEFAULT_PHASE if root == STEP_SPAN else root
+            unknown, selected = self._head_of(phase)
+            if unknown > -math.inf:  # else every step may be head sampling's
+                slowest = max(recent) * 1e9 if recent else 0.0
+                out[phase] = rec.QuietLimits(unknown, tail, slowest, anomaly_ns, selected)
+        return out
 
     def _head_of(self, phase: str) -> tuple[float, frozenset[int]]:
         """Head selection of `phase`'s next steps, from the recording step's number (the
@@ -443,20 +441,8 @@ class SpanBuilder:
             start = self.sampler.last_number.get(phase, 0)
         return self.sampler.head_window(phase, start)
 
-    def _sweep_decided(self) -> None:
-        """Ranges of other threads buffered for a step that was then sampled out on its
-        own thread (`_quiet_steps`): counted as sampled out (their durations are already
-        in the histograms), not held until shutdown."""
-        pending = self.sampler._pending
-        if not pending:
-            return
-        for ctx in [ctx for ctx in pending if getattr(ctx, "kept", None) is False]:
-            fields = pending.pop(ctx).fields
-            self.sampler._buffered -= len(fields)
-            self.sampler.sampled_out += len(fields)
-
     def _rows(self, item: list[Any]) -> None:
-        """Steps sampled out on their own thread (`_quiet_steps`): each layout's rows become
+        """Steps sampled out on their own thread (`rec.on_thread`): each layout's rows become
         one int64 view, held for the drain's end (`_fold_batches`: one fold per column and
         layout a drain, not per item); its step durations join the sampler's recent window
         now."""
@@ -473,15 +459,15 @@ class SpanBuilder:
             for row in rows:
                 groups.setdefault(last(row), []).append(row)
         for key, group in groups.items():
-            phase, root, names = _quiet_steps.layouts[row_layout(key)]
+            phase, root, names = rec.on_thread.layouts[row_layout(key)]
             width = len(names) + 2  # the ranges, the step, the layout
             values = row_values(group)
             held = self._held_rows.get((phase, root, names))
             if held is None:
                 held = self._held_rows[(phase, root, names)] = []
             held.append(values)
-            recent = self.sampler._recent_of(root)
-            recent.extend(map(truediv, values[width - 2 :: width], repeat(1e9)))  # seconds
+            seconds = map(truediv, values[width - 2 :: width], repeat(1e9))
+            self.sampler.add_recent(root, seconds)
         self.sampler.sampled_out += spans
         self.sampler.offered(spans + len(rows))
         self.steps_on_thread += len(rows)
@@ -489,17 +475,16 @@ class SpanBuilder:
     def _fold_batches(self) -> None:
         """Step rows into their ranges' batches (column by column), batches and the rows
         held by `_rows` into the histograms: every loop here runs in C."""
-        fold = self._fold_column
         for (phase, root, names), views in self._held_rows.items():
             values = row_values(views)
             width = len(names) + 2  # the ranges, the step, the layout
             for index, hist in enumerate(self._row_histograms(phase, root, names)):
-                hist.add_column(values, index, width, fold)
+                hist.add_column(values, index, width)
         self._held_rows.clear()
         for columns, rows in self._signature_list:
             if rows:
                 # one pass per column, not `zip(*rows)`: that makes an iterator per row, and
-                # thousands of them alive at a collection get promoted (see `_quiet_steps`)
+                # thousands of them alive at a collection get promoted
                 for index, durations in enumerate(columns):
                     durations.extend(map(itemgetter(index), rows))
                 rows.clear()
@@ -538,12 +523,12 @@ class SpanBuilder:
     ) -> list[DurationHistogram]:
         """A step layout's histograms, in its rows' column order: its ranges' (close order),
         then the step's own (its name, not folded). Remembered per layout, whose count
-        `_quiet_steps.MAX_LAYOUTS` bounds."""
+        `OnThreadSampler.max_layouts` bounds."""
         key = (phase, root, names)
         hists = self._layout_histograms.get(key)
         if hists is None:
             add = self.aggregates.add_histogram
-            hists = [add(self._exported_name(raw), phase) for raw in names]
+            hists = [add(self.names.exported(raw), phase) for raw in names]
             hists.append(add(root, phase))
             self._layout_histograms[key] = hists
         return hists
@@ -572,25 +557,14 @@ class SpanBuilder:
         n = len(frames)
         if n:
             self._aggregate_step(ctx.phase or DEFAULT_PHASE, frames)
-            if is_chunk or ctx.trim_start or ctx.trim_end:
-                first, last = min(map(_get_start, frames)), max(map(_get_end, frames))
-                if not ctx.has_children or first < ctx.first_child_ns:
-                    ctx.first_child_ns = first
-                if last > ctx.last_child_ns:
-                    ctx.last_child_ns = last
-            ctx.has_children = True
+            if is_chunk or ctx.trim_start or ctx.trim_end:  # the extent matters: trimmed
+                ctx.extend(min(map(_get_start, frames)), max(map(_get_end, frames)))
+            else:
+                ctx.has_children = True
             sampler = self.sampler
             kept = ctx.kept
             if kept is None:
-                pending = sampler._pending.get(ctx)
-                if pending is None:
-                    pending = sampler._pending[ctx] = _Pending()
-                pending.fields.extend(frames)
-                sampler._buffered += n
-                if ctx.error or any(map(_get_error, frames)):
-                    pending.error = True
-                if sampler._buffered > MAX_BUFFERED:
-                    sampler._decide_oldest()
+                sampler.buffer(ctx, frames, ctx.error or any(map(_get_error, frames)))
             elif kept:
                 for frame in frames:
                     fields = self._fields_or_none(frame)
@@ -631,7 +605,7 @@ class SpanBuilder:
     def _durations_for(self, raw: str, phase: str) -> list[int]:
         """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
-        durations = self._batch_of(self.aggregates.add_histogram(self._exported_name(raw), phase))
+        durations = self._batch_of(self.aggregates.add_histogram(self.names.exported(raw), phase))
         by_raw = self._raw_hists[phase]
         if len(by_raw) < MAX_CACHED_NAMES:
             by_raw[raw] = durations
@@ -722,12 +696,13 @@ class SpanBuilder:
         if fields is None:
             return
         ctx = frame[F_CTX]
-        phase = fields[6].get(ATTR_PHASE) or getattr(ctx, "phase", None) or DEFAULT_PHASE
-        hist = self.aggregates.add(fields[0], phase, (fields[5] - fields[4]) / 1e9)
+        phase = fields.attributes.get(ATTR_PHASE) or getattr(ctx, "phase", None) or DEFAULT_PHASE
+        seconds = (fields.end_ns - fields.start_ns) / 1e9
+        hist = self.aggregates.add(fields.name, phase, seconds)
         self._output(fields)
-        hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
+        hist.exemplar = (seconds, fields.end_ns, fields.trace_id, fields.span_id)
 
-    def _fields_or_none(self, frame: list[Any]) -> tuple[Any, ...] | None:
+    def _fields_or_none(self, frame: list[Any]) -> SpanFields | None:
         try:
             return self.fields(frame)
         except Exception as error:
@@ -743,18 +718,11 @@ class SpanBuilder:
             start, end = frame[F_START], frame[F_END]
             is_step = frame[F_KIND] == KIND_STEP
             if is_step:
-                if ctx.has_children and ctx.trim_start:
-                    start = max(start, ctx.first_child_ns)
-                if ctx.has_children and ctx.trim_end:
-                    end = min(end, ctx.last_child_ns)
+                start, end = ctx.trimmed(start, end)
                 name = frame[F_NAME]
             else:
-                if not ctx.has_children or start < ctx.first_child_ns:
-                    ctx.first_child_ns = start
-                if end > ctx.last_child_ns:
-                    ctx.last_child_ns = end
-                ctx.has_children = True
-                name = self._exported_name(frame[F_NAME])
+                ctx.extend(start, end)
+                name = self.names.exported(frame[F_NAME])
             seconds = (end - start) / 1e9
             self.aggregates.add(name, ctx.phase or DEFAULT_PHASE, seconds)
             self.sampler.span(ctx, frame, is_step, seconds, frame[F_ERROR] is not None, name)
@@ -762,24 +730,14 @@ class SpanBuilder:
             self.failed += 1
             _log.debug("otelprof: could not sample span %r: %r", frame[F_NAME], error)
 
-    def _exported_name(self, raw: str) -> str:
-        """The name a range is exported under (bounded cardinality), without counting it:
-        `fields()` counts the spans actually written."""
-        names = self.names
-        hit = names._cache.get(raw)
-        if hit is None:
-            hit = names._resolve(raw)
-            if len(names._cache) < MAX_CACHED_NAMES:
-                names._cache[raw] = hit
-        return hit[0]
-
-    def _output(self, fields: tuple[Any, ...]) -> None:
+    def _output(self, fields: SpanFields) -> None:
         """Hand one span's fields to every target: encoded for sinks, built for the rest."""
         if not self.sampler.keep_all:  # the exemplar of its histogram: a kept span
-            phase = fields[6].get(ATTR_PHASE) or DEFAULT_PHASE
-            hist = self.aggregates.histograms.get((fields[0], phase))
+            phase = fields.attributes.get(ATTR_PHASE) or DEFAULT_PHASE
+            hist = self.aggregates.histograms.get((fields.name, phase))
             if hist is not None:
-                hist.exemplar = ((fields[5] - fields[4]) / 1e9, fields[5], fields[1], fields[2])
+                seconds = (fields.end_ns - fields.start_ns) / 1e9
+                hist.exemplar = (seconds, fields.end_ns, fields.trace_id, fields.span_id)
         targets = self._targets
         try:
             if targets.frame_sinks:
@@ -797,7 +755,7 @@ class SpanBuilder:
                         _log.debug("otelprof: span processor raised %r", error)
         except Exception as error:
             self.failed += 1
-            _log.debug("otelprof: could not build span %r: %r", fields[0], error)
+            _log.debug("otelprof: could not build span %r: %r", fields.name, error)
             return
         self.built += 1
 
@@ -819,7 +777,7 @@ class SpanBuilder:
             self.failed += 1
             _log.debug("otelprof: span processor raised %r", error)
 
-    def fields(self, frame: list[Any]) -> tuple[Any, ...]:
+    def fields(self, frame: list[Any]) -> SpanFields:
         """One frame -> the span's fields (name, trace id, span id, parent id, start, end,
         attributes, error): ids, parent, step/epoch, thread, error, CUDA."""
         ctx: rec.StepContext = frame[F_CTX]
@@ -830,15 +788,9 @@ class SpanBuilder:
             attributes[ATTR_EPOCH] = ctx.epoch
         start_ns, end_ns = frame[F_START], frame[F_END]
         if kind == KIND_STEP:
-            if ctx.has_children and ctx.trim_start:
-                start_ns = max(start_ns, ctx.first_child_ns)
-            if ctx.has_children and ctx.trim_end:
-                end_ns = min(end_ns, ctx.last_child_ns)
+            start_ns, end_ns = ctx.trimmed(start_ns, end_ns)
         else:
-            if not ctx.has_children or start_ns < ctx.first_child_ns:
-                ctx.first_child_ns = start_ns
-            ctx.last_child_ns = max(ctx.last_child_ns, end_ns)
-            ctx.has_children = True
+            ctx.extend(start_ns, end_ns)
             thread = frame[F_THREAD]
             attributes["thread.id"] = thread.ident
             if thread.name != "MainThread":
@@ -857,7 +809,7 @@ class SpanBuilder:
             if seconds is not None:
                 attributes[ATTR_CUDA_DURATION] = seconds
         to_wall = self._clock.to_wall
-        return (
+        return SpanFields(
             self.names.name(frame[F_NAME], attributes),
             ctx.trace_id,
             _span_id(frame),
@@ -867,10 +819,6 @@ class SpanBuilder:
             attributes,
             frame[F_ERROR],
         )
-
-    def build(self, frame: list[Any]) -> ReadableSpan:
-        """One frame -> one ReadableSpan."""
-        return self.make_span(*self.fields(frame))
 
     def make_span(
         self,

@@ -45,20 +45,18 @@ from otelprof._schema import (
     STEP_SPAN,
     is_torch_step_range,
 )
+from otelprof._timings import _recorder as rec
+from otelprof._timings._bridge import Bridge
+from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._frames import F_NAME, row_spans
+from otelprof._timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
+from otelprof._timings._schedule import ScheduleAction, as_action, schedule
+from otelprof._timings._targets import SpanTargets
+from otelprof._timings._trace_ids import RunTraces
 from otelprof.config import Settings
-from otelprof.timings import _quiet_steps
-from otelprof.timings import _recorder as rec
-from otelprof.timings._bridge import Bridge
-from otelprof.timings._builder import Clock, SpanBuilder
-from otelprof.timings._frames import F_NAME, row_spans
-from otelprof.timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
-from otelprof.timings._schedule import ScheduleAction, as_action, schedule
-from otelprof.timings._targets import SpanTargets
-from otelprof.timings._trace_ids import RunTraces
 
 _log = logging.getLogger("otelprof")
 _lock = threading.Lock()
-_active: TimingsEngine | None = None
 
 DEFAULT_KINETO_SCHEDULE = schedule(wait=1, warmup=1, active=3, repeat=1)
 """Kineto's window when no schedule is given: timing spans stay always on, but a full
@@ -78,10 +76,6 @@ def check_phase(phase: object) -> str:
     return phase
 
 
-def active_engine() -> TimingsEngine | None:
-    return _active
-
-
 def _import_torch() -> Any:
     try:
         return importlib.import_module("torch")
@@ -92,8 +86,6 @@ def _import_torch() -> Any:
 class TimingsEngine:
     """Turns record_function ranges, `timing()` blocks and steps into OTel spans."""
 
-    # slots: the compiled `step()` (`_speedups.engine_step`) reads and writes its fields in
-    # place, as it does the recorder's
     __slots__ = (
         "_batch_in_epoch",
         "_bridge",
@@ -201,18 +193,15 @@ class TimingsEngine:
     # ---- lifecycle ----
     def start(self) -> None:
         """Begin step 0: start the builder thread, install the bridge, start Kineto if asked."""
-        global _active
         with _lock:
             if self._running or self._finished:
                 raise RuntimeError("a TimingsEngine can be started once")
-            if _active is not None:
-                raise RuntimeError("another TimingsEngine is running; shut it down first")
-            _active = self
+            # the recorder is process-wide: it refuses a second engine
+            rec.recorder.start(
+                self._settings.max_queued_spans, self.traces, wake_builder=self._builder.wake
+            )
             self._running = True
-        rec.recorder.start(
-            self._settings.max_queued_spans, self.traces, wake_builder=self._builder.wake
-        )
-        _quiet_steps.reset()
+        rec.on_thread.reset()
         if self._calibrate is not None:
             # for the overhead gauge: what one range costs this thread (before the builder runs)
             self.range_cost_s = self._calibrate()
@@ -228,7 +217,6 @@ class TimingsEngine:
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Restore torch, end the trailing step, and hand every queued span to the provider."""
-        global _active
         with _lock:
             if not self._running:
                 return
@@ -240,9 +228,9 @@ class TimingsEngine:
         rec.recorder.record(None)
         self._ctx = None
         try:
-            _quiet_steps.publish({})
+            rec.on_thread.publish({})
             if self._stepping is not None:  # the stepping thread's sampled-out rows
-                _quiet_steps.hand_rows(self._stepping)
+                rec.on_thread.hand_rows(self._stepping)
             if self._bridge is not None:
                 self._bridge.uninstall()
             if self._kineto is not None:
@@ -260,29 +248,18 @@ class TimingsEngine:
             self._builder.stop(timeout)
         finally:
             rec.recorder.stop()
-            with _lock:
-                if _active is self:
-                    _active = None
 
     # ---- steps ----
     def step(self) -> None:
-        """End the current step and begin the next (like `torch.profiler.profile.step()`).
-
-        Compiled (`_speedups.engine_step`, see `use_compiled`) for the common case: a
-        training step with no schedule, no Kineto and no step listener; it hands every other
-        case to this method, the reference."""
+        """End the current step and begin the next (like `torch.profiler.profile.step()`)."""
         if not self._running:
             return
         try:
             end = perf_counter_ns()
             ctx = self._ctx
             recorder = rec.recorder
-            recorder.record(None)
-            if ctx is not None:
-                state = ctx.owner  # decided here if the sampler is quiet, else queued
-                if state is None or not _quiet_steps.sample_out(ctx, end, state):
-                    recorder.emit_step(ctx, end)
-                self._stepping = state
+            if ctx is not None:  # sampled out on this thread if the sampler is quiet, else queued
+                self._stepping = recorder.end_step(ctx, end)
             if self._phase != PHASE_TRAIN:
                 # a batch of validation (etc.): its own trace, the training step stays
                 self._begin_step(perf_counter_ns(), trim_start=False)
@@ -298,8 +275,7 @@ class TimingsEngine:
             self._step_from_start = False
             if self._kineto is None and self._schedule is None:  # the common case, inlined
                 start = self._step_start = perf_counter_ns()
-                self._ctx = rec.new_step_context(self._step, self._epoch, start, False, self._phase)
-                recorder.record(self._ctx)
+                self._ctx = recorder.begin_step(self._step, self._epoch, start, False, PHASE_TRAIN)
                 return
             if self._kineto is not None:
                 finished = self._window_step(ctx, end)
@@ -423,9 +399,9 @@ class TimingsEngine:
     def flush(self, timeout_s: float = 10.0) -> None:
         """Hand every span recorded so far to the provider's processors (tests, shutdown)."""
         ctx = self._ctx
-        state = rec._local.state
+        state = rec.thread_state_if_any()
         if state is not None and state is self._stepping:
-            _quiet_steps.hand_rows(state)  # steps sampled out on this thread so far
+            rec.on_thread.hand_rows(state)  # steps sampled out on this thread so far
         if ctx is not None and ctx.owner is not None and ctx.owner is state:
             rec.recorder.hand_off(ctx)  # the running step's ranges so far (only its thread may)
         self._builder.flush(timeout_s)
@@ -471,23 +447,23 @@ class TimingsEngine:
         action = ScheduleAction.RECORD if self._schedule is None else self._timing_action()
         previous = self._ctx if keep else None
         self._step_start = start_ns
-        if action.records:
-            if previous is None:
-                previous = rec.new_step_context(
-                    self._step,
-                    self._epoch,
-                    start_ns,
-                    self._step_from_start if trim_start is None else trim_start,
-                    self._phase,
-                )
-                if self._phase != PHASE_TRAIN:  # numbered by its batch (`_trace_ids`)
-                    batch = self._phase_batches.get(self._phase, 0)
-                    self._phase_batches[self._phase] = batch + 1
-                    previous.batch = batch
-            self._ctx = previous
-        else:
+        if not action.records:
             self._ctx = None
-        rec.recorder.record(self._ctx)
+            rec.recorder.record(None)
+        elif previous is not None:
+            rec.recorder.record(previous)
+        else:
+            self._ctx = rec.recorder.begin_step(
+                self._step,
+                self._epoch,
+                start_ns,
+                self._step_from_start if trim_start is None else trim_start,
+                self._phase,
+            )
+            if self._phase != PHASE_TRAIN:  # numbered by its batch (`_trace_ids`)
+                batch = self._phase_batches.get(self._phase, 0)
+                self._phase_batches[self._phase] = batch + 1
+                self._ctx.batch = batch
 
     def _call_schedule(self, fn: Any, step: int) -> ScheduleAction:
         arg = self._batch_in_epoch if getattr(fn, "restarts_each_epoch", False) else step
@@ -532,14 +508,14 @@ class TimingsEngine:
         return True
 
     def _window_step(self, ctx: rec.StepContext | None, end_ns: int) -> Any:
-        from otelprof.timings._kineto import WindowStep
+        from otelprof._timings._kineto import WindowStep
 
         if ctx is None or not self._kineto_action.records:
             return None
         return WindowStep(ctx, self._clock.to_wall(ctx.start_ns), self._clock.to_wall(end_ns))
 
     def _start_kineto(self) -> None:
-        from otelprof.timings._kineto import KinetoSession
+        from otelprof._timings._kineto import KinetoSession
 
         self._kineto = KinetoSession(
             self._torch, self._builder, self._clock, self._settings.run_dir / "kineto"
@@ -557,7 +533,7 @@ class TimingsEngine:
                 return None
         except Exception:
             return None
-        from otelprof.timings._cuda import CudaTimer
+        from otelprof._timings._cuda import CudaTimer
 
         return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
 
@@ -569,7 +545,7 @@ class TimingsEngine:
         if ops is None:
             rec.recorder.set_torch_hooks(None, None, None)
         else:
-            rec.recorder.set_torch_hooks(_torch_compat.profiler_state(torch), *ops)
+            rec.recorder.set_torch_hooks(_torch_compat.profiler_flag(torch), *ops)
 
 
 def _remove_listener(listeners: list[Any], listener: Any) -> None:
@@ -578,25 +554,8 @@ def _remove_listener(listeners: list[Any], listener: Any) -> None:
 
 
 def step_failed(error: Exception) -> None:
-    """What a failed `step()` does (compiled or not): log it, never raise into training."""
+    """What a failed `step()` does: log it, never raise into training."""
     _log.warning("otelprof: step() failed: %r", error)
-
-
-_py_step = TimingsEngine.step
-
-
-def use_compiled(on: bool) -> bool:
-    """Run `TimingsEngine.step` compiled (when built and the recorder runs compiled) or in
-    Python; returns whether it runs compiled now. The compiled step decides a step with
-    the compiled `_quiet_steps.sample_out` only while that is the one in use, else it runs
-    this module's `step()`."""
-    speedups = rec.speedups
-    if on and speedups is not None and rec.compiled and hasattr(speedups, "engine_step"):
-        speedups.bind_engine(TimingsEngine, globals())
-        TimingsEngine.step = speedups.method(speedups.engine_step)  # type: ignore[method-assign]
-        return True
-    TimingsEngine.step = _py_step  # type: ignore[method-assign]
-    return False
 
 
 def _version() -> str:
@@ -606,9 +565,6 @@ def _version() -> str:
         return version("otelprof")
     except PackageNotFoundError:
         return "0"
-
-
-use_compiled(rec.compiled)
 
 
 def _only_torch_steps(ctx: rec.StepContext) -> bool:

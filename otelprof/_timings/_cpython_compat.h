@@ -92,35 +92,4 @@ compat_thread_id(void)
     } while (0)
 #endif
 
-/* ---- the exception being raised, taken (cleared) as one normalized object ---- */
-static inline PyObject *
-compat_take_exception(void)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    return PyErr_GetRaisedException();
-#else
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (value != NULL && tb != NULL)
-        PyException_SetTraceback(value, tb);
-    Py_XDECREF(type);
-    Py_XDECREF(tb);
-    return value;
-#endif
-}
-
-/* ...and raised again (steals `exc`) */
-static inline void
-compat_raise_exception(PyObject *exc)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    PyErr_SetRaisedException(exc);
-#else
-    PyObject *type = (PyObject *)Py_TYPE(exc);
-    Py_INCREF(type);
-    PyErr_Restore(type, exc, PyException_GetTraceback(exc));
-#endif
-}
-
 #endif /* OTELPROF_CPYTHON_COMPAT_H */
