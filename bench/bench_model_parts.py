@@ -13,7 +13,7 @@ A-B-B-A between the loop as it is (arm A) and the same loop with the part on (ar
   `module_timings=<depth>` does (it finds the model in the block's first two iterations and
   hooks its children: the MLP's 5 at depth 1, each a forward range and, for those whose
   output needs a gradient, a backward range);
-- `boundary`: `prof.step()` alone, timed call by call (the whole loop's scatter hides a few
+- `boundary`: `otelprof.step()` alone, timed call by call (the whole loop's scatter hides a few
   µs), with a matrix product between steps, with and without `PhasePeaks` attached as
   `memory_peaks=True` attaches it (it adds no step hook: the figure is the method's floor);
 - `phase`: a change of phase there and back (`set_phase("validation")`, `set_phase("train")`),
@@ -46,7 +46,7 @@ from otelprof.system.memory_peaks import PhasePeaks
 
 
 def loop(m: Any, seconds: float, prof: Any, device: str) -> int:
-    """The README's loop (helpers, timed DataLoader, prof.step())."""
+    """The README's loop (helpers, timed DataLoader, otelprof.step())."""
     model, optimizer, loss_fn = m.model, m.optimizer, m.loss_fn
     steps = 0
     deadline = time.perf_counter() + seconds
@@ -58,7 +58,7 @@ def loop(m: Any, seconds: float, prof: Any, device: str) -> int:
                 loss = loss_fn(model(x), y)
                 loss.backward()
                 optimizer.step()
-            prof.step()
+            otelprof.step()
             steps += 1
             if time.perf_counter() >= deadline:
                 if device == "cuda":
@@ -138,7 +138,7 @@ def run(part_name: str, step_ms: float, args: Any, out: Path) -> None:
 
 
 def at_boundaries(part: str, args: Any, out: Path) -> None:
-    """`prof.step()` (or a change of phase there and back) alone, with and without
+    """`otelprof.step()` (or a change of phase there and back) alone, with and without
     `PhasePeaks` attached: blocks with a small matrix product between calls (torch's work
     evicts caches as a model's does); per block the median call, paired blocks alternated."""
     prof = otelprof.instrument(output_dir=str(out), run_id=part)
@@ -147,7 +147,7 @@ def at_boundaries(part: str, args: Any, out: Path) -> None:
 
     def act() -> None:
         if part == "boundary":
-            prof.step()
+            otelprof.step()
         else:
             prof.set_phase("validation")
             prof.set_phase("train")
@@ -180,7 +180,7 @@ def at_boundaries(part: str, args: Any, out: Path) -> None:
     extra = [b - a for a, b in pairs]
     mean, half = mean_and_interval(extra)
     off = statistics.median(a for a, _ in pairs)
-    what = "prof.step()" if part == "boundary" else "a change of phase there and back"
+    what = "otelprof.step()" if part == "boundary" else "a change of phase there and back"
     print(
         f"{what} on {device} ({len(pairs)} pairs of {args.boundary_steps}): {off:.2f} µs "
         f"without memory_peaks, paired extra with it {mean:+.2f} ± {half:.2f} µs (CUDA "

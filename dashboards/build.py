@@ -33,7 +33,7 @@ from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 from grafana_foundation_sdk.models import prometheus as pm
 
-from otelprof._timings import DETERMINED_TIMINGS
+from otelprof.determined_timings import DETERMINED_TIMINGS
 
 HERE = Path(__file__).resolve().parent
 PROMETHEUS_REF = dm.DataSourceRef(type_val="prometheus", uid="otelprof-prometheus")

@@ -74,7 +74,7 @@ class ModuleTimings:
         self._roots: weakref.WeakSet[Any] = weakref.WeakSet()  # modules called outside any
         self.hooked = 0
         self._lock = threading.Lock()
-        self._local = threading.local()
+        self._per_thread = threading.local()
         self._open_backward: dict[int, _BackwardCall] = {}
         self._callback_queued = False
         self._closed = False
@@ -104,7 +104,7 @@ class ModuleTimings:
     # ---- discovery (global hooks, until a model is called twice) ----
     def _discover_pre(self, module: Any, _args: Any) -> None:
         try:
-            local = self._local
+            local = self._per_thread
             depth = getattr(local, "depth", 0)
             local.depth = depth + 1
             if depth == 0 and not self._compiling():
@@ -113,7 +113,7 @@ class ModuleTimings:
             _log.debug("otelprof: module timings discovery failed: %r", error)
 
     def _discover_post(self, _module: Any, _args: Any, _result: Any) -> None:
-        local = self._local
+        local = self._per_thread
         local.depth = max(0, getattr(local, "depth", 1) - 1)
 
     def _root_called(self, module: Any) -> None:
@@ -192,7 +192,7 @@ class ModuleTimings:
             _log.debug("otelprof: module forward hook failed: %r", error)
 
     def _stack(self) -> list[tuple[Any, Any]]:
-        local = self._local
+        local = self._per_thread
         stack: list[tuple[Any, Any]] | None = getattr(local, "stack", None)
         if stack is None:
             stack = local.stack = []

@@ -71,7 +71,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         for _ in range(args.early_steps):  # under a provisional identity: no group yet
             with otelprof.timing("dataloader_next"):
                 time.sleep(args.step_sleep_ms / 1000)
-            prof.step()
+            otelprof.step()
     if args.lightning_like:
         prof = otelprof.instrument()  # at import time of the script, before the launcher
         children = _launch_like_lightning(args.lightning_like)

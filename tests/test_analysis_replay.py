@@ -266,7 +266,7 @@ def test_the_report_and_replay_count_a_runs_metric_points_alike(
         for _ in range(20):
             with otelprof.train_batch():
                 time.sleep(0.01)
-            prof.step()
+            otelprof.step()
     run = tmp_path / "run"
     in_files = 0
     kinds = set()

@@ -63,7 +63,7 @@ def record(output_dir: Path, loader_s: float, steps: int = 24) -> tuple[Path, li
             waits.append(time.perf_counter() - start)
             with otelprof.timing("train_batch"):
                 time.sleep(TRAIN_S)
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     return prof.run_dir, waits
 
@@ -177,7 +177,7 @@ def test_a_slower_module_and_memory_by_phase_are_in_the_comparison(
             for _ in range(6):
                 with otelprof.timing("train_batch"):
                     model(torch.randn(2, 4)).sum().backward()
-                prof.step()
+                otelprof.step()
             wait_for_samples(prof)  # RSS labelled with the phase while the loop runs
         assert prof.run_dir is not None
         runs.append(prof.run_dir)

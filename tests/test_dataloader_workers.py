@@ -70,7 +70,7 @@ def test_forked_dataloader_workers_export_nothing_into_the_parents_files(tmp_pat
         loaded = []
         for batch in otelprof.timed_dataloader(loader):
             loaded.append(batch)
-            prof.step()
+            otelprof.step()
     elapsed = time.monotonic() - began
     rows = torch.cat(loaded)
     workers = {int(pid) for pid in rows[:, 0]}

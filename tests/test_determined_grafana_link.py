@@ -197,7 +197,7 @@ def _run(
         for _ in range(3):
             with otelprof.timing("train_batch"):
                 pass
-            prof.step()
+            otelprof.step()
         if wait:
             wait_for(
                 lambda: (

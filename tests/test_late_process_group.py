@@ -101,14 +101,14 @@ def run(rank):
     for _ in range(5):
         with otelprof.timing("early"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
     if rank == 1:  # where rank 1's early spans are to go cannot take them
         os.makedirs(os.path.join(os.environ["OTELPROF_OUTPUT_DIR"], "job", "traces.rank1.jsonl"))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     for _ in range(20):
         with otelprof.timing("late"):
             time.sleep(0.002)
-        prof.step()
+        otelprof.step()
     dist.barrier()
     if rank == 1:
         stats = prof.stats()

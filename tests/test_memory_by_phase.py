@@ -103,7 +103,7 @@ def test_rss_by_phase_matches_what_psutil_saw_in_each_phase(
     process = psutil.Process()
     with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
         for _ in range(3):
-            prof.step()
+            otelprof.step()
         wait_for_samples(prof)
         train_rss = process.memory_info().rss
         with otelprof.phase("validation"):
@@ -113,7 +113,7 @@ def test_rss_by_phase_matches_what_psutil_saw_in_each_phase(
             wait_for_samples(prof)
             del big
         wait_for_samples(prof)
-        prof.step()
+        otelprof.step()
     assert prof.run_dir is not None
     rows = memory_rows(capsys, prof.run_dir)
     assert abs(rows["validation"]["RSS max MiB"] - validation_rss / MiB) < 16
@@ -135,7 +135,7 @@ def test_cuda_peaks_by_phase_with_memory_peaks(
     def training_step(transient: int) -> None:
         cuda.alloc(transient)  # activations of the step, freed at its end
         cuda.free(transient)
-        prof.step()
+        otelprof.step()
 
     with otelprof.instrument(
         output_dir=tmp_path, interval=0.2, host_metrics=False, memory_peaks=True
@@ -183,7 +183,7 @@ def test_without_memory_peaks_the_programs_peak_counters_are_left_alone(
     )
     with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
         for _ in range(3):
-            prof.step()
+            otelprof.step()
     assert cuda.resets == 0
 
 
@@ -252,12 +252,12 @@ def test_cuda_peaks_on_a_gpu_match_the_tensors_the_step_allocated(
         for _ in range(5):
             transient = torch.empty(64 * MiB, dtype=torch.uint8, device=device)
             del transient
-            prof.step()
+            otelprof.step()
         wait_for_samples(prof)
         with otelprof.phase("validation"):
             transient = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
             del transient
-        prof.step()
+        otelprof.step()
         wait_for_samples(prof)
     del keep
     assert prof.run_dir is not None

@@ -101,7 +101,7 @@ def train(model: torch.nn.Module, prof: Any, steps: int, call: Any = None) -> No
             loss = (call or model)(x).sum()
             loss.backward()
             optimizer.step()
-        prof.step()
+        otelprof.step()
 
 
 def report_json(capsys: pytest.CaptureFixture[str], run_dir: Path) -> dict[str, Any]:
@@ -223,7 +223,7 @@ def test_an_error_in_a_modules_forward_reaches_the_program_and_ends_its_range(
                 model(torch.randn(2, 4)).sum().backward()
             except ValueError as error:
                 assert step == 1 and str(error) == "bad batch"
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     rows = {
         r["module"]: r for r in report_json(capsys, prof.run_dir)["sections"]["modules"]["rows"]
@@ -247,7 +247,7 @@ def test_on_a_gpu_backward_ranges_come_from_the_autograd_engines_device_thread(
                 model(torch.randn(16, 4, device="cuda")).sum().backward()
                 optimizer.step()
             torch.cuda.synchronize()
-            prof.step()
+            otelprof.step()
     assert prof.run_dir is not None
     rows = {
         r["module"]: r for r in report_json(capsys, prof.run_dir)["sections"]["modules"]["rows"]

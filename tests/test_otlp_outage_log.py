@@ -107,7 +107,7 @@ def test_the_detached_metrics_file_keeps_the_final_export_whatever_the_collector
         for _ in range(steps):
             with otelprof.timing("train_batch"):
                 time.sleep(0.001)
-            prof.step()
+            otelprof.step()
     stats = prof.stats()
     (metrics,) = tmp_path.glob("*/metrics.jsonl")
     points = sum(

@@ -39,7 +39,7 @@ def test_the_step_running_at_a_crash_is_reported_as_the_crashed_step(
                     time.sleep(0.01)
                     crashed_after = time.perf_counter() - began
                     raise RuntimeError("boom")
-            prof.step()
+            otelprof.step()
     doc = report_json(capsys, str(tmp_path / "run"))
     (crash,) = [p for p in doc["problems"] if p["kind"] == "crashed"]
     assert crash["message"].endswith(
@@ -63,7 +63,7 @@ def test_ranges_after_the_last_step_of_a_clean_run_stay_after_training(
         for _ in range(3):
             with otelprof.train_batch():
                 time.sleep(0.002)
-            prof.step()
+            otelprof.step()
         with otelprof.timing("evaluate"):
             time.sleep(0.002)
     rows = {r["name"] for r in report_json(capsys, str(tmp_path / "run"))["timings"]}
@@ -145,7 +145,7 @@ def test_a_small_mfu_is_shown_with_its_digits(
                 with otelprof.train_batch():
                     time.sleep(0.01)
                 otelprof.step_work(samples=8, flops=1e9)
-                prof.step()
+                otelprof.step()
     finally:
         otelprof.set_peak_flops(None)
     points = [

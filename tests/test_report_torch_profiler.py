@@ -46,7 +46,7 @@ def _loop_beside_torch_profiler(out: Path) -> tuple[Path, list[int], list[int]]:
             with otelprof.train_batch():
                 model(batch).sum().backward()
                 time.sleep(TRAIN_S)
-            prof.step()
+            otelprof.step()
             ended = time.perf_counter_ns()
             torch_prof.step()  # closes ProfilerStep#N, opens ProfilerStep#N+1
             steps.append(ended - (load if began is None else began))
@@ -100,7 +100,7 @@ def test_torch_profilers_step_ranges_wrap_each_step_and_the_verdict_reads_data_b
 
 
 def test_a_range_open_across_step_is_no_part_of_the_step(tmp_path: Path) -> None:
-    """`with timing("iteration"): ...; prof.step()`: the range wraps the step's work."""
+    """`with timing("iteration"): ...; otelprof.step()`: the range wraps the step's work."""
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="run", host_metrics=False, process_metrics=False,
         trace_budget=float("inf"),
@@ -111,7 +111,7 @@ def test_a_range_open_across_step_is_no_part_of_the_step(tmp_path: Path) -> None
                     time.sleep(0.006)
                 with otelprof.train_batch():
                     time.sleep(0.002)
-                prof.step()
+                otelprof.step()
     summary = _summary(tmp_path / "run")
     rows = {r.name: r for r in timing_rows(summary)}
     assert rows["iteration"].level == WRAPS_STEP

@@ -77,7 +77,7 @@ except otelprof.ConfigError as error:
 print("running", flush=True)
 with otelprof.timing("work"):
     pass
-prof.step()
+otelprof.step()
 sys.stdin.readline()  # until the other one has tried
 prof.shutdown()
 """
