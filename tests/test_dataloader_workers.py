@@ -63,7 +63,7 @@ def _metric_resources(path: Path) -> tuple[Counter[tuple[str, str]], Counter[str
 
 def test_forked_dataloader_workers_export_nothing_into_the_parents_files(tmp_path: Path) -> None:
     began = time.monotonic()
-    with otelprof.instrument(output_dir=str(tmp_path), run_id="run", interval=INTERVAL_S) as prof:
+    with otelprof.instrument(output_dir=str(tmp_path), run_id="run", interval=INTERVAL_S):
         loader = DataLoader(
             _Items(240), batch_size=4, num_workers=2, multiprocessing_context="fork"
         )

@@ -181,7 +181,7 @@ def test_without_memory_peaks_the_programs_peak_counters_are_left_alone(
         "TorchCudaPeaks",
         lambda: TorchCudaPeaks({"torch": SimpleNamespace(cuda=cuda)}),
     )
-    with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False) as prof:
+    with otelprof.instrument(output_dir=tmp_path, interval=0.2, host_metrics=False):
         for _ in range(3):
             otelprof.step()
     assert cuda.resets == 0

@@ -28,7 +28,7 @@ def test_the_step_running_at_a_crash_is_reported_as_the_crashed_step(
 ) -> None:
     with (
         pytest.raises(RuntimeError, match="boom"),
-        otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False) as prof,
+        otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False),
     ):
         for step in range(6):
             with otelprof.timing("dataloader_next"):
@@ -59,7 +59,7 @@ def test_the_step_running_at_a_crash_is_reported_as_the_crashed_step(
 def test_ranges_after_the_last_step_of_a_clean_run_stay_after_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False) as prof:
+    with otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False):
         for _ in range(3):
             with otelprof.train_batch():
                 time.sleep(0.002)
@@ -140,7 +140,7 @@ def test_a_small_mfu_is_shown_with_its_digits(
     try:
         with otelprof.instrument(
             output_dir=tmp_path, run_id="run", host_metrics=False, interval=0.2
-        ) as prof:
+        ):
             for _ in range(40):
                 with otelprof.train_batch():
                     time.sleep(0.01)

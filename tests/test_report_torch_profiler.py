@@ -30,7 +30,7 @@ def _loop_beside_torch_profiler(out: Path) -> tuple[Path, list[int], list[int]]:
     with otelprof.instrument(
         output_dir=str(out), run_id="run", host_metrics=False, process_metrics=False,
         trace_budget=float("inf"),
-    ) as prof, torch.profiler.profile(
+    ), torch.profiler.profile(
         activities=[ProfilerActivity.CPU],
         schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out / "tensorboard")),
@@ -104,7 +104,7 @@ def test_a_range_open_across_step_is_no_part_of_the_step(tmp_path: Path) -> None
     with otelprof.instrument(
         output_dir=str(tmp_path), run_id="run", host_metrics=False, process_metrics=False,
         trace_budget=float("inf"),
-    ) as prof:  # fmt: skip
+    ):  # fmt: skip
         for _ in range(6):
             with otelprof.timing("iteration"):
                 with otelprof.timing("dataloader_next"):
