@@ -13,6 +13,7 @@ read the running profiler; parts are handed what they need.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -128,6 +129,12 @@ class _Session:
         self.resource = identity.resource
         self.layout = layout
         self._claim = claim
+        # run.json has two writers that a frozen file system can make meet: the flush thread
+        # (the end, before flushing) and the end recorded after it; one writes at a time, and
+        # a state older than the one on disk is not written over it
+        self._run_info_lock = threading.Lock()
+        self._run_info_order = itertools.count(1)
+        self._run_info_written = 0
         self.counters = ExportCounters()
         self._carried = dict(carried or {})
         self._closed = False
@@ -445,16 +452,22 @@ class _Session:
         if stats is not None:
             info["finished_unix_nano"] = time.time_ns()
             info["stats"] = stats
-        try:
-            layout.write_run_info(info)
-        except OSError as error:
-            self.counters.warn_once(
-                "run_json.write_error",
-                "otelprof: cannot write %s (%s); the run's end and drop counts go to the "
-                "metrics file's closing record instead, which `otelprof report` reads",
-                layout.run_info,
-                error,
-            )
+        order = next(self._run_info_order)
+        with self._run_info_lock:
+            if order < self._run_info_written:
+                return  # a later state is on disk already
+            try:
+                layout.write_run_info(info)
+            except OSError as error:
+                self.counters.warn_once(
+                    "run_json.write_error",
+                    "otelprof: cannot write %s (%s); the run's end and drop counts go to the "
+                    "metrics file's closing record instead, which `otelprof report` reads",
+                    layout.run_info,
+                    error,
+                )
+            else:
+                self._run_info_written = order
 
 
 class Profiler:

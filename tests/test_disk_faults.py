@@ -428,11 +428,12 @@ def test_shutdown_returns_within_its_bound_on_a_frozen_file_system_and_the_end_f
             subprocess.run(["fsfreeze", "-u", str(ext4_image)], check=True)
         # the end, written in the background once the file system is back (the process lives)
         deadline = time.monotonic() + 60
-        while True:
-            (info,) = open_run([Path(run_dir)]).run_info
-            if "finished_unix_nano" in info or time.monotonic() > deadline:
+        while True:  # run.json as a reader finds it: none readable yet counts as not yet
+            infos = open_run([Path(run_dir)]).run_info
+            if (infos and "finished_unix_nano" in infos[0]) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        (info,) = infos
         _say(child, "exit")
         assert child.wait(timeout=60) == 0
     finally:

@@ -469,10 +469,7 @@ class TraceSampler:
             if self.keep_all or self._head.take(len(pending.items)):
                 self._release(ctx, pending, "head")
             else:
-                del self._pending[ctx]
-                self._buffered -= len(pending.items)
-                ctx.kept = False
-                self.sampled_out += len(pending.items)
+                self._sample_out(ctx, pending)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
         del self._pending[ctx]
@@ -488,10 +485,14 @@ class TraceSampler:
         if self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
         else:
-            del self._pending[ctx]
-            self._buffered -= len(pending.items)
-            ctx.kept = False
-            self.sampled_out += len(pending.items)
+            self._sample_out(ctx, pending)
+
+    def _sample_out(self, ctx: Any, pending: _Pending) -> None:
+        """A held step the head budget cannot take: its items are counted, not exported."""
+        del self._pending[ctx]
+        self._buffered -= len(pending.items)
+        ctx.kept = False
+        self.sampled_out += len(pending.items)
 
     def _recent_of(self, root: str) -> deque[float]:
         recent = self._recent_by_root.get(root)

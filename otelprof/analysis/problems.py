@@ -43,10 +43,10 @@ def _process_label(info: dict[str, Any]) -> str:
     return f"{label} (attempt {attempt})" if attempt is not None else label
 
 
-def _in_step(info: dict[str, Any], summary: RunSummary) -> str:
+def _in_step(info: dict[str, Any], summary: RunSummary | None) -> str:
     """' in step 4 (its ranges: the "crashed step" rows)' for a process that ended in a step."""
     resource = info.get("resource") if isinstance(info.get("resource"), dict) else None
-    if resource is None:
+    if resource is None or summary is None:
         return ""
     key = (str(resource.get("host.name", "unknown-host")), resource.get("process.pid"))
     number = summary.unfinished_steps.get(key)
@@ -56,7 +56,9 @@ def _in_step(info: dict[str, Any], summary: RunSummary) -> str:
     return f' in step {number} (its ranges: the "{label}" rows)'
 
 
-def _end_finding(info: dict[str, Any], summary: RunSummary) -> Finding | None:
+def _end_finding(info: dict[str, Any], summary: RunSummary | None = None) -> Finding | None:
+    """How one process's run ended, as a problem (None for a clean end); with the run's
+    summary, the step a crash or a stop came in."""
     who = _process_label(info)
     end = info.get("end") if isinstance(info.get("end"), dict) else None
     if "finished_unix_nano" not in info:
