@@ -219,7 +219,7 @@ def test_tail_sampling_keeps_every_reason_otelprof_keeps_a_step_for_beyond_head(
         if p["type"] == "string_attribute"
     ]
     assert policy["string_attribute"]["key"] == "otelprof.sampled"
-    source = (REPO / "otelprof" / "timings" / "_sampling.py").read_text()
+    source = (REPO / "otelprof" / "_timings" / "_sampling.py").read_text()
     reasons = set(re.findall(r'why = "([a-z.]+)"', source)) | set(
         re.findall(r'ATTR_SAMPLED: "([a-z.]+)"', source)
     )
