@@ -14,6 +14,8 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
   tests/test_on_thread_sampler.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
+# test-fast's worker processes (pytest-xdist): one per core of the 2-core development VM
+FAST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast docs collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-bundle gpu-check dashboards-png clean
 
@@ -64,10 +66,10 @@ test: venv collector prometheus shellcheck traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" OTELPROF_PURE_PYTHON=1 \
 	  $(VENV)/bin/pytest -q $(PURE_PYTHON_TESTS)
 
-## test-fast: the unit and recorder tests, no collector, Prometheus or other process
-## (`pytest --fast`: tests/conftest.py marks the rest e2e or slow; docs/DEVELOPING.md)
+## test-fast: the unit and recorder tests, no collector, Prometheus or other process, on
+## FAST_WORKERS processes (`pytest --fast`: tests/conftest.py marks the rest e2e or slow)
 test-fast: venv
-	$(VENV)/bin/pytest --fast -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --fast -q -n $(FAST_WORKERS) $(PYTEST_ARGS)
 
 ## docs: the documentation site into site/ (strict: a broken link, page or snippet fails)
 docs: venv
