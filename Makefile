@@ -14,8 +14,10 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
   tests/test_on_thread_sampler.py tests/test_overhead_telemetry.py tests/test_anomaly_capture.py \
   tests/test_profiler.py
 DEMO_ARGS ?=
+# test-fast's worker processes (pytest-xdist): one per core of the 2-core development VM
+FAST_WORKERS ?= 2
 
-.PHONY: venv demo test collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-bundle gpu-check dashboards-png clean
+.PHONY: venv demo test test-fast docs collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-bundle gpu-check dashboards-png clean
 
 venv: $(STAMP)
 
@@ -51,7 +53,7 @@ shellcheck:
 	  apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q shellcheck >&2; }
 	@command -v shellcheck
 
-## traceql-grammar: Grafana's TraceQL parser from npm (cached), to check the README's queries
+## traceql-grammar: Grafana's TraceQL parser from npm (cached), to check the docs' TraceQL queries
 traceql-grammar:
 	@scripts/traceql-grammar.sh
 
@@ -64,9 +66,18 @@ test: venv collector prometheus shellcheck traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" OTELPROF_PURE_PYTHON=1 \
 	  $(VENV)/bin/pytest -q $(PURE_PYTHON_TESTS)
 
+## test-fast: the unit and recorder tests, no collector, Prometheus or other process, on
+## FAST_WORKERS processes (`pytest --fast`: tests/conftest.py marks the rest e2e or slow)
+test-fast: venv
+	$(VENV)/bin/pytest --fast -q -n $(FAST_WORKERS) $(PYTEST_ARGS)
+
+## docs: the documentation site into site/ (strict: a broken link, page or snippet fails)
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 lint: venv
-	$(VENV)/bin/ruff check otelprof tests bench prometheus
-	$(VENV)/bin/ruff format --check otelprof tests bench prometheus
+	$(VENV)/bin/ruff check otelprof tests bench prometheus scripts docs/hooks
+	$(VENV)/bin/ruff format --check otelprof tests bench prometheus scripts docs/hooks
 	$(VENV)/bin/mypy
 
 ## bench: run the benchmarks (figures go to BENCHMARKS.md)
@@ -94,4 +105,4 @@ dashboards-png: venv collector prometheus
 	  $(PY) scripts/render_dashboards.py --out out/dashboards
 
 clean:
-	rm -rf $(VENV) otelprof-runs out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) otelprof-runs out site .pytest_cache .mypy_cache .ruff_cache

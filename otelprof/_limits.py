@@ -2,9 +2,10 @@
 
 Why: a span's attributes stay in memory from the `timing()` call until their line is
 written (recorder queue, span builder, line writer), so a large distinct string per step
-(a 64 KB batch description) took a job from 0.6 GB to 2.9 GB of RSS in 20 s; memory must
-be bounded in bytes. The OpenTelemetry SDK's convention is followed: string values (and
-the strings of a sequence value) longer than the limit are truncated to it, and the limit
+(a 64 KB batch description) made a job's memory grow with every step (BENCHMARKS.md,
+"Faults and bounds"); memory must be bounded in bytes. The OpenTelemetry SDK's convention
+is followed: string values (and the strings of a sequence value) longer than the limit are
+truncated to it, and the limit
 is read from `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT` (`OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT`
 first, as the SDK reads it for spans). Unlike the SDK (unlimited by default), otelprof
 defaults to `DEFAULT_VALUE_LENGTH_LIMIT` characters. Each truncated value is counted

@@ -49,7 +49,8 @@ _log = logging.getLogger("otelprof")
 
 MAX_MODULES = 256
 """Modules hooked per process: each adds two span names (the names a process exports are
-bounded, `timings/_names.py`) and tens of µs per call (BENCHMARKS.md)."""
+bounded, `_timings/_names.py`) and a cost per call (BENCHMARKS.md, "Per-module times and
+memory peaks by phase")."""
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 _CONTAINERS = ("ModuleList", "ModuleDict", "ParameterList", "ParameterDict")
 _MAX_OPEN = 256  # forward calls open at once on one thread (nesting depth)

@@ -26,7 +26,7 @@ PROFILER_FLAG = "_is_profiler_enabled"
 
 def profiler_flag(torch: Any) -> tuple[dict[str, Any], str] | None:
     """(namespace, key) of torch's profiler flag, `namespace[key]` true while a torch
-    profiler records (a dict read, ~4x cheaper than torch.autograd._profiler_enabled()), or
+    profiler records (a dict read, cheaper than calling torch.autograd._profiler_enabled()), or
     None when this torch has no such flag."""
     module = getattr(getattr(torch, "autograd", None), "profiler", None)
     namespace: dict[str, Any] = getattr(module, "__dict__", None) or {}

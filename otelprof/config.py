@@ -1,12 +1,14 @@
 """Settings from keyword arguments and the environment, validated once before anything starts.
 
-Every option is declared once, as a field of `Settings` made by `option()`: its environment
-variables, its parser (which also checks the value) and its default. Resolution and
-validation both walk those declarations, so an option cannot be resolved one way and checked
-another. Keywords win over `OTELPROF_*` variables, which win over the standard `OTEL_*` ones.
-Every problem is a `ConfigError` naming the option or variable the value came from, so a typo
-never silently turns a profiled run into an unprofiled one, and nothing (no directory, no
-thread) is created before every value has been checked.
+Every option is declared once, as a field of `Settings` made by `opt()`: its environment
+variables, its parser (which also checks the value and says in words what it takes), its
+default and what it means. Resolution, validation and the documentation's options reference
+(generated from these declarations) all walk them, so an option cannot be resolved one way,
+checked another and documented a third. Keywords win over `OTELPROF_*` variables, which win
+over the standard `OTEL_*` ones. Every problem is a `ConfigError` naming the option or
+variable the value came from, so a typo never silently turns a profiled run into an
+unprofiled one, and nothing (no directory, no thread) is created before every value has been
+checked.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ MAX_INTERVAL_S = 3600.0
 """Longer periods overflow the SDK's reader thread wait (`interval=1e10` killed it) and
 would leave a run without a single sample anyway."""
 DEFAULT_INTERVAL_S = 1.0
-"""Default collection interval: Determined's own profiler samples every second, and 1 s keeps
-sampling well under 0.5% of one core while still resolving step-scale dips."""
+"""Default collection interval: Determined's own profiler samples every second, and at 1 s
+sampling costs a small fraction of one core (BENCHMARKS.md, "Hardware sampling") while
+still resolving step-scale dips."""
 MAX_EXPORT_TIMEOUT_S = 3600.0
 """`shutdown()` waits up to the export timeout; an infinite one never returns (and
 `export_timeout=inf` overflowed the SDK's timers)."""
@@ -63,19 +66,41 @@ class _Source:
         return ConfigError(f"{self.where}: {problem}, got {self.value!r}")
 
 
-Parser = Callable[[_Source], Any]
+@dataclass(frozen=True)
+class Parser:
+    """Turns an option's raw value into its typed value, and says in words what it takes.
+
+    `describe` is the range or form of the values it accepts ("0.1 to 3600"), written next to
+    the checks that enforce it; the options reference shows it as the option's values."""
+
+    parse: Callable[[_Source], Any]
+    describe: str
+
+    def __call__(self, src: _Source) -> Any:
+        return self.parse(src)
+
+
+def parser(describe: str) -> Callable[[Callable[[_Source], Any]], Parser]:
+    """Decorator: a parse function, with the values it takes in words."""
+    return lambda parse: Parser(parse, describe)
+
+
 Default = Callable[[dict[str, Any], Mapping[str, str]], Any]
 
 
 @dataclass(frozen=True)
 class Option:
-    """One option: environment variables (priority order), keyword aliases, parser, default.
+    """One option: environment variables (priority order), keyword aliases, parser, default,
+    and what it means.
 
     `parse` turns a raw value (a keyword's value, or a variable's string) into the typed value
     and raises `ConfigError` for anything it cannot use. `derive`, when set, computes the
     default from the options resolved before this one (fields are resolved in order).
-    `keyword=False`: a variable another program sets (Determined's `DET_*`) or a rarely
-    needed one, read and checked with the options but not an `instrument()` keyword.
+    `unset` says in words what the option is when nothing sets it (where the field's default
+    alone would not say: a derived default, None meaning "off"). `keyword=False`: a variable
+    another program sets (Determined's `DET_*`) or a rarely needed one, read and checked with
+    the options but not an `instrument()` keyword. `help` is the option's meaning, one or two
+    sentences, shown in the options reference.
     """
 
     env: tuple[str, ...]
@@ -83,18 +108,24 @@ class Option:
     aliases: tuple[str, ...] = ()
     derive: Default | None = None
     keyword: bool = True
+    help: str = ""
+    unset: str = ""
 
 
 def opt(
     *,
     env: tuple[str, ...] = (),
     parse: Parser,
+    help: str,
     aliases: tuple[str, ...] = (),
     derive: Default | None = None,
     keyword: bool = True,
+    unset: str = "",
 ) -> dict[str, Option]:
     """A `Settings` field's metadata: its `Option` declaration."""
-    return {"option": Option(env, parse, aliases, derive, keyword)}
+    if derive is not None and not unset:
+        raise TypeError("an option with a derived default says what it is: `unset=`")
+    return {"option": Option(env, parse, aliases, derive, keyword, help, unset)}
 
 
 # ---- parsers: each takes a `_Source` and returns the typed value or raises ConfigError ----
@@ -111,6 +142,7 @@ def _text_of(src: _Source, what: str = "a string") -> str:
     return value
 
 
+@parser("a string")
 def text(src: _Source) -> str:
     return _text_of(src)
 
@@ -119,6 +151,7 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+@parser("true or false (a variable: 1/0, true/false, yes/no, on/off)")
 def boolean(src: _Source) -> bool:
     if src.from_env:
         word = src.value.strip().lower()
@@ -134,6 +167,10 @@ def number(
     low: float, high: float = math.inf, *, allow_inf: bool = False, low_open: bool = False
 ) -> Parser:
     """A float in [low, high] (`(low, high]` with low_open); inf only where it means 'no limit'."""
+    bounds = f"> {low:g}" if low_open else f">= {low:g}"
+    describe = f"{low:g} to {high:g}" if high != math.inf else bounds
+    if allow_inf:
+        describe += ", or `inf`"
 
     def parse(src: _Source) -> float:
         raw = src.value
@@ -149,16 +186,16 @@ def number(
             return value
         too_low = value <= low if low_open else value < low
         if too_low or value > high:
-            low_text = f"> {low:g}" if low_open else f">= {low:g}"
             high_text = f" and <= {high:g}" if high != math.inf else ""
-            raise src.error(f"must be {low_text}{high_text}")
+            raise src.error(f"must be {bounds}{high_text}")
         return value
 
-    return parse
+    return Parser(parse, f"a number, {describe}")
 
 
 def integer(low: int, high: int | None = None, hint: str = "") -> Parser:
     """An integer in [low, high]; `1.5`, `inf` and `true` are refused, never rounded."""
+    describe = f">= {low:,}" if high is None else f"{low:,} to {high:,}"
 
     def parse(src: _Source) -> int:
         raw = src.value
@@ -177,10 +214,12 @@ def integer(low: int, high: int | None = None, hint: str = "") -> Parser:
             raise src.error(f"must be {bound}{hint}")
         return value
 
-    return parse
+    return Parser(parse, f"a whole number, {describe}{hint}")
 
 
 def choice(*words: str) -> Parser:
+    """One of `words` (case-insensitive)."""
+
     def parse(src: _Source) -> str:
         word = _text_of(src).strip().lower()
         if word not in words:
@@ -189,7 +228,7 @@ def choice(*words: str) -> Parser:
             )
         return word
 
-    return parse
+    return Parser(parse, ", ".join(f"`{w}`" for w in words[:-1]) + f" or `{words[-1]}`")
 
 
 def _pairs(src: _Source) -> dict[str, str]:
@@ -215,6 +254,7 @@ def _pairs(src: _Source) -> dict[str, str]:
     return out
 
 
+@parser("`key=value,...` (values URL-decoded) or a mapping of strings")
 def attributes(src: _Source) -> dict[str, str]:
     return _pairs(src)
 
@@ -223,6 +263,10 @@ _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 
 
+@parser(
+    "`key=value,...` (values URL-decoded) or a mapping; keys lowercased, then only "
+    "`0-9 a-z _ . -` and not `grpc-*`; printable ASCII values"
+)
 def grpc_headers(src: _Source) -> dict[str, str]:
     """gRPC metadata: keys lowercased as the OTel SDK does for OTEL_EXPORTER_OTLP_HEADERS (gRPC
     refuses capitals: every export failed with `Invalid metadata`), then checked against
@@ -245,6 +289,10 @@ def grpc_headers(src: _Source) -> dict[str, str]:
 _OTLP_PORT = 4317
 
 
+@parser(
+    "`http://host:port` (`https://` for TLS) or `host:port`; IPv6 as `[::1]:4317`; no port "
+    "means 4317; port 0, a path, a query and user info are refused"
+)
 def endpoint(src: _Source) -> tuple[str, bool | None]:
     """`http(s)://host:port` or `host:port` -> (host:port, insecure implied by the scheme)."""
     given = _text_of(src).strip()
@@ -271,6 +319,7 @@ def endpoint(src: _Source) -> tuple[str, bool | None]:
     return f"{host}:{port or _OTLP_PORT}", scheme_insecure
 
 
+@parser("`http(s)://host[:port][/path]`; no user info, query or fragment")
 def web_url(src: _Source) -> str:
     """`http(s)://host[:port][/path]` of a web UI, without a trailing slash.
 
@@ -294,6 +343,7 @@ def web_url(src: _Source) -> str:
     return given.rstrip("/")
 
 
+@parser(f"a directory path (`~` expanded), each name at most {NAME_MAX} bytes")
 def directory(src: _Source) -> Path:
     path = Path(_text_of(src, "a path")).expanduser()
     if not str(path):
@@ -309,6 +359,10 @@ URL: ASCII letters, digits and `_ . + = @ : , -`, not starting with `.` or `-` (
 hidden directory, nothing a command line takes for an option); at most `NAME_MAX` bytes."""
 
 
+@parser(
+    f"one directory name: at most {NAME_MAX} ASCII letters, digits and `_ . + = @ : , -`, "
+    "not starting with `.` or `-`"
+)
 def run_name(src: _Source) -> str:
     name = _text_of(src).strip()
     if not RUN_ID.fullmatch(name):
@@ -326,6 +380,7 @@ def run_name(src: _Source) -> str:
 MAX_MODULE_DEPTH = 8
 
 
+@parser(f"a depth, 0 (off) to {MAX_MODULE_DEPTH}, or true (1) / false (0)")
 def module_depth(src: _Source) -> int:
     """`module_timings`: a depth (0 = off), or a boolean (on = 1, the model's children)."""
     raw = src.value
@@ -338,6 +393,7 @@ def module_depth(src: _Source) -> int:
     return integer(0, MAX_MODULE_DEPTH, hint=" (0 = off)")(src)
 
 
+@parser("a callable step -> action (a keyword only)")
 def schedule_function(src: _Source) -> Callable[[int], Any]:
     if src.from_env or not callable(src.value):
         raise src.error("expected a callable step -> action")
@@ -370,11 +426,20 @@ class Settings:
 
     service_name: str = field(
         default="otelprof",
-        metadata=opt(env=("OTELPROF_SERVICE_NAME", "OTEL_SERVICE_NAME"), parse=text),
+        metadata=opt(
+            env=("OTELPROF_SERVICE_NAME", "OTEL_SERVICE_NAME"),
+            parse=text,
+            help="`service.name` of everything this process exports.",
+        ),
     )
     endpoint: str | None = field(
         default=None,
-        metadata=opt(env=("OTELPROF_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"), parse=endpoint),
+        metadata=opt(
+            env=("OTELPROF_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+            parse=endpoint,
+            help="The OTLP **gRPC** collector to send to; setting it turns on attached mode.",
+            unset="none (detached mode)",
+        ),
     )
     insecure: bool = field(
         default=True,
@@ -382,28 +447,72 @@ class Settings:
             env=("OTELPROF_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"),
             parse=boolean,
             derive=_scheme_insecure,
+            help="Plaintext gRPC to the endpoint; contradicting the endpoint's scheme is an error.",
+            unset="from the endpoint's scheme (`https://` is TLS); plaintext without one",
         ),
     )
     headers: Mapping[str, str] = field(
-        default_factory=dict, metadata=opt(env=("OTEL_EXPORTER_OTLP_HEADERS",), parse=grpc_headers)
+        default_factory=dict,
+        metadata=opt(
+            env=("OTEL_EXPORTER_OTLP_HEADERS",),
+            parse=grpc_headers,
+            help="gRPC metadata sent with every export: where credentials go (an ingest "
+            "token as `authorization=Bearer%20...`).",
+            unset="none",
+        ),
     )
     detached: bool = field(
-        default=True, metadata=opt(env=("OTELPROF_DETACHED",), parse=boolean, derive=_no_endpoint)
+        default=True,
+        metadata=opt(
+            env=("OTELPROF_DETACHED",),
+            parse=boolean,
+            derive=_no_endpoint,
+            help="Write OTLP JSON Lines files into a run directory (with `endpoint` too, "
+            "both). False with nowhere else to send is an error.",
+            unset="true without an endpoint",
+        ),
     )
     output_dir: Path = field(
-        default=Path("otelprof-runs"), metadata=opt(env=("OTELPROF_OUTPUT_DIR",), parse=directory)
+        default=Path("otelprof-runs"),
+        metadata=opt(
+            env=("OTELPROF_OUTPUT_DIR",),
+            parse=directory,
+            help="Where run directories are created; it must be writable (checked before "
+            "anything starts, created when the files open).",
+        ),
     )
     run_id: str = field(
         default="",
         metadata=opt(
-            env=("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID"), parse=run_name, derive=_new_run_id
+            env=("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID"),
+            parse=run_name,
+            derive=_new_run_id,
+            help="The run directory's name. The ranks of a job agree on one and write a file "
+            "each; an id whose directory holds a finished run's files, or files another live "
+            "process is writing, is refused; an elastic restart writes `*.attempt<N>` files.",
+            unset="`<UTC time>-<random>` (rank 0's, shared through the process group); "
+            "torchrun's default `none` is no id",
         ),
     )
     prometheus_port: int | None = field(
-        default=None, metadata=opt(env=("OTELPROF_PROMETHEUS_PORT",), parse=integer(0, 65535))
+        default=None,
+        metadata=opt(
+            env=("OTELPROF_PROMETHEUS_PORT",),
+            parse=integer(0, 65535),
+            help="Serve `/metrics` for Prometheus to scrape on this port plus the local rank "
+            "(0: any free port, see `Profiler.prometheus_port`). A taken port is logged and "
+            "left out, never an error. Connections are bounded: at most 64 held, idle ones "
+            "closed, a request must arrive whole and small.",
+            unset="off",
+        ),
     )
     prometheus_host: str = field(
-        default="127.0.0.1", metadata=opt(env=("OTELPROF_PROMETHEUS_HOST",), parse=text)
+        default="127.0.0.1",
+        metadata=opt(
+            env=("OTELPROF_PROMETHEUS_HOST",),
+            parse=text,
+            help="The address the Prometheus endpoint listens on.",
+        ),
     )
     interval_s: float = field(
         default=DEFAULT_INTERVAL_S,
@@ -411,58 +520,151 @@ class Settings:
             env=("OTELPROF_INTERVAL",),
             parse=number(MIN_INTERVAL_S, MAX_INTERVAL_S),
             aliases=("interval",),
+            help="Seconds between metric collections; every rate is an exact average over "
+            "its own window.",
         ),
     )
     host_metrics: bool = field(
         default=True,
-        metadata=opt(env=("OTELPROF_HOST_METRICS",), parse=boolean, derive=_local_rank_zero),
+        metadata=opt(
+            env=("OTELPROF_HOST_METRICS",),
+            parse=boolean,
+            derive=_local_rank_zero,
+            help="The node's CPU, memory, disk and network: one set per node.",
+            unset="on local rank 0 only",
+        ),
     )
     gpus: GpuSelection = field(
         default="visible",
-        metadata=opt(env=("OTELPROF_GPUS",), parse=choice("visible", "all", "none")),
+        metadata=opt(
+            env=("OTELPROF_GPUS",),
+            parse=choice("visible", "all", "none"),
+            help="Which GPUs to sample: the job's (`CUDA_VISIBLE_DEVICES`), every GPU of the "
+            "node, or none.",
+        ),
     )
     process_metrics: bool = field(
-        default=True, metadata=opt(env=("OTELPROF_PROCESS_METRICS",), parse=boolean)
+        default=True,
+        metadata=opt(
+            env=("OTELPROF_PROCESS_METRICS",),
+            parse=boolean,
+            help="This process's CPU and memory, and torch's CUDA allocator.",
+        ),
     )
-    timings: bool = field(default=True, metadata=opt(env=("OTELPROF_TIMINGS",), parse=boolean))
+    timings: bool = field(
+        default=True,
+        metadata=opt(env=("OTELPROF_TIMINGS",), parse=boolean, help="Timing spans."),
+    )
     record_function: bool = field(
-        default=True, metadata=opt(env=("OTELPROF_RECORD_FUNCTION",), parse=boolean)
+        default=True,
+        metadata=opt(
+            env=("OTELPROF_RECORD_FUNCTION",),
+            parse=boolean,
+            help="Bridge `torch.profiler.record_function` ranges to spans.",
+        ),
     )
     schedule: Callable[[int], Any] | None = field(
-        default=None, metadata=opt(parse=schedule_function)
+        default=None,
+        metadata=opt(
+            parse=schedule_function,
+            help="Record spans on a schedule's active steps only: `otelprof.schedule(...)` "
+            "or `otelprof.cyclic_schedule(...)`.",
+            unset="none (every step)",
+        ),
     )
-    kineto: bool = field(default=False, metadata=opt(env=("OTELPROF_KINETO",), parse=boolean))
+    kineto: bool = field(
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_KINETO",),
+            parse=boolean,
+            help="Also run `torch.profiler` in active windows (and after an anomaly); its "
+            "operators and kernels become child spans.",
+        ),
+    )
     cuda_events: bool = field(
-        default=True, metadata=opt(env=("OTELPROF_CUDA_EVENTS",), parse=boolean)
+        default=True,
+        metadata=opt(
+            env=("OTELPROF_CUDA_EVENTS",),
+            parse=boolean,
+            help="Device-side durations of `timing()` ranges from CUDA events, read back on "
+            "a background thread.",
+        ),
     )
-    sync_cuda: bool = field(default=False, metadata=opt(env=("OTELPROF_SYNC_CUDA",), parse=boolean))
-    # forward/backward ranges of nn.Module models to this depth (1: the model's children)
+    sync_cuda: bool = field(
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_SYNC_CUDA",),
+            parse=boolean,
+            help="Synchronize CUDA at the end of each timing (Determined's synchronized timings).",
+        ),
+    )
     module_timings: int = field(
-        default=0, metadata=opt(env=("OTELPROF_MODULE_TIMINGS",), parse=module_depth)
+        default=0,
+        metadata=opt(
+            env=("OTELPROF_MODULE_TIMINGS",),
+            parse=module_depth,
+            help="Forward and backward time of each `nn.Module` of the model down to this "
+            "depth (1: the model's children). Each hooked module call costs something: "
+            'BENCHMARKS.md, "Per-module times and memory peaks by phase".',
+        ),
     )
-    # the CUDA allocator's peak by phase, every interval (resets torch's peak counters)
     memory_peaks: bool = field(
-        default=False, metadata=opt(env=("OTELPROF_MEMORY_PEAKS",), parse=boolean)
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_MEMORY_PEAKS",),
+            parse=boolean,
+            help="The CUDA allocator's peak by phase at every collection. It resets torch's "
+            "peak counters at each read, so the program's own "
+            "`torch.cuda.max_memory_allocated()` then means the peak since that read.",
+        ),
     )
     max_queued_spans: int = field(
         default=65536,
-        metadata=opt(env=("OTELPROF_MAX_QUEUED_SPANS",), parse=integer(1, 1 << 30)),
+        metadata=opt(
+            env=("OTELPROF_MAX_QUEUED_SPANS",),
+            parse=integer(1, 1 << 30),
+            help="Bound of the recorder's queue (ranges waiting for the span builder); "
+            "overflow is dropped and counted, never waited for.",
+        ),
     )
-    # bytes of `timing()` attributes held at once (otelprof/_limits.py: AttributeBudget)
     max_attribute_bytes: int = field(
         default=64 << 20,
-        metadata=opt(env=("OTELPROF_MAX_ATTRIBUTE_BYTES",), parse=integer(1, 1 << 40)),
+        metadata=opt(
+            env=("OTELPROF_MAX_ATTRIBUTE_BYTES",),
+            parse=integer(1, 1 << 40),
+            help="Bytes of `timing()` attributes held at once until their spans are written "
+            "(`_limits.AttributeBudget`); past it a range keeps its timing, its attributes "
+            "are dropped and counted (`timings.attributes_dropped_over_budget`).",
+        ),
     )
     resource_attributes: Mapping[str, str] = field(
-        default_factory=dict, metadata=opt(env=("OTEL_RESOURCE_ATTRIBUTES",), parse=attributes)
+        default_factory=dict,
+        metadata=opt(
+            env=("OTEL_RESOURCE_ATTRIBUTES",),
+            parse=attributes,
+            help="Extra resource attributes on everything this process exports.",
+            unset="none",
+        ),
     )
     determined: bool = field(
-        default=False, metadata=opt(env=("OTELPROF_DETERMINED",), parse=boolean)
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_DETERMINED",),
+            parse=boolean,
+            help="Also post metrics and timings straight to the Determined master of the "
+            "trial this process runs in.",
+        ),
     )
-    # Grafana's base URL: a Determined trial's experiment notes get a link to its training
-    # dashboard (otelprof/determined/links.py)
     grafana_url: str | None = field(
-        default=None, metadata=opt(env=("OTELPROF_GRAFANA_URL",), parse=web_url)
+        default=None,
+        metadata=opt(
+            env=("OTELPROF_GRAFANA_URL",),
+            parse=web_url,
+            help="Grafana's base URL: in a Determined trial, global rank 0 links the trial "
+            "to its training dashboard in the experiment's notes "
+            "(`otelprof/determined/links.py`).",
+            unset="none (no link)",
+        ),
     )
     export_timeout_s: float = field(
         default=10.0,
@@ -470,65 +672,141 @@ class Settings:
             env=("OTELPROF_EXPORT_TIMEOUT",),
             parse=number(MIN_EXPORT_TIMEOUT_S, MAX_EXPORT_TIMEOUT_S),
             aliases=("export_timeout",),
+            help="Seconds one export may take, retries included; `shutdown()` returns "
+            "within it plus 2 s whatever hangs.",
         ),
     )
     trace_budget: float = field(
-        default=10.0, metadata=opt(env=("OTELPROF_TRACE_BUDGET",), parse=number(0, allow_inf=True))
+        default=10.0,
+        metadata=opt(
+            env=("OTELPROF_TRACE_BUDGET",),
+            parse=number(0, allow_inf=True),
+            help="Spans per second of step traces kept (half head, half tail sampling); "
+            "`inf` keeps every step's trace. Every range's duration is in the histograms "
+            "regardless.",
+        ),
     )
-    # a fixed share of steps for head sampling, the same steps on every rank (None: the
-    # share follows trace_budget)
     trace_head_fraction: float | None = field(
         default=None,
-        metadata=opt(env=("OTELPROF_TRACE_HEAD_FRACTION",), parse=number(0, 1)),
+        metadata=opt(
+            env=("OTELPROF_TRACE_HEAD_FRACTION",),
+            parse=number(0, 1),
+            help="A fixed share of steps for head sampling, rounded down to a power of two "
+            "(0.1: 1 in 16), the same steps on every rank, still capped by the budget's head "
+            "half; 0: no head sampling.",
+            unset="follows `trace_budget`",
+        ),
     )
-    # anomaly steps kept per minute (their own token bucket, burst 20; inf: every one)
     trace_anomaly_budget: float = field(
         default=10.0,
-        metadata=opt(env=("OTELPROF_TRACE_ANOMALY_BUDGET",), parse=number(0, allow_inf=True)),
+        metadata=opt(
+            env=("OTELPROF_TRACE_ANOMALY_BUDGET",),
+            parse=number(0, allow_inf=True),
+            help="Anomaly steps per minute whose traces are kept (a token bucket of their "
+            "own, burst 20); refused ones are counted in `timings.anomalies_refused`. "
+            "`inf`: every anomaly, 0: none.",
+        ),
     )
-    compress: bool = field(default=False, metadata=opt(env=("OTELPROF_COMPRESS",), parse=boolean))
+    compress: bool = field(
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_COMPRESS",),
+            parse=boolean,
+            help="Detached files as gzip'd OTLP JSON Lines (`*.jsonl.gz`), which every "
+            "command reads.",
+        ),
+    )
     max_trace_bytes: int | None = field(
         default=1 << 30,
-        metadata=opt(env=("OTELPROF_MAX_TRACE_BYTES",), parse=integer(0, hint=" (0 = no cap)")),
+        metadata=opt(
+            env=("OTELPROF_MAX_TRACE_BYTES",),
+            parse=integer(0, hint=" (0 = no cap)"),
+            help="Cap of one process's detached trace file; spans past it are dropped and "
+            "counted (`files.spans_dropped_size_cap`).",
+        ),
     )
     max_metrics_bytes: int | None = field(
         default=1 << 30,
-        metadata=opt(env=("OTELPROF_MAX_METRICS_BYTES",), parse=integer(0, hint=" (0 = no cap)")),
+        metadata=opt(
+            env=("OTELPROF_MAX_METRICS_BYTES",),
+            parse=integer(0, hint=" (0 = no cap)"),
+            help="Cap of one process's detached metrics file (compressed size with "
+            "`compress`); an export that would pass it is not written, its points counted "
+            "(`files.metric_points_dropped_size_cap`). The last quarter of the cap (at most "
+            "16 MiB) is kept for the final export, which carries the exact timing histograms.",
+        ),
     )
-    # the run directory is 0750 (group-readable) instead of owner-only 0700
     shared_run_dir: bool = field(
-        default=False, metadata=opt(env=("OTELPROF_SHARED_RUN_DIR",), parse=boolean)
+        default=False,
+        metadata=opt(
+            env=("OTELPROF_SHARED_RUN_DIR",),
+            parse=boolean,
+            help="The run directory and its files readable by your group (`0750`/`0640`) "
+            "instead of owner-only (`0700`/`0600`, whatever the umask).",
+        ),
     )
-    # one device's peak FLOP/s for MFU when `set_peak_flops()` declares none (_throughput.py)
     peak_flops: float | None = field(
         default=None,
-        metadata=opt(env=("OTELPROF_PEAK_FLOPS",), parse=number(0, low_open=True), keyword=False),
+        metadata=opt(
+            env=("OTELPROF_PEAK_FLOPS",),
+            parse=number(0, low_open=True),
+            keyword=False,
+            help="One device's peak FLOP/s for MFU when `otelprof.set_peak_flops()` "
+            "declares none (`_throughput.py`).",
+            unset="from a table of common GPUs; none on a CPU",
+        ),
     )
-    # The Determined task's ids, set by the master (resource attributes determined.*)
     determined_experiment_id: int | None = field(
         default=None,
-        metadata=opt(env=("DET_EXPERIMENT_ID",), parse=integer(1, INT32_MAX), keyword=False),
+        metadata=opt(
+            env=("DET_EXPERIMENT_ID",),
+            parse=integer(1, INT32_MAX),
+            keyword=False,
+            help="The Determined task's experiment, set by the master (resource attribute "
+            "`determined.experiment.id`).",
+            unset="none (not in Determined)",
+        ),
     )
     determined_trial_id: int | None = field(
         default=None,
-        metadata=opt(env=("DET_TRIAL_ID",), parse=integer(1, INT32_MAX), keyword=False),
+        metadata=opt(
+            env=("DET_TRIAL_ID",),
+            parse=integer(1, INT32_MAX),
+            keyword=False,
+            help="The trial, set by the master (`determined.trial.id`).",
+            unset="none",
+        ),
     )
     determined_trial_run_id: int | None = field(
         default=None,
-        metadata=opt(env=("DET_TRIAL_RUN_ID",), parse=integer(0, INT32_MAX), keyword=False),
+        metadata=opt(
+            env=("DET_TRIAL_RUN_ID",),
+            parse=integer(0, INT32_MAX),
+            keyword=False,
+            help="The trial's run, set by the master (`determined.trial.run_id`).",
+            unset="none",
+        ),
     )
-    # a resumed trial's batches: otelprof's Determined step counts go on from it
     determined_steps_completed: int | None = field(
         default=None,
-        metadata=opt(env=("DET_STEPS_COMPLETED",), parse=integer(0, INT32_MAX), keyword=False),
+        metadata=opt(
+            env=("DET_STEPS_COMPLETED",),
+            parse=integer(0, INT32_MAX),
+            keyword=False,
+            help="A resumed trial's batches, set by the master: otelprof's Determined step "
+            "counts go on from it.",
+            unset="none",
+        ),
     )
-    # otelprof.step() calls per Determined batch (micro-batches per optimizer step)
     determined_steps_per_batch: int | None = field(
         default=None,
         metadata=opt(
             env=("OTELPROF_DETERMINED_STEPS_PER_BATCH",),
             parse=integer(1, INT32_MAX),
             keyword=False,
+            help="`otelprof.step()` calls per Determined batch (micro-batches per optimizer "
+            "step), so the batch count never passes what was trained.",
+            unset="1",
         ),
     )
 

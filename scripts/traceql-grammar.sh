@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install Grafana's TraceQL grammar (@grafana/lezer-traceql, the parser Grafana's editor uses)
-# from npm into a cache directory, once, so tests can parse the README's TraceQL queries.
+# from npm into a cache directory, once, so tests can parse the documentation's TraceQL queries.
 #
 #   scripts/traceql-grammar.sh
 #

@@ -1,4 +1,4 @@
-"""OTLP data shaped like otelprof's (DESIGN.md names), for feeding the Determined bridge.
+"""OTLP data shaped like otelprof's (the design brief's names), for feeding the Determined bridge.
 
 Two ways in: `seed_metrics_request`/`timing_spans_request` build OTLP protobuf requests
 with exact values (unit tests, the kill -9 test), and `SdkFeeder` runs the OpenTelemetry

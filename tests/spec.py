@@ -1,4 +1,5 @@
-"""What the specification (DESIGN.md) names, written down once for the tests.
+"""What the specification (the original design brief, not in this repository) names, written
+down once for the tests.
 
 Tests compare otelprof's output with these names rather than with otelprof's own constants,
 so a renamed constant in the product cannot silently change what the tests expect.
@@ -12,4 +13,4 @@ DETERMINED_TIMINGS = (
     "from_device",
     "reduce_metrics",
 )
-"""Determined's PyTorchTrial timing names, as DESIGN.md lists them."""
+"""Determined's PyTorchTrial timing names, as the design brief lists them."""

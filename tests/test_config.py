@@ -363,3 +363,28 @@ def test_environment_only_variables_are_not_keywords(tmp_path: Path) -> None:
     )  # fmt: skip
     with pytest.raises(ConfigError, match="unknown option"):
         settings(tmp_path, determined_trial_id=42)
+
+
+def test_every_option_says_what_it_means_and_what_values_it_takes() -> None:
+    """The options reference is generated from these declarations (docs/hooks/reference.py)."""
+    from otelprof.config import OPTIONS
+
+    for name, option in OPTIONS.items():
+        assert option.help.strip().endswith("."), name
+        assert option.parse.describe.strip(), name
+        assert option.derive is None or option.unset, name  # a derived default says what it is
+
+
+def test_a_parser_describes_the_range_it_checks(tmp_path: Path) -> None:
+    from otelprof.config import OPTIONS
+
+    interval = OPTIONS["interval_s"].parse
+    assert interval.describe == "a number, 0.1 to 3600"
+    assert settings(tmp_path, interval=0.1).interval_s == 0.1
+    assert settings(tmp_path, interval=3600).interval_s == 3600
+    for outside in (0.099, 3600.5):
+        with pytest.raises(ConfigError, match=r"must be >= 0\.1 and <= 3600"):
+            settings(tmp_path, interval=outside)
+    assert OPTIONS["prometheus_port"].parse.describe == "a whole number, 0 to 65,535"
+    assert OPTIONS["trace_budget"].parse.describe == "a number, >= 0, or `inf`"
+    assert OPTIONS["gpus"].parse.describe == "`visible`, `all` or `none`"

@@ -2,7 +2,7 @@
 
 The loop is real `otelprof.instrument()` with Determined's task environment, so host
 metrics and timing spans are otelprof's own. This machine has no GPU, so the GPU gauges come
-from a second OpenTelemetry SDK process-alike with the same resource (DESIGN.md names and
+from a second OpenTelemetry SDK process-alike with the same resource (the design brief's names and
 units); everything else is what otelprof measured.
 """
 

@@ -13,8 +13,9 @@ import pytest
 
 import otelprof
 from otelprof import determined_timings
+from tests.docs_pages import all_text
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+DOCS = all_text()
 
 PUBLIC = {
     "instrument",
@@ -39,11 +40,11 @@ def test_importing_otelprof_does_not_import_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 
-def test_the_public_api_is_these_fourteen_names_each_documented_in_the_readme() -> None:
+def test_the_public_api_is_these_fourteen_names_each_documented() -> None:
     assert set(otelprof.__all__) == PUBLIC and len(otelprof.__all__) <= 14
     for name in otelprof.__all__:
         assert getattr(otelprof, name) is not None
-        assert f"otelprof.{name}" in README, f"otelprof.{name} is not mentioned in README.md"
+        assert f"otelprof.{name}" in DOCS, f"otelprof.{name} is not mentioned in the docs"
     public_modules = {
         name for name in vars(otelprof) if not name.startswith("_") and name not in PUBLIC
     }
@@ -59,7 +60,7 @@ def test_determined_timing_names_live_in_their_own_module() -> None:
         "from_device",
         "instrument_lr_scheduler",
     }
-    assert "otelprof.determined_timings" in README
+    assert "otelprof.determined_timings" in DOCS
     with otelprof.timing("x") as plain, determined_timings.train_batch() as named:
         assert type(plain) is type(named) and named.name == "train_batch"
 

@@ -1,9 +1,11 @@
-"""Every README code block runs as pasted, or says it is a fragment.
+"""Every code block of the documentation (README.md and the site's pages) runs as pasted, or
+says it is a fragment.
 
-Python blocks run as scripts in an empty directory (those the other README tests already run,
-`test_readme_example.py` and `test_readme_framework_examples.py`, are left to them); a block
-that cannot run alone starts with a `# fragment: ...` line saying what it needs. Shell blocks
-must parse (`bash -n`) and hold no `<placeholder>`, which a shell reads as a redirection.
+Python blocks run as scripts in an empty directory (those the other documentation tests
+already run, `test_readme_example.py` and `test_readme_framework_examples.py`, are left to
+them); a block that cannot run alone starts with a `# fragment: ...` line saying what it
+needs. Shell blocks must parse (`bash -n`) and hold no `<placeholder>`, which a shell reads
+as a redirection. YAML blocks must load.
 """
 
 from __future__ import annotations
@@ -12,15 +14,14 @@ import os
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.S | re.M)
-BLOCKS = [(m.group(2), textwrap.dedent(m.group(3))) for m in FENCE.finditer(README)]
+from tests.docs_pages import ROOT, Block, blocks
+
+BLOCKS = blocks()
 # blocks run by test_readme_example.py and test_readme_framework_examples.py
 RUN_ELSEWHERE = (
     "otelprof.set_epoch(epoch)",
@@ -31,29 +32,28 @@ RUN_ELSEWHERE = (
     "OtelprofTrainerCallback(peak_flops=1e12)",
 )
 
-
-def _ids(blocks: list[tuple[str, str]]) -> list[str]:
-    return [re.sub(r"\W+", "_", code.strip().splitlines()[0])[:40] for _, code in blocks]
-
-
 PYTHON = [
     b
     for b in BLOCKS
-    if b[0] == "python"
-    and not b[1].startswith("# fragment:")
-    and not any(m in b[1] for m in RUN_ELSEWHERE)
+    if b.lang == "python"
+    and not b.code.startswith("# fragment:")
+    and not any(m in b.code for m in RUN_ELSEWHERE)
 ]
-SHELL = [b for b in BLOCKS if b[0] in ("sh", "bash")]
+SHELL = [b for b in BLOCKS if b.lang in ("sh", "bash")]
+YAML = [b for b in BLOCKS if b.lang == "yaml"]
 
 
-def test_the_readme_has_blocks_of_each_kind() -> None:
-    assert len(PYTHON) >= 4 and len(SHELL) >= 4
+def test_the_docs_have_blocks_of_each_kind() -> None:
+    assert len(PYTHON) >= 4 and len(SHELL) >= 8 and len(YAML) >= 2
     for marker in RUN_ELSEWHERE:
-        assert sum(marker in code for lang, code in BLOCKS if lang == "python") == 1, marker
+        assert sum(marker in b.code for b in BLOCKS if b.lang == "python") == 1, marker
+    pages = {b.page for b in BLOCKS}
+    assert {"README.md", "docs/guide/timings.md", "docs/DEVELOPING.md"} <= pages, pages
 
 
-@pytest.mark.parametrize("code", [c for _, c in PYTHON], ids=_ids(PYTHON))
-def test_readme_python_block_runs_as_pasted(code: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_block_runs_as_pasted(block: Block, tmp_path: Path) -> None:
+    code = block.code
     script = tmp_path / "block.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
@@ -67,13 +67,19 @@ def test_readme_python_block_runs_as_pasted(code: str, tmp_path: Path) -> None:
     assert "ignored" not in done.stderr, done.stderr[-3000:]  # no second instrument() ignored
 
 
-@pytest.mark.parametrize("code", [c for _, c in SHELL], ids=_ids(SHELL))
-def test_readme_shell_block_parses_and_has_no_placeholder_redirection(code: str) -> None:
+@pytest.mark.parametrize("block", SHELL, ids=[b.id for b in SHELL])
+def test_shell_block_parses_and_has_no_placeholder_redirection(block: Block) -> None:
+    code = block.code
     lines = [re.sub(r"(^|\s)#.*$", "", line) for line in code.splitlines()]
     unquoted = [re.sub(r"\"[^\"]*\"|'[^']*'", "", line) for line in lines]
     assert not [line for line in unquoted if re.search(r"<[^<>\s]*[ a-z][^<>]*>", line)], code
     done = subprocess.run(["bash", "-n"], input=code, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("block", YAML, ids=[b.id for b in YAML])
+def test_yaml_block_loads(block: Block) -> None:
+    assert yaml.safe_load(block.code) is not None
 
 
 def test_make_venv_says_what_it_does_and_lets_pip_show_progress(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The README's examples for phases, throughput and the framework integrations run as shown."""
+"""The documentation's examples for phases, throughput and the framework integrations run as
+shown (tests/docs_pages.py: README.md and the site's pages)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+from tests.docs_pages import ROOT, blocks, page
+
+BLOCKS = [b.code for b in blocks() if b.lang == "python"]
+FRAMEWORKS = "docs/guide/frameworks.md"
 
 
 def _block(marker: str) -> str:
     found = [b for b in BLOCKS if marker in b]
-    assert len(found) == 1, f"expected one README python block with {marker!r}, got {len(found)}"
+    assert len(found) == 1, f"expected one docs python block with {marker!r}, got {len(found)}"
     return found[0]
 
 
@@ -30,7 +33,7 @@ def _block(marker: str) -> str:
         "OtelprofTrainerCallback(peak_flops=1e12)",
     ],
 )
-def test_readme_example_runs_and_writes_a_run(marker: str, tmp_path: Path) -> None:
+def test_docs_example_runs_and_writes_a_run(marker: str, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(_block(marker))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -43,16 +46,15 @@ def test_readme_example_runs_and_writes_a_run(marker: str, tmp_path: Path) -> No
     assert len(runs) == 1 and runs[0].stat().st_size > 0
 
 
-def test_the_lightning_module_ranges_the_readme_names_are_what_lightning_records(
+def test_the_lightning_module_ranges_the_docs_name_are_what_lightning_records(
     tmp_path: Path,
 ) -> None:
-    """The README's Lightning example under `profiler="pytorch"`: the module range it names
-    is a span Lightning records, nested in `forward` as it says."""
+    """The frameworks guide's Lightning example under `profiler="pytorch"`: the module range
+    it names is a span Lightning records, nested in `forward` as it says."""
     import json
 
-    readme = (ROOT / "README.md").read_text()
-    named = set(re.findall(r"`(\[pl\]\[module\][^`]+)`", readme))
-    assert named, "the README names a module range"
+    named = set(re.findall(r"`(\[pl\]\[module\][^`]+)`", page(FRAMEWORKS)))
+    assert named, "the frameworks guide names a module range"
     script = tmp_path / "example.py"
     block = _block("OtelprofCallback(peak_flops=1e12)")
     script.write_text(block.replace("callbacks=[", 'profiler="pytorch", callbacks=['))

@@ -1,4 +1,5 @@
-"""The README's "Attached mode without Docker" runs word for word, as far as it can here.
+"""The documentation's "Attached mode without Docker" (docs/operations/collector.md) runs word
+for word, as far as it can here.
 
 Its bash blocks are run, in order, in one shell, unchanged, inside a private network
 namespace (`unshare -rn`: the fixed ports it names, 4317, 9091, 3200, 3000, collide with
@@ -28,17 +29,15 @@ from pathlib import Path
 import pytest
 
 from tests.alert_rules import shipped_rules
+from tests.docs_pages import section
 from tests.services import REPO
 
-README = REPO / "README.md"
+PAGE = "docs/operations/collector.md"
 LINKED = ("Makefile", "scripts", "collector-config", "prometheus", "tempo", "dashboards")
 
 
 def no_docker_blocks() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("## Attached mode without Docker\n") :]
-    section = section[: section.index("\n## ", 1)]
-    return re.findall(r"```bash\n(.*?)```", section, re.S)
+    return re.findall(r"```bash\n(.*?)```", section(PAGE, "Attached mode without Docker"), re.S)
 
 
 def test_no_docker_path_pins_every_binary_it_asks_for() -> None:
@@ -93,7 +92,7 @@ tar() {
 
 
 @pytest.mark.e2e
-def test_readme_no_docker_commands_run_as_written_and_the_stack_works(
+def test_no_docker_commands_run_as_written_and_the_stack_works(
     tmp_path: Path, collector_binary: Path, prometheus_binary: Path
 ) -> None:
     unshare = shutil.which("unshare")
@@ -134,4 +133,4 @@ def test_readme_no_docker_commands_run_as_written_and_the_stack_works(
     }
     assert grafana["dashboards"] == ["otelprof-system.json", "otelprof-training.json"]
     assert report["alert_rules"] == sorted(shipped_rules()), report["alert_rules"]
-    assert (home / ".local/share/otelprof/prometheus").is_dir()  # where README said
+    assert (home / ".local/share/otelprof/prometheus").is_dir()  # where the page said

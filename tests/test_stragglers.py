@@ -3,10 +3,9 @@ but only when the others clearly wait longer; where its extra time goes is its o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from otelprof.analysis.reader import Resource
 from otelprof.analysis.stragglers import UNTIMED, RankWork, _judge
+from tests.docs_pages import page
 
 
 def _rank(
@@ -50,9 +49,9 @@ def test_the_rank_that_waits_least_is_named_with_where_its_time_goes() -> None:
         "the other ranks wait for it: they spend 20.2 ms per step longer in collectives "
         "than rank 1 (median), in train_batch, in ddp.allreduce"
     )
-    # the README's example is this very sentence
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    example = next(b for b in readme.split("```") if b.startswith("\nverdict: straggler"))
+    # the distributed guide's example is this very sentence
+    guide = page("docs/guide/distributed.md")
+    example = next(b for b in guide.split("```") if b.startswith("\nverdict: straggler"))
     assert " ".join(example.split()) == f"verdict: straggler {report.headline}", example
 
 

@@ -1,5 +1,5 @@
 """Tempo for users with and without Docker: its config takes listen addresses and storage
-paths from the environment with compose's values as defaults, and the README's TraceQL
+paths from the environment with compose's values as defaults, and the documentation's TraceQL
 queries parse with Grafana's own TraceQL grammar (@grafana/lezer-traceql, from npm).
 
 Tempo itself cannot be installed here (no Debian package); the config is checked as Tempo
@@ -20,9 +20,11 @@ import pytest
 import yaml
 
 from tests import tempo_config
+from tests.docs_pages import page, section
 from tests.services import REPO
 
-README = REPO / "README.md"
+LIVE_STACK = "docs/guide/live-stack.md"
+COLLECTOR = "docs/operations/collector.md"
 COMPOSE = REPO / "compose.yaml"
 PARSER = REPO / "tests" / "traceql_parse.cjs"
 GRAMMAR_SCRIPT = REPO / "scripts" / "traceql-grammar.sh"
@@ -66,15 +68,13 @@ def parse_traceql(queries: list[str]) -> list[dict[str, object]]:
 
 
 def readme_traceql_queries() -> list[str]:
-    """Every TraceQL query in the README: unlabelled code blocks and inline code that start
-    with a span selector `{ ... }`, in the Tempo sections."""
-    text = README.read_text()
-    start = text.index("### Finding the slowest steps in Tempo")
-    section = text[start:]
-    end = section.find("\n## ", 1)
-    section = section if end < 0 else section[:end]
-    blocks = re.findall(r"```\n(.*?)```", section, re.S)
-    inline = re.findall(r"`(\{[^`]*\})`", section)
+    """Every TraceQL query of the live stack guide: unlabelled code blocks and inline code
+    that start with a span selector `{ ... }`, in its Tempo sections."""
+    text = section(LIVE_STACK, "Finding the slowest steps in Tempo") + section(
+        LIVE_STACK, "Finding a straggler in synchronous DDP"
+    )
+    blocks = re.findall(r"```\n(.*?)```", text, re.S)
+    inline = re.findall(r"`(\{[^`]*\})`", text)
     queries = [b.strip() for b in blocks if b.lstrip().startswith("{")] + inline
     assert len(queries) >= 3, queries
     return queries
@@ -86,7 +86,7 @@ def test_readme_traceql_queries_parse_with_grafanas_grammar() -> None:
     *readme, broken = results
     assert broken["errors"], "the grammar must reject a broken query (else this test is void)"
     bad = [r for r in readme if r["errors"]]
-    assert not bad, f"README TraceQL queries Grafana's parser rejects: {bad}"
+    assert not bad, f"documented TraceQL queries Grafana's parser rejects: {bad}"
 
 
 def test_tempo_config_defaults_are_composes_values() -> None:
@@ -131,18 +131,16 @@ def test_tempo_config_takes_addresses_and_paths_from_the_environment(tmp_path: P
     assert config["storage"]["trace"]["wal"]["path"] == f"{tmp_path}/wal"
 
 
-def test_readme_runs_tempo_without_docker_where_the_collector_sends_traces() -> None:
-    text = README.read_text()
-    section = text[text.index("## Attached mode without Docker") :]
-    section = section[: section.index("\n## ", 1)]
+def test_the_docs_run_tempo_without_docker_where_the_collector_sends_traces() -> None:
+    section = page(COLLECTOR)
     assert "tempo -config.file=tempo/tempo.yaml -config.expand-env=true" in section
     endpoint = re.search(r"TEMPO_OTLP_GRPC_ENDPOINT=(\S+)", section)
     assert endpoint
-    # the collector's otlp_grpc/tempo exporter default, as the README's variable list says
+    # the collector's otlp_grpc/tempo exporter default, as the page's variable list says
     collector_default = re.search(r"`OTELCOL_TEMPO_ENDPOINT`\s*\[([^\]]+)\]", section)
     assert collector_default and endpoint[1] == collector_default[1]
     for name in tempo_config.variables():
-        assert name in section, f"{name} is not documented in the README"
+        assert name in section, f"{name} is not documented in {COLLECTOR}"
 
 
 # -- the straggler query, on a real synchronous DDP job -------------------------------------
@@ -154,11 +152,8 @@ _UNITS_NS = {"us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 
 
 def straggler_queries() -> list[str]:
-    text = README.read_text()
-    section = text[text.index("### Finding a straggler in synchronous DDP") :]
-    end = section.find("\n## ", 1)
-    section = section if end < 0 else section[:end]
-    queries = [b.strip() for b in re.findall(r"```\n(.*?)```", section, re.S)]
+    text = section(LIVE_STACK, "Finding a straggler in synchronous DDP")
+    queries = [b.strip() for b in re.findall(r"```\n(.*?)```", text, re.S)]
     assert len(queries) == 2, queries
     return queries
 
@@ -185,9 +180,9 @@ def matches(query: str, span: Any, service: str) -> bool:
 
 
 @pytest.mark.e2e
-def test_readme_straggler_queries_name_the_slow_rank_of_a_real_ddp_job(tmp_path: Path) -> None:
+def test_documented_straggler_queries_name_the_slow_rank_of_a_real_ddp_job(tmp_path: Path) -> None:
     """A 2-rank synchronous DDP job (gloo, CPU) whose rank 1 does 60 ms more work per step:
-    the README's `duration > ...` step query returns both ranks alike, the straggler query
+    the live stack guide's `duration > ...` step query returns both ranks alike, the straggler query
     returns (nearly) only rank 1, the waiting query (nearly) only rank 0. The straggler's lead
     is far above the waiting query's 10 ms, so that a loaded machine, which can hold rank 0
     back tens of ms now and then, does not make rank 1 the waiting one (20 ms did, 15 of 73

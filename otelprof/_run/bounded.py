@@ -22,7 +22,7 @@ flush may take to finish what remains (metrics, closing files) before it is aban
 FINALIZE_S = 1.0
 """How long writing the run's end (closing record, run.json) may take."""
 SHUTDOWN_MARGIN_S = FLUSH_GRACE_S + FINALIZE_S
-"""`shutdown()` returns within `export_timeout` plus this, whatever hangs (README)."""
+"""`shutdown()` returns within `export_timeout` plus this, whatever hangs (docs/guide/faults.md)."""
 
 
 def run_within(work: Callable[[], None], seconds: float, name: str) -> bool:

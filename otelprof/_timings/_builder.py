@@ -71,12 +71,12 @@ _UNSET = Status(StatusCode.UNSET)
 
 YIELD_EVERY = 64
 YIELD_S = 50e-6
-"""The builder sleeps this long every YIELD_EVERY frames (about 0.1 ms of its work), so the
-training thread never waits long for the GIL behind a burst of span building."""
+"""The builder sleeps this long every YIELD_EVERY frames (a short stretch of its work), so
+the training thread never waits long for the GIL behind a burst of span building."""
 IDLE_INTERVAL_S = 1.0
-"""The longest the builder sleeps while nothing arrives: each wake-up costs the builder
-~0.2 ms of CPU (cold caches, the interpreter lock taken), 1 ms a second at the busy
-interval; the recorder wakes it early once its queue is half full (`Recorder.start`)."""
+"""The longest the builder sleeps while nothing arrives: each wake-up costs the builder CPU
+(cold caches, the interpreter lock taken); the recorder wakes it early once its queue is
+half full (`Recorder.start`)."""
 
 
 _Batch = tuple[DurationHistogram, list[int]]

@@ -151,8 +151,8 @@ def chunk_item(ctx: Any, ranges: list[Frame]) -> Frame:
 ROW_TYPECODE = "q"
 """A row is one `bytes` of native int64s: its ranges' durations in close order, the step's
 duration, the layout id (`OnThreadSampler.layouts`). One object a step, where a tuple and a
-Python int per range were 12 allocations on the training thread (0.3-0.5 µs a step in the
-README loop); the builder reads each column as one strided slice."""
+Python int per range were 12 allocations on the training thread (measurable at sub-ms
+steps); the builder reads each column as one strided slice."""
 
 
 def pack_row(durations: Iterable[int], step_ns: int, layout: int) -> bytes:

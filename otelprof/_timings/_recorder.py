@@ -636,7 +636,7 @@ class OnThreadSampler:
         """A step this long (10 ms) or longer goes to the builder whole, and holds the next
         `capture_steps` there too (it may be an anomaly). In a step that long, torch's work
         has evicted from the caches everything the decision reads, so deciding here costs
-        more than the builder spends deciding it (BENCHMARKS.md, "30 ms")."""
+        more than the builder spends deciding it (BENCHMARKS.md, "The training loop")."""
         self.capture_steps = CAPTURE_STEPS
 
     def publish(self, limits: dict[str, QuietLimits]) -> None:

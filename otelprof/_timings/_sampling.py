@@ -24,8 +24,9 @@ sum, min, max; buckets for percentiles) exported as the OTel histogram metric
   the OS preempts waits one or a few scheduler slices (a few ms each; Linux's are 0.75-3 ms,
   up to ~24 ms under CFS on a busy many-core host), and a Python thread waits up to the
   interpreter's 5 ms switch interval each time another thread holds the GIL. At sub-ms
-  steps 3x the median is well under one such wait (a loaded 2-core VM at 1 ms steps had
-  24 % of its steps over a 1 ms floor), so the floor is 20 ms: four GIL switch intervals,
+  steps 3x the median is well under one such wait (what a 1 ms floor kept on a loaded
+  machine: BENCHMARKS.md, "Background threads, data volume and the anomaly rule"), so the
+  floor is 20 ms: four GIL switch intervals,
   about one CFS latency period. It only matters below 10 ms steps (the factor rules from
   there: 3x a 10 ms step is already 20 ms more), and a delay under it still shows in the
   histograms' max and upper buckets and, if it is the slowest lately, in the tail sample.
@@ -104,7 +105,7 @@ HEAD_WINDOW = 1 << 14
 sampler)."""
 HEAD_WINDOW_SELECTED = 256
 """At most this many selected numbers per computed window: a window costs one hash per
-selected number (~30 ms of GIL time for the 8,192 of a full window at level 1), so at low
+selected number (a full window at level 1 is a long burst of GIL time), so at low
 levels it spans `HEAD_WINDOW_SELECTED << level` numbers, still tens of seconds of the
 step rate that level means."""
 MAX_BUFFERED = 100_000

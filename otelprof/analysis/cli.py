@@ -124,7 +124,7 @@ def register(subparsers: Any) -> None:
         "--shift-to-now",
         action="store_true",
         help="move all timestamps so the run ends now (for Prometheus, which "
-        "drops samples older than its head block; see README)",
+        "drops samples older than its head block; see docs/guide/detached-runs.md)",
     )
     replay.add_argument(
         "--batch-bytes",
@@ -154,7 +154,7 @@ def _add_read_budget(parser: Any, larger: str) -> None:
         metavar="SIZE",
         help="read at most this much of the run's files (e.g. 500M, 4G; default "
         f"{DEFAULT_READ_BUDGET >> 20}M): "
-        f"{larger} (see README)",
+        f"{larger} (see docs/guide/detached-runs.md)",
     )
     budget.add_argument(
         "--read-all",

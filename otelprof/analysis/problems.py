@@ -19,7 +19,8 @@ STEP0_OUTLIER_FACTOR = 3.0
 STEP0_MIN_EXTRA_S = 1e-3
 """... and at least this much longer (a few µs more on µs steps moves no figure)."""
 STEP0_MIN_LATER = 2
-"""Later steps the median needs (a 3-step run has them: torch.compile's README example)."""
+"""Later steps the median needs (a 3-step run has them: the torch.compile example of
+docs/guide/timings.md)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ Each JSON line is already an OTLP export request; it is parsed into the protobuf
 base64 that proto3 JSON expects), consecutive lines are merged into requests of about
 `batch_bytes`, and each request is sent with retries on transient errors. Timestamps and
 resource attributes are kept exactly, unless `shift_to_now` moves every timestamp by one
-offset so that the run ends now (see the README on Prometheus and old samples).
+offset so that the run ends now (see docs/guide/detached-runs.md, "Prometheus and old samples").
 """
 
 from __future__ import annotations

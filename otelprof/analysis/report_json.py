@@ -32,7 +32,7 @@ def _clean(value: Any) -> Any:
 
 
 def build_json(summary: RunSummary, verdict: Verdict, sections: list[Section]) -> dict[str, Any]:
-    """The whole report as a JSON-ready dict (see README, `otelprof report --json`)."""
+    """The whole report as a JSON-ready dict (`otelprof report --json`)."""
     files = summary.files
     step = summary.step
     covered = (

@@ -162,7 +162,8 @@ class BridgeSettings:
         if not tokens_path:
             raise ConfigError(
                 "no --ingest-tokens FILE: the bridge takes OTLP only from holders of a token; "
-                "make one with `otelprof determined-bridge --new-token` (see the README)"
+                "make one with `otelprof determined-bridge --new-token` "
+                "(see docs/operations/determined-bridge.md)"
             )
         tokens = IngestTokens.from_file(str(tokens_path), default_scope)
         cert, key, client_ca = pick("tls_cert"), pick("tls_key"), pick("tls_client_ca")

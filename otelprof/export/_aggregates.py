@@ -2,7 +2,8 @@
 
 The histograms are aggregated on the span builder thread from every recorded range (see
 `otelprof._timings._sampling`); recording each range through an SDK Histogram instrument
-cost 35-75 µs per range on the test machine, so the aggregation is ours and the points are
+cost more per range than the range itself (docs/benchmarks-history.md), so the aggregation
+is ours and the points are
 merged into the data each counting metric exporter sends (files, OTLP, Determined), as
 cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
 them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports: the report

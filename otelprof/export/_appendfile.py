@@ -13,7 +13,7 @@ A run directory deleted or replaced mid-run would otherwise swallow every later 
 an unlinked file: before each append the path is checked to still name the file that was
 opened (same device and inode). If it does not, the file is reported `GONE` once and never
 written again; its losses are counted by the caller (the lines are not recreated elsewhere:
-a directory someone deleted is not silently brought back; see README "Disk faults").
+a directory someone deleted is not silently brought back; see docs/guide/faults.md).
 """
 
 from __future__ import annotations

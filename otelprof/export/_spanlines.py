@@ -1,8 +1,9 @@
 """Detached-mode span files without SDK objects: recorded ranges straight to OTLP JSON Lines.
 
 Why: the SDK path (a ReadableSpan per range, a BatchSpanProcessor queue, the JSON file
-exporter building a dict tree per span) cost 60-110 µs of background CPU per span, pure
-Python holding the GIL the training thread needs. Here the span builder hands each span's
+exporter building a dict tree per span) cost many times this path's background CPU per
+span (BENCHMARKS.md, "Helpers and ranges", has this one's), pure Python holding the GIL the
+training thread needs. Here the span builder hands each span's
 fields to `encode_span`, one f-string per span with cached JSON for names and keys, and
 `SpanLineWriter` writes them in batched lines (up to `BATCH_SPANS` spans, or `LINE_SECONDS`
 of them, per OTLP request line).

@@ -38,8 +38,8 @@ _log = logging.getLogger("otelprof.export")
 SPAN_QUEUE_SIZE = 8192
 # Small batches: encoding a batch is pure Python holding the GIL, and a training thread that
 # wants the GIL back waits up to the switch interval (5 ms) each time. 128-span exports keep
-# those stalls short (measured: step overhead 1.14x -> 1.05x at ~10k spans/s) at the same
-# sustained OTLP throughput as 1024-span batches (bench/bench_otlp_throughput.py).
+# those stalls short at the same sustained OTLP throughput as 1024-span batches
+# (BENCHMARKS.md, "OTLP export throughput").
 SPAN_BATCH_SIZE = 128
 SPAN_SCHEDULE_DELAY_MS = 1000
 

@@ -87,7 +87,8 @@ class _Ignored:
     """`profile()` for an action otelprof does not time while the trainer's own profiler is
     the pass-through (most of Lightning's ~30 actions a batch): a context manager that does
     nothing, one per action name, in place of the generator-based one Lightning's base class
-    builds on every call (~1 µs each, paid by every hook of every batch)."""
+    builds on every call (paid by every hook of every batch; BENCHMARKS.md, "Framework
+    integrations and collectives")."""
 
     __slots__ = ("action",)
 

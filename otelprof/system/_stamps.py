@@ -3,9 +3,9 @@
 Why: a sampler running on a Python thread in a training process competes for the GIL with
 the training threads. Each system call a read makes (open, read, an NVML call through
 ctypes) releases the GIL, and getting it back can take milliseconds per call when busy
-threads hold it. One clock reading shared by all sources was measured to be up to 374 ms
-off the moment the last source was actually read, which put single rate windows 12–25 %
-off. So:
+threads hold it. One clock reading shared by all sources was measured to be far off the
+moment the last source was actually read, which put single rate windows off by whole
+percents (BENCHMARKS.md, "Hardware sampling and read times"). So:
 
 - `Clock` reads `time.monotonic_ns` (rates must survive wall-clock steps) and converts to
   Unix nanoseconds for export with an offset refreshed at every snapshot.

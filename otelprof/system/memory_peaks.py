@@ -10,9 +10,10 @@
   change of phase, so each collection interval and each block of a phase (a validation
   pass) has a peak of its own: the highest any of its steps reached. Training steps cost
   nothing more (no step hook: the per-step peaks of an interval would be exported as their
-  highest anyway); a change of phase costs one read (BENCHMARKS.md). Resetting the peak
-  changes what the program's own `torch.cuda.max_memory_allocated()` means (the peak since
-  the last collection), hence opt-in.
+  highest anyway); a change of phase costs one read (BENCHMARKS.md, "Per-module times and
+  memory peaks by phase"). Resetting the peak changes what the program's own
+  `torch.cuda.max_memory_allocated()` means (the peak since the last collection), hence
+  opt-in.
 
 The CUDA calls sit behind `CudaPeaks` (`TorchCudaPeaks` is the real one), so tests drive the
 logic without a GPU.

@@ -2,8 +2,8 @@
 
 Names follow the OpenTelemetry semantic conventions where they define the quantity
 (`hw.*`, `system.*`, `process.*`); the rate gauges (`*.throughput`, `*.iops`) and
-`hw.gpu.memory.free` are the DESIGN.md names for the seed metrics, and `otelprof.*` marks
-what the conventions do not cover.
+`hw.gpu.memory.free` are the original design brief's names for the seed metrics, and
+`otelprof.*` marks what the conventions do not cover.
 """
 
 from __future__ import annotations
