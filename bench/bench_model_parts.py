@@ -42,6 +42,7 @@ from bench_step_rate import mean_and_interval
 
 import otelprof
 from otelprof._module_timings import ModuleTimings
+from otelprof.determined_timings import to_device, train_batch
 from otelprof.system.memory_peaks import PhasePeaks
 
 
@@ -52,8 +53,8 @@ def loop(m: Any, seconds: float, prof: Any, device: str) -> int:
     deadline = time.perf_counter() + seconds
     while True:
         for x, y in otelprof.timed_dataloader(m.loader):
-            x, y = otelprof.to_device((x, y), device)
-            with otelprof.train_batch():
+            x, y = to_device((x, y), device)
+            with train_batch():
                 optimizer.zero_grad()
                 loss = loss_fn(model(x), y)
                 loss.backward()

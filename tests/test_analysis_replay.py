@@ -264,7 +264,7 @@ def test_the_report_and_replay_count_a_runs_metric_points_alike(
 
     with otelprof.instrument(output_dir=tmp_path, run_id="run", interval=0.2):
         for _ in range(20):
-            with otelprof.train_batch():
+            with otelprof.timing("train_batch"):
                 time.sleep(0.01)
             otelprof.step()
     run = tmp_path / "run"

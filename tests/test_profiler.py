@@ -90,7 +90,7 @@ def test_an_output_dir_no_run_can_be_made_in_is_a_config_error_naming_it_and_why
         r"'/proc/otelprof-nope/r1' \(No such file or directory\)",
     ):
         otelprof.instrument(output_dir="/proc/otelprof-nope", run_id="r1")
-    assert otelprof.active_profiler() is None
+    assert _profiler.active_profiler() is None
 
 
 def test_detached_mode_writes_metrics_and_spans_as_otlp_json_lines(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ def test_the_step_running_at_a_crash_is_reported_as_the_crashed_step(
         for step in range(6):
             with otelprof.timing("dataloader_next"):
                 time.sleep(0.002)
-            with otelprof.train_batch():
+            with otelprof.timing("train_batch"):
                 began = time.perf_counter()
                 if step == 4:
                     time.sleep(0.01)
@@ -61,7 +61,7 @@ def test_ranges_after_the_last_step_of_a_clean_run_stay_after_training(
 ) -> None:
     with otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False):
         for _ in range(3):
-            with otelprof.train_batch():
+            with otelprof.timing("train_batch"):
                 time.sleep(0.002)
             otelprof.step()
         with otelprof.timing("evaluate"):
@@ -111,7 +111,7 @@ def test_without_step_calls_the_work_declared_shows_in_counters_and_throughput(
     with otelprof.instrument(output_dir=tmp_path, run_id="run", host_metrics=False):
         began = time.perf_counter()
         for _ in range(20):
-            with otelprof.train_batch():
+            with otelprof.timing("train_batch"):
                 time.sleep(0.003)
             otelprof.step_work(samples=32)
         elapsed = time.perf_counter() - began
@@ -142,7 +142,7 @@ def test_a_small_mfu_is_shown_with_its_digits(
             output_dir=tmp_path, run_id="run", host_metrics=False, interval=0.2
         ):
             for _ in range(40):
-                with otelprof.train_batch():
+                with otelprof.timing("train_batch"):
                     time.sleep(0.01)
                 otelprof.step_work(samples=8, flops=1e9)
                 otelprof.step()

@@ -43,7 +43,7 @@ def _loop_beside_torch_profiler(out: Path) -> tuple[Path, list[int], list[int]]:
                 time.sleep(LOAD_S)
                 batch = torch.randn(4, 8)
             loaded = time.perf_counter_ns()
-            with otelprof.train_batch():
+            with otelprof.timing("train_batch"):
                 model(batch).sum().backward()
                 time.sleep(TRAIN_S)
             otelprof.step()
@@ -109,7 +109,7 @@ def test_a_range_open_across_step_is_no_part_of_the_step(tmp_path: Path) -> None
             with otelprof.timing("iteration"):
                 with otelprof.timing("dataloader_next"):
                     time.sleep(0.006)
-                with otelprof.train_batch():
+                with otelprof.timing("train_batch"):
                     time.sleep(0.002)
                 otelprof.step()
     summary = _summary(tmp_path / "run")
