@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 import otelprof
-from otelprof.export._prom_server import MAX_CONNECTIONS, WORKERS
+from otelprof._prom_server import MAX_CONNECTIONS, WORKERS
 
 IDLE = 200
 SCRAPE_TIMEOUT_S = 10.0  # Prometheus' default scrape_timeout

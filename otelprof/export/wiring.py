@@ -258,7 +258,7 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry
 
-    from otelprof.export._prom_server import BoundedMetricsServer
+    from otelprof._prom_server import BoundedMetricsServer
 
     port = settings.prometheus_port or 0
     if port:
