@@ -90,7 +90,7 @@ def main() -> None:
         ("with train_batch(): pass", helper_block, lambda: None, 1),
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp, otelprof.instrument(output_dir=tmp) as prof:
-        step = prof.step
+        step = otelprof.step
         for _label, helper, bare, _per in cases:  # warm-up: the session's start-up burst too
             per_call_ns(helper, args.calls, step)
             per_call_ns(bare, args.calls, None)
