@@ -51,17 +51,23 @@ def test_second_instrument_call_returns_the_running_profiler(tmp_path: Path) -> 
 def test_each_profilers_step_steps_its_own_running_session_and_nothing_once_it_is_down(
     tmp_path: Path,
 ) -> None:
+    """`Profiler.step()` is deprecated (use `otelprof.step()`) but keeps its meaning for a
+    release: it steps its own profiler's session and nothing else."""
     first = otelprof.instrument(output_dir=tmp_path / "first")
     engine = first._timings
-    first.step()
-    otelprof.instrument().step()  # a handle on the running profiler steps the same engine
+    with pytest.warns(DeprecationWarning, match=r"otelprof\.step\(\)"):
+        first.step()
+        otelprof.instrument().step()  # a handle on the running profiler steps the same engine
     assert engine.step_number == 2
     first.shutdown()
-    first.step()  # harmless once it is down
+    with pytest.warns(DeprecationWarning):
+        first.step()  # harmless once it is down
     second = otelprof.instrument(output_dir=tmp_path / "second")
-    first.step()  # the old profiler never steps the new one
+    with pytest.warns(DeprecationWarning):
+        first.step()  # the old profiler never steps the new one
     assert second._timings.step_number == 0
-    second.step()
+    with pytest.warns(DeprecationWarning):
+        second.step()
     assert second._timings.step_number == 1
     second.shutdown()
 
