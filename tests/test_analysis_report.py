@@ -347,3 +347,24 @@ def test_the_verdict_names_cpu_contention_from_the_process_and_host_cpu() -> Non
     assert "competing for CPU" in _cpu_evidence(1.0, 0.1)[-1]
     assert not any("competing" in e for e in _cpu_evidence(0.3, 0.25))
     assert _hardware_clause(0.5, 1.0, 0.1) == "GPU utilization averages 50%"
+
+
+def test_the_run_end_marker_is_not_a_hardware_row_of_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`otelprof.run.ended` is a flag for Prometheus' alerts, exported by every real run; the
+    report tells how a run ended from its closing record, not as a "min / mean / max" row."""
+    import otelprof
+
+    with otelprof.instrument(output_dir=tmp_path, run_id="ended", interval=0.2) as prof:
+        for _ in range(3):
+            with otelprof.timing("train_batch"):
+                pass
+            otelprof.step()
+    run = prof.run_dir
+    exported = {p.name for f in sorted(run.glob("metrics*.jsonl")) for p in read_points(f)}
+    assert "otelprof.run.ended" in exported and "process.memory.usage" in exported
+    assert cli_main(["report", "--json", str(run)]) == 0
+    metrics = {row["metric"] for row in json.loads(capsys.readouterr().out)["hardware"]}
+    assert "process.memory.usage" in metrics
+    assert "otelprof.run.ended" not in metrics

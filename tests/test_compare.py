@@ -106,6 +106,10 @@ def test_a_slowed_data_loader_is_reported_as_that_change_per_step(
     assert " % per step (" in doc["headline"]
     assert "now data-loader bound (was compute bound)" in doc["headline"]
     assert doc["changes"][0].startswith("step time +")
+    # hardware rows are measurements: not the run's end marker for Prometheus' alerts
+    hardware = [r["name"] for r in doc["rows"] if r["group"] == "hardware"]
+    assert "process.memory.usage (mean)" in hardware
+    assert not any(name.startswith("otelprof.run.ended") for name in hardware)
 
     html = (tmp_path / "compare.html").read_text(encoding="utf-8")
     assert "now data-loader bound (was compute bound)" in html and "<svg" in html

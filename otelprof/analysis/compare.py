@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE
+from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE, RUN_ENDED
 from otelprof.analysis.memory_section import memory_by_phase
 from otelprof.analysis.module_section import module_times
 from otelprof.analysis.sections import Section
@@ -40,6 +40,8 @@ SAME = 0.005
 TOP_MODULES = 10
 _HIGHER_IS_BETTER = ("hw.gpu.utilization", "hw.gpu.sm.activity", "hw.gpu.tensor.activity")
 _MEMORY_GAUGES = (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED)
+# compared elsewhere (memory) or not a measurement (the end marker for Prometheus' alerts)
+_NOT_HARDWARE = (*_MEMORY_GAUGES, RUN_ENDED)
 
 
 @dataclass
@@ -249,7 +251,7 @@ def _modules(a: RunSummary, b: RunSummary) -> list[Delta]:
 def _gauges(summary: RunSummary) -> dict[str, tuple[float, str]]:
     out: dict[str, tuple[float, str]] = {}
     for s in summary.series.values():
-        if s.name in _MEMORY_GAUGES or s.name in out:
+        if s.name in _NOT_HARDWARE or s.name in out:
             continue
         mean = summary.gauge_mean(s.name)
         if mean is not None and math.isfinite(mean):

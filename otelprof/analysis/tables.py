@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from otelprof._schema import MODULE_PREFIXES
+from otelprof._schema import MODULE_PREFIXES, RUN_ENDED
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.summary import (
     PARENT_ROOT,
@@ -131,9 +131,11 @@ def _row(name: str, level: str, s: DurationStats) -> TimingRow:
 
 
 def hardware_series(summary: RunSummary) -> list[SeriesAgg]:
-    """Series ordered by host, then process scope, then GPU, then metric name."""
+    """Series ordered by host, then process scope, then GPU, then metric name; without the
+    run's end marker (a flag for Prometheus' alerts: the report tells a run's end from its
+    closing record)."""
     return sorted(
-        summary.series.values(),
+        (s for s in summary.series.values() if s.name != RUN_ENDED),
         key=lambda s: (s.host, s.scope, s.gpu is None, s.gpu or "", s.name, s.device),
     )
 
