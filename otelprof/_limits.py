@@ -12,7 +12,7 @@ defaults to `DEFAULT_VALUE_LENGTH_LIMIT` characters. Each truncated value is cou
 (`timings.attributes_truncated` in `Profiler.stats()`).
 
 The limits bound one value; the byte budget bounds them all: every attribute dict made here
-is charged its size (`attribute_bytes`) while it is alive (it lives as long as a range that
+is charged its size (`HeldAttributes.nbytes`) while it is alive (it lives as long as a range that
 carries it waits in the recorder's queue, the span builder or a held step; the span built
 from the range takes the charge over with the values, so spans waiting in an exporter's
 queue, OTLP's while the collector is down, count too), and handed back when it is freed.
@@ -99,8 +99,9 @@ def limit_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     """`attributes` with every string value at most `value_length_limit` characters, and
     at most `COUNT_LIMIT` of them (the SDK's default attribute count limit; the rest are
     left out and counted too), charged to the byte budget while alive (`OVER_BUDGET`
-    instead when it does not fit). Sizes are summed in the same pass (`attribute_bytes`
-    gives the same figure): this runs at every `timing(name, **attributes)`."""
+    instead when it does not fit). Its size is `DICT_BYTES`, and per entry `ENTRY_BYTES`
+    plus the value's size (a sequence's strings included; objects shared with the caller
+    counted anyway), summed in the same pass: this runs at every `timing(name, **attributes)`."""
     global truncated
     limit = value_length_limit
     if len(attributes) > COUNT_LIMIT:
@@ -157,19 +158,6 @@ def _value_bytes(value: Any) -> int:
     return _getsizeof(value)
 
 
-def attribute_bytes(attributes: Mapping[str, Any]) -> int:
-    """Bytes an attribute dict holds, as the budget counts them: `DICT_BYTES`, and per entry
-    `ENTRY_BYTES` (the key's share, the dict's slot, a string's header) plus its value's
-    size (a sequence's strings included; objects shared with the caller counted anyway)."""
-    total = DICT_BYTES
-    for value in attributes.values():
-        if type(value) is str:
-            total += ENTRY_BYTES + (len(value) if value.isascii() else _getsizeof(value))
-        else:
-            total += ENTRY_BYTES + _value_bytes(value)
-    return total
-
-
 class AttributeBudget:
     """Bytes of attributes alive at once, at most `limit`; what would pass it is counted.
 
@@ -185,16 +173,12 @@ class AttributeBudget:
         self._released: deque[int] = deque()
         self._lock = threading.Lock()
 
-    def _settle(self) -> None:
-        released, held = self._released, self.held
-        while released:
-            held -= released.popleft()
-        self.held = held
-
     def held_bytes(self) -> int:
         """Bytes charged now (those of dicts freed since the last charge handed back)."""
         with self._lock:
-            self._settle()
+            released = self._released
+            while released:
+                self.held -= released.popleft()
             return self.held
 
     def _after_fork(self) -> None:

@@ -98,10 +98,6 @@ class ModuleTimings:
         with self._lock:
             self._open_backward.clear()
 
-    @property
-    def discovering(self) -> bool:
-        return bool(self._global)
-
     # ---- discovery (global hooks, until a model is called twice) ----
     def _discover_pre(self, module: Any, _args: Any) -> None:
         try:

@@ -33,14 +33,9 @@ class Patch:
         self._saved = _own(owner, name)
         setattr(owner, name, replacement)
 
-    @property
-    def active(self) -> bool:
-        """Whether our replacement is still what the owner holds."""
-        return _own(self.owner, self.name) is self.replacement
-
     def restore(self) -> bool:
         """Put back what was there; False (and a warning) if a later patch is left in place."""
-        if not self.active:
+        if _own(self.owner, self.name) is not self.replacement:
             owner = getattr(self.owner, "__qualname__", None) or getattr(
                 self.owner, "__name__", type(self.owner).__qualname__
             )
@@ -60,9 +55,6 @@ class Patches:
 
     def __init__(self) -> None:
         self._patches: list[Patch] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._patches)
 
     def patch(self, owner: Any, name: str, replacement: Any) -> Patch:
         patch = Patch(owner, name, replacement)

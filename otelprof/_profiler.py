@@ -663,10 +663,6 @@ class Profiler:
         """The timings engine (None without timings); tests and integrations look at it."""
         return self._session.timings
 
-    @property
-    def _distributed(self) -> Any:
-        return self._session.distributed
-
     def _end_run(self, end: EndRecord, final: bool = True) -> None:
         """Shut the current session down and stop being the active profiler (not `final`:
         for a new session of the same run, `_new_identity`)."""

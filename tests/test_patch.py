@@ -70,7 +70,8 @@ def test_patches_restore_in_reverse_order_so_stacked_patches_of_one_name_unwind(
     patches = Patches()
     patches.patch(module, "f", "first")
     patches.patch(module, "f", "second")
-    assert bool(patches)
+    assert module.f == "second"  # type: ignore[attr-defined]
     patches.restore()
     assert module.f == "original"  # type: ignore[attr-defined]
-    assert not patches
+    patches.restore()  # nothing left to undo
+    assert module.f == "original"  # type: ignore[attr-defined]
