@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from otelprof import _throughput
-from otelprof._steps import step_work
 from otelprof._timings import _recorder as rec
 
 _log = logging.getLogger("otelprof")
@@ -188,8 +187,8 @@ class Work:
 
 
 class CallbackOptions:
-    """What the Lightning and transformers callbacks take besides their hooks: the work per
-    batch (`Work`), one device's peak FLOP/s, and `instrument()`'s options."""
+    """What every integration takes besides its hooks: the work per batch (`Work`), one
+    device's peak FLOP/s, and `instrument()`'s options."""
 
     def __init__(
         self,
@@ -217,15 +216,6 @@ class CallbackOptions:
             otelprof.set_peak_flops(self.peak_flops)
         _throughput.set_precision(precision)
         return handle
-
-
-def record_work(samples: float | None, tokens: float | None, flops: float | None) -> None:
-    step_work(samples=samples, tokens=tokens, flops=flops)
-
-
-def stack_depth() -> int:
-    """Open ranges on this thread (the recorder's stack), plus one: its base frame."""
-    return rec.recorder.depth()
 
 
 def forget_ranges_above(depth: int) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import otelprof
-from otelprof import _profiler, _steps, _throughput, determined_timings
+from otelprof import _profiler, _steps, determined_timings
 from otelprof._patch import Patch, Patches
 from otelprof._schema import (
     BACKWARD,
@@ -128,13 +128,7 @@ def instrument_wrapped_optimizer(wrapped: Any) -> list[Any]:
 class _Instrumentation:
     """What instrument_accelerator() did to one Accelerator, and the step bookkeeping."""
 
-    def __init__(
-        self,
-        accelerator: Any,
-        work: common.Work,
-        handle: Any,
-    ) -> None:
-        self.accelerator = accelerator
+    def __init__(self, work: common.Work, handle: Any) -> None:
         self.work = work
         self.handle = handle
         self.removed = False
@@ -169,16 +163,13 @@ class _Instrumentation:
         if _steps.current_phase() == PHASE_TRAIN:
             flops = self.work.step_flops()
         if flops is not None:
-            common.record_work(None, None, flops)
+            _steps.step_work(None, None, flops)
         otelprof.step()
 
     @common.safe
     def after_batch(self, batch: Any) -> None:
         self.batch_open = True
-        common.record_work(
-            *self.work.of_batch(batch),
-            None,
-        )
+        _steps.step_work(*self.work.of_batch(batch), None)
 
     # ---- what prepare() returns ----
     def instrument(self, obj: Any) -> None:
@@ -198,9 +189,9 @@ class _Instrumentation:
         if isinstance(obj, torch.nn.Module):
             self._model(obj)
         elif isinstance(obj, torch.utils.data.DataLoader) or hasattr(obj, "base_dataloader"):
-            self._loader(obj)
+            self.undo.append(register_loader(obj, self))
         elif hasattr(obj, "optimizer") and hasattr(obj, "step") and hasattr(obj, "zero_grad"):
-            self._optimizer(obj)
+            self.undo.extend(instrument_wrapped_optimizer(obj))
         elif hasattr(obj, "scheduler") and hasattr(obj, "step"):
             handle = determined_timings.instrument_lr_scheduler(obj.scheduler, STEP_LR_SCHEDULERS)
             self.undo.append(handle.remove)
@@ -221,12 +212,6 @@ class _Instrumentation:
         except TypeError:  # torch < 2.0: no always_call
             handles.append(model.register_forward_hook(post))
         self.undo.extend(h.remove for h in handles)
-
-    def _loader(self, loader: Any) -> None:
-        self.undo.append(register_loader(loader, self))
-
-    def _optimizer(self, wrapped: Any) -> None:
-        self.undo.extend(instrument_wrapped_optimizer(wrapped))
 
     def remove(self) -> None:
         if self.removed:
@@ -267,12 +252,11 @@ def instrument_accelerator(
             "instrument_accelerator needs an accelerate.Accelerator, got "
             f"{type(accelerator).__name__}"
         )
-    work = common.Work("instrument_accelerator", samples, tokens, flops)
-    if peak_flops is not None:
-        otelprof.set_peak_flops(peak_flops)
-    _throughput.set_precision(common.precision_of(getattr(accelerator, "mixed_precision", None)))
-    handle = otelprof.instrument(**instrument_options)
-    inst = _Instrumentation(accelerator, work, handle)
+    options = common.CallbackOptions(
+        "instrument_accelerator", samples, tokens, flops, peak_flops, instrument_options
+    )
+    precision = common.precision_of(getattr(accelerator, "mixed_precision", None))
+    inst = _Instrumentation(options.work, options.begin(None, precision))
     original_prepare = accelerator.prepare
     original_backward = accelerator.backward
 

@@ -209,7 +209,7 @@ class _OtelprofProfiler(Profiler):
         if kind == _IGNORED:
             return
         if kind == _OPTIMIZER_STEP:
-            self._opt_depth = common.stack_depth()
+            self._opt_depth = rec.recorder.depth()
             self._opt_frame = None
             return
         if kind == _CHECKPOINT:
@@ -259,7 +259,7 @@ class _OtelprofProfiler(Profiler):
             common.warn_once("lightning-start", "otelprof: Lightning action failed: %r", error)
         if self._passthrough:
             return
-        depth = common.stack_depth()
+        depth = rec.recorder.depth()
         self.inner.start(action_name)
         common.forget_ranges_above(depth)  # the inner profiler's own range, if any
 
@@ -268,7 +268,7 @@ class _OtelprofProfiler(Profiler):
         if kind is not None and kind[0] == _IGNORED and self._passthrough:
             return
         if not self._passthrough:
-            depth = common.stack_depth()
+            depth = rec.recorder.depth()
             self.inner.stop(action_name)  # the PyTorch profiler opens `ProfilerStep#N` here
             common.forget_ranges_above(depth)
         try:
@@ -393,7 +393,7 @@ class OtelprofCallback(Callback):
         batch_idx: int,
     ) -> None:
         try:
-            common.record_work(*self.work.of_batch(batch), self.work.step_flops())
+            _steps.step_work(*self.work.of_batch(batch), self.work.step_flops())
         finally:
             otelprof.step()  # the step boundary even when counting the work failed
 
@@ -413,7 +413,7 @@ class OtelprofCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:
         try:
-            common.record_work(*self.work.of_batch(batch), None)
+            _steps.step_work(*self.work.of_batch(batch), None)
         finally:
             otelprof.step()
 

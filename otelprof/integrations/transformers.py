@@ -18,9 +18,8 @@ level; the wrappers act only for Trainers that hold this callback and are remove
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from transformers import Trainer, TrainerCallback
@@ -51,43 +50,25 @@ def _ours(trainer: Any) -> OtelprofTrainerCallback | None:
     return None
 
 
-@contextlib.contextmanager
-def _phase(name: str) -> Iterator[None]:
-    previous = _steps.set_phase(name)
-    try:
-        yield
-    finally:
-        _steps.set_phase(previous)
+def _inside(context: Callable[[], Any]) -> Callable[[Any], Any]:
+    """A wrapper of a Trainer method that runs it inside `context()` (a timing, a phase) for
+    Trainers that hold this callback; other Trainers run it as it is."""
+
+    def wrap(original: Any) -> Any:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _ours(self) is None:
+                return original(self, *args, **kwargs)
+            with context():
+                return original(self, *args, **kwargs)
+
+        return method
+
+    return wrap
 
 
-def _wrap_compute_loss(original: Any) -> Any:
-    def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ours(self) is None:
-            return original(self, *args, **kwargs)
-        with otelprof.timing(FORWARD):
-            return original(self, *args, **kwargs)
-
-    return compute_loss
-
-
-def _wrap_evaluate(original: Any) -> Any:
-    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ours(self) is None:
-            return original(self, *args, **kwargs)
-        with _phase(PHASE_VALIDATION):
-            return original(self, *args, **kwargs)
-
-    return evaluate
-
-
-def _wrap_save(original: Any) -> Any:
-    def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _ours(self) is None:
-            return original(self, *args, **kwargs)
-        with _phase(PHASE_CHECKPOINT):
-            return original(self, *args, **kwargs)
-
-    return _save_checkpoint
+_wrap_compute_loss = _inside(lambda: otelprof.timing(FORWARD))
+_wrap_evaluate = _inside(lambda: _steps.phase(PHASE_VALIDATION))
+_wrap_save = _inside(lambda: _steps.phase(PHASE_CHECKPOINT))
 
 
 def _wrap_eval_loader(original: Any) -> Any:
@@ -153,7 +134,7 @@ class _LoaderHooks:
 
     @common.safe
     def after_batch(self, batch: Any) -> None:
-        common.record_work(*self.callback.work.of_batch(batch), None)
+        _steps.step_work(*self.callback.work.of_batch(batch), None)
 
 
 class OtelprofTrainerCallback(TrainerCallback):
@@ -222,7 +203,7 @@ class OtelprofTrainerCallback(TrainerCallback):
         try:
             flops = self.work.step_flops()
             if flops is not None:
-                common.record_work(None, None, flops)
+                _steps.step_work(None, None, flops)
         finally:
             otelprof.step()
 
