@@ -427,28 +427,11 @@ class OtelprofCallback(Callback):
         self._phases.append(_steps.set_phase(PHASE_TEST))
 
     @common.safe
-    def on_test_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                          outputs: Any, batch: Any, batch_idx: int,
-                          dataloader_idx: int = 0) -> None:  # fmt: skip
-        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @common.safe
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_end(trainer, pl_module)
-
-    @common.safe
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._phases.append(_steps.set_phase(PHASE_PREDICT))
 
-    @common.safe
-    def on_predict_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                             outputs: Any, batch: Any, batch_idx: int,
-                             dataloader_idx: int = 0) -> None:  # fmt: skip
-        self.on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @common.safe
-    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_validation_end(trainer, pl_module)
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
+    on_test_end = on_predict_end = on_validation_end
 
     @common.safe
     def on_exception(
