@@ -231,7 +231,8 @@ def choice(*words: str) -> Parser:
     return Parser(parse, ", ".join(f"`{w}`" for w in words[:-1]) + f" or `{words[-1]}`")
 
 
-def _pairs(src: _Source) -> dict[str, str]:
+@parser("`key=value,...` (values URL-decoded) or a mapping of strings")
+def attributes(src: _Source) -> dict[str, str]:
     """`k=v,k2=v2` (the OTEL_* format, values URL-decoded) or a mapping of strings."""
     if isinstance(src.value, Mapping):
         out = {}
@@ -254,11 +255,6 @@ def _pairs(src: _Source) -> dict[str, str]:
     return out
 
 
-@parser("`key=value,...` (values URL-decoded) or a mapping of strings")
-def attributes(src: _Source) -> dict[str, str]:
-    return _pairs(src)
-
-
 _METADATA_KEY = re.compile(r"[0-9a-z_.\-]+")
 _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
 
@@ -272,7 +268,7 @@ def grpc_headers(src: _Source) -> dict[str, str]:
     refuses capitals: every export failed with `Invalid metadata`), then checked against
     gRPC's rules, so a header that cannot be sent is refused before anything starts."""
     out: dict[str, str] = {}
-    for key, value in _pairs(src).items():
+    for key, value in attributes(src).items():
         name = key.strip().lower()
         if not _METADATA_KEY.fullmatch(name):
             raise src.error(f"header {key!r}: gRPC metadata keys are 0-9 a-z _ . - only")
@@ -400,26 +396,6 @@ def schedule_function(src: _Source) -> Callable[[int], Any]:
     return src.value
 
 
-# ---- defaults derived from other options ----
-
-
-def _scheme_insecure(values: dict[str, Any], _env: Mapping[str, str]) -> bool:
-    implied = values.get("_scheme_insecure")
-    return True if implied is None else bool(implied)
-
-
-def _no_endpoint(values: dict[str, Any], _env: Mapping[str, str]) -> bool:
-    return values["endpoint"] is None
-
-
-def _local_rank_zero(_values: dict[str, Any], env: Mapping[str, str]) -> bool:
-    return launcher_int(env, "LOCAL_RANK", 0) == 0
-
-
-def _new_run_id(_values: dict[str, Any], _env: Mapping[str, str]) -> str:
-    return _default_run_id()
-
-
 @dataclass(frozen=True)
 class Settings:
     """Everything `instrument()` needs, resolved and validated. Each field is one option."""
@@ -446,7 +422,7 @@ class Settings:
         metadata=opt(
             env=("OTELPROF_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE"),
             parse=boolean,
-            derive=_scheme_insecure,
+            derive=lambda values, _env: values.get("_scheme_insecure") is not False,
             help="Plaintext gRPC to the endpoint; contradicting the endpoint's scheme is an error.",
             unset="from the endpoint's scheme (`https://` is TLS); plaintext without one",
         ),
@@ -466,7 +442,7 @@ class Settings:
         metadata=opt(
             env=("OTELPROF_DETACHED",),
             parse=boolean,
-            derive=_no_endpoint,
+            derive=lambda values, _env: values["endpoint"] is None,
             help="Write OTLP JSON Lines files into a run directory (with `endpoint` too, "
             "both). False with nowhere else to send is an error.",
             unset="true without an endpoint",
@@ -486,7 +462,7 @@ class Settings:
         metadata=opt(
             env=("OTELPROF_RUN_ID", "TORCHELASTIC_RUN_ID"),
             parse=run_name,
-            derive=_new_run_id,
+            derive=lambda _values, _env: _default_run_id(),
             help="The run directory's name. The ranks of a job agree on one and write a file "
             "each; an id whose directory holds a finished run's files, or files another live "
             "process is writing, is refused; an elastic restart writes `*.attempt<N>` files.",
@@ -529,7 +505,7 @@ class Settings:
         metadata=opt(
             env=("OTELPROF_HOST_METRICS",),
             parse=boolean,
-            derive=_local_rank_zero,
+            derive=lambda _values, env: launcher_int(env, "LOCAL_RANK", 0) == 0,
             help="The node's CPU, memory, disk and network: one set per node.",
             unset="on local rank 0 only",
         ),
