@@ -156,16 +156,29 @@ class FlopCounter:
 
 
 class Work:
-    """The work options every integration takes (`samples`, `tokens`, `flops`): checked once
-    and turned into per-batch amounts and per-step FLOPs the same way in each framework."""
+    """The options every integration takes besides its hooks: the work (`samples`, `tokens`,
+    `flops`), checked once and turned into per-batch amounts and per-step FLOPs the same way
+    in each framework, one device's peak FLOP/s, and `instrument()`'s options."""
 
-    def __init__(self, owner: str, samples: Amount, tokens: Amount, flops: float | str | None):
+    def __init__(
+        self,
+        owner: str,
+        samples: Amount,
+        tokens: Amount,
+        flops: float | str | None,
+        peak_flops: float | None,
+        instrument_options: dict[str, Any],
+    ) -> None:
         if not (flops is None or flops == "auto" or isinstance(flops, (int, float))):
             raise ValueError(f"{owner}: flops must be a number, 'auto' or None, got {flops!r}")
         self.samples = samples
         self.tokens = tokens
         self.flops = flops
         self.counter = FlopCounter()
+        self.peak_flops = (
+            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
+        )
+        self.instrument_options = instrument_options
 
     @property
     def counts_flops(self) -> bool:
@@ -184,26 +197,6 @@ class Work:
         if self.flops == "auto":
             return self.counter.stop()
         return None if self.flops is None else float(self.flops)
-
-
-class CallbackOptions:
-    """What every integration takes besides its hooks: the work per batch (`Work`), one
-    device's peak FLOP/s, and `instrument()`'s options."""
-
-    def __init__(
-        self,
-        owner: str,
-        samples: Amount,
-        tokens: Amount,
-        flops: float | str | None,
-        peak_flops: float | None,
-        instrument_options: dict[str, Any],
-    ) -> None:
-        self.work = Work(owner, samples, tokens, flops)
-        self.peak_flops = (
-            None if peak_flops is None else _throughput.parse_peak(peak_flops, "peak_flops")
-        )
-        self.instrument_options = instrument_options
 
     def begin(self, handle: Any, precision: str) -> Any:
         """Training begins: `instrument()` unless `handle` already is a running profiler's,

@@ -252,11 +252,11 @@ def instrument_accelerator(
             "instrument_accelerator needs an accelerate.Accelerator, got "
             f"{type(accelerator).__name__}"
         )
-    options = common.CallbackOptions(
+    work = common.Work(
         "instrument_accelerator", samples, tokens, flops, peak_flops, instrument_options
     )
     precision = common.precision_of(getattr(accelerator, "mixed_precision", None))
-    inst = _Instrumentation(options.work, options.begin(None, precision))
+    inst = _Instrumentation(work, work.begin(None, precision))
     original_prepare = accelerator.prepare
     original_backward = accelerator.backward
 

@@ -324,10 +324,9 @@ class OtelprofCallback(Callback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        self.options = common.CallbackOptions(
+        self.work = common.Work(
             "OtelprofCallback", samples, tokens, flops, peak_flops, instrument_options
         )
-        self.work = self.options.work
         self._handle: Any = None
         self._profiler: _OtelprofProfiler | None = None
         self._profiler_patch: Patch | None = None
@@ -338,7 +337,7 @@ class OtelprofCallback(Callback):
     @common.safe
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         precision = common.precision_of(getattr(trainer, "precision", None))
-        self._handle = self.options.begin(self._handle, precision)
+        self._handle = self.work.begin(self._handle, precision)
         inner = getattr(trainer, "profiler", None)
         if not isinstance(inner, Profiler):
             common.warn_once(

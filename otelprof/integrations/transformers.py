@@ -155,10 +155,9 @@ class OtelprofTrainerCallback(TrainerCallback):
         peak_flops: float | None = None,
         **instrument_options: Any,
     ) -> None:
-        self.options = common.CallbackOptions(
+        self.work = common.Work(
             "OtelprofTrainerCallback", samples, tokens, flops, peak_flops, instrument_options
         )
-        self.work = self.options.work
         self._handle: Any = None
         self._undo: list[Any] = []
         self._hooks = _LoaderHooks(self)
@@ -171,7 +170,7 @@ class OtelprofTrainerCallback(TrainerCallback):
     @common.safe
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
-        self._handle = self.options.begin(self._handle, "16-bit" if half else "32-bit")
+        self._handle = self.work.begin(self._handle, "16-bit" if half else "32-bit")
         with _lock:
             if not _active:
                 _install()
