@@ -137,7 +137,7 @@ class _Session:
         self._run_info_written = 0
         self.counters = ExportCounters()
         self._carried = dict(carried or {})
-        self._closed = False
+        self.closed = False
         self.started_ns = started_ns or time.time_ns()
         self.pipelines = build_pipelines(
             settings, self.counters, layout=layout, local_rank=identity.local_rank
@@ -200,10 +200,6 @@ class _Session:
         self.run_end = RunEndWatcher(end_run, self._mark_end, settings.export_timeout_s)
         _degrade("run-end recording", self.run_end.install)
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def announce(self) -> None:
         """Name the run directory once, and only one that will hold the data: a process that
         may still join a process group waits until its ranks (and so its directory) settle."""
@@ -258,9 +254,9 @@ class _Session:
         new identity goes on with it): no end is recorded."""
         with DeferredSignals() as deferred:
             with _lock:
-                if self._closed:
+                if self.closed:
                     return
-                self._closed = True
+                self.closed = True
             if final:
                 with contextlib.suppress(Exception):
                     self.announce()

@@ -163,7 +163,7 @@ def test_a_trainer_version_lacking_a_method_degrades_with_one_log_line(
     for _ in range(2):
         integration._install()
         assert OldTrainer.compute_loss is not original  # what exists is still timed
-        integration._uninstall()
+        integration._installed.restore()
         assert OldTrainer.compute_loss is original
     lines = [r.getMessage() for r in caplog.records if "_save_checkpoint" in r.getMessage()]
     assert lines == [

@@ -118,10 +118,6 @@ def _install() -> None:
         _installed.patch(cls, name, wrap(original))
 
 
-def _uninstall() -> None:
-    _installed.restore()
-
-
 class _LoaderHooks:
     """Per-batch work of the batches a registered DataLoader yields."""
 
@@ -222,7 +218,7 @@ class OtelprofTrainerCallback(TrainerCallback):
             if self in _active:
                 _active.remove(self)
             if not _active:
-                _uninstall()
+                _installed.restore()
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.shutdown()
