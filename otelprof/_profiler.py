@@ -58,8 +58,6 @@ _log = logging.getLogger("otelprof")
 _lock = threading.RLock()
 _active: Profiler | None = None
 
-SCOPE_NAME = SCOPE
-
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -161,7 +159,7 @@ class _Session:
             active_span_processor=self.span_targets,
             span_limits=SpanLimits(max_attribute_length=_limits.refresh()),
         )
-        self._meter = self.meter_provider.get_meter(SCOPE_NAME, _version())
+        self._meter = self.meter_provider.get_meter(SCOPE, _version())
         self._throughput: ThroughputTracker | None = None
         self._aggregate_metrics: Any = None
         self.timings: Any = None
