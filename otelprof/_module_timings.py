@@ -61,10 +61,10 @@ _MAX_TENSORS = 64  # tensors looked at in one call's inputs or outputs
 class ModuleTimings:
     """The hooks of one profiler session; `start()` begins discovery, `close()` undoes all."""
 
-    def __init__(self, depth: int, torch: Any, recorder: Any = None) -> None:
+    def __init__(self, depth: int, torch: Any) -> None:
         self.depth = depth
         self._torch = torch
-        self._rec = recorder if recorder is not None else _recorder.recorder
+        self._rec = _recorder.recorder
         self._compiling: Callable[[], bool] = getattr(
             getattr(torch, "compiler", None), "is_compiling", lambda: False
         )
