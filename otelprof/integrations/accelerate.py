@@ -206,12 +206,9 @@ class _Instrumentation:
         def post(_module: Any, _args: Any, _output: Any) -> None:
             timing.__exit__(None, None, None)
 
-        handles = [model.register_forward_pre_hook(pre)]
-        try:
-            handles.append(model.register_forward_hook(post, always_call=True))
-        except TypeError:  # torch < 2.0: no always_call
-            handles.append(model.register_forward_hook(post))
-        self.undo.extend(h.remove for h in handles)
+        pre_handle = model.register_forward_pre_hook(pre)
+        post_handle = model.register_forward_hook(post, always_call=True)
+        self.undo += [pre_handle.remove, post_handle.remove]
 
     def remove(self) -> None:
         if self.removed:
