@@ -47,10 +47,8 @@ class Pipeline:
         window_s: float = 10.0,
         route: Route | None = None,
         timings_group: str = "timings",
-        max_trials: int = 100_000,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
-        delivery_workers: int = 4,
         max_unknown_attempts: int = 5,
         skip_direct: bool = False,
         max_steps_per_s: float = 10_000.0,
@@ -68,13 +66,12 @@ class Pipeline:
         self.route = route or Route()
         self.aggregator = WindowAggregator(
             timings_group=timings_group,
-            max_trials=max_trials,
             max_steps_per_s=max_steps_per_s,
             window_s=window_s,
             trust_offsets=trust_offsets,
         )
         self.deliverer = Deliverer(
-            spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
+            spool, client, retry_initial_s, retry_max_s, max_unknown_attempts
         )
         self.rejected_points = 0
         self.rejected_by_reason: dict[str, int] = {}
@@ -207,7 +204,7 @@ class Pipeline:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self.deliverer.wait_idle(min(left, 0.05), wake=False):
+            if self.deliverer.wait_idle(min(left, 0.05)):
                 return True
         return False
 

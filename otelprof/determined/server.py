@@ -497,7 +497,6 @@ class BridgeServer:
         tokens: IngestTokens,
         tls: TlsFiles | None = None,
         limits: IngestLimits | None = None,
-        experiment_of: Callable[[int], int | None] | None = None,
     ) -> None:
         if tls is None and not is_loopback(listen):
             raise OSError(
@@ -508,9 +507,8 @@ class BridgeServer:
         self.pipeline = pipeline
         limits = limits or IngestLimits(max_per_credential=max(1, workers // 2))
         self.receiver = _Receiver(
-            pipeline, tokens, ScopeChecker(experiment_of or pipeline.client.trial_experiment),
-            limits,
-        )  # fmt: skip
+            pipeline, tokens, ScopeChecker(pipeline.client.trial_experiment), limits
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otelprof-otlp"),
             options=[
@@ -544,8 +542,6 @@ class BridgeServer:
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or invalid)")
-        self.listen = listen
-        self.tls = tls
 
     def stats(self) -> dict[str, Any]:
         """The pipeline's counters plus what was refused at the door."""
@@ -571,6 +567,3 @@ class BridgeServer:
         """Stop accepting, finish in-flight calls, close the last window, drain delivery."""
         self._server.stop(grace_s).wait(grace_s + 1)
         self.pipeline.shutdown(drain_timeout_s)
-
-    def wait(self) -> None:
-        self._server.wait_for_termination()

@@ -57,7 +57,6 @@ class Recovered:
 @dataclass
 class SpoolStats:
     reports_spooled: int = 0
-    reports_acked: int = 0
     reports_dropped: int = 0  # oldest batches dropped because the spool was full
     journal_overflow: int = 0  # ingests not journaled because the journal hit its cap
     reports_refused: int = 0  # refused by the master for good, moved aside
@@ -78,13 +77,6 @@ class _Batch:
     # Posted but unanswered when the process died: the master may already hold them.
     maybe_sent: set[int] = field(default_factory=set)
     handed: bool = False  # given to the deliverer by take_new()
-
-    def next_index(self) -> int | None:
-        assert self.reports is not None
-        for i in range(len(self.reports)):
-            if i not in self.acked:
-                return i
-        return None
 
     def unanswered(self) -> list[Item]:
         assert self.reports is not None
@@ -138,21 +130,6 @@ class _SpoolBase:
                 out.extend(batch.unanswered())
         return out
 
-    def peek(self) -> Item | None:
-        """The oldest unanswered report of all, or None."""
-        with self._lock:
-            for w in list(self._batches):
-                batch = self._batches[w]
-                if not self._load(batch):
-                    self._pop(w)
-                    continue
-                index = batch.next_index()
-                if index is not None:
-                    assert batch.reports is not None
-                    return w, index, batch.reports[index]
-                self._pop(w)
-            return None
-
     def is_live(self, window: int) -> bool:
         """False once the batch is gone (answered, or dropped because the spool was full)."""
         with self._lock:
@@ -179,7 +156,6 @@ class _SpoolBase:
             self._write_ack(window, f"{index}\n")
             batch.acked.add(index)
             batch.maybe_sent.discard(index)
-            self.stats.reports_acked += 1
             if batch.done():
                 self._pop(window)
 
@@ -240,7 +216,6 @@ class MemorySpool(_SpoolBase):
     def __init__(
         self,
         max_bytes: int = 64 * 1024 * 1024,
-        max_refused: int = 1000,
         refused_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """`refused_path`: also append refused reports there (owner-only JSON Lines, e.g.
@@ -253,7 +228,7 @@ class MemorySpool(_SpoolBase):
         self._batches = {}
         self._bytes = 0
         self.dropped_generation = 0
-        self._refused: deque[dict[str, Any]] = deque(maxlen=max_refused)
+        self._refused: deque[dict[str, Any]] = deque(maxlen=1000)
 
     def recover(self) -> Recovered:
         return Recovered()
