@@ -42,8 +42,8 @@ from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from otelprof.determined.ingest_auth import (
     IngestLimits,
@@ -66,10 +66,6 @@ from otelprof.determined.mapping import (
 from otelprof.determined.pipeline import Pipeline
 
 log = logging.getLogger("otelprof.determined")
-
-
-def _service_name(module: Any, service: str) -> str:
-    return str(module.DESCRIPTOR.services_by_name[service].full_name)
 
 
 @dataclass
@@ -221,7 +217,7 @@ class _Receiver:
         self.stats = IngestStats()
         self.admission = _Admission(limits)
         self.refusals = RefusalLog()
-        self._heap = _HeapTrim(self.admission)
+        self.heap = _HeapTrim(self.admission)
         self._stats_lock = threading.Lock()
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -229,19 +225,6 @@ class _Receiver:
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
     def export(
-        self,
-        raw: bytes,
-        context: grpc.ServicerContext,
-        cls: Any,
-        field_name: str,
-        ingest: Callable[[Any, Stop], Extracted],
-    ) -> Extracted:
-        try:
-            return self._export(raw, context, cls, field_name, ingest)
-        finally:  # refused or taken: what it cost the heap goes back
-            self._heap.after(len(raw))
-
-    def _export(
         self,
         raw: bytes,
         context: grpc.ServicerContext,
@@ -376,50 +359,6 @@ def _items(resource: Any) -> int:
     return sum(len(ss.spans) for ss in resource.scope_spans)
 
 
-class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
-    """OTLP MetricsService.Export → pipeline."""
-
-    def __init__(self, receiver: _Receiver) -> None:
-        self.receiver = receiver
-
-    def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        extracted = self.receiver.export(
-            request,
-            context,
-            metrics_service_pb2.ExportMetricsServiceRequest,
-            "resource_metrics",
-            self.receiver.pipeline.ingest_metrics,
-        )
-        response = metrics_service_pb2.ExportMetricsServiceResponse()
-        if extracted.rejected:
-            _refuse_if_nothing_mapped(extracted, context, "data points")
-            response.partial_success.rejected_data_points = extracted.rejected
-            response.partial_success.error_message = "; ".join(extracted.errors)[:2000]
-        return response
-
-
-class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """OTLP TraceService.Export → pipeline."""
-
-    def __init__(self, receiver: _Receiver) -> None:
-        self.receiver = receiver
-
-    def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        extracted = self.receiver.export(
-            request,
-            context,
-            trace_service_pb2.ExportTraceServiceRequest,
-            "resource_spans",
-            self.receiver.pipeline.ingest_traces,
-        )
-        response = trace_service_pb2.ExportTraceServiceResponse()
-        if extracted.rejected:
-            _refuse_if_nothing_mapped(extracted, context, "spans")
-            response.partial_success.rejected_spans = extracted.rejected
-            response.partial_success.error_message = "; ".join(extracted.errors)[:2000]
-        return response
-
-
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     context.abort(code, message)
     raise AssertionError("unreachable: abort raises")
@@ -446,20 +385,40 @@ def _guard(ingest: Callable[[], Extracted], context: grpc.ServicerContext) -> Ex
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
 
 
-def _refuse_if_nothing_mapped(
-    extracted: Extracted, context: grpc.ServicerContext, what: str
-) -> None:
-    if not extracted.gauges and not extracted.timings:
-        _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"refused {extracted.rejected} {what}: " + "; ".join(extracted.errors)[:2000],
-        )
+def _service(
+    receiver: _Receiver,
+    module: Any,
+    service: str,
+    field_name: str,
+    ingest: Callable[[Any, Stop], Extracted],
+    rejected_field: str,
+    what: str,
+) -> grpc.GenericRpcHandler:
+    """OTLP `service`'s Export (messages of `module`, e.g. metrics_service_pb2) → pipeline;
+    data that maps to nothing is INVALID_ARGUMENT, some of it: partial success."""
+    request_cls = getattr(module, f"Export{service}Request")
+    response_cls = getattr(module, f"Export{service}Response")
 
+    def export(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            extracted = receiver.export(raw, context, request_cls, field_name, ingest)
+        finally:  # refused or taken: what it cost the heap goes back
+            receiver.heap.after(len(raw))
+        response = response_cls()
+        if extracted.rejected:
+            errors = "; ".join(extracted.errors)[:2000]
+            if not extracted.gauges and not extracted.timings:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"refused {extracted.rejected} {what}: {errors}",
+                )
+            setattr(response.partial_success, rejected_field, extracted.rejected)
+            response.partial_success.error_message = errors
+        return response
 
-def _handler(service: str, export: Callable[..., Any], response_cls: Any) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
-        service,
+        module.DESCRIPTOR.services_by_name[service].full_name,
         {
             "Export": grpc.unary_unary_rpc_method_handler(
                 export,
@@ -521,15 +480,23 @@ class BridgeServer:
         )
         self._server.add_generic_rpc_handlers(
             (
-                _handler(
-                    _service_name(metrics_service_pb2, "MetricsService"),
-                    MetricsReceiver(self.receiver).Export,
-                    metrics_service_pb2.ExportMetricsServiceResponse,
+                _service(
+                    self.receiver,
+                    metrics_service_pb2,
+                    "MetricsService",
+                    "resource_metrics",
+                    pipeline.ingest_metrics,
+                    "rejected_data_points",
+                    "data points",
                 ),
-                _handler(
-                    _service_name(trace_service_pb2, "TraceService"),
-                    TraceReceiver(self.receiver).Export,
-                    trace_service_pb2.ExportTraceServiceResponse,
+                _service(
+                    self.receiver,
+                    trace_service_pb2,
+                    "TraceService",
+                    "resource_spans",
+                    pipeline.ingest_traces,
+                    "rejected_spans",
+                    "spans",
                 ),
             )
         )
