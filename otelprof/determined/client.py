@@ -141,6 +141,22 @@ class DeterminedClient:
         if credentials.password_file:
             self._secrets.add(_read_secret_file(credentials.password_file, "password"))
 
+    @classmethod
+    def in_task(
+        cls,
+        master: str,
+        credentials: Credentials,
+        env: Mapping[str, str],
+        ca_bundle: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> DeterminedClient:
+        """A client with the TLS settings of a Determined task's environment: DET_USE_TLS,
+        and `ca_bundle` or DET_MASTER_CERT_FILE ('noverify' turns verification off)."""
+        ca = ca_bundle or env.get("DET_MASTER_CERT_FILE")
+        verify = ca != "noverify"
+        use_tls = env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes")
+        return cls(master, credentials, ca if verify else None, timeout_s, use_tls, verify)
+
     # -- secrets ---------------------------------------------------------------------------
     def redact(self, text: str) -> str:
         """`text` with every secret this client knows replaced by `***`."""

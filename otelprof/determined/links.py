@@ -249,25 +249,12 @@ def start_trial_link(
         log.debug("otelprof: grafana_url is set but this is no Determined trial: no link")
         return None
     master, credentials = env.get("DET_MASTER"), Credentials.from_env(env)
-    if not master or not credentials.has_any():
-        log.warning(
-            "Determined: not linking trial %d to Grafana: no master or credentials "
-            "(DET_MASTER, DET_USER_TOKEN or DET_SESSION_TOKEN)",
-            trial,
-        )
-        add_stats(lambda: {"determined.grafana_link_set": 0, "determined.grafana_link_errors": 1})
-        return None
-    use_tls = env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes")
-    ca = env.get("DET_MASTER_CERT_FILE")
     try:
-        client = DeterminedClient(
-            master,
-            credentials,
-            ca_bundle=None if ca == "noverify" else ca,
-            timeout_s=timeout_s,
-            use_tls=use_tls,
-            verify=ca != "noverify",
-        )
+        if not master or not credentials.has_any():
+            raise ConfigError(
+                "no master or credentials (DET_MASTER, DET_USER_TOKEN or DET_SESSION_TOKEN)"
+            )
+        client = DeterminedClient.in_task(master, credentials, env, timeout_s=timeout_s)
     except ConfigError as error:  # a missing CA bundle, a master URL of another scheme
         log.warning("Determined: not linking trial %d to Grafana: %s", trial, error)
         add_stats(lambda: {"determined.grafana_link_set": 0, "determined.grafana_link_errors": 1})
