@@ -91,15 +91,16 @@ class _Trial:
 
 @dataclass
 class AggregatorStats:
-    """Counters a human can read to see what was not reported and why."""
+    """Counters a human can read to see what was not reported and why (named as in
+    `Pipeline.stats()`)."""
 
     windows: int = 0
     reports: int = 0
     incomplete_groups: int = 0  # a group skipped because a key had no recent value
     timings_held: int = 0  # timing windows waiting for a higher step count
     dropped_trials: int = 0  # samples refused because max_trials was reached
-    dropped_names: int = 0  # timing names beyond max_timing_names per trial
-    timings_unsafe: int = 0  # windows of a restarted trial not reported: no step offset
+    dropped_timing_names: int = 0  # timing names beyond max_timing_names per trial
+    timings_unsafe_steps: int = 0  # windows of a restarted trial not reported: no step offset
     invalid_values: int = 0  # NaN/inf left out of a report (the master cannot read them)
     dropped_agents: int = 0  # samples of agents beyond max_agents_per_trial
     dropped_series: int = 0  # histogram points of series beyond max_series_per_trial
@@ -272,7 +273,7 @@ class WindowAggregator:
         acc = state.timings.get(s.name)
         if acc is None:
             if len(state.timings) >= self.max_timing_names:
-                self.stats.dropped_names += 1
+                self.stats.dropped_timing_names += 1
                 return False
             acc = state.timings[s.name] = [0.0, 0]
         acc[0] += s.total_s
@@ -394,7 +395,7 @@ class WindowAggregator:
         if steps is None:
             # A restarted trial without DET_STEPS_COMPLETED: any step count could archive
             # the user's rows of earlier runs. Not reported (counted, logged once).
-            self.stats.timings_unsafe += 1
+            self.stats.timings_unsafe_steps += 1
             self.unsafe.append(
                 f"trial {trial_id} run {run_id} was restarted but its DET_STEPS_COMPLETED "
                 "is unknown; a stepsCompleted counted from 0 would make Determined archive "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -251,21 +252,11 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         a, s, d = self.aggregator.stats, self.spool.stats, self.deliverer.stats
         return {
-            "windows": a.windows,
-            "reports": a.reports,
-            "incomplete_groups": a.incomplete_groups,
-            "timings_held": a.timings_held,
-            "dropped_trials": a.dropped_trials,
-            "dropped_timing_names": a.dropped_names,
+            **asdict(a),
             "rejected_points": self.rejected_points,
             **{f"rejected_points_{r}": n for r, n in sorted(self.rejected_by_reason.items())},
             "baseline_lookups": self.baseline_lookups,
             "skipped_direct": self.skipped_direct,
-            "timings_unsafe_steps": a.timings_unsafe,
-            "invalid_values": a.invalid_values,
-            "dropped_agents": a.dropped_agents,
-            "dropped_series": a.dropped_series,
-            "steps_clamped": a.steps_clamped,
             "spool_damaged_files": s.damaged_files,
             "spool_damaged_lines": s.damaged_lines,
             "spooled": s.reports_spooled,
@@ -302,9 +293,9 @@ class Pipeline:
             else self.undelivered_at_shutdown,
             "determined.reports_unconfirmed_at_shutdown": 0 if on_disk
             else self.unconfirmed_at_shutdown,
-            "determined.timing_windows_dropped_unknown_steps": a.timings_unsafe,
+            "determined.timing_windows_dropped_unknown_steps": a.timings_unsafe_steps,
             "determined.samples_dropped_over_limits": a.dropped_agents + a.dropped_series
-            + a.dropped_trials + a.dropped_names,
+            + a.dropped_trials + a.dropped_timing_names,
             "determined.timing_reports_steps_clamped": a.steps_clamped,
             "determined.reports_pending": self.spool.pending(),
             "determined.report_retries": d.retries,

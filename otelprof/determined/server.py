@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -70,14 +70,15 @@ log = logging.getLogger("otelprof.determined")
 
 @dataclass
 class IngestStats:
-    """Requests and points refused before they reached the pipeline, by reason."""
+    """Requests and points refused before they reached the pipeline, by reason (each is
+    `refused_<name>` in `BridgeServer.stats()`)."""
 
     unauthenticated: int = 0  # no or a wrong bearer token (UNAUTHENTICATED)
     too_large: int = 0  # over max_request_bytes (RESOURCE_EXHAUSTED)
     throttled: int = 0  # the credential's share or the bytes in flight were used (UNAVAILABLE)
-    unverified: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
-    forbidden_requests: int = 0  # nothing in the request was in the token's scope
-    forbidden_points: int = 0  # points and spans for trials outside the token's scope
+    unverified_trial: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
+    out_of_scope_requests: int = 0  # nothing in the request was in the token's scope
+    out_of_scope_points: int = 0  # points and spans for trials outside the token's scope
     abandoned: int = 0  # the caller went away (deadline, closed connection): work dropped
 
 
@@ -328,7 +329,7 @@ class _Receiver:
             try:
                 allowed = self.scopes.allows(scope, trial)
             except NotKnownYet as exc:
-                self._count("unverified")
+                self._count("unverified_trial")
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
             if allowed:
                 kept.append(resource)
@@ -337,7 +338,7 @@ class _Receiver:
                 trials.add(trial)
         if not trials:
             return message, None
-        self._count("forbidden_points", refused)
+        self._count("out_of_scope_points", refused)
         named = ", ".join(map(str, sorted(trials)[:20])) + (" ..." if len(trials) > 20 else "")
         why = f"this token may write into {scope.describe()}, not into trial(s) {named}"
         self.refusals.refused(
@@ -346,7 +347,7 @@ class _Receiver:
             f"{self.tokens.describe(credential)}, whose scope is {scope.describe()}",
         )  # fmt: skip
         if not kept:
-            self._count("forbidden_requests")
+            self._count("out_of_scope_requests")
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         allowed_only = type(message)()
         getattr(allowed_only, field_name).extend(kept)
@@ -512,16 +513,9 @@ class BridgeServer:
 
     def stats(self) -> dict[str, Any]:
         """The pipeline's counters plus what was refused at the door."""
-        ingest = self.receiver.stats
         return {
             **self.pipeline.stats(),
-            "refused_unauthenticated": ingest.unauthenticated,
-            "refused_too_large": ingest.too_large,
-            "refused_throttled": ingest.throttled,
-            "refused_unverified_trial": ingest.unverified,
-            "refused_out_of_scope_requests": ingest.forbidden_requests,
-            "refused_out_of_scope_points": ingest.forbidden_points,
-            "refused_abandoned": ingest.abandoned,
+            **{f"refused_{name}": n for name, n in asdict(self.receiver.stats).items()},
             "inflight_bytes": self.receiver.admission.inflight_bytes,
         }
 
