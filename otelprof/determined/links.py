@@ -62,10 +62,6 @@ def dashboard_url(
     return f"{grafana_url}/d/{TRAINING_DASHBOARD_UID}?{query}"
 
 
-def link_line(trial_id: int, url: str) -> str:
-    return f"{_prefix(trial_id)}{url})"
-
-
 def _prefix(trial_id: int) -> str:
     return f"- [otelprof: trial {trial_id} in Grafana]("
 
@@ -80,7 +76,8 @@ def has_link(notes: str, trial_id: int, run_id: str) -> bool:
 def notes_with_link(notes: str, trial_id: int, url: str) -> str:
     """`notes` with this trial's link line: replaced where it is (a restarted trial's new
     run), appended as a list item otherwise; every other line kept as it was."""
-    line, prefix = link_line(trial_id, url), _prefix(trial_id)
+    prefix = _prefix(trial_id)
+    line = f"{prefix}{url})"
     out: list[str] = []
     placed = False
     for existing in notes.splitlines():

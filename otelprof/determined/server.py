@@ -168,11 +168,10 @@ class _Admission:
 
 
 class _HeapTrim:
-    """Hands the heap memory big requests freed back to the system once none is in flight:
-    glibc keeps it for reuse (after a burst of large requests the bridge stayed well above its
-    baseline until `malloc_trim`, which is cheap next to mapping such a request). Shortly after
-    the request, on a timer thread: by then the handler and gRPC have let go of its bytes
-    too, and a burst trims once. A no-op without glibc."""
+    """Hands the heap memory big requests freed back to the system once none is in flight
+    (glibc would keep it for reuse). Shortly after the request, on a timer thread: by then
+    the handler and gRPC have let go of its bytes too, and a burst trims once. A no-op
+    without glibc."""
 
     BIG = 1 << 20  # requests smaller than this leave no heap worth trimming
     DELAY_S = 0.2
