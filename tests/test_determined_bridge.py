@@ -250,6 +250,14 @@ def test_mixed_request_keeps_the_trial_data_and_reports_partial_success(
     assert response.partial_success.rejected_data_points == 12  # every point of it
     assert "determined.trial.run_id" in response.partial_success.error_message
     assert bridge.report_now() == 5
+    spans = timing_spans_request(trial_resource(42), range(2))
+    bad_spans = timing_spans_request(trial_resource(42, run_id=None), range(2))
+    spans.resource_spans.extend(bad_spans.resource_spans)
+    answer = bridge.otlp.send_traces(spans)
+    assert answer.partial_success.rejected_spans == sum(
+        len(s.spans) for r in bad_spans.resource_spans for s in r.scope_spans
+    )
+    assert "determined.trial.run_id" in answer.partial_success.error_message
 
 
 def test_data_without_ids_goes_to_the_configured_trial(

@@ -4,6 +4,7 @@ key the Metrics tab renames, timings from global rank 0 only, steps no faster th
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,6 @@ from otelprof.determined.mapping import (
     TimingSample,
     extract_spans,
     phase_timing_name,
-    webui_title,
 )
 from otelprof.determined.pipeline import Pipeline
 from otelprof.determined.server import BridgeServer
@@ -39,6 +39,10 @@ from tests.determined_feed import (
 )
 
 PREFIX_WORDS = ("t", "train", "training", "v", "val", "validation")
+# Determined 0.38.1's Metrics tab (TrialDetailsMetrics.tsx) strips these from each key, in
+# this order, and uses the rest as the chart's title and as the key grouping charts across
+# groups.
+WEBUI_STRIPPED = (re.compile(r"^(t_|train_|training_)"), re.compile(r"^(v_|val_|validation_)"))
 # Every range name otelprof itself records or bridges, and names people give ranges.
 RANGE_NAMES = sorted(
     RESERVED
@@ -53,6 +57,13 @@ RANGE_NAMES = sorted(
     | {f"{p}_step" for p in PREFIX_WORDS}
 )  # fmt: skip
 PHASES = (None, "train", "validation", "test", "predict", "checkpoint", *PREFIX_WORDS)
+
+
+def webui_title(key: str) -> str:
+    """The chart title Determined 0.38.1's Metrics tab gives a key (both strips, in order)."""
+    for pattern in WEBUI_STRIPPED:
+        key = pattern.sub("", key, count=1)
+    return key
 
 
 def _emitted_keys() -> set[str]:

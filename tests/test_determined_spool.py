@@ -27,8 +27,7 @@ def test_batches_resume_after_a_restart_without_resending_answered_reports(tmp_p
     spool.recover()
     spool.commit_window(0, _reports(0, 3), {})
     spool.commit_window(1, _reports(1, 2), {(42, 1): 7})
-    first = spool.peek()
-    assert first is not None and first[:2] == (0, 0)
+    assert spool.take_new()[0][:2] == (0, 0)
     spool.mark_inflight(0, 0)
     spool.ack(0, 0)
     spool.mark_inflight(0, 1)  # posted; the process dies before the answer
@@ -38,14 +37,13 @@ def test_batches_resume_after_a_restart_without_resending_answered_reports(tmp_p
     assert recovered.pending_reports == 4
     assert recovered.window == 2
     assert recovered.last_steps == {(42, 1): 7}
-    head = again.peek()
-    assert head is not None and head[:2] == (0, 1)
     assert again.maybe_delivered(0, 1)  # ask the master before resending
     order = []
-    while (item := again.peek()) is not None:
+    for item in again.take_new():
         order.append(item[:2])
         again.ack(item[0], item[1])
     assert order == [(0, 1), (0, 2), (1, 0), (1, 1)]
+    assert again.take_new() == [] and again.pending() == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
@@ -78,8 +76,8 @@ def test_full_spool_drops_the_oldest_reports_counts_and_logs_them(
         spool.commit_window(window, _reports(window, 1), {})
     assert spool.stats.reports_dropped == 3
     assert spool.pending() == 6 - spool.stats.reports_dropped
-    head = spool.peek()
-    assert head is not None and head[0] == spool.stats.reports_dropped  # oldest went first
+    head = spool.take_new()[0]
+    assert head[0] == spool.stats.reports_dropped  # oldest went first
     assert any("spool full" in r.getMessage() for r in caplog.records)
 
 
@@ -88,7 +86,8 @@ def test_memory_spool_keeps_order_and_its_cap() -> None:
     for window in range(3):
         spool.commit_window(window, _reports(window, 2), {})
     seen = []
-    while (item := spool.peek()) is not None:
+    for item in spool.take_new():
         seen.append(item[:2])
         spool.ack(item[0], item[1])
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert spool.pending() == 0

@@ -47,10 +47,6 @@ class Report:
         return {"trial_id": self.trial_id, "run_id": self.run_id, "group": self.group,
                 "body": self.body}  # fmt: skip
 
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> Report:
-        return cls(int(raw["trial_id"]), int(raw["run_id"]), str(raw["group"]), raw["body"])
-
 
 def build_body(
     trial_id: int,
@@ -95,15 +91,16 @@ class _Trial:
 
 @dataclass
 class AggregatorStats:
-    """Counters a human can read to see what was not reported and why."""
+    """Counters a human can read to see what was not reported and why (named as in
+    `Pipeline.stats()`)."""
 
     windows: int = 0
     reports: int = 0
     incomplete_groups: int = 0  # a group skipped because a key had no recent value
     timings_held: int = 0  # timing windows waiting for a higher step count
     dropped_trials: int = 0  # samples refused because max_trials was reached
-    dropped_names: int = 0  # timing names beyond max_timing_names per trial
-    timings_unsafe: int = 0  # windows of a restarted trial not reported: no step offset
+    dropped_timing_names: int = 0  # timing names beyond max_timing_names per trial
+    timings_unsafe_steps: int = 0  # windows of a restarted trial not reported: no step offset
     invalid_values: int = 0  # NaN/inf left out of a report (the master cannot read them)
     dropped_agents: int = 0  # samples of agents beyond max_agents_per_trial
     dropped_series: int = 0  # histogram points of series beyond max_series_per_trial
@@ -113,28 +110,24 @@ class AggregatorStats:
 class WindowAggregator:
     """Accumulates samples between flushes; `drain()` closes a window. Not thread-safe."""
 
+    carry_windows = 3  # a key missing from a window is filled from this many windows back
+    max_trials = 100_000
+    max_timing_names = 64
+    idle_windows = 360  # a trial with no data for this many windows is forgotten
+    # One trial's cardinality (agent ids, producers) must not grow every trial's reports
+    # and the bridge's memory: beyond these, its new agents and series are refused.
+    max_agents_per_trial = 64
+    max_series_per_trial = 4096
+    max_series = 1_000_000  # cumulative histogram series (and span timings) remembered
+
     def __init__(
         self,
         timings_group: str = "timings",
-        carry_windows: int = 3,
-        max_trials: int = 100_000,
-        max_timing_names: int = 64,
-        idle_windows: int = 360,
-        max_agents_per_trial: int = 64,
-        max_series_per_trial: int = 4096,
         max_steps_per_s: float = 10_000.0,
         window_s: float = 10.0,
         trust_offsets: bool = False,
     ) -> None:
         self.timings_group = timings_group
-        self.carry_windows = carry_windows
-        self.max_trials = max_trials
-        self.max_timing_names = max_timing_names
-        self.idle_windows = idle_windows
-        # One trial's cardinality (agent ids, producers) must not grow every trial's reports
-        # and the bridge's memory: beyond these, its new agents and series are refused.
-        self.max_agents_per_trial = max_agents_per_trial
-        self.max_series_per_trial = max_series_per_trial
         self.max_steps_per_s = max_steps_per_s
         self.window_s = window_s
         # A producer's DET_STEPS_COMPLETED is trusted in process (the process's own
@@ -158,7 +151,6 @@ class WindowAggregator:
         # (trial, run, timing) -> (calls, seconds) reported from spans, until its histogram
         # series starts: a series that starts later is counted beyond them, not in full
         self._span_calls: OrderedDict[tuple[int, int, str], tuple[int, float]] = OrderedDict()
-        self.max_series = 64 * max_trials if max_trials < 10_000 else 1_000_000
         self.incomplete: list[str] = []  # descriptions from the last drain, for logging
         self.unsafe: list[str] = []  # restarted trials whose timings cannot be placed
 
@@ -281,7 +273,7 @@ class WindowAggregator:
         acc = state.timings.get(s.name)
         if acc is None:
             if len(state.timings) >= self.max_timing_names:
-                self.stats.dropped_names += 1
+                self.stats.dropped_timing_names += 1
                 return False
             acc = state.timings[s.name] = [0.0, 0]
         acc[0] += s.total_s
@@ -403,7 +395,7 @@ class WindowAggregator:
         if steps is None:
             # A restarted trial without DET_STEPS_COMPLETED: any step count could archive
             # the user's rows of earlier runs. Not reported (counted, logged once).
-            self.stats.timings_unsafe += 1
+            self.stats.timings_unsafe_steps += 1
             self.unsafe.append(
                 f"trial {trial_id} run {run_id} was restarted but its DET_STEPS_COMPLETED "
                 "is unknown; a stepsCompleted counted from 0 would make Determined archive "

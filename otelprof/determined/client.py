@@ -141,6 +141,22 @@ class DeterminedClient:
         if credentials.password_file:
             self._secrets.add(_read_secret_file(credentials.password_file, "password"))
 
+    @classmethod
+    def in_task(
+        cls,
+        master: str,
+        credentials: Credentials,
+        env: Mapping[str, str],
+        ca_bundle: str | None = None,
+        timeout_s: float = 10.0,
+    ) -> DeterminedClient:
+        """A client with the TLS settings of a Determined task's environment: DET_USE_TLS,
+        and `ca_bundle` or DET_MASTER_CERT_FILE ('noverify' turns verification off)."""
+        ca = ca_bundle or env.get("DET_MASTER_CERT_FILE")
+        verify = ca != "noverify"
+        use_tls = env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes")
+        return cls(master, credentials, ca if verify else None, timeout_s, use_tls, verify)
+
     # -- secrets ---------------------------------------------------------------------------
     def redact(self, text: str) -> str:
         """`text` with every secret this client knows replaced by `***`."""
@@ -202,19 +218,8 @@ class DeterminedClient:
     # -- the one call ----------------------------------------------------------------------
     def report(self, report: Report) -> PostResult:
         """POST one report; classify the answer so the caller knows to retry or drop."""
-        try:
-            result = self._post(report)
-            if result.status == 401 and self._can_refresh():
-                # Token files may rotate and login sessions expire: fetch a fresh one once.
-                self._auth_header(refresh=True)
-                result = self._post(report)
-            return result
-        except LoginError as exc:
-            retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
-            outcome = Outcome.RETRY if retry else Outcome.REJECTED
-            return PostResult(outcome, exc.status, self.redact(str(exc)), master_wide=True)
-        except httpx.TransportError as exc:
-            return classify_transport_error(exc, self.redact(f"{type(exc).__name__}: {exc}"))
+        answer = self._answer("POST", f"/api/v1/trials/{report.trial_id}/metrics", report.body)
+        return answer if isinstance(answer, PostResult) else self._classify(answer)
 
     def _can_refresh(self) -> bool:
         c = self._creds
@@ -222,15 +227,32 @@ class DeterminedClient:
             (c.user_token_file or c.allocation_token_file or c.username) and not c.user_token
         )
 
-    def _post(self, report: Report) -> PostResult:
-        name, value = self._auth_header()
-        response = self._http.post(
-            f"/api/v1/trials/{report.trial_id}/metrics", json=report.body, headers={name: value}
-        )
+    def _answer(self, method: str, path: str, body: Any) -> httpx.Response | PostResult:
+        """One request with this client's credentials, refreshed once after a 401: the
+        master's answer, or why none came (classified). An unusable credential raises."""
+        try:
+            response = self._send(method, path, body)
+            if response.status_code == 401 and self._can_refresh():
+                # Token files may rotate and login sessions expire: fetch a fresh one once.
+                self._auth_header(refresh=True)
+                response = self._send(method, path, body)
+            return response
+        except LoginError as exc:
+            retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
+            outcome = Outcome.RETRY if retry else Outcome.REJECTED
+            return PostResult(outcome, exc.status, self.redact(str(exc)), master_wide=True)
+        except httpx.TransportError as exc:
+            return classify_transport_error(exc, self.redact(f"{type(exc).__name__}: {exc}"))
+
+    def _classify(self, response: httpx.Response) -> PostResult:
         status = response.status_code
         if 200 <= status < 300:
             return PostResult(Outcome.OK, status, "")
         return classify_answer(status, self.redact(master_message(response)))
+
+    def _send(self, method: str, path: str, body: Any = None, **kwargs: Any) -> httpx.Response:
+        name, value = self._auth_header()
+        return self._http.request(method, path, json=body, headers={name: value}, **kwargs)
 
     def already_stored(self, report: Report) -> bool | None:
         """Does the master already hold this report? None when it cannot tell.
@@ -247,8 +269,7 @@ class DeterminedClient:
             return None
 
     def _get_ndjson(self, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
-        name, value = self._auth_header()
-        response = self._http.get(path, params=params, headers={name: value})
+        response = self._send("GET", path, params=params)
         response.raise_for_status()
         return [json.loads(line) for line in response.text.splitlines() if line.strip()]
 
@@ -286,9 +307,8 @@ class DeterminedClient:
     def _trial(self, trial_id: int, timeout_s: float | None = None) -> dict[str, Any] | None:
         """GetTrial's `trial` object; None when the master has no such trial. Raises when
         the master cannot answer (down, refused our credentials)."""
-        name, value = self._auth_header()
         kwargs: dict[str, Any] = {} if timeout_s is None else {"timeout": max(0.01, timeout_s)}
-        response = self._http.get(f"/api/v1/trials/{trial_id}", headers={name: value}, **kwargs)
+        response = self._send("GET", f"/api/v1/trials/{trial_id}", **kwargs)
         if response.status_code == 404:
             return None
         if response.status_code != 200:
@@ -334,33 +354,22 @@ class DeterminedClient:
         return result
 
     def _call(self, method: str, path: str, body: Any = None) -> tuple[PostResult, Any]:
-        """One request with this client's credentials (refreshed once after a 401),
-        classified as reports are; the answer's JSON when it succeeded."""
+        """`_answer`, classified as reports are; the answer's JSON when it succeeded."""
         try:
-            response = self._send(method, path, body)
-            if response.status_code == 401 and self._can_refresh():
-                self._auth_header(refresh=True)
-                response = self._send(method, path, body)
-        except LoginError as exc:
-            retry = exc.status is None or exc.status >= 500 or exc.status in (408, 429)
-            outcome = Outcome.RETRY if retry else Outcome.REJECTED
-            return PostResult(outcome, exc.status, self.redact(str(exc)), master_wide=True), None
-        except httpx.TransportError as exc:
-            text = self.redact(f"{type(exc).__name__}: {exc}")
-            return classify_transport_error(exc, text), None
+            answer = self._answer(method, path, body)
         except ConfigError as exc:  # no usable credentials (an unreadable token file)
             return PostResult(Outcome.REJECTED, None, str(exc)), None
-        status = response.status_code
-        if not 200 <= status < 300:
-            return classify_answer(status, self.redact(master_message(response))), None
+        if isinstance(answer, PostResult):
+            return answer, None
+        result = self._classify(answer)
+        if result.outcome is not Outcome.OK:
+            return result, None
         try:
-            return PostResult(Outcome.OK, status, ""), response.json()
+            return result, answer.json()
         except ValueError:
-            return PostResult(Outcome.UNKNOWN, status, "the master's answer is not JSON"), None
-
-    def _send(self, method: str, path: str, body: Any) -> httpx.Response:
-        name, value = self._auth_header()
-        return self._http.request(method, path, json=body, headers={name: value})
+            return PostResult(
+                Outcome.UNKNOWN, result.status, "the master's answer is not JSON"
+            ), None
 
     def close(self) -> None:
         self._http.close()

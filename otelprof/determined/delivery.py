@@ -76,20 +76,20 @@ class _TrialState:
 class Deliverer:
     """Drains a spool into a client with `workers` threads, one trial at a time each."""
 
+    workers = 4
+
     def __init__(
         self,
         spool: DiskSpool | MemorySpool,
         client: DeterminedClient,
         initial_delay_s: float = 0.5,
         max_delay_s: float = 30.0,
-        workers: int = 4,
         max_unknown_attempts: int = 5,
     ) -> None:
         self.spool = spool
         self.client = client
         self.initial_delay_s = initial_delay_s
         self.max_delay_s = max_delay_s
-        self.workers = max(1, workers)
         self.max_unknown_attempts = max_unknown_attempts
         self.stats = DeliveryStats()
         self._cond = threading.Condition()
@@ -125,10 +125,8 @@ class Deliverer:
             self._refill = True
             self._cond.notify_all()
 
-    def wait_idle(self, timeout_s: float, wake: bool = True) -> bool:
+    def wait_idle(self, timeout_s: float) -> bool:
         """Block until every spooled report is answered (True) or the timeout passes."""
-        if wake:
-            self.wake()
         return self._idle.wait(timeout_s)
 
     def unconfirmed(self) -> int:

@@ -176,7 +176,6 @@ class ScopeChecker:
         self._cache: OrderedDict[int, int | None] = OrderedDict()
         self._lock = threading.Lock()
         self.max_cached = max_cached
-        self.lookups = 0
 
     def allows(self, scope: Scope, trial: int) -> bool:
         if scope.everything or trial in scope.trials:
@@ -195,7 +194,6 @@ class ScopeChecker:
         except Exception as exc:
             raise NotKnownYet(f"cannot ask the master which experiment trial {trial} is in: "
                               f"{exc}") from None  # fmt: skip
-        self.lookups += 1
         if experiment is None:
             return None  # no such trial (yet): asked again next time, not remembered
         with self._lock:

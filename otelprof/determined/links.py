@@ -62,10 +62,6 @@ def dashboard_url(
     return f"{grafana_url}/d/{TRAINING_DASHBOARD_UID}?{query}"
 
 
-def link_line(trial_id: int, url: str) -> str:
-    return f"{_prefix(trial_id)}{url})"
-
-
 def _prefix(trial_id: int) -> str:
     return f"- [otelprof: trial {trial_id} in Grafana]("
 
@@ -80,7 +76,8 @@ def has_link(notes: str, trial_id: int, run_id: str) -> bool:
 def notes_with_link(notes: str, trial_id: int, url: str) -> str:
     """`notes` with this trial's link line: replaced where it is (a restarted trial's new
     run), appended as a list item otherwise; every other line kept as it was."""
-    line, prefix = link_line(trial_id, url), _prefix(trial_id)
+    prefix = _prefix(trial_id)
+    line = f"{prefix}{url})"
     out: list[str] = []
     placed = False
     for existing in notes.splitlines():
@@ -249,25 +246,12 @@ def start_trial_link(
         log.debug("otelprof: grafana_url is set but this is no Determined trial: no link")
         return None
     master, credentials = env.get("DET_MASTER"), Credentials.from_env(env)
-    if not master or not credentials.has_any():
-        log.warning(
-            "Determined: not linking trial %d to Grafana: no master or credentials "
-            "(DET_MASTER, DET_USER_TOKEN or DET_SESSION_TOKEN)",
-            trial,
-        )
-        add_stats(lambda: {"determined.grafana_link_set": 0, "determined.grafana_link_errors": 1})
-        return None
-    use_tls = env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes")
-    ca = env.get("DET_MASTER_CERT_FILE")
     try:
-        client = DeterminedClient(
-            master,
-            credentials,
-            ca_bundle=None if ca == "noverify" else ca,
-            timeout_s=timeout_s,
-            use_tls=use_tls,
-            verify=ca != "noverify",
-        )
+        if not master or not credentials.has_any():
+            raise ConfigError(
+                "no master or credentials (DET_MASTER, DET_USER_TOKEN or DET_SESSION_TOKEN)"
+            )
+        client = DeterminedClient.in_task(master, credentials, env, timeout_s=timeout_s)
     except ConfigError as error:  # a missing CA bundle, a master URL of another scheme
         log.warning("Determined: not linking trial %d to Grafana: %s", trial, error)
         add_stats(lambda: {"determined.grafana_link_set": 0, "determined.grafana_link_errors": 1})

@@ -70,10 +70,10 @@ STEP_INDEX_BASE = 0
 _NAME_UNSAFE = re.compile(r"[^A-Za-z0-9]+")
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 MAX_TIMING_KEY = 40  # the Metrics tab titles each chart with the key: keep it readable
-# Determined 0.38.1's Metrics tab (TrialDetailsMetrics.tsx) strips these from each key, in
-# this order, and uses the rest as the chart's title and as the key grouping charts across
-# groups: `validation_s` would be titled "s", `t_step_s` drawn into the `step_s` chart.
-WEBUI_STRIPPED = (re.compile(r"^(t_|train_|training_)"), re.compile(r"^(v_|val_|validation_)"))
+# Determined 0.38.1's Metrics tab (TrialDetailsMetrics.tsx) strips a leading `t_`, `train_`
+# or `training_`, then `v_`, `val_` or `validation_`, from each key and uses the rest as the
+# chart's title and as the key grouping charts across groups: `validation_s` would be
+# titled "s", `t_step_s` drawn into the `step_s` chart. No key starts with these words.
 _UI_PREFIX_WORDS = frozenset(("t", "train", "training", "v", "val", "validation"))
 # torch.profiler / record_function range names → short keys people recognise. torch's own
 # DataLoader range runs inside otelprof's `dataloader_next` (timed_dataloader): its own key,
@@ -350,13 +350,6 @@ def resolve_route(attrs: Mapping[str, Any], default: Route) -> tuple[int, int, s
             "no_agent",
         )
     return trial, run, str(agent)
-
-
-def webui_title(key: str) -> str:
-    """The chart title Determined 0.38.1's Metrics tab gives a key (both strips, in order)."""
-    for pattern in WEBUI_STRIPPED:
-        key = pattern.sub("", key, count=1)
-    return key
 
 
 def _clear_of_ui_prefixes(words: str) -> str:

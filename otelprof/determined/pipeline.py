@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -47,10 +48,8 @@ class Pipeline:
         window_s: float = 10.0,
         route: Route | None = None,
         timings_group: str = "timings",
-        max_trials: int = 100_000,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
-        delivery_workers: int = 4,
         max_unknown_attempts: int = 5,
         skip_direct: bool = False,
         max_steps_per_s: float = 10_000.0,
@@ -68,13 +67,12 @@ class Pipeline:
         self.route = route or Route()
         self.aggregator = WindowAggregator(
             timings_group=timings_group,
-            max_trials=max_trials,
             max_steps_per_s=max_steps_per_s,
             window_s=window_s,
             trust_offsets=trust_offsets,
         )
         self.deliverer = Deliverer(
-            spool, client, retry_initial_s, retry_max_s, delivery_workers, max_unknown_attempts
+            spool, client, retry_initial_s, retry_max_s, max_unknown_attempts
         )
         self.rejected_points = 0
         self.rejected_by_reason: dict[str, int] = {}
@@ -207,7 +205,7 @@ class Pipeline:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            if self.deliverer.wait_idle(min(left, 0.05), wake=False):
+            if self.deliverer.wait_idle(min(left, 0.05)):
                 return True
         return False
 
@@ -254,21 +252,11 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         a, s, d = self.aggregator.stats, self.spool.stats, self.deliverer.stats
         return {
-            "windows": a.windows,
-            "reports": a.reports,
-            "incomplete_groups": a.incomplete_groups,
-            "timings_held": a.timings_held,
-            "dropped_trials": a.dropped_trials,
-            "dropped_timing_names": a.dropped_names,
+            **asdict(a),
             "rejected_points": self.rejected_points,
             **{f"rejected_points_{r}": n for r, n in sorted(self.rejected_by_reason.items())},
             "baseline_lookups": self.baseline_lookups,
             "skipped_direct": self.skipped_direct,
-            "timings_unsafe_steps": a.timings_unsafe,
-            "invalid_values": a.invalid_values,
-            "dropped_agents": a.dropped_agents,
-            "dropped_series": a.dropped_series,
-            "steps_clamped": a.steps_clamped,
             "spool_damaged_files": s.damaged_files,
             "spool_damaged_lines": s.damaged_lines,
             "spooled": s.reports_spooled,
@@ -305,9 +293,9 @@ class Pipeline:
             else self.undelivered_at_shutdown,
             "determined.reports_unconfirmed_at_shutdown": 0 if on_disk
             else self.unconfirmed_at_shutdown,
-            "determined.timing_windows_dropped_unknown_steps": a.timings_unsafe,
+            "determined.timing_windows_dropped_unknown_steps": a.timings_unsafe_steps,
             "determined.samples_dropped_over_limits": a.dropped_agents + a.dropped_series
-            + a.dropped_trials + a.dropped_names,
+            + a.dropped_trials + a.dropped_timing_names,
             "determined.timing_reports_steps_clamped": a.steps_clamped,
             "determined.reports_pending": self.spool.pending(),
             "determined.report_retries": d.retries,

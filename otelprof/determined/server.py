@@ -37,13 +37,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from otelprof.determined.ingest_auth import (
     IngestLimits,
@@ -68,20 +68,17 @@ from otelprof.determined.pipeline import Pipeline
 log = logging.getLogger("otelprof.determined")
 
 
-def _service_name(module: Any, service: str) -> str:
-    return str(module.DESCRIPTOR.services_by_name[service].full_name)
-
-
 @dataclass
 class IngestStats:
-    """Requests and points refused before they reached the pipeline, by reason."""
+    """Requests and points refused before they reached the pipeline, by reason (each is
+    `refused_<name>` in `BridgeServer.stats()`)."""
 
     unauthenticated: int = 0  # no or a wrong bearer token (UNAUTHENTICATED)
     too_large: int = 0  # over max_request_bytes (RESOURCE_EXHAUSTED)
     throttled: int = 0  # the credential's share or the bytes in flight were used (UNAVAILABLE)
-    unverified: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
-    forbidden_requests: int = 0  # nothing in the request was in the token's scope
-    forbidden_points: int = 0  # points and spans for trials outside the token's scope
+    unverified_trial: int = 0  # the master could not say a trial's experiment (UNAVAILABLE)
+    out_of_scope_requests: int = 0  # nothing in the request was in the token's scope
+    out_of_scope_points: int = 0  # points and spans for trials outside the token's scope
     abandoned: int = 0  # the caller went away (deadline, closed connection): work dropped
 
 
@@ -171,11 +168,10 @@ class _Admission:
 
 
 class _HeapTrim:
-    """Hands the heap memory big requests freed back to the system once none is in flight:
-    glibc keeps it for reuse (after a burst of large requests the bridge stayed well above its
-    baseline until `malloc_trim`, which is cheap next to mapping such a request). Shortly after
-    the request, on a timer thread: by then the handler and gRPC have let go of its bytes
-    too, and a burst trims once. A no-op without glibc."""
+    """Hands the heap memory big requests freed back to the system once none is in flight
+    (glibc would keep it for reuse). Shortly after the request, on a timer thread: by then
+    the handler and gRPC have let go of its bytes too, and a burst trims once. A no-op
+    without glibc."""
 
     BIG = 1 << 20  # requests smaller than this leave no heap worth trimming
     DELAY_S = 0.2
@@ -221,7 +217,7 @@ class _Receiver:
         self.stats = IngestStats()
         self.admission = _Admission(limits)
         self.refusals = RefusalLog()
-        self._heap = _HeapTrim(self.admission)
+        self.heap = _HeapTrim(self.admission)
         self._stats_lock = threading.Lock()
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -229,19 +225,6 @@ class _Receiver:
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
     def export(
-        self,
-        raw: bytes,
-        context: grpc.ServicerContext,
-        cls: Any,
-        field_name: str,
-        ingest: Callable[[Any, Stop], Extracted],
-    ) -> Extracted:
-        try:
-            return self._export(raw, context, cls, field_name, ingest)
-        finally:  # refused or taken: what it cost the heap goes back
-            self._heap.after(len(raw))
-
-    def _export(
         self,
         raw: bytes,
         context: grpc.ServicerContext,
@@ -345,7 +328,7 @@ class _Receiver:
             try:
                 allowed = self.scopes.allows(scope, trial)
             except NotKnownYet as exc:
-                self._count("unverified")
+                self._count("unverified_trial")
                 _abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
             if allowed:
                 kept.append(resource)
@@ -354,7 +337,7 @@ class _Receiver:
                 trials.add(trial)
         if not trials:
             return message, None
-        self._count("forbidden_points", refused)
+        self._count("out_of_scope_points", refused)
         named = ", ".join(map(str, sorted(trials)[:20])) + (" ..." if len(trials) > 20 else "")
         why = f"this token may write into {scope.describe()}, not into trial(s) {named}"
         self.refusals.refused(
@@ -363,7 +346,7 @@ class _Receiver:
             f"{self.tokens.describe(credential)}, whose scope is {scope.describe()}",
         )  # fmt: skip
         if not kept:
-            self._count("forbidden_requests")
+            self._count("out_of_scope_requests")
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         allowed_only = type(message)()
         getattr(allowed_only, field_name).extend(kept)
@@ -374,50 +357,6 @@ def _items(resource: Any) -> int:
     if hasattr(resource, "scope_metrics"):
         return sum(point_count(m) for sm in resource.scope_metrics for m in sm.metrics)
     return sum(len(ss.spans) for ss in resource.scope_spans)
-
-
-class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
-    """OTLP MetricsService.Export → pipeline."""
-
-    def __init__(self, receiver: _Receiver) -> None:
-        self.receiver = receiver
-
-    def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        extracted = self.receiver.export(
-            request,
-            context,
-            metrics_service_pb2.ExportMetricsServiceRequest,
-            "resource_metrics",
-            self.receiver.pipeline.ingest_metrics,
-        )
-        response = metrics_service_pb2.ExportMetricsServiceResponse()
-        if extracted.rejected:
-            _refuse_if_nothing_mapped(extracted, context, "data points")
-            response.partial_success.rejected_data_points = extracted.rejected
-            response.partial_success.error_message = "; ".join(extracted.errors)[:2000]
-        return response
-
-
-class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """OTLP TraceService.Export → pipeline."""
-
-    def __init__(self, receiver: _Receiver) -> None:
-        self.receiver = receiver
-
-    def Export(self, request: bytes, context: grpc.ServicerContext) -> Any:
-        extracted = self.receiver.export(
-            request,
-            context,
-            trace_service_pb2.ExportTraceServiceRequest,
-            "resource_spans",
-            self.receiver.pipeline.ingest_traces,
-        )
-        response = trace_service_pb2.ExportTraceServiceResponse()
-        if extracted.rejected:
-            _refuse_if_nothing_mapped(extracted, context, "spans")
-            response.partial_success.rejected_spans = extracted.rejected
-            response.partial_success.error_message = "; ".join(extracted.errors)[:2000]
-        return response
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -446,20 +385,40 @@ def _guard(ingest: Callable[[], Extracted], context: grpc.ServicerContext) -> Ex
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
 
 
-def _refuse_if_nothing_mapped(
-    extracted: Extracted, context: grpc.ServicerContext, what: str
-) -> None:
-    if not extracted.gauges and not extracted.timings:
-        _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"refused {extracted.rejected} {what}: " + "; ".join(extracted.errors)[:2000],
-        )
+def _service(
+    receiver: _Receiver,
+    module: Any,
+    service: str,
+    field_name: str,
+    ingest: Callable[[Any, Stop], Extracted],
+    rejected_field: str,
+    what: str,
+) -> grpc.GenericRpcHandler:
+    """OTLP `service`'s Export (messages of `module`, e.g. metrics_service_pb2) → pipeline;
+    data that maps to nothing is INVALID_ARGUMENT, some of it: partial success."""
+    request_cls = getattr(module, f"Export{service}Request")
+    response_cls = getattr(module, f"Export{service}Response")
 
+    def export(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            extracted = receiver.export(raw, context, request_cls, field_name, ingest)
+        finally:  # refused or taken: what it cost the heap goes back
+            receiver.heap.after(len(raw))
+        response = response_cls()
+        if extracted.rejected:
+            errors = "; ".join(extracted.errors)[:2000]
+            if not extracted.gauges and not extracted.timings:
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"refused {extracted.rejected} {what}: {errors}",
+                )
+            setattr(response.partial_success, rejected_field, extracted.rejected)
+            response.partial_success.error_message = errors
+        return response
 
-def _handler(service: str, export: Callable[..., Any], response_cls: Any) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
-        service,
+        module.DESCRIPTOR.services_by_name[service].full_name,
         {
             "Export": grpc.unary_unary_rpc_method_handler(
                 export,
@@ -497,7 +456,6 @@ class BridgeServer:
         tokens: IngestTokens,
         tls: TlsFiles | None = None,
         limits: IngestLimits | None = None,
-        experiment_of: Callable[[int], int | None] | None = None,
     ) -> None:
         if tls is None and not is_loopback(listen):
             raise OSError(
@@ -508,9 +466,8 @@ class BridgeServer:
         self.pipeline = pipeline
         limits = limits or IngestLimits(max_per_credential=max(1, workers // 2))
         self.receiver = _Receiver(
-            pipeline, tokens, ScopeChecker(experiment_of or pipeline.client.trial_experiment),
-            limits,
-        )  # fmt: skip
+            pipeline, tokens, ScopeChecker(pipeline.client.trial_experiment), limits
+        )
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="otelprof-otlp"),
             options=[
@@ -523,15 +480,23 @@ class BridgeServer:
         )
         self._server.add_generic_rpc_handlers(
             (
-                _handler(
-                    _service_name(metrics_service_pb2, "MetricsService"),
-                    MetricsReceiver(self.receiver).Export,
-                    metrics_service_pb2.ExportMetricsServiceResponse,
+                _service(
+                    self.receiver,
+                    metrics_service_pb2,
+                    "MetricsService",
+                    "resource_metrics",
+                    pipeline.ingest_metrics,
+                    "rejected_data_points",
+                    "data points",
                 ),
-                _handler(
-                    _service_name(trace_service_pb2, "TraceService"),
-                    TraceReceiver(self.receiver).Export,
-                    trace_service_pb2.ExportTraceServiceResponse,
+                _service(
+                    self.receiver,
+                    trace_service_pb2,
+                    "TraceService",
+                    "resource_spans",
+                    pipeline.ingest_traces,
+                    "rejected_spans",
+                    "spans",
                 ),
             )
         )
@@ -544,21 +509,12 @@ class BridgeServer:
             raise OSError(f"cannot listen on {listen}: {exc}") from None
         if self.port == 0:
             raise OSError(f"cannot listen on {listen} (address in use or invalid)")
-        self.listen = listen
-        self.tls = tls
 
     def stats(self) -> dict[str, Any]:
         """The pipeline's counters plus what was refused at the door."""
-        ingest = self.receiver.stats
         return {
             **self.pipeline.stats(),
-            "refused_unauthenticated": ingest.unauthenticated,
-            "refused_too_large": ingest.too_large,
-            "refused_throttled": ingest.throttled,
-            "refused_unverified_trial": ingest.unverified,
-            "refused_out_of_scope_requests": ingest.forbidden_requests,
-            "refused_out_of_scope_points": ingest.forbidden_points,
-            "refused_abandoned": ingest.abandoned,
+            **{f"refused_{name}": n for name, n in asdict(self.receiver.stats).items()},
             "inflight_bytes": self.receiver.admission.inflight_bytes,
         }
 
@@ -571,6 +527,3 @@ class BridgeServer:
         """Stop accepting, finish in-flight calls, close the last window, drain delivery."""
         self._server.stop(grace_s).wait(grace_s + 1)
         self.pipeline.shutdown(drain_timeout_s)
-
-    def wait(self) -> None:
-        self._server.wait_for_termination()

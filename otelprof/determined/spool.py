@@ -57,7 +57,6 @@ class Recovered:
 @dataclass
 class SpoolStats:
     reports_spooled: int = 0
-    reports_acked: int = 0
     reports_dropped: int = 0  # oldest batches dropped because the spool was full
     journal_overflow: int = 0  # ingests not journaled because the journal hit its cap
     reports_refused: int = 0  # refused by the master for good, moved aside
@@ -73,25 +72,19 @@ Item = tuple[int, int, Report]  # (window, index in the window's batch, report)
 class _Batch:
     window: int
     size: int
+    count: int  # reports in the batch
     reports: list[Report] | None = None  # loaded lazily for the disk spool
     acked: set[int] = field(default_factory=set)
     # Posted but unanswered when the process died: the master may already hold them.
     maybe_sent: set[int] = field(default_factory=set)
     handed: bool = False  # given to the deliverer by take_new()
 
-    def next_index(self) -> int | None:
-        assert self.reports is not None
-        for i in range(len(self.reports)):
-            if i not in self.acked:
-                return i
-        return None
-
     def unanswered(self) -> list[Item]:
         assert self.reports is not None
         return [(self.window, i, r) for i, r in enumerate(self.reports) if i not in self.acked]
 
-    def done(self) -> bool:
-        return self.reports is not None and len(self.acked) >= len(self.reports)
+    def left(self) -> int:
+        return self.count - len(self.acked)
 
 
 def _refusal_entry(report: Report, status: int | None, message: str) -> dict[str, Any]:
@@ -99,15 +92,39 @@ def _refusal_entry(report: Report, status: int | None, message: str) -> dict[str
             "report": report.to_json()}  # fmt: skip
 
 
+def _append_refused(path: Path, entry: dict[str, Any], used: int | None, max_bytes: int,
+                    shared: bool = False, fsync: bool = False) -> int:  # fmt: skip
+    """Append a refused report to `path` (JSON Lines) unless that would take the file (of
+    `used` bytes; None: as big as it is) past its cap, an eighth of the spool's; the bytes
+    written (0: not kept)."""
+    line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+    try:
+        if used is None:
+            used = path.stat().st_size if path.exists() else 0
+        if used + len(line) > max(max_bytes // 8, 1 << 20):
+            return 0
+        private.make_dir(path.parent, shared)
+        with private.open_append(path, shared) as fh:
+            fh.write(line)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+    except OSError as exc:
+        log.error("Determined spool: cannot keep a refused report in %s: %s", path, exc)
+        return 0
+    return len(line)
+
+
 class _SpoolBase:
     """The delivery side shared by both spools: batches by window, answered in any order."""
 
-    max_bytes: int
-    stats: SpoolStats
-    _lock: threading.Lock
-    _batches: dict[int, _Batch]
-    _bytes: int
-    dropped_generation: int  # bumped whenever the cap drops batches
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.stats = SpoolStats()
+        self._lock = threading.Lock()
+        self._batches: dict[int, _Batch] = {}
+        self._bytes = 0
+        self.dropped_generation = 0  # bumped whenever the cap drops batches
 
     # hooks for the disk spool
     def _load(self, batch: _Batch) -> bool:
@@ -138,21 +155,6 @@ class _SpoolBase:
                 out.extend(batch.unanswered())
         return out
 
-    def peek(self) -> Item | None:
-        """The oldest unanswered report of all, or None."""
-        with self._lock:
-            for w in list(self._batches):
-                batch = self._batches[w]
-                if not self._load(batch):
-                    self._pop(w)
-                    continue
-                index = batch.next_index()
-                if index is not None:
-                    assert batch.reports is not None
-                    return w, index, batch.reports[index]
-                self._pop(w)
-            return None
-
     def is_live(self, window: int) -> bool:
         """False once the batch is gone (answered, or dropped because the spool was full)."""
         with self._lock:
@@ -179,8 +181,7 @@ class _SpoolBase:
             self._write_ack(window, f"{index}\n")
             batch.acked.add(index)
             batch.maybe_sent.discard(index)
-            self.stats.reports_acked += 1
-            if batch.done():
+            if batch.left() <= 0:
                 self._pop(window)
 
     def refuse(self, window: int, index: int, report: Report, status: int | None,
@@ -199,21 +200,20 @@ class _SpoolBase:
         self._bytes -= batch.size
         self._remove_files(window)
 
-    def _drop_oldest(self) -> int:
-        window = next(iter(self._batches))
-        batch = self._batches[window]
-        total = len(batch.reports) if batch.reports is not None else self._count(window)
-        self._pop(window)
-        return total - len(batch.acked)
-
-    def _count(self, window: int) -> int:
-        return 0
+    def _add(self, window: int, size: int, reports: list[Report]) -> None:
+        with self._lock:
+            self._batches[window] = _Batch(window, size, len(reports), list(reports))
+            self._bytes += size
+            self.stats.reports_spooled += len(reports)
+            self._enforce_cap()
 
     def _enforce_cap(self) -> None:
         """Drop the oldest batches (never the newest) until the spool fits max_bytes."""
         dropped = 0
         while len(self._batches) > 1 and self._bytes > self.max_bytes:
-            dropped += self._drop_oldest()
+            oldest = next(iter(self._batches.values()))
+            dropped += oldest.left()
+            self._pop(oldest.window)
         if dropped:
             self.dropped_generation += 1
             self.stats.reports_dropped += dropped
@@ -227,11 +227,7 @@ class _SpoolBase:
 
     def pending(self) -> int:
         with self._lock:
-            total = 0
-            for w, b in self._batches.items():
-                n = len(b.reports) if b.reports is not None else self._count(w)
-                total += n - len(b.acked)
-            return total
+            return sum(b.left() for b in self._batches.values())
 
 
 class MemorySpool(_SpoolBase):
@@ -240,20 +236,14 @@ class MemorySpool(_SpoolBase):
     def __init__(
         self,
         max_bytes: int = 64 * 1024 * 1024,
-        max_refused: int = 1000,
         refused_path: str | os.PathLike[str] | None = None,
     ) -> None:
         """`refused_path`: also append refused reports there (owner-only JSON Lines, e.g.
         the run directory's determined-refused.jsonl, read by `otelprof report`)."""
-        self.max_bytes = max_bytes
+        super().__init__(max_bytes)
         self.refused_path = None if refused_path is None else Path(refused_path)
         self._refused_file_bytes = 0
-        self.stats = SpoolStats()
-        self._lock = threading.Lock()
-        self._batches = {}
-        self._bytes = 0
-        self.dropped_generation = 0
-        self._refused: deque[dict[str, Any]] = deque(maxlen=max_refused)
+        self._refused: deque[dict[str, Any]] = deque(maxlen=1000)
 
     def recover(self) -> Recovered:
         return Recovered()
@@ -264,37 +254,17 @@ class MemorySpool(_SpoolBase):
     def commit_window(
         self, window: int, reports: list[Report], last_steps: dict[tuple[int, int], int]
     ) -> None:
-        if not reports:
-            return
-        size = sum(len(json.dumps(r.body)) for r in reports)
-        with self._lock:
-            self._batches[window] = _Batch(window, size, list(reports))
-            self._bytes += size
-            self.stats.reports_spooled += len(reports)
-            self._enforce_cap()
+        if reports:
+            self._add(window, sum(len(json.dumps(r.body)) for r in reports), reports)
 
     def _keep_refused(self, entry: dict[str, Any]) -> bool:
         full = len(self._refused) == self._refused.maxlen
         self._refused.append(entry)  # the oldest refused one goes when full
-        if self.refused_path is not None:
-            return self._append_refused(entry)
-        return not full
-
-    def _append_refused(self, entry: dict[str, Any]) -> bool:
-        assert self.refused_path is not None
-        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
-        if self._refused_file_bytes + len(line) > max(self.max_bytes // 8, 1 << 20):
-            return False
-        try:
-            private.make_dir(self.refused_path.parent)
-            with private.open_append(self.refused_path) as fh:
-                fh.write(line)
-        except OSError as exc:
-            log.error("Determined: cannot keep a refused report in %s: %s", self.refused_path,
-                      exc)  # fmt: skip
-            return False
-        self._refused_file_bytes += len(line)
-        return True
+        if self.refused_path is None:
+            return not full
+        used = self._refused_file_bytes
+        self._refused_file_bytes += _append_refused(self.refused_path, entry, used, self.max_bytes)
+        return self._refused_file_bytes > used
 
     def refused_reports(self) -> list[dict[str, Any]]:
         """The refused reports kept, oldest first: {time, status, message, report}."""
@@ -383,16 +353,11 @@ class DiskSpool(_SpoolBase):
 
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int = 256 * 1024 * 1024,
                  fsync: bool = True, shared: bool = False) -> None:  # fmt: skip
+        super().__init__(max_bytes)
         self.directory = Path(directory)
         self.shared = shared
         private.make_dir(self.directory, shared)
-        self.max_bytes = max_bytes
         self.fsync = fsync
-        self.stats = SpoolStats()
-        self._lock = threading.Lock()
-        self._batches = {}
-        self._bytes = 0
-        self.dropped_generation = 0
         self._journal_window = -1
         self._journal_fh: IO[bytes] | None = None
         self._journal_bytes = 0
@@ -506,7 +471,7 @@ class DiskSpool(_SpoolBase):
             self._remove_files(window)
             return window
         size = path.stat().st_size
-        self._batches[window] = _Batch(window, size, None, acked, inflight - acked)
+        self._batches[window] = _Batch(window, size, len(reports), None, acked, inflight - acked)
         self._bytes += size
         out.pending_reports += len(reports) - len(acked)
         return window
@@ -599,12 +564,9 @@ class DiskSpool(_SpoolBase):
             )
             if self.fsync:
                 _fsync_dir(self.directory)
+        if reports:
+            self._add(window, len(data), reports)
         with self._lock:
-            if reports:
-                self._batches[window] = _Batch(window, len(data), list(reports))
-                self._bytes += len(data)
-                self.stats.reports_spooled += len(reports)
-                self._enforce_cap()
             if self._journal_window <= window and self._journal_fh is not None:
                 self._journal_fh.close()
                 self._journal_fh = None
@@ -639,21 +601,8 @@ class DiskSpool(_SpoolBase):
         fh.flush()  # survives kill -9 once written
 
     def _keep_refused(self, entry: dict[str, Any]) -> bool:
-        line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
-        try:
-            size = self._refused_path.stat().st_size if self._refused_path.exists() else 0
-            if size + len(line) > max(self.max_bytes // 8, 1 << 20):
-                return False
-            with private.open_append(self._refused_path, self.shared) as fh:
-                fh.write(line)
-                if self.fsync:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-        except OSError as exc:
-            log.error("Determined spool: cannot keep a refused report in %s: %s",
-                      self._refused_path, exc)  # fmt: skip
-            return False
-        return True
+        path, shared, fsync = self._refused_path, self.shared, self.fsync
+        return bool(_append_refused(path, entry, None, self.max_bytes, shared, fsync))
 
     def refused_reports(self) -> list[dict[str, Any]]:
         """The refused reports kept in refused.jsonl, oldest first."""
@@ -677,12 +626,6 @@ class DiskSpool(_SpoolBase):
             fh.close()
         self._path("batch", window, ".json").unlink(missing_ok=True)
         self._path("batch", window, ".ack").unlink(missing_ok=True)
-
-    def _count(self, window: int) -> int:
-        try:
-            return len(json.loads(self._path("batch", window, ".json").read_bytes()))
-        except (OSError, ValueError):
-            return 0
 
     def close(self) -> None:
         with self._lock:

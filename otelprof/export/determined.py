@@ -92,8 +92,6 @@ def build_pipeline(
             "Determined exporter: no credentials (DET_USER_TOKEN, DET_SESSION_TOKEN or "
             "DET_USER with DET_PASS, or credentials=Credentials(...))"
         )
-    ca = ca_bundle or env.get("DET_MASTER_CERT_FILE")
-    verify = ca != "noverify"
     route = Route(
         trial_id=trial_id if trial_id is not None else _int_env(env, "DET_TRIAL_ID"),
         run_id=run_id if run_id is not None else _int_env(env, "DET_TRIAL_RUN_ID"),
@@ -101,14 +99,7 @@ def build_pipeline(
         steps_offset=_int_env(env, "DET_STEPS_COMPLETED"),
         steps_per_batch=_int_env(env, "OTELPROF_DETERMINED_STEPS_PER_BATCH"),
     )
-    client = DeterminedClient(
-        master,
-        credentials,
-        ca_bundle=ca if verify else None,
-        timeout_s=timeout_s,
-        use_tls=env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes"),
-        verify=verify,
-    )
+    client = DeterminedClient.in_task(master, credentials, env, ca_bundle, timeout_s)
     spool: DiskSpool | MemorySpool = (
         DiskSpool(spool_dir, spool_max_bytes)
         if spool_dir
