@@ -682,10 +682,6 @@ class SpanRec:
     def attr(self, key: str) -> Any:
         return attribute(self.raw_attributes, key)
 
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
 
 @dataclass(slots=True)
 class PointRec:

@@ -270,10 +270,6 @@ class RunSummary:
     # (host, pid) -> the step running when that process crashed or was stopped
     unfinished_steps: dict[tuple[str, Any], int] = field(default_factory=dict)
 
-    @property
-    def step_total_s(self) -> float:
-        return self.step.total
-
     def share(self, name: str) -> float | None:
         """Share of summed step time spent in direct-child spans of this name."""
         agg = self.timings.get(name)
