@@ -37,20 +37,7 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     """Step first, then direct children of steps by share, then nested and other spans."""
     rows: list[TimingRow] = []
     if summary.step.count:
-        s = summary.step
-        rows.append(
-            TimingRow(
-                STEP_SPAN,
-                "step",
-                s.count,
-                s.mean,
-                s.percentile(50),
-                s.percentile(95),
-                s.total,
-                1.0,
-                s.exact,
-            )
-        )
+        rows.append(_row(STEP_SPAN, "step", summary.step, 1.0))
     direct: list[TimingRow] = []
     other: list[TimingRow] = []
     for agg in summary.timings.values():
@@ -82,17 +69,7 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
             level = WRAPS_STEP
         else:
             level = "parent not found"
-        row = TimingRow(
-            agg.name,
-            level,
-            s.count,
-            s.mean,
-            s.percentile(50),
-            s.percentile(95),
-            s.total,
-            summary.share(agg.name),
-            s.exact,
-        )
+        row = _row(agg.name, level, s, summary.share(agg.name))
         (direct if agg.direct_count else other).append(row)
     direct.sort(key=lambda r: -(r.share or 0.0))
     other.sort(key=lambda r: -r.total_s)
@@ -124,9 +101,9 @@ def _where(parent: str) -> str:
     return "top level" if parent == PARENT_ROOT else f"in {parent}"
 
 
-def _row(name: str, level: str, s: DurationStats) -> TimingRow:
+def _row(name: str, level: str, s: DurationStats, share: float | None = None) -> TimingRow:
     return TimingRow(
-        name, level, s.count, s.mean, s.percentile(50), s.percentile(95), s.total, None, s.exact
+        name, level, s.count, s.mean, s.percentile(50), s.percentile(95), s.total, share, s.exact
     )
 
 
