@@ -40,6 +40,7 @@ from otelprof.analysis.reader import (
     attributes,
     bounded_lines,
     iter_records,
+    keyed,
     open_lines,
 )
 from otelprof.analysis.trace_windows import TracePlan, plan_trace
@@ -48,6 +49,7 @@ SPAN_TID = 1
 MAX_STEP_GROUPS = 1_000_000
 """Steps (traces with a root span) the "all ranks" process holds; ~200 bytes each."""
 ALL_RANKS = "all ranks"
+_TIME_KEYS = frozenset({"timeUnixNano", "startTimeUnixNano"})
 
 
 @dataclass
@@ -73,27 +75,18 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
                     continue  # too long: the reading pass names it
                 found: list[int] = []
                 try:
-                    _collect_times(json.loads(raw), found)
+                    for obj, key in keyed(json.loads(raw), _TIME_KEYS):
+                        # spans' starts and points' times; not metric start times (the
+                        # process start)
+                        if key == "timeUnixNano" or "endTimeUnixNano" in obj:
+                            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                                found.append(int(obj[key]))
                 except (ValueError, RecursionError):
                     continue  # the reading pass names the damaged line
                 return min(found) if found else None
     except (OSError, EOFError, zlib.error):
         return None
     return None
-
-
-def _collect_times(node: Any, out: list[int]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            # spans' starts and points' times; not metric start times (the process start)
-            if key == "timeUnixNano" or (key == "startTimeUnixNano" and "endTimeUnixNano" in node):
-                with contextlib.suppress(TypeError, ValueError, OverflowError):
-                    out.append(int(value))
-            elif isinstance(value, (dict, list)):
-                _collect_times(value, out)
-    elif isinstance(node, list):
-        for item in node:
-            _collect_times(item, out)
 
 
 def time_origin(files: RunFiles, max_line: int = DEFAULT_MAX_LINE) -> int:

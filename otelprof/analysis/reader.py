@@ -532,6 +532,20 @@ def any_value(value: Any) -> Any:
     return raw  # bytesValue stays base64 text
 
 
+def keyed(node: Any, keys: frozenset[str]) -> Iterator[tuple[dict[str, Any], str]]:
+    """(object, key) for every key of `keys` in a decoded JSON document, at any depth (the
+    value of such a key is not searched further); the caller may set `object[key]`."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in keys:
+                yield node, key
+            elif isinstance(value, (dict, list)):
+                yield from keyed(value, keys)
+    elif isinstance(node, list):
+        for item in node:
+            yield from keyed(item, keys)
+
+
 def _key(item: Any) -> str:
     key = item["key"]
     if not isinstance(key, str):
