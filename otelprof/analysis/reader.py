@@ -711,6 +711,17 @@ class PointRec:
     resource: Resource
 
 
+def device_label(attrs: tuple[tuple[str, Any], ...]) -> str:
+    """'gpu 0', a device's hw.id, else the attributes' values ('read', ...): what tells the
+    series of one metric apart (the report's device column, the trace's counter tracks)."""
+    a = dict(attrs)
+    if "gpu.index" in a:
+        return f"gpu {a['gpu.index']}"
+    if "hw.id" in a:
+        return str(a["hw.id"])
+    return ", ".join(str(v) for _, v in attrs)
+
+
 def _is_id(text: Any, length: int) -> bool:
     """Cheap id check for the hot path: the length tells hex (32/16) from base64 (24/12)."""
     return isinstance(text, str) and len(text) == length

@@ -45,6 +45,7 @@ from otelprof.analysis.reader import (
     RunFiles,
     SpanRec,
     Warn,
+    device_label,
     iter_all_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
@@ -219,11 +220,7 @@ class SeriesAgg:
 
     @property
     def device(self) -> str:
-        """'gpu 0', 'read', ... : the attributes that tell series of one metric apart."""
-        a = dict(self.attrs)
-        if "gpu.index" in a or "hw.id" in a:
-            return f"gpu {a['gpu.index']}" if "gpu.index" in a else str(a["hw.id"])
-        return ", ".join(str(v) for _, v in self.attrs)
+        return device_label(self.attrs)
 
     @property
     def gpu(self) -> str | None:
