@@ -727,38 +727,30 @@ def _is_id(text: Any, length: int) -> bool:
     return isinstance(text, str) and len(text) == length
 
 
-def _scopes_by_resource(
-    line: Line, signal: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
-) -> Iterator[tuple[Resource, list[Any]]]:
-    """(resource, its scope entries) of one line; a malformed resource is skipped, warned."""
-    for entry in line.body[f"resource{signal}"]:
-        try:
-            resource = cache.get(entry.get("resource"))
-            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
-        except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(
-                f"{line.path}:{line.number}: malformed resource skipped "
-                f"({type(exc).__name__}: {exc})"
-            )
-            continue
-        yield resource, scopes
+def _skipped(what: str, exc: BaseException, warn: Warn, stats: ReadStats) -> None:
+    """Count and name a malformed item (`what`: where it is and what it was)."""
+    stats.skipped_items += 1
+    warn(f"{what} skipped ({type(exc).__name__}: {exc})")
 
 
 def _items_of(
     line: Line, signal: str, key: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
 ) -> Iterator[tuple[Resource, Any]]:
-    """(resource, item) for every span or metric of a line; a malformed scope is skipped."""
-    for resource, scopes in _scopes_by_resource(line, signal, cache, warn, stats):
+    """(resource, item) for every span or metric of a line; a malformed resource or scope
+    is skipped, warned."""
+    where = f"{line.path}:{line.number}"
+    for entry in line.body[f"resource{signal}"]:
+        try:
+            resource = cache.get(entry.get("resource"))
+            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
+        except MALFORMED as exc:
+            _skipped(f"{where}: malformed resource", exc, warn, stats)
+            continue
         for scope in scopes:
             try:
                 items = _list(scope.get(key), key)
             except MALFORMED as exc:
-                stats.skipped_items += 1
-                warn(
-                    f"{line.path}:{line.number}: malformed scope skipped "
-                    f"({type(exc).__name__}: {exc})"
-                )
+                _skipped(f"{where}: malformed scope", exc, warn, stats)
                 continue
             for item in items:
                 yield resource, item
@@ -787,8 +779,7 @@ def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -
                 status_code=int((s.get("status") or {}).get("code", 0) or 0),
             )
         except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
+            _skipped(f"{where}: malformed span", exc, warn, stats)
             continue
         stats.spans += 1
         yield rec
@@ -817,8 +808,7 @@ def _points_of(
                 continue
             dps = _list(data.get("dataPoints"), "dataPoints")
         except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
+            _skipped(f"{where}: malformed metric", exc, warn, stats)
             continue
         for dp in dps:
             try:
