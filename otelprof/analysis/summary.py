@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,7 +298,9 @@ class _Phases:
         self._others: dict[str, list[list[int]]] = {}
 
     def step(self, epoch: Any, start: int, end: int) -> None:
-        label = f"epoch {epoch}" if epoch is not None else "training"
+        self._epoch(f"epoch {epoch}" if epoch is not None else "training", start, end)
+
+    def _epoch(self, label: str, start: int, end: int) -> None:
         span = self._epochs.get(label)
         if span is None:
             self._epochs[label] = [start, end]
@@ -324,12 +326,7 @@ class _Phases:
     def merge(self, other: _Phases) -> None:
         """Fold in the phases of other files (another rank's copy of a phase overlaps)."""
         for label, (start, end) in other._epochs.items():
-            span = self._epochs.get(label)
-            if span is None:
-                self._epochs[label] = [start, end]
-            else:
-                span[0] = min(span[0], start)
-                span[1] = max(span[1], end)
+            self._epoch(label, start, end)
         for name, intervals in other._others.items():
             for start, end in intervals:
                 self.root(name, start, end)
@@ -337,13 +334,13 @@ class _Phases:
     def result(self) -> list[Phase]:
         phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
         for label, intervals in self._others.items():
-            phases.extend(Phase(label, s, e) for s, e in _union(intervals))
+            phases.extend(Phase(label, s, e) for s, e in union(intervals))
         return sorted(phases, key=lambda p: (p.start_ns, p.label))
 
 
-def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
-    """Overlapping intervals as one, whatever order they came in (a span that overlaps two
-    kept intervals joins them)."""
+def union(intervals: Iterable[Any]) -> list[tuple[int, int]]:
+    """(start, end) pairs, overlapping ones as one, whatever order they came in (a span that
+    overlaps two kept intervals joins them)."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
