@@ -49,7 +49,7 @@ from otelprof.analysis.reader import (
     iter_all_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
-from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass
+from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass, in_steps
 
 
 def timing_key(name: str, phase: Any) -> str:
@@ -480,15 +480,6 @@ def _scope_of(point: PointRec) -> str:
     return point.resource.label
 
 
-def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
-    """Whether a span belongs to a step in [A, B) (spans without a step number stay)."""
-    number = rec.attr(ATTR_STEP)
-    if not isinstance(number, int):
-        return True
-    low, high = steps
-    return (low is None or number >= low) and (high is None or number < high)
-
-
 CRASHED_STEP = "crashed step"
 INTERRUPTED_STEP = "interrupted step"
 ProcessKey = tuple[str, Any]  # (host.name, process.pid)
@@ -593,7 +584,7 @@ class _FilePass:
                 keep_latest(hists, rec)
                 continue
             if isinstance(rec, SpanRec):
-                if steps is not None and not _in_range(rec, steps):
+                if steps is not None and not in_steps(rec.attr(ATTR_STEP), steps):
                     continue
                 if rec.status_code == 2:  # STATUS_CODE_ERROR
                     failed[rec.name] = failed.get(rec.name, 0) + 1

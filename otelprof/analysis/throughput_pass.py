@@ -82,6 +82,14 @@ class PhaseThroughput:
     step0_only: bool = False  # a process's only training step was step 0 (no step() calls)
 
 
+def in_steps(number: Any, steps: tuple[int | None, int | None]) -> bool:
+    """Whether a span of step `number` is in [A, B) = `steps` (one without a step stays)."""
+    if not isinstance(number, int):
+        return True
+    low, high = steps
+    return (low is None or number >= low) and (high is None or number < high)
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -126,10 +134,8 @@ class ThroughputPass:
             self.kept_steps[rec.resource] = self.kept_steps.get(rec.resource, 0) + 1
         phase = rec.attr(PHASE_ATTR)
         number = rec.attr(ATTR_STEP)
-        if steps is not None and isinstance(number, int):
-            low, high = steps
-            if (low is not None and number < low) or (high is not None and number >= high):
-                return
+        if steps is not None and not in_steps(number, steps):
+            return
         first = False
         if rec.name == STEP_SPAN:
             phase = phase or PHASE_TRAIN
