@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from otelprof._schema import MODULE_PREFIXES, RUN_ENDED
+from otelprof.analysis import format as fmt
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.summary import (
     PARENT_ROOT,
@@ -93,6 +94,15 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     return rows
 
 
+def timing_cells(row: TimingRow, mark: str = "") -> list[str]:
+    """A timing row as the text and HTML tables show it (`mark`: before an approximate
+    percentile)."""
+    share = "-" if row.share is None else f"{100 * row.share:.1f}%"
+    count = f"{row.count:,}" if row.count else ""
+    p50, p95 = mark + fmt.ms(row.p50_s), mark + fmt.ms(row.p95_s)
+    return [row.name, row.level, count, fmt.ms(row.mean_s), p50, p95, f"{row.total_s:.3f}", share]
+
+
 def _where(parent: str) -> str:
     if parent == PARENT_STEP:
         return "in step"
@@ -124,6 +134,10 @@ class RankRow:
     mean_s: float
     p95_s: float
     spans: int
+
+
+def rank_cells(row: RankRow) -> list[str]:
+    return [row.label, f"{row.steps:,}", fmt.ms(row.mean_s), fmt.ms(row.p95_s), f"{row.spans:,}"]
 
 
 def rank_rows(summary: RunSummary) -> list[RankRow]:
