@@ -65,6 +65,7 @@ class _Acc:
 
 
 _WORK = ("samples", "tokens", "flops")  # _Acc's fields, in WORK_ATTRS' order
+_COUNTED = ("samples", "tokens")  # _Acc's fields the COUNTERS total
 
 
 @dataclass
@@ -251,10 +252,7 @@ def _from_aggregates(
             continue  # all steps were kept (exact spans stay), or no work was recorded
         flops_rate = acc.flops / acc.seconds if acc.flops is not None and acc.seconds else None
         acc.steps, acc.seconds = hist.count, hist.sum
-        acc.samples = (
-            counters[(resource, "samples")][1] if (resource, "samples") in counters else None
-        )
-        acc.tokens = counters[(resource, "tokens")][1] if (resource, "tokens") in counters else None
+        acc.samples, acc.tokens = (counters.get((resource, w), (0, None))[1] for w in _COUNTED)
         acc.flops = flops_rate * hist.sum if flops_rate is not None else None
         replaced = True
     return replaced
