@@ -107,9 +107,8 @@ _compact = json.JSONEncoder(separators=(",", ":"), default=str).encode
 """Events' args as compact JSON (one encoder, not one per `json.dumps` call)."""
 
 GZIP_LEVEL = 3
-"""A .gz trace is compressed for speed (level 9 took a large share of the conversion for a
-little less size: docs/benchmarks-history.md, "`otelprof trace` at scale"); `gzip -9` the
-file for the smallest."""
+"""A .gz trace is compressed for speed (level 9 costs much of the conversion's time for a
+little less size); `gzip -9` the file for the smallest."""
 
 
 def _open_output(output: Path) -> IO[str]:
