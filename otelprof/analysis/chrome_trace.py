@@ -39,7 +39,9 @@ from otelprof.analysis.reader import (
     Warn,
     attributes,
     bounded_lines,
+    device_label,
     iter_records,
+    keyed,
     open_lines,
 )
 from otelprof.analysis.trace_windows import TracePlan, plan_trace
@@ -48,6 +50,7 @@ SPAN_TID = 1
 MAX_STEP_GROUPS = 1_000_000
 """Steps (traces with a root span) the "all ranks" process holds; ~200 bytes each."""
 ALL_RANKS = "all ranks"
+_TIME_KEYS = frozenset({"timeUnixNano", "startTimeUnixNano"})
 
 
 @dataclass
@@ -73,27 +76,18 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
                     continue  # too long: the reading pass names it
                 found: list[int] = []
                 try:
-                    _collect_times(json.loads(raw), found)
+                    for obj, key in keyed(json.loads(raw), _TIME_KEYS):
+                        # spans' starts and points' times; not metric start times (the
+                        # process start)
+                        if key == "timeUnixNano" or "endTimeUnixNano" in obj:
+                            with contextlib.suppress(TypeError, ValueError, OverflowError):
+                                found.append(int(obj[key]))
                 except (ValueError, RecursionError):
                     continue  # the reading pass names the damaged line
                 return min(found) if found else None
     except (OSError, EOFError, zlib.error):
         return None
     return None
-
-
-def _collect_times(node: Any, out: list[int]) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            # spans' starts and points' times; not metric start times (the process start)
-            if key == "timeUnixNano" or (key == "startTimeUnixNano" and "endTimeUnixNano" in node):
-                with contextlib.suppress(TypeError, ValueError, OverflowError):
-                    out.append(int(value))
-            elif isinstance(value, (dict, list)):
-                _collect_times(value, out)
-    elif isinstance(node, list):
-        for item in node:
-            _collect_times(item, out)
 
 
 def time_origin(files: RunFiles, max_line: int = DEFAULT_MAX_LINE) -> int:
@@ -113,9 +107,8 @@ _compact = json.JSONEncoder(separators=(",", ":"), default=str).encode
 """Events' args as compact JSON (one encoder, not one per `json.dumps` call)."""
 
 GZIP_LEVEL = 3
-"""A .gz trace is compressed for speed (level 9 took a large share of the conversion for a
-little less size: docs/benchmarks-history.md, "`otelprof trace` at scale"); `gzip -9` the
-file for the smallest."""
+"""A .gz trace is compressed for speed (level 9 costs much of the conversion's time for a
+little less size); `gzip -9` the file for the smallest."""
 
 
 def _open_output(output: Path) -> IO[str]:
@@ -162,67 +155,46 @@ class _Processes:
         self.next_free = 100_000
         self.threads: set[tuple[int, int]] = set()
 
+    def _meta(self, pid: int, name: str, args: dict[str, Any], tid: int = 0) -> None:
+        self.out.emit({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args})
+
+    def _process(self, pid: int, name: str, sort_index: int) -> int:
+        self.used.add(pid)
+        self._meta(pid, "process_name", {"name": name})
+        self._meta(pid, "process_sort_index", {"sort_index": sort_index})
+        return pid
+
+    def _free_pid(self) -> int:
+        while self.next_free in self.used:
+            self.next_free += 1
+        return self.next_free
+
     def pid(self, resource: Resource) -> int:
         pid = self.pids.get(resource)
         if pid is not None:
             return pid
         rank = resource.rank
-        if rank is not None and rank not in self.used:
-            pid = rank
-        else:
-            while self.next_free in self.used:
-                self.next_free += 1
-            pid = self.next_free
-        self.used.add(pid)
+        pid = rank if rank is not None and rank not in self.used else self._free_pid()
         self.pids[resource] = pid
         label = resource.label
         service = resource.get("service.name")
         if service:
             label = f"{label} · {service}"
-        self.out.emit(
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}}
-        )
-        self.out.emit(
-            {
-                "ph": "M",
-                "name": "process_sort_index",
-                "pid": pid,
-                "tid": 0,
-                "args": {"sort_index": pid},
-            }
-        )
+        self._process(pid, label, pid)
         labels = {k: v for k, v in resource.attrs if k.startswith(("otelprof.", "host."))}
         if labels:
-            self.out.emit(
-                {
-                    "ph": "M",
-                    "name": "process_labels",
-                    "pid": pid,
-                    "tid": 0,
-                    "args": {"labels": ", ".join(f"{k}={v}" for k, v in labels.items())},
-                }
-            )
+            text = ", ".join(f"{k}={v}" for k, v in labels.items())
+            self._meta(pid, "process_labels", {"labels": text})
         return pid
 
     def extra(self, name: str, sort_index: int) -> int:
         """A process that is no resource (the "all ranks" view), on a free pid."""
-        while self.next_free in self.used:
-            self.next_free += 1
-        pid = self.next_free
-        self.used.add(pid)
-        for meta, args in (
-            ("process_name", {"name": name}),
-            ("process_sort_index", {"sort_index": sort_index}),
-        ):
-            self.out.emit({"ph": "M", "name": meta, "pid": pid, "tid": 0, "args": args})
-        return pid
+        return self._process(self._free_pid(), name, sort_index)
 
     def thread(self, pid: int, tid: int, name: str) -> None:
         if (pid, tid) not in self.threads:
             self.threads.add((pid, tid))
-            self.out.emit(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
-            )
+            self._meta(pid, "thread_name", {"name": name}, tid)
 
 
 class _StepGroups:
@@ -300,13 +272,7 @@ class _StepGroups:
 
 
 def _counter_name(point: PointRec) -> str:
-    attrs = dict(point.attributes)
-    if "gpu.index" in attrs:
-        where = f"gpu {attrs['gpu.index']}"
-    elif "hw.id" in attrs:
-        where = str(attrs["hw.id"])
-    else:
-        where = ", ".join(str(v) for v in attrs.values())
+    where = device_label(point.attributes)
     unit = f" ({point.unit})" if point.unit else ""
     return f"{point.name}{' [' + where + ']' if where else ''}{unit}"
 

@@ -230,9 +230,17 @@ def _finish(warn: WarningLog) -> None:
         print(f"warning: {summary}", file=sys.stderr)
 
 
-def _report(args: argparse.Namespace) -> int:
+def _console(width: int | None) -> Any:
+    """The terminal for the tables; piped output is not squeezed below 132 columns."""
     from rich.console import Console
 
+    console = Console(width=width)
+    if width is None and not console.is_terminal:
+        console = Console(width=max(console.width, 132))
+    return console
+
+
+def _report(args: argparse.Namespace) -> int:
     from otelprof.analysis.summary import summarize
     from otelprof.analysis.verdict import judge
 
@@ -269,36 +277,52 @@ def _report(args: argparse.Namespace) -> int:
         # streamed: the document of 100,000 ranks is never one string in memory
         json.dump(build_json(summary, verdict, sections), sys.stdout, indent=2, allow_nan=False)
         print()
-        if args.html:
-            from otelprof.analysis.report_html import write_html
+    else:
+        from otelprof.analysis.report_text import render
 
-            write_html(summary, verdict, args.html, sections)
-        _finish(warn)
-        return 0
-    from otelprof.analysis.report_text import render
-
-    console = Console(width=args.width)
-    if args.width is None and not console.is_terminal:
-        console = Console(width=max(console.width, 132))  # piped: do not squeeze the tables
-    render(summary, verdict, console, sections)
+        render(summary, verdict, _console(args.width), sections)
     if args.html:
         from otelprof.analysis.report_html import write_html
 
         write_html(summary, verdict, args.html, sections)
-        print(f"HTML report written to {args.html}")
+        if not args.json:
+            print(f"HTML report written to {args.html}")
     _finish(warn)
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from otelprof.analysis.compare_cli import run_compare
+    """Both runs read as `otelprof report` reads them, then the comparison rendered."""
+    from otelprof.analysis import compare_report
+    from otelprof.analysis.compare import Run, compare
+    from otelprof.analysis.sections import build_sections
+    from otelprof.analysis.summary import summarize
+    from otelprof.analysis.verdict import judge
 
     warn = WarningLog()
     try:
-        code = run_compare(args, warn, _open)
+        runs = []
+        for label, directory in (("A", args.run_a), ("B", args.run_b)):
+            files = _open(argparse.Namespace(run_dir=[directory], command="compare"), warn)
+            if files is None:
+                return 2
+            jobs = default_jobs(files, args.read_budget)
+            summary = summarize(files, warn, read_budget=args.read_budget, jobs=jobs)
+            runs.append(Run(label, summary, judge(summary), build_sections(summary, warn)))
+        comparison = compare(*runs)
+        if args.json:
+            import json
+
+            print(json.dumps(compare_report.build_json(comparison), indent=2, allow_nan=False))
+        else:
+            compare_report.render_text(comparison, _console(args.width))
+        if args.html:
+            compare_report.write_html(comparison, args.html)
+            if not args.json:
+                print(f"HTML comparison written to {args.html}")
+        return 0
     finally:
         _finish(warn)
-    return code
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from otelprof.analysis import format as fmt
 from otelprof.analysis.compare import Comparison, Delta, Run, percent
+from otelprof.analysis.report_json import json_safe
 
 SCHEMA_VERSION = 1
 GROUPS = (
@@ -50,8 +51,6 @@ def change(d: Delta) -> str:
         text = f"{diff * 1e3:+.2f} ms"
     elif d.unit == "1":
         text = f"{100 * diff:+.1f} pp"
-    elif d.unit == "By":
-        text = ("+" if diff >= 0 else "-") + fmt.value(abs(diff), "By")
     elif d.unit.startswith("{") and d.unit.endswith("}"):
         text = f"{diff:+,.0f}"
     else:
@@ -101,16 +100,6 @@ def render_text(cmp: Comparison, console: Console) -> None:
 # ---- JSON ----
 
 
-def _clean(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_clean(x) for x in v]
-    return v
-
-
 def _run_json(run: Run) -> dict[str, Any]:
     s = run.summary
     return {
@@ -146,7 +135,7 @@ def build_json(cmp: Comparison) -> dict[str, Any]:
             for d in cmp.rows
         ],
     }
-    cleaned: dict[str, Any] = _clean(doc)
+    cleaned: dict[str, Any] = json_safe(doc)
     return cleaned
 
 

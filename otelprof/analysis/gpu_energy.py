@@ -49,7 +49,7 @@ from otelprof.analysis.reader import (
     iter_records,
 )
 from otelprof.analysis.sections import Section, section
-from otelprof.analysis.summary import RunSummary
+from otelprof.analysis.summary import RunSummary, union
 
 UTILIZATION = "hw.gpu.utilization"
 ENERGY = "hw.energy"
@@ -77,14 +77,8 @@ class IntervalSet:
             self._normalize()
 
     def _normalize(self) -> None:
-        items = sorted(self._merged + self._raw)
+        merged = [list(iv) for iv in union(self._merged + self._raw)]
         self._raw = []
-        merged: list[list[int]] = []
-        for s, e in items:
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
         while len(merged) > self._cap:  # join the closest neighbours (rare, bounded)
             self.lossy = True
             gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
@@ -185,15 +179,6 @@ class GpuEnergy:
         return self.samples / train.total_energy_j
 
 
-class _Series:
-    """One GPU's samples of one metric: (time ns, value), sorted at the end."""
-
-    __slots__ = ("points",)
-
-    def __init__(self) -> None:
-        self.points: list[tuple[int, float]] = []
-
-
 def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> GpuEnergy | None:
     """One pass over a run's files (the parts `plan` reads; default: all); None when the
     run has no GPU samples or no spans."""
@@ -201,9 +186,9 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
     timings: dict[tuple[str, str], IntervalSet] = {}
     timing_names: set[str] = set()
     steps_by_process: dict[Any, int] = {}
-    samples = 0.0
-    samples_seen = False
-    series: dict[tuple[str, str, str], _Series] = {}
+    samples: float | None = None  # None: no step declared its samples
+    # (host, GPU, metric) -> that GPU's samples of the metric: (time ns, value)
+    series: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for rec in iter_records(files, warn, ReadStats(), plan=plan):
         if isinstance(rec, SpanRec):
             host = rec.resource.host
@@ -215,8 +200,7 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
                     steps_by_process[rec.resource] = steps_by_process.get(rec.resource, 0) + 1
                     n = rec.attr(SAMPLES_ATTR)
                     if isinstance(n, (int, float)) and not isinstance(n, bool):
-                        samples += float(n)
-                        samples_seen = True
+                        samples = (samples or 0.0) + float(n)
             elif not rec.parent_span_id and phase and phase != DEFAULT_PHASE:
                 phases.setdefault((host, str(phase)), IntervalSet()).add(rec.start_ns, rec.end_ns)
             else:
@@ -228,12 +212,12 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
             attrs = dict(rec.attributes)
             gpu = str(attrs.get("hw.id", attrs.get("gpu.index", "")))
             key = (rec.resource.host, gpu, rec.name)
-            series.setdefault(key, _Series()).points.append((rec.time_ns, rec.value))
+            series.setdefault(key, []).append((rec.time_ns, rec.value))
     if not series or not (phases or timings):
         return None
     # the same GPU may be reported by several processes (gpus="all"): keep one copy per time
-    for s in series.values():
-        s.points = sorted(set(s.points))
+    for key, points in series.items():
+        series[key] = sorted(set(points))
     gpus = {(h, g) for h, g, _ in series}
     has_energy = {(h, g) for h, g, n in series if n == ENERGY}
     has_power = {(h, g) for h, g, n in series if n == POWER}
@@ -250,12 +234,12 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
             scale = ivs.scale()
             row.approximate = row.approximate or ivs.lossy
             row.seconds += ivs.covered_ns() * scale / 1e9
-            for (h, gpu, name), s in series.items():
+            for (h, gpu, name), points in series.items():
                 if h != host:
                     continue
                 if name == ENERGY or (name == POWER and (h, gpu) not in has_energy):
                     row.energy_span_s += ivs.covered_ns() * scale / 1e9
-                _accumulate(row, name, s.points, intervals, starts, scale, (h, gpu) in has_energy)
+                _accumulate(row, name, points, intervals, starts, scale, (h, gpu) in has_energy)
         rows.extend(by_label.values())
     steps = max(steps_by_process.values(), default=0)
     notes = []
@@ -271,7 +255,7 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
         train_steps=steps,
         energy_source=source,
         gpus=len(gpus),
-        samples=samples if samples_seen else None,
+        samples=samples,
         notes=notes,
     )
 

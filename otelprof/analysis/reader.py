@@ -532,6 +532,20 @@ def any_value(value: Any) -> Any:
     return raw  # bytesValue stays base64 text
 
 
+def keyed(node: Any, keys: frozenset[str]) -> Iterator[tuple[dict[str, Any], str]]:
+    """(object, key) for every key of `keys` in a decoded JSON document, at any depth (the
+    value of such a key is not searched further); the caller may set `object[key]`."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in keys:
+                yield node, key
+            elif isinstance(value, (dict, list)):
+                yield from keyed(value, keys)
+    elif isinstance(node, list):
+        for item in node:
+            yield from keyed(item, keys)
+
+
 def _key(item: Any) -> str:
     key = item["key"]
     if not isinstance(key, str):
@@ -682,10 +696,6 @@ class SpanRec:
     def attr(self, key: str) -> Any:
         return attribute(self.raw_attributes, key)
 
-    @property
-    def duration_ns(self) -> int:
-        return self.end_ns - self.start_ns
-
 
 @dataclass(slots=True)
 class PointRec:
@@ -701,43 +711,46 @@ class PointRec:
     resource: Resource
 
 
+def device_label(attrs: tuple[tuple[str, Any], ...]) -> str:
+    """'gpu 0', a device's hw.id, else the attributes' values ('read', ...): what tells the
+    series of one metric apart (the report's device column, the trace's counter tracks)."""
+    a = dict(attrs)
+    if "gpu.index" in a:
+        return f"gpu {a['gpu.index']}"
+    if "hw.id" in a:
+        return str(a["hw.id"])
+    return ", ".join(str(v) for _, v in attrs)
+
+
 def _is_id(text: Any, length: int) -> bool:
     """Cheap id check for the hot path: the length tells hex (32/16) from base64 (24/12)."""
     return isinstance(text, str) and len(text) == length
 
 
-def _scopes_by_resource(
-    line: Line, signal: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
-) -> Iterator[tuple[Resource, list[Any]]]:
-    """(resource, its scope entries) of one line; a malformed resource is skipped, warned."""
-    for entry in line.body[f"resource{signal}"]:
-        try:
-            resource = cache.get(entry.get("resource"))
-            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
-        except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(
-                f"{line.path}:{line.number}: malformed resource skipped "
-                f"({type(exc).__name__}: {exc})"
-            )
-            continue
-        yield resource, scopes
+def _skipped(what: str, exc: BaseException, warn: Warn, stats: ReadStats) -> None:
+    """Count and name a malformed item (`what`: where it is and what it was)."""
+    stats.skipped_items += 1
+    warn(f"{what} skipped ({type(exc).__name__}: {exc})")
 
 
 def _items_of(
     line: Line, signal: str, key: str, cache: _ResourceCache, warn: Warn, stats: ReadStats
 ) -> Iterator[tuple[Resource, Any]]:
-    """(resource, item) for every span or metric of a line; a malformed scope is skipped."""
-    for resource, scopes in _scopes_by_resource(line, signal, cache, warn, stats):
+    """(resource, item) for every span or metric of a line; a malformed resource or scope
+    is skipped, warned."""
+    where = f"{line.path}:{line.number}"
+    for entry in line.body[f"resource{signal}"]:
+        try:
+            resource = cache.get(entry.get("resource"))
+            scopes = _list(entry.get(f"scope{signal}"), f"scope{signal}")
+        except MALFORMED as exc:
+            _skipped(f"{where}: malformed resource", exc, warn, stats)
+            continue
         for scope in scopes:
             try:
                 items = _list(scope.get(key), key)
             except MALFORMED as exc:
-                stats.skipped_items += 1
-                warn(
-                    f"{line.path}:{line.number}: malformed scope skipped "
-                    f"({type(exc).__name__}: {exc})"
-                )
+                _skipped(f"{where}: malformed scope", exc, warn, stats)
                 continue
             for item in items:
                 yield resource, item
@@ -766,8 +779,7 @@ def _spans_of(line: Line, cache: _ResourceCache, warn: Warn, stats: ReadStats) -
                 status_code=int((s.get("status") or {}).get("code", 0) or 0),
             )
         except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed span skipped ({type(exc).__name__}: {exc})")
+            _skipped(f"{where}: malformed span", exc, warn, stats)
             continue
         stats.spans += 1
         yield rec
@@ -796,8 +808,7 @@ def _points_of(
                 continue
             dps = _list(data.get("dataPoints"), "dataPoints")
         except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed metric skipped ({type(exc).__name__}: {exc})")
+            _skipped(f"{where}: malformed metric", exc, warn, stats)
             continue
         for dp in dps:
             try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from otelprof._run.closing_record import is_closing_request
-from otelprof.analysis.reader import MALFORMED, ReadStats, RunFiles, Warn, iter_lines
+from otelprof.analysis.reader import MALFORMED, ReadStats, RunFiles, Warn, iter_lines, keyed
 
 _ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
 _TIME_KEYS = frozenset(
@@ -38,6 +38,10 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+_REQUESTS = {
+    "traces": trace_service_pb2.ExportTraceServiceRequest,
+    "metrics": metrics_service_pb2.ExportMetricsServiceRequest,
+}
 PROMETHEUS_HEAD_WINDOW_S = 3600.0  # Prometheus rejects samples older than ~1 h behind its head
 
 
@@ -114,42 +118,23 @@ class ReplayResult:
 
 def _fix_ids(node: Any) -> None:
     """Hex ids (file format) to base64 (proto3 JSON), in place, at any depth."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _ID_KEYS and isinstance(value, str):
-                node[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
-            elif isinstance(value, (dict, list)):
-                _fix_ids(value)
-    elif isinstance(node, list):
-        for item in node:
-            _fix_ids(item)
+    for obj, key in keyed(node, _ID_KEYS):
+        if isinstance(obj[key], str):
+            obj[key] = base64.b64encode(bytes.fromhex(obj[key])).decode("ascii")
 
 
 def _shift_times(node: Any, shift_ns: int) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _TIME_KEYS and value not in (None, "0", 0):
-                node[key] = str(int(value) + shift_ns)
-            elif isinstance(value, (dict, list)):
-                _shift_times(value, shift_ns)
-    elif isinstance(node, list):
-        for item in node:
-            _shift_times(item, shift_ns)
     # startTimeUnixNano of cumulative metric points moves too (same key), keeping rates right
+    for obj, key in keyed(node, _TIME_KEYS):
+        if obj[key] not in (None, "0", 0):
+            obj[key] = str(int(obj[key]) + shift_ns)
 
 
 def _max_time(node: Any) -> int:
     best = 0
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _TIME_KEYS:
-                with contextlib.suppress(TypeError, ValueError, OverflowError):
-                    best = max(best, int(value))
-            elif isinstance(value, (dict, list)):
-                best = max(best, _max_time(value))
-    elif isinstance(node, list):
-        for item in node:
-            best = max(best, _max_time(item))
+    for obj, key in keyed(node, _TIME_KEYS):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
+            best = max(best, int(obj[key]))
     return best
 
 
@@ -157,28 +142,13 @@ def _count_spans(req: trace_service_pb2.ExportTraceServiceRequest) -> int:
     return sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
 
 
-def _count_points(req: metrics_service_pb2.ExportMetricsServiceRequest) -> int:
-    n = 0
+def _data_points(req: metrics_service_pb2.ExportMetricsServiceRequest) -> Iterator[Any]:
     for rm in req.resource_metrics:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
                 kind = m.WhichOneof("data")
                 if kind:
-                    n += len(getattr(m, kind).data_points)
-    return n
-
-
-def _oldest_point(req: metrics_service_pb2.ExportMetricsServiceRequest) -> int | None:
-    oldest = None
-    for rm in req.resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                kind = m.WhichOneof("data")
-                for dp in getattr(m, kind).data_points if kind else ():
-                    t = dp.time_unix_nano
-                    if t and (oldest is None or t < oldest):
-                        oldest = t
-    return oldest
+                    yield from getattr(m, kind).data_points
 
 
 def _target(endpoint: str, tls: bool) -> tuple[str, bool]:
@@ -204,30 +174,26 @@ class _Sender:
         self.call = call
         self.options = options
         self.result = result
-        self.request: Any = self._new()
+        self.request: Any = _REQUESTS[kind]()
         self.size = 0
 
-    def _new(self) -> Any:
-        if self.kind == "traces":
-            return trace_service_pb2.ExportTraceServiceRequest()
-        return metrics_service_pb2.ExportMetricsServiceRequest()
-
     def add(self, message: Any) -> None:
-        if self.kind == "traces":
-            self.request.resource_spans.extend(message.resource_spans)
-        else:
-            self.request.resource_metrics.extend(message.resource_metrics)
+        self.request.MergeFrom(message)  # one more line's resources
         self.size += message.ByteSize()
         if self.size >= self.options.batch_bytes:
             self.flush()
 
     def flush(self) -> None:
-        request, self.request, self.size = self.request, self._new(), 0
-        items = _count_spans(request) if self.kind == "traces" else _count_points(request)
+        request, self.request, self.size = self.request, _REQUESTS[self.kind](), 0
+        if self.kind == "traces":
+            items = _count_spans(request)
+        else:
+            items = sum(1 for _ in _data_points(request))
         if not items:
             return
         if self.kind == "metrics":
-            oldest = _oldest_point(request)
+            times = (dp.time_unix_nano for dp in _data_points(request))
+            oldest = min((t for t in times if t), default=None)
             if oldest is not None and (
                 self.result.oldest_point_ns is None or oldest < self.result.oldest_point_ns
             ):
@@ -319,11 +285,7 @@ def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
                 if result.shift_ns:
                     _shift_times(body, result.shift_ns)
                 message = json_format.ParseDict(
-                    body,
-                    trace_service_pb2.ExportTraceServiceRequest()
-                    if line.kind == "traces"
-                    else metrics_service_pb2.ExportMetricsServiceRequest(),
-                    ignore_unknown_fields=True,
+                    body, _REQUESTS[line.kind](), ignore_unknown_fields=True
                 )
             except (json_format.ParseError, *MALFORMED) as exc:
                 result.skipped_lines += 1

@@ -10,7 +10,13 @@ from otelprof.analysis.problems import notes, problems
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary, SeriesAgg
 from otelprof.analysis.svg import bar_chart, line_chart
-from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
+from otelprof.analysis.tables import (
+    hardware_series,
+    rank_cells,
+    rank_rows,
+    timing_cells,
+    timing_rows,
+)
 from otelprof.analysis.verdict import Verdict, direct_shares
 
 _CSS = """
@@ -157,19 +163,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
         parts.append(
             _table(
                 ["name", "where", "count", "mean ms", "p50 ms", "p95 ms", "total s", "share"],
-                [
-                    [
-                        r.name,
-                        r.level,
-                        f"{r.count:,}" if r.count else "",
-                        fmt.ms(r.mean_s),
-                        fmt.ms(r.p50_s),
-                        fmt.ms(r.p95_s),
-                        f"{r.total_s:.3f}",
-                        "-" if r.share is None else f"{100 * r.share:.1f}%",
-                    ]
-                    for r in rows
-                ],
+                [timing_cells(r) for r in rows],
                 dim=[r.share is None for r in rows],
                 left=2,
             )
@@ -179,11 +173,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
         parts.append("<h2>Steps per process</h2>")
         parts.append(
             _table(
-                ["process", "steps", "mean ms", "p95 ms", "spans"],
-                [
-                    [r.label, f"{r.steps:,}", fmt.ms(r.mean_s), fmt.ms(r.p95_s), f"{r.spans:,}"]
-                    for r in ranks
-                ],
+                ["process", "steps", "mean ms", "p95 ms", "spans"], [rank_cells(r) for r in ranks]
             )
         )
     if summary.series:

@@ -20,14 +20,15 @@ from otelprof.analysis.verdict import Verdict
 SCHEMA_VERSION = 1
 
 
-def _clean(value: Any) -> Any:
-    """NaN and infinities become null (JSON has neither); containers recursively."""
+def json_safe(value: Any) -> Any:
+    """NaN and infinities become null (JSON has neither); containers recursively (also
+    `otelprof compare --json`'s)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {str(k): _clean(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -91,5 +92,5 @@ def build_json(summary: RunSummary, verdict: Verdict, sections: list[Section]) -
         "stragglers": summary.stragglers.to_dict() if summary.stragglers is not None else None,
         "sections": {s.key: {"title": s.title, "rows": s.rows, "notes": s.notes} for s in sections},
     }
-    cleaned: dict[str, Any] = _clean(doc)
+    cleaned: dict[str, Any] = json_safe(doc)
     return cleaned

@@ -13,7 +13,13 @@ from otelprof.analysis import format as fmt
 from otelprof.analysis.problems import notes, problems
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
-from otelprof.analysis.tables import hardware_series, rank_rows, timing_rows
+from otelprof.analysis.tables import (
+    hardware_series,
+    rank_cells,
+    rank_rows,
+    timing_cells,
+    timing_rows,
+)
 from otelprof.analysis.verdict import Verdict
 
 
@@ -46,19 +52,8 @@ def timings_table(summary: RunSummary) -> Table:
             no_wrap=col not in ("name", "where"),
         )
     for row in timing_rows(summary):
-        share = "-" if row.share is None else f"{100 * row.share:.1f}%"
-        mark = "" if row.exact else "~"
-        table.add_row(
-            row.name,
-            row.level,
-            f"{row.count:,}" if row.count else "",
-            fmt.ms(row.mean_s),
-            mark + fmt.ms(row.p50_s),
-            mark + fmt.ms(row.p95_s),
-            f"{row.total_s:.3f}",
-            share,
-            style="bold" if row.level == "step" else ("dim" if row.share is None else None),
-        )
+        style = "bold" if row.level == "step" else ("dim" if row.share is None else None)
+        table.add_row(*timing_cells(row, "" if row.exact else "~"), style=style)
     return table
 
 
@@ -67,9 +62,7 @@ def ranks_table(summary: RunSummary) -> Table:
     for col in ("process", "steps", "mean ms", "p95 ms", "spans"):
         table.add_column(col, justify="left" if col == "process" else "right", overflow="fold")
     for row in rank_rows(summary):
-        table.add_row(
-            row.label, f"{row.steps:,}", fmt.ms(row.mean_s), fmt.ms(row.p95_s), f"{row.spans:,}"
-        )
+        table.add_row(*rank_cells(row))
     return table
 
 

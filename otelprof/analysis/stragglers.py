@@ -89,12 +89,13 @@ class RankWork:
             "steps": self.steps,
             "step_ms": 1e3 * self.per_step(self.step_s),
             "wait_ms": 1e3 * self.per_step(self.wait_s),
-            "own_ms": {k: 1e3 * self.per_step(v) for k, v in sorted(self.own.items())},
-            "wait_in_ms": {k: 1e3 * self.per_step(v) for k, v in sorted(self.wait_in.items())},
-            "wait_by_collective_ms": {
-                k: 1e3 * self.per_step(v) for k, v in sorted(self.wait_op.items())
-            },
+            "own_ms": self._ms_per_step(self.own),
+            "wait_in_ms": self._ms_per_step(self.wait_in),
+            "wait_by_collective_ms": self._ms_per_step(self.wait_op),
         }
+
+    def _ms_per_step(self, sums: dict[str, float]) -> dict[str, float]:
+        return {k: 1e3 * self.per_step(v) for k, v in sorted(sums.items())}
 
 
 @dataclass
@@ -346,36 +347,34 @@ def _judge(ranks: list[RankWork]) -> StragglerReport:
     step = statistics.median(r.per_step(r.step_s) for r in timed)
     if gap < max(MIN_WAIT_GAP_S, MIN_WAIT_GAP_SHARE * step):
         return report
-    names = set(straggler.own).union(*(r.own for r in others))
-    extra = {
-        n: straggler.per_step(straggler.own.get(n, 0.0))
-        - statistics.median(r.per_step(r.own.get(n, 0.0)) for r in others)
-        for n in names
-    }
+    extra = _beyond_median(straggler, others, "own")
     where = max(extra, key=lambda n: extra[n])
-    wait_names = set(straggler.wait_in).union(*(r.wait_in for r in others))
-    more_wait = {
-        n: statistics.median(r.per_step(r.wait_in.get(n, 0.0)) for r in others)
-        - straggler.per_step(straggler.wait_in.get(n, 0.0))
-        for n in wait_names
-    }
-    wait_in = max(more_wait, key=lambda n: more_wait[n])
-    ops = set(straggler.wait_op).union(*(r.wait_op for r in others))
-    more_op = {
-        n: statistics.median(r.per_step(r.wait_op.get(n, 0.0)) for r in others)
-        - straggler.per_step(straggler.wait_op.get(n, 0.0))
-        for n in ops
-    }
+    # where the others wait longest: the straggler's figure furthest below their median
+    wait_in = _beyond_median(straggler, others, "wait_in")
+    by_op = _beyond_median(straggler, others, "wait_op")
     report.straggler = straggler
     # the table's own figure: step time outside collectives, against the others' median
     report.extra_s = own_work(straggler) - statistics.median(own_work(r) for r in others)
     report.extra_in = where
     report.extra_in_s = extra[where]
-    report.others_wait_in = wait_in
-    report.others_wait_op = max(more_op, key=lambda n: more_op[n]) if more_op else ""
+    report.others_wait_in = min(wait_in, key=lambda n: wait_in[n])
+    report.others_wait_op = min(by_op, key=lambda n: by_op[n]) if by_op else ""
     report.others_wait_s = gap
     report.extras = extra
     return report
+
+
+def _beyond_median(straggler: RankWork, others: list[RankWork], field: str) -> dict[str, float]:
+    """Per key of the `field` sums (own, wait_in, wait_op): the straggler's per step minus
+    the other ranks' median."""
+
+    def per_step(rank: RankWork, key: str) -> float:
+        return rank.per_step(getattr(rank, field).get(key, 0.0))
+
+    names = set(getattr(straggler, field)).union(*(getattr(r, field) for r in others))
+    return {
+        n: per_step(straggler, n) - statistics.median(per_step(r, n) for r in others) for n in names
+    }
 
 
 SPLIT_TITLE = "Waiting vs own work per rank (ms per step; waiting = time in collectives)"

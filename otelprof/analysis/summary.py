@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,11 @@ from otelprof.analysis.reader import (
     RunFiles,
     SpanRec,
     Warn,
+    device_label,
     iter_all_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
-from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass
+from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass, in_steps
 
 
 def timing_key(name: str, phase: Any) -> str:
@@ -219,11 +220,7 @@ class SeriesAgg:
 
     @property
     def device(self) -> str:
-        """'gpu 0', 'read', ... : the attributes that tell series of one metric apart."""
-        a = dict(self.attrs)
-        if "gpu.index" in a or "hw.id" in a:
-            return f"gpu {a['gpu.index']}" if "gpu.index" in a else str(a["hw.id"])
-        return ", ".join(str(v) for _, v in self.attrs)
+        return device_label(self.attrs)
 
     @property
     def gpu(self) -> str | None:
@@ -270,10 +267,6 @@ class RunSummary:
     # (host, pid) -> the step running when that process crashed or was stopped
     unfinished_steps: dict[tuple[str, Any], int] = field(default_factory=dict)
 
-    @property
-    def step_total_s(self) -> float:
-        return self.step.total
-
     def share(self, name: str) -> float | None:
         """Share of summed step time spent in direct-child spans of this name."""
         agg = self.timings.get(name)
@@ -305,7 +298,9 @@ class _Phases:
         self._others: dict[str, list[list[int]]] = {}
 
     def step(self, epoch: Any, start: int, end: int) -> None:
-        label = f"epoch {epoch}" if epoch is not None else "training"
+        self._epoch(f"epoch {epoch}" if epoch is not None else "training", start, end)
+
+    def _epoch(self, label: str, start: int, end: int) -> None:
         span = self._epochs.get(label)
         if span is None:
             self._epochs[label] = [start, end]
@@ -331,12 +326,7 @@ class _Phases:
     def merge(self, other: _Phases) -> None:
         """Fold in the phases of other files (another rank's copy of a phase overlaps)."""
         for label, (start, end) in other._epochs.items():
-            span = self._epochs.get(label)
-            if span is None:
-                self._epochs[label] = [start, end]
-            else:
-                span[0] = min(span[0], start)
-                span[1] = max(span[1], end)
+            self._epoch(label, start, end)
         for name, intervals in other._others.items():
             for start, end in intervals:
                 self.root(name, start, end)
@@ -344,13 +334,13 @@ class _Phases:
     def result(self) -> list[Phase]:
         phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
         for label, intervals in self._others.items():
-            phases.extend(Phase(label, s, e) for s, e in _union(intervals))
+            phases.extend(Phase(label, s, e) for s, e in union(intervals))
         return sorted(phases, key=lambda p: (p.start_ns, p.label))
 
 
-def _union(intervals: list[list[int]]) -> list[tuple[int, int]]:
-    """Overlapping intervals as one, whatever order they came in (a span that overlaps two
-    kept intervals joins them)."""
+def union(intervals: Iterable[Any]) -> list[tuple[int, int]]:
+    """(start, end) pairs, overlapping ones as one, whatever order they came in (a span that
+    overlaps two kept intervals joins them)."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(intervals):
         if out and start <= out[-1][1]:
@@ -490,15 +480,6 @@ def _scope_of(point: PointRec) -> str:
     return point.resource.label
 
 
-def _in_range(rec: SpanRec, steps: tuple[int | None, int | None]) -> bool:
-    """Whether a span belongs to a step in [A, B) (spans without a step number stay)."""
-    number = rec.attr(ATTR_STEP)
-    if not isinstance(number, int):
-        return True
-    low, high = steps
-    return (low is None or number >= low) and (high is None or number < high)
-
-
 CRASHED_STEP = "crashed step"
 INTERRUPTED_STEP = "interrupted step"
 ProcessKey = tuple[str, Any]  # (host.name, process.pid)
@@ -603,7 +584,7 @@ class _FilePass:
                 keep_latest(hists, rec)
                 continue
             if isinstance(rec, SpanRec):
-                if steps is not None and not _in_range(rec, steps):
+                if steps is not None and not in_steps(rec.attr(ATTR_STEP), steps):
                     continue
                 if rec.status_code == 2:  # STATUS_CODE_ERROR
                     failed[rec.name] = failed.get(rec.name, 0) + 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from otelprof._schema import MODULE_PREFIXES, RUN_ENDED
+from otelprof.analysis import format as fmt
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.summary import (
     PARENT_ROOT,
@@ -37,20 +38,7 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     """Step first, then direct children of steps by share, then nested and other spans."""
     rows: list[TimingRow] = []
     if summary.step.count:
-        s = summary.step
-        rows.append(
-            TimingRow(
-                STEP_SPAN,
-                "step",
-                s.count,
-                s.mean,
-                s.percentile(50),
-                s.percentile(95),
-                s.total,
-                1.0,
-                s.exact,
-            )
-        )
+        rows.append(_row(STEP_SPAN, "step", summary.step, 1.0))
     direct: list[TimingRow] = []
     other: list[TimingRow] = []
     for agg in summary.timings.values():
@@ -82,17 +70,7 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
             level = WRAPS_STEP
         else:
             level = "parent not found"
-        row = TimingRow(
-            agg.name,
-            level,
-            s.count,
-            s.mean,
-            s.percentile(50),
-            s.percentile(95),
-            s.total,
-            summary.share(agg.name),
-            s.exact,
-        )
+        row = _row(agg.name, level, s, summary.share(agg.name))
         (direct if agg.direct_count else other).append(row)
     direct.sort(key=lambda r: -(r.share or 0.0))
     other.sort(key=lambda r: -r.total_s)
@@ -116,6 +94,15 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     return rows
 
 
+def timing_cells(row: TimingRow, mark: str = "") -> list[str]:
+    """A timing row as the text and HTML tables show it (`mark`: before an approximate
+    percentile)."""
+    share = "-" if row.share is None else f"{100 * row.share:.1f}%"
+    count = f"{row.count:,}" if row.count else ""
+    p50, p95 = mark + fmt.ms(row.p50_s), mark + fmt.ms(row.p95_s)
+    return [row.name, row.level, count, fmt.ms(row.mean_s), p50, p95, f"{row.total_s:.3f}", share]
+
+
 def _where(parent: str) -> str:
     if parent == PARENT_STEP:
         return "in step"
@@ -124,9 +111,9 @@ def _where(parent: str) -> str:
     return "top level" if parent == PARENT_ROOT else f"in {parent}"
 
 
-def _row(name: str, level: str, s: DurationStats) -> TimingRow:
+def _row(name: str, level: str, s: DurationStats, share: float | None = None) -> TimingRow:
     return TimingRow(
-        name, level, s.count, s.mean, s.percentile(50), s.percentile(95), s.total, None, s.exact
+        name, level, s.count, s.mean, s.percentile(50), s.percentile(95), s.total, share, s.exact
     )
 
 
@@ -147,6 +134,10 @@ class RankRow:
     mean_s: float
     p95_s: float
     spans: int
+
+
+def rank_cells(row: RankRow) -> list[str]:
+    return [row.label, f"{row.steps:,}", fmt.ms(row.mean_s), fmt.ms(row.p95_s), f"{row.spans:,}"]
 
 
 def rank_rows(summary: RunSummary) -> list[RankRow]:

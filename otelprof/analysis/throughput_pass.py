@@ -65,6 +65,7 @@ class _Acc:
 
 
 _WORK = ("samples", "tokens", "flops")  # _Acc's fields, in WORK_ATTRS' order
+_COUNTED = ("samples", "tokens")  # _Acc's fields the COUNTERS total
 
 
 @dataclass
@@ -80,6 +81,14 @@ class PhaseThroughput:
     peak_flops: float | None
     from_aggregates: bool = False  # counters + step histogram: traces were sampled
     step0_only: bool = False  # a process's only training step was step 0 (no step() calls)
+
+
+def in_steps(number: Any, steps: tuple[int | None, int | None]) -> bool:
+    """Whether a span of step `number` is in [A, B) = `steps` (one without a step stays)."""
+    if not isinstance(number, int):
+        return True
+    low, high = steps
+    return (low is None or number >= low) and (high is None or number < high)
 
 
 def _number(value: Any) -> float | None:
@@ -126,10 +135,8 @@ class ThroughputPass:
             self.kept_steps[rec.resource] = self.kept_steps.get(rec.resource, 0) + 1
         phase = rec.attr(PHASE_ATTR)
         number = rec.attr(ATTR_STEP)
-        if steps is not None and isinstance(number, int):
-            low, high = steps
-            if (low is not None and number < low) or (high is not None and number >= high):
-                return
+        if steps is not None and not in_steps(number, steps):
+            return
         first = False
         if rec.name == STEP_SPAN:
             phase = phase or PHASE_TRAIN
@@ -245,10 +252,7 @@ def _from_aggregates(
             continue  # all steps were kept (exact spans stay), or no work was recorded
         flops_rate = acc.flops / acc.seconds if acc.flops is not None and acc.seconds else None
         acc.steps, acc.seconds = hist.count, hist.sum
-        acc.samples = (
-            counters[(resource, "samples")][1] if (resource, "samples") in counters else None
-        )
-        acc.tokens = counters[(resource, "tokens")][1] if (resource, "tokens") in counters else None
+        acc.samples, acc.tokens = (counters.get((resource, w), (0, None))[1] for w in _COUNTED)
         acc.flops = flops_rate * hist.sum if flops_rate is not None else None
         replaced = True
     return replaced

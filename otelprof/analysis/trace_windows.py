@@ -84,7 +84,6 @@ class TracePlan:
     plan: ReadPlan
     windows: tuple[Window, ...] = ()
     read_budget: int | None = None
-    estimated_bytes: int = 0
 
     @property
     def sampled(self) -> bool:
@@ -293,7 +292,6 @@ def plan_trace(
             )
         if over or min(widths[1:]) >= GOOD_WIDTH_S * 1e9:
             break  # each window after the start wide enough: as many as that
-    estimate = sum(cost(b) for b in chosen)
     if ref_traces is not None:
         windows = _step_ranges(ref_traces, sizes[ref_traces], chosen, warn, max_line)
     else:
@@ -304,10 +302,7 @@ def plan_trace(
             continue  # cannot be read in parts: read whole, filtered by the windows
         byte_windows[path] = _byte_windows(path, sizes[path], windows, margin)
     return TracePlan(
-        ReadPlan(byte_windows, whole.total_bytes, budget, max_line),
-        tuple(windows),
-        budget,
-        int(estimate),
+        ReadPlan(byte_windows, whole.total_bytes, budget, max_line), tuple(windows), budget
     )
 
 
