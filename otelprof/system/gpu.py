@@ -85,8 +85,6 @@ class GpuSampler:
         clock: Callable[[], int] | None = None,
         pid: int | None = None,
     ) -> None:
-        if selection not in ("visible", "all"):
-            raise ValueError(f"gpus must be 'visible' or 'all', got {selection!r}")
         self._selection = selection
         self._nvml = nvml
         self._env = os.environ if env is None else env
