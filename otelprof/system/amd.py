@@ -58,7 +58,6 @@ class AmdGpuSampler:
         env: Mapping[str, str] | None = None,
         log: LogOnce | None = None,
         clock: Callable[[], int] | None = None,
-        pid: int | None = None,
     ) -> None:
         self._selection = selection
         self._amdsmi = amdsmi
@@ -67,7 +66,7 @@ class AmdGpuSampler:
         self._queries = QueryPolicy("AMD SMI", self._log, _refusal, "amd-")
         self._query = self._queries.query
         self._clock: Callable[[], int] = clock or Clock()
-        self._pids = _ProcessTree(os.getpid() if pid is None else pid)
+        self._pids = _ProcessTree(os.getpid())
         self._initialized = False
         self.devices: list[GpuIdentity] = []
 

@@ -83,7 +83,6 @@ class GpuSampler:
         env: Mapping[str, str] | None = None,
         log: LogOnce | None = None,
         clock: Callable[[], int] | None = None,
-        pid: int | None = None,
     ) -> None:
         self._selection = selection
         self._nvml = nvml
@@ -93,7 +92,7 @@ class GpuSampler:
         self._query = self._queries.query
         self._initialized = False
         self._clock: Callable[[], int] = clock or Clock()
-        self._pids = _ProcessTree(os.getpid() if pid is None else pid)
+        self._pids = _ProcessTree(os.getpid())
         self._perf: GpuPerf | None = None
         self.devices: list[GpuDevice] = []
 
