@@ -16,15 +16,14 @@ from opentelemetry.sdk.resources import Resource
 from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 from otelprof.config import Settings
 
-# environment variable -> (resource attribute, is integer)
+# environment variable -> resource attribute (an integer when the value is one)
 _RANK_ENV = {
-    "RANK": (ATTR_RANK, True),
-    "LOCAL_RANK": (ATTR_LOCAL_RANK, True),
-    "WORLD_SIZE": (ATTR_WORLD_SIZE, True),
+    "RANK": ATTR_RANK,
+    "LOCAL_RANK": ATTR_LOCAL_RANK,
+    "WORLD_SIZE": ATTR_WORLD_SIZE,
     # which restart of an elastic job (torchrun --max-restarts): attempts are kept apart
-    "TORCHELASTIC_RESTART_COUNT": (ATTR_ATTEMPT, True),
+    "TORCHELASTIC_RESTART_COUNT": ATTR_ATTEMPT,
 }
-_DETERMINED_ENV = {"DET_AGENT_ID": ("determined.agent.id", False)}
 # Settings field (checked with the options: config.py) -> resource attribute
 _DETERMINED_IDS = {
     "determined_experiment_id": "determined.experiment.id",
@@ -34,15 +33,6 @@ _DETERMINED_IDS = {
     "determined_steps_completed": "determined.trial.steps_completed",
     "determined_steps_per_batch": "otelprof.determined.steps_per_batch",
 }
-
-
-def _typed(value: str, integer: bool) -> str | int:
-    if integer:
-        try:
-            return int(value)
-        except ValueError:
-            return value
-    return value
 
 
 def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
@@ -56,10 +46,14 @@ def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
         ATTR_LOCAL_RANK: 0,
         ATTR_WORLD_SIZE: 1,
     }
-    for variable, (key, integer) in {**_RANK_ENV, **_DETERMINED_ENV}.items():
-        value = env.get(variable)
-        if value:
-            attributes[key] = _typed(value, integer)
+    for variable, key in _RANK_ENV.items():
+        if value := env.get(variable):
+            try:
+                attributes[key] = int(value)
+            except ValueError:
+                attributes[key] = value
+    if agent := env.get("DET_AGENT_ID"):
+        attributes["determined.agent.id"] = agent
     return attributes
 
 

@@ -30,33 +30,20 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from . import names
-from ._common import Attributes, LogOnce, Reading
+from ._common import LogOnce, Reading
+from ._gpu_query import QueryPolicy, describe
 from ._stamps import Baseline
 
-
-class GpuDevice(Protocol):
-    """What the performance sampler reads and keeps of a GPU (`gpu.GpuDevice` is one)."""
-
-    handle: Any
-    parent: Any
-    uuid: str
-    last_samples_us: dict[int, int]
-    perf: PerfState
-
-    @property
-    def attributes(self) -> Attributes: ...
-
+if TYPE_CHECKING:
+    from .gpu import GpuDevice
 
 SOURCE_GPM = "gpm"
 SOURCE_NVML = "nvml"
 UINT_MAX = 0xFFFFFFFF  # field-value scope: summed over every NVLink
 MIB = 2**20
-
-Query = Callable[[Any, str, Callable[[], Any]], Any]
-"""(device, metric, read) -> the value, or None once the driver refuses the metric."""
 
 
 @dataclass(frozen=True)
@@ -163,18 +150,12 @@ class GpuPerf:
     """GPM (or classic) performance series for the sampler's devices."""
 
     def __init__(
-        self,
-        nvml: Any,
-        clock: Callable[[], int],
-        log: LogOnce,
-        query: Query,
-        describe: Callable[[BaseException], str],
+        self, nvml: Any, clock: Callable[[], int], log: LogOnce, queries: QueryPolicy
     ) -> None:
         self._nvml = nvml
         self._clock = clock
         self._log = log
-        self._query = query
-        self._describe = describe
+        self._queries = queries
 
     def _const(self, name: str, default: int) -> int:
         return int(getattr(self._nvml, name, default))
@@ -198,11 +179,11 @@ class GpuPerf:
                 state.previous = 0
         except Exception as exc:
             supported = False
-            reason = self._describe(exc)
+            reason = describe(exc)
             self.free(device)
         else:
             reason = "the GPU does not support it (GPM needs Hopper or later)"
-        self._prime_dram(device)
+        skip_history(nvml, device, self._const("NVML_MEMORY_UTILIZATION_SAMPLES", 1))
         if not supported:
             self._log(
                 f"gpm:{device.uuid}",
@@ -215,12 +196,6 @@ class GpuPerf:
             return
         state.gpm = True
         state.gpm_keys = {m.key for m in GPM_METRICS}
-
-    def _prime_dram(self, device: GpuDevice) -> None:
-        """Skip the driver's memory-sample history so the first mean covers our interval."""
-        # refused or failing: the first sample() finds out and says so
-        with contextlib.suppress(Exception):
-            _fresh_mean(self._nvml, device, self._const("NVML_MEMORY_UTILIZATION_SAMPLES", 1))
 
     def free(self, device: GpuDevice) -> None:
         for sample in device.perf.samples:
@@ -256,7 +231,7 @@ class GpuPerf:
         try:
             self._take(device, current)
         except Exception as exc:
-            self._failed(device, "GPM sample", exc)
+            self._queries.transient(device, "GPM sample", exc)
             return
         window = state.gpm_baseline.advance(now, 0)
         if window is None:
@@ -275,7 +250,7 @@ class GpuPerf:
         try:
             nvml.nvmlGpmMetricsGet(request)
         except Exception as exc:
-            self._failed(device, "GPM metrics", exc)
+            self._queries.transient(device, "GPM metrics", exc)
             return
         success = self._const("NVML_SUCCESS", 0)
         for i, metric in enumerate(wanted):
@@ -283,7 +258,7 @@ class GpuPerf:
             code = int(result.nvmlReturn)
             if code != success:
                 # INVALID_ARGUMENT for one metric (e.g. samples too close) is not a refusal
-                if code in self._permanent() - {self._const("NVML_ERROR_INVALID_ARGUMENT", 2)}:
+                if code in permanent_codes(nvml) - {self._const("NVML_ERROR_INVALID_ARGUMENT", 2)}:
                     state.gpm_keys.discard(metric.key)
                     self._log(
                         f"gpm-refused:{device.uuid}:{metric.key}",
@@ -315,7 +290,7 @@ class GpuPerf:
             for f in live
         ]
         now = self._clock()
-        values = self._query(
+        values = self._queries.query(
             device, "counters", lambda: self._nvml.nvmlDeviceGetFieldValues(device.handle, ids)
         )
         if values is None:
@@ -325,7 +300,7 @@ class GpuPerf:
         for spec, value in zip(live, values, strict=False):
             code = int(value.nvmlReturn)
             if code != success:
-                if code in self._permanent():
+                if code in permanent_codes(self._nvml):
                     state.refused_fields.add(spec.key)
                     refused.append(f"{spec.constant} (error {code})")
                 continue
@@ -363,11 +338,7 @@ class GpuPerf:
         now = self._clock()
         state = device.perf
         baseline = state.counters.setdefault("dram-window", Baseline())
-        mean = self._query(
-            device,
-            "memory-samples",
-            lambda: _fresh_mean(nvml, device, kind),
-        )
+        mean = self._queries.query(device, "memory-samples", lambda: fresh_mean(nvml, device, kind))
         window = baseline.advance(now, 0.0)
         start = window[2] if window is not None else None
         if mean is None:
@@ -375,26 +346,25 @@ class GpuPerf:
         attrs = {**device.attributes, names.GPU_SOURCE: SOURCE_NVML}
         out.append(Reading(names.GPU_DRAM_BANDWIDTH.name, mean / 100.0, attrs, now, start))
 
-    def _permanent(self) -> set[int]:
-        return {
-            self._const("NVML_ERROR_NOT_SUPPORTED", 3),
-            self._const("NVML_ERROR_NO_PERMISSION", 4),
-            self._const("NVML_ERROR_INVALID_ARGUMENT", 2),
-            self._const("NVML_ERROR_FUNCTION_NOT_FOUND", 13),
-        }
 
-    def _failed(self, device: GpuDevice, what: str, exc: Exception) -> None:
-        self._log(
-            f"failed:{device.uuid}:{what}:{type(exc).__name__}",
-            logging.WARNING,
-            "GPU %s: reading %s failed (%s); omitted while it fails",
-            device.uuid,
-            what,
-            self._describe(exc),
-        )
+def permanent_codes(nvml: Any) -> set[int]:
+    """NVML errors that will not go away by asking again."""
+    return {
+        int(getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3)),
+        int(getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4)),
+        int(getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2)),
+        int(getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13)),
+    }
 
 
-def _fresh_mean(nvml: Any, device: GpuDevice, kind: int) -> float | None:
+def skip_history(nvml: Any, device: GpuDevice, kind: int) -> None:
+    """Skip the driver's history of samples of `kind`, so the first mean covers only our
+    interval (refused or failing: the first sample() finds out and says so)."""
+    with contextlib.suppress(Exception):
+        fresh_mean(nvml, device, kind)
+
+
+def fresh_mean(nvml: Any, device: GpuDevice, kind: int) -> float | None:
     """Mean of the driver's samples of `kind` newer than the last ones used; None if none.
 
     NVML answers NOT_FOUND when nothing is newer: then this interval has no value (the

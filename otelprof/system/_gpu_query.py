@@ -1,5 +1,6 @@
-"""The one policy both GPU samplers (NVML, AMD SMI) follow when they ask the driver for a
-metric of one device.
+"""What both GPU samplers (NVML, AMD SMI) share: a device's identity, the choice of the
+visible devices, and the one policy they follow when they ask the driver for a metric of
+one device.
 
 A metric the driver refuses for good (not supported, no permission: MIG slices, consumer
 boards) is omitted for that device from then on and logged once at INFO; any other error
@@ -11,14 +12,67 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from . import names
+from ._common import Attributes
 
 T = TypeVar("T")
+D = TypeVar("D", bound="GpuIdentity")
 
 
-class QueriedDevice(Protocol):
+@dataclass
+class GpuIdentity:
+    """A sampled GPU's driver handle, the attributes every series of it carries (the same
+    for NVML and AMD SMI devices) and the metrics its driver has refused."""
+
+    handle: Any
     uuid: str
-    refused: set[str]
+    index: int
+    refused: set[str] = field(default_factory=set)
+
+    @property
+    def attributes(self) -> Attributes:
+        return {names.HW_ID: self.uuid, names.GPU_INDEX: self.index}
+
+    @property
+    def hw_attributes(self) -> Attributes:
+        return {**self.attributes, names.HW_TYPE: "gpu"}
+
+
+def select_visible(
+    entries: list[str], every: list[D], lookup_mig: Callable[[str], D | None] | None = None
+) -> list[D]:
+    """The devices a visibility variable's `entries` name, the way CUDA reads them: an index
+    or a unique `GPU-` UUID prefix; a `MIG-` UUID through `lookup_mig` (skipped when not
+    found); everything after an entry that names no device is ignored."""
+    chosen: list[D] = []
+    for entry in entries:
+        device: D | None
+        if entry.isdigit():
+            device = every[int(entry)] if int(entry) < len(every) else None
+        elif entry.startswith("MIG-") and lookup_mig is not None:
+            device = lookup_mig(entry)
+            if device is None:
+                continue
+        else:
+            matches = [d for d in every if d.uuid.startswith(entry)]
+            device = matches[0] if len(matches) == 1 else None
+        if device is None:
+            break
+        if all(device.uuid != d.uuid for d in chosen):
+            chosen.append(device)
+    return chosen
+
+
+def describe(exc: BaseException) -> str:
+    """A driver error in words: its type, and its text when it has one."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class QueryPolicy:
@@ -29,19 +83,17 @@ class QueryPolicy:
         driver: str,
         log: Callable[..., Any],
         refusal: Callable[[Exception], str | None],
-        describe: Callable[[Exception], str],
         key_prefix: str = "",
     ) -> None:
         """`driver`: its name in messages; `refusal(exc)`: why the driver refuses the metric
-        for good, or None for an error that may pass; `describe(exc)`: a transient error in
-        words; `key_prefix`: keeps two drivers' log-once keys apart."""
+        for good, or None for an error that may pass; `key_prefix`: keeps two drivers'
+        log-once keys apart."""
         self._driver = driver
         self._log = log
         self._refusal = refusal
-        self._describe = describe
         self._prefix = key_prefix
 
-    def query(self, device: QueriedDevice, metric: str, call: Callable[[], T]) -> T | None:
+    def query(self, device: GpuIdentity, metric: str, call: Callable[[], T]) -> T | None:
         if metric in device.refused:
             return None
         try:
@@ -63,7 +115,7 @@ class QueryPolicy:
                 self.transient(device, metric, exc)
             return None
 
-    def transient(self, device: QueriedDevice, metric: str, exc: Exception) -> None:
+    def transient(self, device: GpuIdentity, metric: str, exc: Exception) -> None:
         """An error that may pass: this sample is omitted, the kind of error logged once."""
         self._log(
             f"{self._prefix}failed:{device.uuid}:{metric}:{type(exc).__name__}",
@@ -71,5 +123,5 @@ class QueryPolicy:
             "GPU %s: reading %s failed (%s); omitted while it fails",
             device.uuid,
             metric,
-            self._describe(exc),
+            describe(exc),
         )

@@ -29,17 +29,12 @@ Training = Callable[[], "tuple[int, str] | None"]
 """(training steps completed, current phase), or None when no profiler is running."""
 
 
-def no_training() -> tuple[int, str] | None:
-    """Without a training loop to read (no timings): no per-step or per-phase figures."""
-    return None
-
-
 class GpuStepMetrics:
     """Derives the two metrics from each GPU sample (wraps the GPU sampler's `sample`)."""
 
     def __init__(self, sample: Callable[[], list[Reading]], training: Training | None) -> None:
         self._sample = sample
-        self._training = training or no_training
+        self._training = training  # None without a training loop: no per-step figures
         self._energy: dict[tuple[Any, ...], float] = {}  # GPU -> last hw.energy (J)
         self._window: tuple[int, int, str] | None = None  # (time ns, steps, phase)
         self._idle: dict[tuple[Any, ...], float] = {}  # (GPU attrs, phase) -> idle seconds
@@ -53,7 +48,7 @@ class GpuStepMetrics:
             return readings
 
     def _derive(self, readings: list[Reading]) -> list[Reading]:
-        state = self._training()
+        state = self._training() if self._training is not None else None
         out: list[Reading] = []
         energy_delta = 0.0
         energy_time: int | None = None

@@ -215,39 +215,33 @@ def apply_read_times(metrics_data: Any) -> Any:
 def _apply_read_times(metrics_data: Any) -> Any:
     from opentelemetry.sdk.metrics.export import Gauge, NumberDataPoint, Sum
 
-    changed_any = False
-    resource_metrics = []
-    for rm in metrics_data.resource_metrics:
-        scope_metrics = []
-        rm_changed = False
-        for sm in rm.scope_metrics:
-            metrics = []
-            sm_changed = False
-            for metric in sm.metrics:
-                data = metric.data
-                if isinstance(data, (Gauge, Sum)):
-                    points = []
-                    for point in data.data_points:
-                        points.append(
-                            _stamp_point(metric.name, point, isinstance(data, Sum))
-                            if isinstance(point, NumberDataPoint)
-                            else point
-                        )
-                    if any(a is not b for a, b in zip(points, data.data_points, strict=True)):
-                        metric = replace(metric, data=replace(data, data_points=points))
-                        sm_changed = True
-                metrics.append(metric)
-            if sm_changed:
-                sm = replace(sm, metrics=metrics)
-                rm_changed = True
-            scope_metrics.append(sm)
-        if rm_changed:
-            rm = replace(rm, scope_metrics=scope_metrics)
-            changed_any = True
-        resource_metrics.append(rm)
-    if not changed_any:
-        return metrics_data
-    return replace(metrics_data, resource_metrics=resource_metrics)
+    def stamp_metric(metric: Any) -> Any:
+        data = metric.data
+        if not isinstance(data, (Gauge, Sum)):
+            return metric
+        is_sum = isinstance(data, Sum)
+        stamped = _mapped(
+            data,
+            "data_points",
+            lambda p: _stamp_point(metric.name, p, is_sum) if isinstance(p, NumberDataPoint) else p,
+        )
+        return metric if stamped is data else replace(metric, data=stamped)
+
+    return _mapped(
+        metrics_data,
+        "resource_metrics",
+        lambda rm: _mapped(rm, "scope_metrics", lambda sm: _mapped(sm, "metrics", stamp_metric)),
+    )
+
+
+def _mapped(parent: Any, field: str, change: Callable[[Any], Any]) -> Any:
+    """`parent` with `change` applied to each item of its list `field`; `parent` itself
+    when no item changed (copy on write, so untouched data is handed on as it came)."""
+    items = getattr(parent, field)
+    changed = [change(item) for item in items]
+    if all(a is b for a, b in zip(changed, items, strict=True)):
+        return parent
+    return replace(parent, **{field: changed})
 
 
 def _stamp_point(name: str, point: Any, is_sum: bool) -> Any:

@@ -28,16 +28,14 @@ import contextlib
 import io
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from . import names
 from ._common import LogOnce, Reading, logger
-from ._gpu_query import QueryPolicy
+from ._gpu_query import GpuIdentity, QueryPolicy, select_visible
 from ._stamps import Clock
-from .gpu import GpuIdentity, _ProcessTree, parse_visible_devices
+from .gpu import _ProcessTree, parse_visible_devices
 
-T = TypeVar("T")
 MIB = 2**20
 VISIBILITY_VARIABLES = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 SOURCE_AMDSMI = "amdsmi"
@@ -50,13 +48,6 @@ _STATUS_NO_PERM = 10
 _PERMANENT = {_STATUS_INVAL, _STATUS_NOT_SUPPORTED, _STATUS_NOT_YET_IMPLEMENTED, _STATUS_NO_PERM}
 
 
-@dataclass
-class AmdDevice(GpuIdentity):
-    """One AMD GPU being sampled, with what AMD SMI has refused for it."""
-
-    refused: set[str] = field(default_factory=set)
-
-
 class AmdGpuSampler:
     """Owns the AMD SMI session: `start` initializes it, `close` shuts it down."""
 
@@ -67,17 +58,17 @@ class AmdGpuSampler:
         env: Mapping[str, str] | None = None,
         log: LogOnce | None = None,
         clock: Callable[[], int] | None = None,
-        pid: int | None = None,
     ) -> None:
         self._selection = selection
         self._amdsmi = amdsmi
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
-        self._queries = QueryPolicy("AMD SMI", self._log, _refusal, _describe, "amd-")
+        self._queries = QueryPolicy("AMD SMI", self._log, _refusal, "amd-")
+        self._query = self._queries.query
         self._clock: Callable[[], int] = clock or Clock()
-        self._pids = _ProcessTree(os.getpid() if pid is None else pid)
+        self._pids = _ProcessTree(os.getpid())
         self._initialized = False
-        self.devices: list[AmdDevice] = []
+        self.devices: list[GpuIdentity] = []
 
     def start(self) -> bool:
         """Initialize AMD SMI and resolve the GPUs; False (quietly, at debug) if none."""
@@ -120,10 +111,10 @@ class AmdGpuSampler:
             except Exception as exc:
                 logger.debug("amdsmi_shut_down failed: %s", exc)
 
-    def _resolve(self) -> list[AmdDevice]:
+    def _resolve(self) -> list[GpuIdentity]:
         smi = self._amdsmi
         every = [
-            AmdDevice(h, str(smi.amdsmi_get_gpu_device_uuid(h)), i)
+            GpuIdentity(h, str(smi.amdsmi_get_gpu_device_uuid(h)), i)
             for i, h in enumerate(smi.amdsmi_get_processor_handles())
         ]
         if self._selection == "all" or not every:
@@ -132,17 +123,7 @@ class AmdGpuSampler:
         entries = parse_visible_devices(self._env.get(variable) if variable else None)
         if entries is None:
             return every
-        chosen: list[AmdDevice] = []
-        for entry in entries:
-            if entry.isdigit():
-                device = every[int(entry)] if int(entry) < len(every) else None
-            else:
-                matches = [d for d in every if d.uuid.startswith(entry)]
-                device = matches[0] if len(matches) == 1 else None
-            if device is None:
-                break
-            if device not in chosen:
-                chosen.append(device)
+        chosen = select_visible(entries, every)
         if not chosen:
             logger.info("AMD GPU metrics off: %s selects no GPU", variable)
         return chosen
@@ -156,7 +137,7 @@ class AmdGpuSampler:
             self._sample_device(device, pids, out)
         return out
 
-    def _sample_device(self, device: AmdDevice, pids: frozenset[int], out: list[Reading]) -> None:
+    def _sample_device(self, device: GpuIdentity, pids: frozenset[int], out: list[Reading]) -> None:
         smi = self._amdsmi
         h = device.handle
         attrs, hw_attrs = device.attributes, device.hw_attributes
@@ -215,7 +196,7 @@ class AmdGpuSampler:
                 total_b = float(sum(known))
                 out.append(Reading(names.GPU_PROCESS_MEMORY.name, total_b, attrs, now))
 
-    def _temperature(self, device: AmdDevice) -> float | None:
+    def _temperature(self, device: GpuIdentity) -> float | None:
         smi = self._amdsmi
         for sensor in ("EDGE", "HOTSPOT"):
             kind = getattr(smi.AmdSmiTemperatureType, sensor)
@@ -230,17 +211,10 @@ class AmdGpuSampler:
                 return number
         return None
 
-    def _query(self, device: AmdDevice, metric: str, call: Callable[[], T]) -> T | None:
-        return self._queries.query(device, metric, call)
-
 
 def _refusal(exc: Exception) -> str | None:
     code = _code(exc)
     return f"status {code}" if code in _PERMANENT else None
-
-
-def _describe(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _code(exc: BaseException) -> int | None:

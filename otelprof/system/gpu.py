@@ -35,18 +35,13 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from . import names
-from ._common import Attributes, LogOnce, Reading, logger
-from ._gpu_perf import GpuPerf, PerfState
-from ._gpu_query import QueryPolicy
+from ._common import LogOnce, Reading, logger
+from ._gpu_perf import GpuPerf, PerfState, fresh_mean, permanent_codes, skip_history
+from ._gpu_query import GpuIdentity, QueryPolicy, describe, select_visible
 from ._stamps import Clock
-
-T = TypeVar("T")
-
-# nvmlValueType_t -> field of c_nvmlValue_t
-_SAMPLE_FIELDS = dict(enumerate(("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")))
 
 
 def parse_visible_devices(value: str | None) -> list[str] | None:
@@ -68,32 +63,12 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
 
 
 @dataclass
-class GpuIdentity:
-    """A sampled GPU's driver handle and the attributes every series of it carries, the same
-    for NVML and AMD SMI devices."""
-
-    handle: Any
-    uuid: str
-    index: int
-
-    @property
-    def attributes(self) -> Attributes:
-        return {names.HW_ID: self.uuid, names.GPU_INDEX: self.index}
-
-    @property
-    def hw_attributes(self) -> Attributes:
-        return {**self.attributes, names.HW_TYPE: "gpu"}
-
-
-@dataclass
 class GpuDevice(GpuIdentity):
-    """One GPU (or MIG slice) being sampled, with what NVML has refused for it."""
+    """One GPU (or MIG slice) being sampled, with NVML's state for it."""
 
     parent: Any = None  # the physical GPU's handle, for a MIG slice
-    refused: set[str] = field(default_factory=set)
     use_samples: bool = True
-    last_sample_us: int = 0
-    last_samples_us: dict[int, int] = field(default_factory=dict)  # other sample kinds
+    last_samples_us: dict[int, int] = field(default_factory=dict)  # by kind of sample
     last_utilization_ns: int | None = None
     perf: PerfState = field(default_factory=PerfState)
 
@@ -108,18 +83,16 @@ class GpuSampler:
         env: Mapping[str, str] | None = None,
         log: LogOnce | None = None,
         clock: Callable[[], int] | None = None,
-        pid: int | None = None,
     ) -> None:
-        if selection not in ("visible", "all"):
-            raise ValueError(f"gpus must be 'visible' or 'all', got {selection!r}")
         self._selection = selection
         self._nvml = nvml
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
-        self._queries = QueryPolicy("NVML", self._log, self._refusal, _describe)
+        self._queries = QueryPolicy("NVML", self._log, self._refusal)
+        self._query = self._queries.query
         self._initialized = False
         self._clock: Callable[[], int] = clock or Clock()
-        self._pids = _ProcessTree(os.getpid() if pid is None else pid)
+        self._pids = _ProcessTree(os.getpid())
         self._perf: GpuPerf | None = None
         self.devices: list[GpuDevice] = []
 
@@ -136,20 +109,20 @@ class GpuSampler:
         try:
             nvml.nvmlInit()
         except Exception as exc:
-            logger.info("GPU metrics off: NVML is not available (%s)", _describe(exc))
+            logger.info("GPU metrics off: NVML is not available (%s)", describe(exc))
             return False
         self._initialized = True
         try:
             self.devices = self._resolve()
         except Exception as exc:
-            logger.info("GPU metrics off: cannot list GPUs through NVML (%s)", _describe(exc))
+            logger.info("GPU metrics off: cannot list GPUs through NVML (%s)", describe(exc))
             self.devices = []
         if not self.devices:
             self.close()
             return False
-        self._perf = GpuPerf(nvml, self._clock, self._log, self._query, _describe)
+        self._perf = GpuPerf(nvml, self._clock, self._log, self._queries)
         for device in self.devices:
-            self._prime_samples(device)
+            skip_history(nvml, device, getattr(nvml, "NVML_GPU_UTILIZATION_SAMPLES", 1))
             self._perf.start(device)
         logger.info(
             "GPU metrics for %d GPU(s): %s",
@@ -167,7 +140,7 @@ class GpuSampler:
             try:
                 self._nvml.nvmlShutdown()
             except Exception as exc:
-                logger.debug("nvmlShutdown failed: %s", _describe(exc))
+                logger.debug("nvmlShutdown failed: %s", describe(exc))
 
     # -- device selection -------------------------------------------------------------
 
@@ -187,27 +160,10 @@ class GpuSampler:
         entries = parse_visible_devices(raw)
         if entries is None:
             return every
-        chosen: list[GpuDevice] = []
-        for entry in entries:
-            device = self._lookup(entry, every)
-            if device is None:
-                if entry.startswith("MIG-"):
-                    continue
-                break  # CUDA ignores everything after an invalid entry
-            if all(device.uuid != d.uuid for d in chosen):
-                chosen.append(device)
+        chosen = select_visible(entries, every, self._lookup_mig)
         if not chosen:
             logger.info("GPU metrics off: CUDA_VISIBLE_DEVICES=%r selects no GPU", raw)
         return chosen
-
-    def _lookup(self, entry: str, every: list[GpuDevice]) -> GpuDevice | None:
-        if entry.isdigit():
-            index = int(entry)
-            return every[index] if index < len(every) else None
-        if entry.startswith("GPU-"):
-            matches = [d for d in every if d.uuid.startswith(entry)]
-            return matches[0] if len(matches) == 1 else None
-        return self._lookup_mig(entry)
 
     def _lookup_mig(self, entry: str) -> GpuDevice | None:
         nvml = self._nvml
@@ -217,7 +173,7 @@ class GpuSampler:
             uuid = _text(nvml.nvmlDeviceGetUUID(handle))
             return GpuDevice(handle, uuid, nvml.nvmlDeviceGetIndex(parent), parent=parent)
         except Exception as exc:
-            logger.info("MIG device %s not found through NVML (%s); omitted", entry, _describe(exc))
+            logger.info("MIG device %s not found through NVML (%s); omitted", entry, describe(exc))
             return None
 
     # -- sampling ----------------------------------------------------------------------
@@ -237,7 +193,7 @@ class GpuSampler:
         try:
             read(device, *args)
         except Exception as exc:
-            self._transient(device, part, exc)
+            self._queries.transient(device, part, exc)
 
     def _sample_device(self, device: GpuDevice, out: list[Reading]) -> None:
         nvml = self._nvml
@@ -292,7 +248,7 @@ class GpuSampler:
                 return nvml.nvmlDeviceGetMemoryInfo(device.handle, version=v2)
             except Exception as exc:
                 if self._refusal(exc) is None:
-                    self._transient(device, "memory", exc)
+                    self._queries.transient(device, "memory", exc)
                     return None
                 device.refused.add("memory v2")  # an older driver: v1 from now on
         return self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(device.handle))
@@ -333,34 +289,17 @@ class GpuSampler:
         total = float(sum(used.values()))
         out.append(Reading(names.GPU_PROCESS_MEMORY.name, total, device.attributes, now))
 
-    def _prime_samples(self, device: GpuDevice) -> None:
-        """Skip NVML's sample history so the first average covers only our interval."""
-        try:
-            _, samples = self._nvml.nvmlDeviceGetSamples(
-                device.handle, self._nvml.NVML_GPU_UTILIZATION_SAMPLES, 0
-            )
-            device.last_sample_us = max((int(s.timeStamp) for s in samples), default=0)
-        except Exception:
-            pass  # no history yet, or unsupported: the first sample() finds out
-
     def _utilization(self, device: GpuDevice) -> tuple[float | None, bool]:
         """(utilization 0-1 or None, whether it is the mean of samples since the last read)."""
         nvml = self._nvml
         if device.use_samples:
             try:
-                value_type, samples = nvml.nvmlDeviceGetSamples(
-                    device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us
-                )
-                fresh = [s for s in samples if int(s.timeStamp) > device.last_sample_us]
-                if fresh:
-                    device.last_sample_us = max(int(s.timeStamp) for s in fresh)
-                    values = [_sample_value(value_type, s) for s in fresh]
-                    return sum(values) / len(values) / 100.0, True
+                mean = fresh_mean(nvml, device, nvml.NVML_GPU_UTILIZATION_SAMPLES)
+                if mean is not None:
+                    return mean / 100.0, True
+                # no sample newer than the last one: use the running average
             except Exception as exc:
-                code = getattr(exc, "value", None)
-                if code == getattr(nvml, "NVML_ERROR_NOT_FOUND", 6):
-                    pass  # no sample newer than the last one: use the running average
-                elif self._refusal(exc) is not None:
+                if self._refusal(exc) is not None:
                     device.use_samples = False
                     self._log(
                         f"samples:{device.uuid}",
@@ -368,49 +307,25 @@ class GpuSampler:
                         "GPU %s: NVML utilization samples unavailable (%s); "
                         "using nvmlDeviceGetUtilizationRates instead",
                         device.uuid,
-                        _describe(exc),
+                        describe(exc),
                     )
                 else:
-                    self._transient(device, "utilization samples", exc)
+                    self._queries.transient(device, "utilization samples", exc)
         rates = self._query(
             device, "utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(device.handle)
         )
         return (None if rates is None else float(rates.gpu) / 100.0), False
 
-    def _query(self, device: GpuDevice, metric: str, call: Callable[[], T]) -> T | None:
-        return self._queries.query(device, metric, call)
-
     def _refusal(self, exc: Exception) -> str | None:
         """Errors that will not go away by asking again: the series is dropped for good."""
         nvml = self._nvml
-        permanent = {
-            getattr(nvml, "NVML_ERROR_NOT_SUPPORTED", 3),
-            getattr(nvml, "NVML_ERROR_NO_PERMISSION", 4),
-            getattr(nvml, "NVML_ERROR_INVALID_ARGUMENT", 2),
-            getattr(nvml, "NVML_ERROR_FUNCTION_NOT_FOUND", 13),
-        }
-        if isinstance(exc, nvml.NVMLError) and getattr(exc, "value", None) in permanent:
-            return _describe(exc)
+        if isinstance(exc, nvml.NVMLError) and getattr(exc, "value", None) in permanent_codes(nvml):
+            return describe(exc)
         return None
-
-    def _transient(self, device: GpuDevice, metric: str, exc: Exception) -> None:
-        self._queries.transient(device, metric, exc)
-
-
-def _sample_value(value_type: int, sample: Any) -> float:
-    return float(getattr(sample.sampleValue, _SAMPLE_FIELDS.get(value_type, "uiVal")))
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _describe(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except Exception:
-        text = ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _ProcessTree:

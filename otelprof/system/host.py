@@ -199,8 +199,6 @@ class HostSampler:
             raw = proc.read(self._clock)
             per_disk = _procfs.parse_diskstats(raw.value)
             t = raw.time_ns
-            counts = {name: c for name, c in per_disk.items() if self._is_physical_disk(name)}
-            disks = {name: _DiskTuple(c[0], c[1], c[2], c[3]) for name, c in counts.items()}
         else:
             stamped = timed(
                 lambda: self._ps.disk_io_counters(perdisk=True, nowrap=False), self._clock
@@ -208,23 +206,16 @@ class HostSampler:
             t = stamped.time_ns
             if not stamped.value:
                 return Stamped(None, t)
-            disks = {
-                name: _DiskTuple(c.read_count, c.write_count, c.read_bytes, c.write_bytes)
+            per_disk = {
+                name: (c.read_count, c.write_count, c.read_bytes, c.write_bytes)
                 for name, c in stamped.value.items()
-                if self._is_physical_disk(name)
             }
+        disks = {name: c for name, c in per_disk.items() if self._is_physical_disk(name)}
         if not disks:
             self._log("disk:none", logging.INFO, "no physical disk found; disk metrics omitted")
             return Stamped(None, t)
-        return Stamped(
-            DiskCounters(
-                read_count={d: c.read_count for d, c in disks.items()},
-                write_count={d: c.write_count for d, c in disks.items()},
-                read_bytes={d: c.read_bytes for d, c in disks.items()},
-                write_bytes={d: c.write_bytes for d, c in disks.items()},
-            ),
-            t,
-        )
+        # (reads, writes, read bytes, written bytes) per disk -> one dict per counter
+        return Stamped(DiskCounters(*({d: c[i] for d, c in disks.items()} for i in range(4))), t)
 
     def _read(self, what: str, read: Callable[[], Stamped[T]]) -> Stamped[T] | None:
         try:
@@ -251,14 +242,6 @@ class HostSampler:
     ) -> None:
         if value is not None:
             out.append(Reading(instrument.name, value, dict(attributes or {}), time_ns, start_ns))
-
-
-@dataclass(frozen=True)
-class _DiskTuple:
-    read_count: int
-    write_count: int
-    read_bytes: int
-    write_bytes: int
 
 
 _PROC_FILES = {

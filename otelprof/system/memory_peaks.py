@@ -67,9 +67,7 @@ class TorchCudaPeaks:
             if not reserved:
                 continue  # no memory of this process on that device
             cuda.reset_peak_memory_stats(device)
-            attrs = self._attributes.get(device)
-            if attrs is None:
-                attrs = self._attributes[device] = device_attributes(cuda, device)
+            attrs = device_attributes(cuda, device, self._attributes)
             allocated = stats["allocated_bytes"]["all"]["peak"]
             out.append((attrs, float(allocated), float(reserved)))
         return out

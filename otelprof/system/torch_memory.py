@@ -43,7 +43,7 @@ class TorchMemorySampler:
                 return []
             out = []
             for ordinal in range(cuda.device_count()):
-                attrs = self._device_attributes(cuda, ordinal)
+                attrs = device_attributes(cuda, ordinal, self._attributes)
                 t = self._clock()  # both come from the allocator's counters, read together
                 allocated = cuda.memory_allocated(ordinal)
                 reserved = cuda.memory_reserved(ordinal)
@@ -63,16 +63,12 @@ class TorchMemorySampler:
             )
             return []
 
-    def _device_attributes(self, cuda: Any, ordinal: int) -> Attributes:
-        known = self._attributes.get(ordinal)
-        if known is None:
-            known = self._attributes[ordinal] = device_attributes(cuda, ordinal)
-        return known
 
-
-def device_attributes(cuda: Any, ordinal: int) -> Attributes:
+def device_attributes(cuda: Any, ordinal: int, cache: dict[int, Attributes]) -> Attributes:
     """`otelprof.cuda.device` and, when torch knows it, `hw.id` (the GPU's UUID, as NVML
-    names it, to join with the `hw.gpu.*` series)."""
+    names it, to join with the `hw.gpu.*` series); asked once per device, kept in `cache`."""
+    if ordinal in cache:
+        return cache[ordinal]
     attrs: Attributes = {names.CUDA_DEVICE: ordinal}
     try:
         uuid = str(cuda.get_device_properties(ordinal).uuid)
@@ -82,4 +78,5 @@ def device_attributes(cuda: Any, ordinal: int) -> Attributes:
             attrs[names.HW_ID] = uuid
     except Exception:
         pass  # older torch: no uuid property
+    cache[ordinal] = attrs
     return attrs
