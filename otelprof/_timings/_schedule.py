@@ -9,7 +9,6 @@ restarts at every epoch and `repeat` counts the repetitions *after* the first wi
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 
 class ScheduleAction(enum.Enum):
@@ -188,5 +187,3 @@ _ALIASES = {
     "RECORD_AND_SAVE": ScheduleAction.RECORD_AND_SAVE,
     "ACTIVE_AND_SAVE": ScheduleAction.RECORD_AND_SAVE,
 }
-
-ScheduleFn = Callable[[int], object]
