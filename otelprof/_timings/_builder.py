@@ -605,18 +605,15 @@ class SpanBuilder:
     def _durations_for(self, raw: str, phase: str) -> list[int]:
         """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
-        durations = self._batch_of(self.aggregates.add_histogram(self.names.exported(raw), phase))
+        hist = self.aggregates.add_histogram(self.names.exported(raw), phase)
+        entry = self._batches.get(id(hist))  # (its histogram, the batch folded in at the end)
+        if entry is None:
+            entry = self._batches[id(hist)] = (hist, [])
+        durations = entry[1]
         by_raw = self._raw_hists[phase]
         if len(by_raw) < MAX_CACHED_NAMES:
             by_raw[raw] = durations
         return durations
-
-    def _batch_of(self, hist: DurationHistogram) -> list[int]:
-        """The batch of durations folded into `hist` at the end of every drain."""
-        entry = self._batches.get(id(hist))
-        if entry is None:
-            entry = self._batches[id(hist)] = (hist, [])
-        return entry[1]
 
     def _emit_or_hold(self, frame: list[Any]) -> None:
         """One frame the general way: held while its CUDA events run, else emitted."""

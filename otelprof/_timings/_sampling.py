@@ -20,15 +20,10 @@ sum, min, max; buckets for percentiles) exported as the OTel histogram metric
   of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
 - **anomaly** (documented rule, `anomaly_threshold`): a step at least `ANOMALY_FACTOR` x
   the median of the previous `SLOW_WINDOW` steps and at least `ANOMALY_MIN_S` longer than
-  that median. The floor on the excess is what keeps the machine's own noise out: a thread
-  the OS preempts waits one or a few scheduler slices (a few ms each; Linux's are 0.75-3 ms,
-  up to ~24 ms under CFS on a busy many-core host), and a Python thread waits up to the
-  interpreter's 5 ms switch interval each time another thread holds the GIL. At sub-ms
-  steps 3x the median is well under one such wait (what a 1 ms floor kept on a loaded
-  machine: BENCHMARKS.md, "Background threads, data volume and the anomaly rule"), so the
-  floor is 20 ms: four GIL switch intervals,
-  about one CFS latency period. It only matters below 10 ms steps (the factor rules from
-  there: 3x a 10 ms step is already 20 ms more), and a delay under it still shows in the
+  that median. The floor on the excess keeps the machine's own noise out: at sub-ms steps
+  3x the median is well under one scheduler slice or GIL switch interval, so the floor is
+  20 ms (four GIL switch intervals, about one CFS latency period; BENCHMARKS.md, "Background
+  threads, data volume and the anomaly rule"). A delay under it still shows in the
   histograms' max and upper buckets and, if it is the slowest lately, in the tail sample.
   Anomalies have their own budget, apart from head and tail: a token bucket of
   `anomaly_budget` steps per minute (the `trace_anomaly_budget` option, default
@@ -143,19 +138,12 @@ class DurationHistogram:
     def add_ns(self, durations: list[int]) -> None:
         """Add a batch of durations in integer ns; sorts `durations` in place (the builder
         clears its batches after). Sorted, each bucket's count is the distance between two
-        bisections, so the per-duration work is the sort's, in C: about 55 ns a duration
-        against 210 for a bisection and a Counter increment each (builder CPU per range)."""
+        bisections, so the per-duration work is the sort's, in C, not a bisection each."""
         if not durations:
             return
         durations.sort()
-        self.count += len(durations)
-        self.sum += sum(durations) / 1e9
-        low, high = durations[0] / 1e9, durations[-1] / 1e9
-        if low < self.min:
-            self.min = low
-        if high > self.max:
-            self.max = high
         bucket_counts(durations, self.buckets)
+        self._merge(len(durations), sum(durations), durations[0], durations[-1])
 
     def add_column(self, values: Any, start: int, stride: int) -> None:
         """Add every `stride`-th duration (integer ns) of the int64 buffer `values` from
@@ -167,10 +155,13 @@ class DurationHistogram:
         except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
             self.add_ns(list(int64s(values)[start::stride]))
             return
-        if not count:
-            return
+        if count:
+            self._merge(count, total, low_ns, high_ns)
+
+    def _merge(self, count: int, total_ns: int, low_ns: int, high_ns: int) -> None:
+        """Count, sum, min and max of a batch of durations in integer ns."""
         self.count += count
-        self.sum += total / 1e9
+        self.sum += total_ns / 1e9
         low, high = low_ns / 1e9, high_ns / 1e9
         if low < self.min:
             self.min = low
@@ -230,11 +221,7 @@ class Aggregates:
         self.histograms: dict[tuple[str, str], DurationHistogram] = {}
 
     def add(self, name: str, phase: str, seconds: float) -> DurationHistogram:
-        key = (name, phase)
-        hist = self.histograms.get(key)
-        if hist is None:
-            with self._lock:
-                hist = self.histograms[key] = DurationHistogram()
+        hist = self.histograms.get((name, phase)) or self.add_histogram(name, phase)
         hist.add(seconds)
         return hist
 
@@ -404,7 +391,10 @@ class TraceSampler:
                         )
                         self.window_step(fields)
                     return
-            self._late(decided, item)
+            if decided:
+                self._emit(item)
+            else:
+                self.sampled_out += 1
             return
         if not is_step:
             self.buffer(ctx, [item], error)
@@ -448,12 +438,6 @@ class TraceSampler:
         if fields is not None:
             self._output(fields)
 
-    def _late(self, kept: bool, item: Any) -> None:
-        if kept:
-            self._emit(item)
-        else:
-            self.sampled_out += 1
-
     def flush(self) -> None:
         """An explicit flush: steps still open that head sampling selects are written now
         if the head budget allows (their tail decision is lost), others stay buffered."""
@@ -467,10 +451,7 @@ class TraceSampler:
         """Shutdown: steps whose step span never came (still open) go by the head budget."""
         self._release_held()
         for ctx, pending in list(self._pending.items()):
-            if self.keep_all or self._head.take(len(pending.items)):
-                self._release(ctx, pending, "head")
-            else:
-                self._sample_out(ctx, pending)
+            self._decide_by_head(ctx, pending)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
         del self._pending[ctx]
@@ -482,8 +463,10 @@ class TraceSampler:
 
     def _decide_oldest(self) -> None:
         ctx = next(iter(self._pending))
-        pending = self._pending[ctx]
-        if self._head.take(len(pending.items)):
+        self._decide_by_head(ctx, self._pending[ctx])
+
+    def _decide_by_head(self, ctx: Any, pending: _Pending) -> None:
+        if self.keep_all or self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
         else:
             self._sample_out(ctx, pending)
