@@ -500,9 +500,7 @@ class TimingsEngine:
     def _start_kineto(self) -> None:
         from otelprof._timings._kineto import KinetoSession
 
-        self._kineto = KinetoSession(
-            self._torch, self._builder, self._clock, self._settings.run_dir / "kineto"
-        )
+        self._kineto = KinetoSession(self._torch, self._builder, self._settings.run_dir / "kineto")
         self._kineto_action = self._kineto_action_for(0)
         self._kineto.start(self._kineto_action)
 

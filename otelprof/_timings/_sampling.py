@@ -47,7 +47,7 @@ import math
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -362,7 +362,7 @@ class TraceSampler:
         self._held_links: list[tuple[int, int, dict[str, Any]]] = []
         self._last_capture = -math.inf
         self.sampled_out = 0
-        self.kept_steps: dict[str, int] = {}
+        self.kept_steps: Counter[str] = Counter()  # kept steps by why they were kept
         self.anomalies = 0  # steps the rule fired on, kept or not
         self.anomalies_refused = 0  # ... that the anomaly budget had no room for
         self.on_anomaly: Callable[[Any, float], bool] | None = None
@@ -383,12 +383,9 @@ class TraceSampler:
                 if decided and getattr(ctx, "kineto_capture", False):
                     fields = self._build(item)
                     if fields is not None:
-                        attributes = dict(fields.attributes)
-                        attributes[ATTR_SAMPLED] = "capture.kineto"
+                        attributes = {**fields.attributes, ATTR_SAMPLED: "capture.kineto"}
                         self._output(fields._replace(attributes=attributes))
-                        self.kept_steps["capture.kineto"] = (
-                            self.kept_steps.get("capture.kineto", 0) + 1
-                        )
+                        self.kept_steps["capture.kineto"] += 1
                         self.window_step(fields)
                     return
             if decided:
@@ -457,7 +454,7 @@ class TraceSampler:
         del self._pending[ctx]
         self._buffered -= len(pending.items)
         ctx.kept = True
-        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        self.kept_steps[why] += 1
         for item in pending.items:
             self._emit(item)
 
@@ -647,7 +644,7 @@ class TraceSampler:
                 self.on_sampled_out(pending.items)
             return
         ctx.kept = True
-        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        self.kept_steps[why] += 1
         for item in pending.items:
             self._emit(item)
         step = self._build(step_item)
