@@ -138,78 +138,33 @@ class DurationHistogram:
     def add_ns(self, durations: list[int]) -> None:
         """Add a batch of durations in integer ns; sorts `durations` in place (the builder
         clears its batches after). Sorted, each bucket's count is the distance between two
-        bisections, so the per-duration work is the sort's, in C, not a bisection each."""
+        bisections, so the per-duration work is the sort's, in C, not a bisection each:
+        bucket i holds BOUNDS_NS[i-1] < ns <= BOUNDS_NS[i], where `add` puts ns / 1e9, and
+        only the buckets between the smallest and largest duration's are bisected."""
         if not durations:
             return
         durations.sort()
-        bucket_counts(durations, self.buckets)
-        self._merge(len(durations), sum(durations), durations[0], durations[-1])
-
-    def add_column(self, values: Any, start: int, stride: int) -> None:
-        """Add every `stride`-th duration (integer ns) of the int64 buffer `values` from
-        `start`: one column of the rows of steps sampled out on their thread."""
-        try:
-            count, total, low_ns, high_ns = fold_column(
-                values, start, stride, BOUNDS_NS, self.buckets
-            )
-        except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
-            self.add_ns(list(int64s(values)[start::stride]))
-            return
-        if count:
-            self._merge(count, total, low_ns, high_ns)
-
-    def _merge(self, count: int, total_ns: int, low_ns: int, high_ns: int) -> None:
-        """Count, sum, min and max of a batch of durations in integer ns."""
-        self.count += count
-        self.sum += total_ns / 1e9
-        low, high = low_ns / 1e9, high_ns / 1e9
+        self.count += len(durations)
+        self.sum += sum(durations) / 1e9
+        low, high = durations[0] / 1e9, durations[-1] / 1e9
         if low < self.min:
             self.min = low
         if high > self.max:
             self.max = high
+        bounds, buckets = BOUNDS_NS, self.buckets
+        first = bisect.bisect_left(bounds, durations[0])
+        last = bisect.bisect_left(bounds, durations[-1])
+        below = 0  # durations counted so far: all <= bounds[i - 1]
+        for i in range(first, last):
+            upto = bisect.bisect_right(durations, bounds[i], below)
+            buckets[i] += upto - below
+            below = upto
+        buckets[last] += len(durations) - below
 
-
-def fold_column(
-    values: Any, start: int, stride: int, bounds_ns: tuple[int, ...], buckets: list[int]
-) -> tuple[int, int, int, int]:
-    """Count every `stride`-th int64 of `values` from `start` into `buckets` (over
-    `bounds_ns`, as `bucket_counts`); (count, total, lowest, highest), zeros when empty:
-    one slice, one sort and a bisection per bucket, each a loop in C."""
-    if start < 0 or stride <= 0 or len(buckets) != len(bounds_ns) + 1:
-        raise ValueError(
-            "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of one bucket more"
-        )
-    column = sorted(int64s(values)[start::stride])
-    if not column:
-        return 0, 0, 0, 0
-    total = sum(column)
-    if not -(1 << 63) <= total < 1 << 63:
-        raise OverflowError("fold_column: the total leaves int64")
-    bucket_counts(column, buckets, bounds_ns)
-    return len(column), total, column[0], column[-1]
-
-
-def int64s(values: Any) -> memoryview:
-    """A buffer of native int64s (a row of a step sampled out on its thread, or a view of
-    rows) as one flat view."""
-    return memoryview(values).cast("B").cast("q")
-
-
-def bucket_counts(
-    ordered: list[int], buckets: list[int], bounds_ns: tuple[int, ...] = BOUNDS_NS
-) -> None:
-    """Add to `buckets` how many of `ordered` (integer ns, ascending) fall in each bucket,
-    the bucket of `bisect_left(bounds_ns, ns)`, as `DurationHistogram.add` puts seconds:
-    bucket i holds bounds_ns[i-1] < ns <= bounds_ns[i]. Only the buckets between the
-    smallest and largest duration's are bisected."""
-    first = bisect.bisect_left(bounds_ns, ordered[0])
-    last = bisect.bisect_left(bounds_ns, ordered[-1])
-    below = 0  # durations counted so far: all <= bounds_ns[i - 1]
-    for i in range(first, last):
-        upto = bisect.bisect_right(ordered, bounds_ns[i], below)
-        buckets[i] += upto - below
-        below = upto
-    buckets[last] += len(ordered) - below
+    def add_column(self, values: Any, start: int, stride: int) -> None:
+        """Add every `stride`-th duration of `values`, a buffer of native int64 ns (rows of
+        steps sampled out on their thread), from `start`: one column of those rows."""
+        self.add_ns(list(memoryview(values).cast("B").cast("q")[start::stride]))
 
 
 class Aggregates:
