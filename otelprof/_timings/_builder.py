@@ -268,22 +268,14 @@ class SpanBuilder:
         wait = self._interval_s
         while not self._stop.is_set():
             self._wake.wait(wait)
-            wait = self._interval_s if self._has_work() else min(2 * wait, IDLE_INTERVAL_S)
+            # while a wake-up finds nothing to do, the next sleep is longer, up to IDLE_INTERVAL_S
+            queued = rec.recorder.queue
+            busy = queued or self._jobs or self._pending or self._pending_units or self._recheck
+            wait = self._interval_s if busy else min(2 * wait, IDLE_INTERVAL_S)
             try:
                 self.drain(final=False)
             except Exception as error:  # never let the thread die
                 _log.warning("otelprof: span builder error %r", error)
-
-    def _has_work(self) -> bool:
-        """Whether this wake-up found anything to do; while it finds nothing, the builder
-        sleeps longer each time, up to IDLE_INTERVAL_S."""
-        return bool(
-            rec.recorder.queue
-            or self._jobs
-            or self._pending
-            or self._pending_units
-            or self._recheck
-        )
 
     # ---- work ----
     def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
@@ -417,29 +409,25 @@ class SpanBuilder:
     def _quiet_limits(self) -> dict[str, rec.QuietLimits]:
         """What a step must reach, per phase, for the on-thread sampler to hand it over
         (`rec.OnThreadSampler`): from `TraceSampler.quiet` of the phase's root span and the
-        head selection of its next numbers (`_head_of`)."""
+        head selection of its next numbers, from the recording step's number (the training
+        thread runs ahead of the builder) or the last one decided."""
         out: dict[str, rec.QuietLimits] = {}
+        current = rec.recorder.current
         for root in self.sampler.roots():
             found = self.sampler.quiet(root)
             if found is None:
                 continue
             tail, anomaly_ns, recent = found
             phase = DEFAULT_PHASE if root == STEP_SPAN else root
-            unknown, selected = self._head_of(phase)
+            if current is not None and current.phase == phase:
+                start = current.number
+            else:
+                start = self.sampler.last_number.get(phase, 0)
+            unknown, selected = self.sampler.head_window(phase, start)
             if unknown > -math.inf:  # else every step may be head sampling's
                 slowest = max(recent) * 1e9 if recent else 0.0
                 out[phase] = rec.QuietLimits(unknown, tail, slowest, anomaly_ns, selected)
         return out
-
-    def _head_of(self, phase: str) -> tuple[float, frozenset[int]]:
-        """Head selection of `phase`'s next steps, from the recording step's number (the
-        training thread runs ahead of the builder) or the last one decided."""
-        current = rec.recorder.current
-        if current is not None and current.phase == phase:
-            start = current.number
-        else:
-            start = self.sampler.last_number.get(phase, 0)
-        return self.sampler.head_window(phase, start)
 
     def _rows(self, item: list[Any]) -> None:
         """Steps sampled out on their own thread (`rec.on_thread`): each layout's rows become

@@ -29,11 +29,9 @@ from otelprof._timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
 
-KEPT_CATEGORIES = frozenset(
-    {"cpu_op", "kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver"}
-)
 _LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 _DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+KEPT_CATEGORIES = _LAUNCH_CATEGORIES | _DEVICE_CATEGORIES | {"cpu_op"}
 MAX_EVENTS_PER_WINDOW = 50_000
 """Spans one window may produce; the rest are counted in `kineto_events_dropped`."""
 
