@@ -402,15 +402,6 @@ def test_a_column_whose_total_overflows_int64_is_still_counted_exactly() -> None
     assert hist.buckets[-1] == 3
 
 
-def test_a_column_fold_called_wrongly_says_what_it_needs() -> None:
-    fold = _sampling.fold_column
-    values = memoryview(array("q", [1, 2]).tobytes()).cast("q")
-    with pytest.raises(ValueError, match="one bucket more"):
-        fold(values, 0, 1, _sampling.BOUNDS_NS, [0])  # one bucket, not one per bound + 1
-    with pytest.raises(ValueError):
-        fold(values, 0, 0, _sampling.BOUNDS_NS, [0] * (len(_sampling.BOUNDS_NS) + 1))
-
-
 def test_ranks_with_different_loads_keep_nested_head_steps_and_a_fixed_fraction_equal_ones() -> (
     None
 ):

@@ -20,25 +20,19 @@ _log = logging.getLogger("otelprof")
 _METHODS = ("__enter__", "__exit__")
 
 
-def record_function_classes() -> list[type]:
-    """The distinct classes behind torch's public record_function names."""
-    classes: list[type] = []
-    for module_name in ("torch.profiler", "torch.autograd.profiler"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        cls = getattr(module, "record_function", None)
-        if isinstance(cls, type) and cls not in classes:
-            classes.append(cls)
-    return classes
-
-
 class Bridge:
     """Installed wrappers on the record_function class(es), and what they replaced."""
 
     def __init__(self) -> None:
-        self._classes = record_function_classes()
+        self._classes: list[type] = []  # the distinct classes behind torch's public names
+        for module_name in ("torch.profiler", "torch.autograd.profiler"):
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:
+                continue
+            cls = getattr(module, "record_function", None)
+            if isinstance(cls, type) and cls not in self._classes:
+                self._classes.append(cls)
         self._installed: dict[type, Patches] = {}
 
     @property

@@ -73,6 +73,8 @@ YIELD_EVERY = 64
 YIELD_S = 50e-6
 """The builder sleeps this long every YIELD_EVERY frames (a short stretch of its work), so
 the training thread never waits long for the GIL behind a burst of span building."""
+MAX_PENDING_CUDA = 65536
+"""Frames held while their CUDA events run; past it a frame goes with its host duration."""
 IDLE_INTERVAL_S = 1.0
 """The longest the builder sleeps while nothing arrives: each wake-up costs the builder CPU
 (cold caches, the interpreter lock taken); the recorder wakes it early once its queue is
@@ -172,7 +174,6 @@ class SpanBuilder:
         *,
         interval_s: float = 0.2,
         cuda_timer: Any = None,
-        max_pending_cuda: int = 65536,
         version: str = "0",
         trace_budget: float = math.inf,
         traces: RunTraces | None = None,
@@ -189,7 +190,6 @@ class SpanBuilder:
         self._clock = clock
         self._interval_s = interval_s
         self._cuda = cuda_timer
-        self._max_pending = max_pending_cuda
         self._pending: deque[list[Any]] = deque()
         self._jobs: deque[Callable[[], Iterable[ReadableSpan]]] = deque()
         self._wake = _Wakeup()
@@ -268,22 +268,14 @@ class SpanBuilder:
         wait = self._interval_s
         while not self._stop.is_set():
             self._wake.wait(wait)
-            wait = self._interval_s if self._has_work() else min(2 * wait, IDLE_INTERVAL_S)
+            # while a wake-up finds nothing to do, the next sleep is longer, up to IDLE_INTERVAL_S
+            queued = rec.recorder.queue
+            busy = queued or self._jobs or self._pending or self._pending_units or self._recheck
+            wait = self._interval_s if busy else min(2 * wait, IDLE_INTERVAL_S)
             try:
                 self.drain(final=False)
             except Exception as error:  # never let the thread die
                 _log.warning("otelprof: span builder error %r", error)
-
-    def _has_work(self) -> bool:
-        """Whether this wake-up found anything to do; while it finds nothing, the builder
-        sleeps longer each time, up to IDLE_INTERVAL_S."""
-        return bool(
-            rec.recorder.queue
-            or self._jobs
-            or self._pending
-            or self._pending_units
-            or self._recheck
-        )
 
     # ---- work ----
     def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
@@ -417,29 +409,25 @@ class SpanBuilder:
     def _quiet_limits(self) -> dict[str, rec.QuietLimits]:
         """What a step must reach, per phase, for the on-thread sampler to hand it over
         (`rec.OnThreadSampler`): from `TraceSampler.quiet` of the phase's root span and the
-        head selection of its next numbers (`_head_of`)."""
+        head selection of its next numbers, from the recording step's number (the training
+        thread runs ahead of the builder) or the last one decided."""
         out: dict[str, rec.QuietLimits] = {}
+        current = rec.recorder.current
         for root in self.sampler.roots():
             found = self.sampler.quiet(root)
             if found is None:
                 continue
             tail, anomaly_ns, recent = found
             phase = DEFAULT_PHASE if root == STEP_SPAN else root
-            unknown, selected = self._head_of(phase)
+            if current is not None and current.phase == phase:
+                start = current.number
+            else:
+                start = self.sampler.last_number.get(phase, 0)
+            unknown, selected = self.sampler.head_window(phase, start)
             if unknown > -math.inf:  # else every step may be head sampling's
                 slowest = max(recent) * 1e9 if recent else 0.0
                 out[phase] = rec.QuietLimits(unknown, tail, slowest, anomaly_ns, selected)
         return out
-
-    def _head_of(self, phase: str) -> tuple[float, frozenset[int]]:
-        """Head selection of `phase`'s next steps, from the recording step's number (the
-        training thread runs ahead of the builder) or the last one decided."""
-        current = rec.recorder.current
-        if current is not None and current.phase == phase:
-            start = current.number
-        else:
-            start = self.sampler.last_number.get(phase, 0)
-        return self.sampler.head_window(phase, start)
 
     def _rows(self, item: list[Any]) -> None:
         """Steps sampled out on their own thread (`rec.on_thread`): each layout's rows become
@@ -539,11 +527,7 @@ class SpanBuilder:
         if cuda is not None and (self._pending_units or not self._units_ready(frames)):
             self._pending_units.append((item, frames))  # in order, behind any held one
             return
-        try:
-            self._process_unit(item, frames)
-        except Exception as error:
-            self.failed += len(frames)
-            _log.debug("otelprof: could not sample step %r: %r", item[F_NAME], error)
+        self._process_unit(item, frames)
 
     def _units_ready(self, frames: list[list[Any]]) -> bool:
         ready = self._cuda.ready
@@ -552,28 +536,32 @@ class SpanBuilder:
     def _process_unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """Aggregate a step's (or chunk's) ranges in bulk, add them to the step's trace
         buffer, and for a step item decide the step: a few C-level passes per step."""
-        ctx: rec.StepContext = item[F_CTX]
-        is_chunk = item[F_KIND] is KIND_CHUNK
-        n = len(frames)
-        if n:
-            self._aggregate_step(ctx.phase or DEFAULT_PHASE, frames)
-            if is_chunk or ctx.trim_start or ctx.trim_end:  # the extent matters: trimmed
-                ctx.extend(min(map(_get_start, frames)), max(map(_get_end, frames)))
-            else:
-                ctx.has_children = True
-            sampler = self.sampler
-            kept = ctx.kept
-            if kept is None:
-                sampler.buffer(ctx, frames, ctx.error or any(map(_get_error, frames)))
-            elif kept:
-                for frame in frames:
-                    fields = self._fields_or_none(frame)
-                    if fields is not None:
-                        self._output(fields)
-            else:
-                sampler.sampled_out += n
-        if not is_chunk:
-            self._emit(item)
+        try:
+            ctx: rec.StepContext = item[F_CTX]
+            is_chunk = item[F_KIND] is KIND_CHUNK
+            n = len(frames)
+            if n:
+                self._aggregate_step(ctx.phase or DEFAULT_PHASE, frames)
+                if is_chunk or ctx.trim_start or ctx.trim_end:  # the extent matters: trimmed
+                    ctx.extend(min(map(_get_start, frames)), max(map(_get_end, frames)))
+                else:
+                    ctx.has_children = True
+                sampler = self.sampler
+                kept = ctx.kept
+                if kept is None:
+                    sampler.buffer(ctx, frames, ctx.error or any(map(_get_error, frames)))
+                elif kept:
+                    for frame in frames:
+                        fields = self._fields_or_none(frame)
+                        if fields is not None:
+                            self._output(fields)
+                else:
+                    sampler.sampled_out += n
+            if not is_chunk:
+                self._emit(item)
+        except Exception as error:
+            self.failed += len(frames)
+            _log.debug("otelprof: could not sample step %r: %r", item[F_NAME], error)
 
     def _aggregate_step(self, phase: str, frames: list[list[Any]]) -> None:
         """Every range of a step (or chunk) into its histogram's batch: a known layout
@@ -605,24 +593,21 @@ class SpanBuilder:
     def _durations_for(self, raw: str, phase: str) -> list[int]:
         """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
-        durations = self._batch_of(self.aggregates.add_histogram(self.names.exported(raw), phase))
+        hist = self.aggregates.add_histogram(self.names.exported(raw), phase)
+        entry = self._batches.get(id(hist))  # (its histogram, the batch folded in at the end)
+        if entry is None:
+            entry = self._batches[id(hist)] = (hist, [])
+        durations = entry[1]
         by_raw = self._raw_hists[phase]
         if len(by_raw) < MAX_CACHED_NAMES:
             by_raw[raw] = durations
         return durations
 
-    def _batch_of(self, hist: DurationHistogram) -> list[int]:
-        """The batch of durations folded into `hist` at the end of every drain."""
-        entry = self._batches.get(id(hist))
-        if entry is None:
-            entry = self._batches[id(hist)] = (hist, [])
-        return entry[1]
-
     def _emit_or_hold(self, frame: list[Any]) -> None:
         """One frame the general way: held while its CUDA events run, else emitted."""
         cuda = frame[F_CUDA]
         if cuda is not None and not self._cuda.ready(cuda):
-            if len(self._pending) < self._max_pending:
+            if len(self._pending) < MAX_PENDING_CUDA:
                 self._pending.append(frame)
                 return
             self.cuda_unresolved += 1
@@ -666,11 +651,7 @@ class SpanBuilder:
                         self.cuda_unresolved += 1
             units.popleft()
             processed = True
-            try:
-                self._process_unit(item, frames)
-            except Exception as error:
-                self.failed += len(frames)
-                _log.debug("otelprof: could not sample step %r: %r", item[F_NAME], error)
+            self._process_unit(item, frames)
         if processed:
             self._fold_batches()
 
@@ -679,7 +660,11 @@ class SpanBuilder:
             job = self._jobs.popleft()
             try:
                 for span in job():
-                    self._hand_over(span)
+                    try:
+                        self._targets.on_end(span)
+                    except Exception as error:
+                        self.failed += 1
+                        _log.debug("otelprof: span processor raised %r", error)
                     self.job_spans += 1
             except Exception as error:
                 _log.warning("otelprof: span job failed: %r", error)
@@ -769,13 +754,6 @@ class SpanBuilder:
             except Exception as error:
                 self.failed += len(encoded)
                 _log.debug("otelprof: span sink raised %r", error)
-
-    def _hand_over(self, span: ReadableSpan) -> None:
-        try:
-            self._targets.on_end(span)
-        except Exception as error:
-            self.failed += 1
-            _log.debug("otelprof: span processor raised %r", error)
 
     def fields(self, frame: list[Any]) -> SpanFields:
         """One frame -> the span's fields (name, trace id, span id, parent id, start, end,

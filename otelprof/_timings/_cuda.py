@@ -55,7 +55,7 @@ class CudaTimer:
         return end is None or bool(end.query())
 
     def release(self, pair: list[Any]) -> None:
-        """Events of a range that will not be written (its step was sampled out) go back to
+        """A range's events, read or never to be (its step was sampled out), go back to
         the pool: creating CUDA events costs the training thread more than reusing them
         (recording an event again just replaces what it captured)."""
         for event in pair:
@@ -72,8 +72,5 @@ class CudaTimer:
             seconds = float(start.elapsed_time(end)) / 1000.0
         except Exception:
             seconds = None
-        for event in (start, end):
-            if len(self._pool) < EVENT_POOL_SIZE:
-                self._pool.append(event)
-        pair[0] = pair[1] = None
+        self.release(pair)
         return seconds

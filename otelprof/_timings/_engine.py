@@ -27,7 +27,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import math
 import re
 import threading
 from collections import deque
@@ -49,7 +48,7 @@ from otelprof._timings import _recorder as rec
 from otelprof._timings._bridge import Bridge
 from otelprof._timings._builder import Clock, SpanBuilder
 from otelprof._timings._frames import F_NAME, row_spans
-from otelprof._timings._sampling import ANOMALY_BUDGET, KINETO_WINDOW_STEPS
+from otelprof._timings._sampling import KINETO_WINDOW_STEPS
 from otelprof._timings._schedule import ScheduleAction, as_action, schedule
 from otelprof._timings._targets import SpanTargets
 from otelprof._timings._trace_ids import RunTraces
@@ -128,37 +127,31 @@ class TimingsEngine:
         resource: Resource,
         settings: Settings,
         *,
-        builder_interval_s: float = 0.2,
         calibrate: Callable[[], float] | None = None,
     ) -> None:
         """`targets`: the tracer provider's active span processor and `resource` its
-        resource: where built spans go. `builder_interval_s`: how often the builder thread
-        turns recorded ranges into spans (a burst of ranges is built in one go, off the
-        training thread). `calibrate`: measures what one range costs the thread that opens
-        it, run by `start()` before the builder thread starts (`range_cost_s`)."""
+        resource: where built spans go. `calibrate`: measures what one range costs the
+        thread that opens it, run by `start()` before the builder thread starts
+        (`range_cost_s`)."""
         self._settings = settings
         self._calibrate = calibrate
         self._clock = Clock()
-        self._torch = _import_torch() if (settings.record_function or settings.kineto) else None
-        if self._torch is None and settings.cuda_events:
-            self._torch = _import_torch()
+        wants_torch = settings.record_function or settings.kineto or settings.cuda_events
+        self._torch = _import_torch() if wants_torch else None
         self._cuda = self._make_cuda_timer()
         # every rank of the run attempt derives the same trace ids and head sampling
         attempt = resource.attributes.get(ATTR_ATTEMPT)
-        self.traces = RunTraces(
-            str(getattr(settings, "run_id", "") or ""), attempt if isinstance(attempt, int) else 0
-        )
+        self.traces = RunTraces(settings.run_id, attempt if isinstance(attempt, int) else 0)
         self._builder = SpanBuilder(
             targets,
             resource,
             self._clock,
-            interval_s=builder_interval_s,
             cuda_timer=self._cuda,
             version=_version(),
-            trace_budget=getattr(settings, "trace_budget", math.inf),
+            trace_budget=settings.trace_budget,
             traces=self.traces,
-            head_fraction=getattr(settings, "trace_head_fraction", None),
-            anomaly_budget=getattr(settings, "trace_anomaly_budget", ANOMALY_BUDGET),
+            head_fraction=settings.trace_head_fraction,
+            anomaly_budget=settings.trace_anomaly_budget,
         )
         self._bridge = Bridge() if (self._torch is not None and settings.record_function) else None
         self._kineto: Any = None
@@ -288,7 +281,7 @@ class TimingsEngine:
                 if self._from_capture:  # an anomaly's window: linked from the slow step
                     self._ctx.kineto_capture = True
         except Exception as error:  # telemetry never breaks training
-            step_failed(error)
+            _log.warning("otelprof: step() failed: %r", error)
 
     def set_epoch(self, epoch: int | None) -> None:
         """Tag this and later steps with `otelprof.epoch`; a new epoch restarts per-epoch
@@ -321,27 +314,19 @@ class TimingsEngine:
         the first step (timed from `start()`, so it includes set-up). Returns a remover.
         A listener that raises is removed (telemetry never breaks training)."""
         self._step_listeners.append(listener)
-
-        def remove() -> None:
-            with contextlib.suppress(ValueError):
-                self._step_listeners.remove(listener)
-
-        return remove
+        return functools.partial(_remove_listener, self._step_listeners, listener)
 
     def _notify_step(self, end_ns: int) -> None:
         t0 = self._train_t0
         train_ns = self._train_acc_ns + (end_ns - t0 if t0 is not None else 0)
         self._train_acc_ns = 0
         self._train_t0 = end_ns
-        if not self._step_listeners:
-            return
         for listener in tuple(self._step_listeners):
             try:
                 listener(self._step, train_ns, self._step_from_start)
             except Exception as error:
                 _log.warning("otelprof: step listener %r failed: %r; removed", listener, error)
-                with contextlib.suppress(ValueError):
-                    self._step_listeners.remove(listener)
+                _remove_listener(self._step_listeners, listener)
 
     @property
     def phase(self) -> str:
@@ -444,7 +429,10 @@ class TimingsEngine:
     def _begin_step(
         self, start_ns: int, keep: bool = False, trim_start: bool | None = None
     ) -> None:
-        action = ScheduleAction.RECORD if self._schedule is None else self._timing_action()
+        schedule = self._schedule
+        action = (
+            ScheduleAction.RECORD if schedule is None else self._call_schedule(schedule, self._step)
+        )
         previous = self._ctx if keep else None
         self._step_start = start_ns
         if not action.records:
@@ -474,11 +462,6 @@ class TimingsEngine:
             if self._schedule_errors == 1:
                 _log.warning("otelprof: the schedule raised %r; not recording this step", error)
             return ScheduleAction.NONE
-
-    def _timing_action(self) -> ScheduleAction:
-        if self._schedule is None:
-            return ScheduleAction.RECORD
-        return self._call_schedule(self._schedule, self._step)
 
     def _kineto_action_for(self, step: int) -> ScheduleAction:
         action = self._call_schedule(self._schedule or DEFAULT_KINETO_SCHEDULE, step)
@@ -517,9 +500,7 @@ class TimingsEngine:
     def _start_kineto(self) -> None:
         from otelprof._timings._kineto import KinetoSession
 
-        self._kineto = KinetoSession(
-            self._torch, self._builder, self._clock, self._settings.run_dir / "kineto"
-        )
+        self._kineto = KinetoSession(self._torch, self._builder, self._settings.run_dir / "kineto")
         self._kineto_action = self._kineto_action_for(0)
         self._kineto.start(self._kineto_action)
 
@@ -551,11 +532,6 @@ class TimingsEngine:
 def _remove_listener(listeners: list[Any], listener: Any) -> None:
     with contextlib.suppress(ValueError):
         listeners.remove(listener)
-
-
-def step_failed(error: Exception) -> None:
-    """What a failed `step()` does: log it, never raise into training."""
-    _log.warning("otelprof: step() failed: %r", error)
 
 
 def _version() -> str:

@@ -24,16 +24,14 @@ from otelprof import _torch_compat
 from otelprof._patch import Patch
 from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
 from otelprof._timings import _recorder as rec
-from otelprof._timings._builder import Clock, SpanBuilder
+from otelprof._timings._builder import SpanBuilder
 from otelprof._timings._schedule import ScheduleAction
 
 _log = logging.getLogger("otelprof")
 
-KEPT_CATEGORIES = frozenset(
-    {"cpu_op", "kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver"}
-)
 _LAUNCH_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 _DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+KEPT_CATEGORIES = _LAUNCH_CATEGORIES | _DEVICE_CATEGORIES | {"cpu_op"}
 MAX_EVENTS_PER_WINDOW = 50_000
 """Spans one window may produce; the rest are counted in `kineto_events_dropped`."""
 
@@ -56,10 +54,9 @@ class KinetoSession:
     from torch turns Kineto off for the run rather than risk the process.
     """
 
-    def __init__(self, torch: Any, builder: SpanBuilder, clock: Clock, directory: Path) -> None:
+    def __init__(self, torch: Any, builder: SpanBuilder, directory: Path) -> None:
         self._torch = torch
         self._builder = builder
-        self._clock = clock
         self._directory = directory
         self._next = ScheduleAction.NONE
         self._window: list[WindowStep] = []
@@ -67,7 +64,6 @@ class KinetoSession:
         self.traces = 0
         self.spans = 0
         self.events_dropped = 0
-        self.failed = 0
         self.steps_skipped = 0
         self._ours = False  # our torch session holds the profiler (WARMUP/RECORD)
         self._transitioning = False  # inside our own calls into torch's profiler
@@ -134,7 +130,6 @@ class KinetoSession:
             try:
                 self._call(profile.stop)
             except Exception as error:
-                self.failed += 1
                 _log.warning("otelprof: stopping torch.profiler failed: %r", error)
         self._ours = False
 
@@ -148,7 +143,6 @@ class KinetoSession:
         self._ours = self._next is not ScheduleAction.NONE
 
     def _fail(self, what: str, error: Exception) -> None:
-        self.failed += 1
         self._disabled = True
         self._window = []
         _log.warning(
@@ -189,7 +183,6 @@ class KinetoSession:
             if profile is not None:
                 self._call(profile.stop)
         except Exception as error:
-            self.failed += 1
             _log.debug("otelprof: closing the kineto window early failed: %r", error)
         self._ours = False
         self._disabled = True
@@ -207,7 +200,6 @@ class KinetoSession:
             path = self._directory / f"rank{rank}.step{last}.pt.trace.json"
             profile.export_chrome_trace(str(path))
         except Exception as error:
-            self.failed += 1
             _log.warning("otelprof: saving the torch.profiler trace failed: %r", error)
             return
         self.traces += 1
@@ -215,79 +207,73 @@ class KinetoSession:
             self._builder.submit(lambda: self._convert(path, window))
 
     def _convert(self, path: Path, window: list[WindowStep]) -> Iterator[ReadableSpan]:
-        for span in trace_file_spans(path, window, self._builder, self):
+        """Spans for the kept events of one Chrome trace file, each under its step span."""
+        with open(path, encoding="utf-8") as handle:
+            trace = json.load(handle)
+        base = int(trace.get("baseTimeNanoseconds", 0) or 0)
+        events = []
+        for event in trace.get("traceEvents", []):
+            if event.get("ph") != "X" or event.get("cat") not in KEPT_CATEGORIES:
+                continue
+            try:
+                start = base + round(float(event["ts"]) * 1000.0)
+                end = start + round(float(event.get("dur", 0)) * 1000.0)
+            except (KeyError, TypeError, ValueError):
+                continue
+            events.append((start, -end, end, event))
+        events.sort(key=lambda item: (item[0], item[1]))
+        if len(events) > MAX_EVENTS_PER_WINDOW:
+            self.events_dropped += len(events) - MAX_EVENTS_PER_WINDOW
+            events = events[:MAX_EVENTS_PER_WINDOW]
+        launched: dict[Any, WindowStep] = {}  # correlation id -> step of the CPU-side launch
+        for start, _neg_end, _end, event in events:
+            if event.get("cat") in _LAUNCH_CATEGORIES:
+                correlation = (event.get("args") or {}).get("correlation")
+                step = _step_of(window, start)
+                if correlation is not None and step is not None:
+                    launched[correlation] = step
+        stacks: dict[tuple[Any, Any, int], list[tuple[int, int]]] = {}
+        for start, _neg_end, end, event in events:
+            step = None
+            if event.get("cat") in _DEVICE_CATEGORIES:
+                step = launched.get((event.get("args") or {}).get("correlation"))
+            if step is None:
+                step = _step_of(window, start)
+            if step is None:
+                self.events_dropped += 1
+                continue
+            ctx = step.ctx
+            key = (event.get("pid"), event.get("tid"), ctx.step)
+            stack = stacks.setdefault(key, [])
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            parent = stack[-1][0] if stack and event.get("cat") == "cpu_op" else ctx.span_id
+            span_id = rec.new_span_id()
+            if event.get("cat") == "cpu_op":
+                stack.append((span_id, end))
+            attributes: dict[str, Any] = {
+                ATTR_STEP: ctx.step,
+                ATTR_PHASE: ctx.phase,
+                ATTR_SOURCE: "kineto",
+                "otelprof.kineto.category": str(event.get("cat")),
+            }
+            if ctx.epoch is not None:
+                attributes[ATTR_EPOCH] = ctx.epoch
+            args = event.get("args") or {}
+            for key_in, key_out in (("device", "otelprof.kineto.device"), ("stream", "gpu.stream")):
+                if isinstance(args.get(key_in), (int, str)):
+                    attributes[key_out] = args[key_in]
+            span = self._builder.make_span(
+                name=str(event.get("name", "?")),
+                trace_id=ctx.trace_id,
+                span_id=span_id,
+                parent_id=parent,
+                start_ns=start,
+                end_ns=end,
+                attributes=attributes,
+            )
             self.spans += 1
             yield span
-
-
-def trace_file_spans(
-    path: Path, window: list[WindowStep], builder: SpanBuilder, counts: KinetoSession
-) -> Iterator[ReadableSpan]:
-    """Spans for the kept events of one Chrome trace file, each under its step span."""
-    with open(path, encoding="utf-8") as handle:
-        trace = json.load(handle)
-    base = int(trace.get("baseTimeNanoseconds", 0) or 0)
-    events = []
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") != "X" or event.get("cat") not in KEPT_CATEGORIES:
-            continue
-        try:
-            start = base + round(float(event["ts"]) * 1000.0)
-            end = start + round(float(event.get("dur", 0)) * 1000.0)
-        except (KeyError, TypeError, ValueError):
-            continue
-        events.append((start, -end, end, event))
-    events.sort(key=lambda item: (item[0], item[1]))
-    if len(events) > MAX_EVENTS_PER_WINDOW:
-        counts.events_dropped += len(events) - MAX_EVENTS_PER_WINDOW
-        events = events[:MAX_EVENTS_PER_WINDOW]
-    launched: dict[Any, WindowStep] = {}  # correlation id -> step of the CPU-side launch
-    for start, _neg_end, _end, event in events:
-        if event.get("cat") in _LAUNCH_CATEGORIES:
-            correlation = (event.get("args") or {}).get("correlation")
-            step = _step_of(window, start)
-            if correlation is not None and step is not None:
-                launched[correlation] = step
-    stacks: dict[tuple[Any, Any, int], list[tuple[int, int]]] = {}
-    for start, _neg_end, end, event in events:
-        step = None
-        if event.get("cat") in _DEVICE_CATEGORIES:
-            step = launched.get((event.get("args") or {}).get("correlation"))
-        if step is None:
-            step = _step_of(window, start)
-        if step is None:
-            counts.events_dropped += 1
-            continue
-        ctx = step.ctx
-        key = (event.get("pid"), event.get("tid"), ctx.step)
-        stack = stacks.setdefault(key, [])
-        while stack and stack[-1][1] <= start:
-            stack.pop()
-        parent = stack[-1][0] if stack and event.get("cat") == "cpu_op" else ctx.span_id
-        span_id = rec.new_span_id()
-        if event.get("cat") == "cpu_op":
-            stack.append((span_id, end))
-        attributes: dict[str, Any] = {
-            ATTR_STEP: ctx.step,
-            ATTR_PHASE: ctx.phase,
-            ATTR_SOURCE: "kineto",
-            "otelprof.kineto.category": str(event.get("cat")),
-        }
-        if ctx.epoch is not None:
-            attributes[ATTR_EPOCH] = ctx.epoch
-        args = event.get("args") or {}
-        for key_in, key_out in (("device", "otelprof.kineto.device"), ("stream", "gpu.stream")):
-            if isinstance(args.get(key_in), (int, str)):
-                attributes[key_out] = args[key_in]
-        yield builder.make_span(
-            name=str(event.get("name", "?")),
-            trace_id=ctx.trace_id,
-            span_id=span_id,
-            parent_id=parent,
-            start_ns=start,
-            end_ns=end,
-            attributes=attributes,
-        )
 
 
 def _step_of(window: list[WindowStep], wall_ns: int) -> WindowStep | None:

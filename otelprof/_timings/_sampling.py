@@ -20,15 +20,10 @@ sum, min, max; buckets for percentiles) exported as the OTel histogram metric
   of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
 - **anomaly** (documented rule, `anomaly_threshold`): a step at least `ANOMALY_FACTOR` x
   the median of the previous `SLOW_WINDOW` steps and at least `ANOMALY_MIN_S` longer than
-  that median. The floor on the excess is what keeps the machine's own noise out: a thread
-  the OS preempts waits one or a few scheduler slices (a few ms each; Linux's are 0.75-3 ms,
-  up to ~24 ms under CFS on a busy many-core host), and a Python thread waits up to the
-  interpreter's 5 ms switch interval each time another thread holds the GIL. At sub-ms
-  steps 3x the median is well under one such wait (what a 1 ms floor kept on a loaded
-  machine: BENCHMARKS.md, "Background threads, data volume and the anomaly rule"), so the
-  floor is 20 ms: four GIL switch intervals,
-  about one CFS latency period. It only matters below 10 ms steps (the factor rules from
-  there: 3x a 10 ms step is already 20 ms more), and a delay under it still shows in the
+  that median. The floor on the excess keeps the machine's own noise out: at sub-ms steps
+  3x the median is well under one scheduler slice or GIL switch interval, so the floor is
+  20 ms (four GIL switch intervals, about one CFS latency period; BENCHMARKS.md, "Background
+  threads, data volume and the anomaly rule"). A delay under it still shows in the
   histograms' max and upper buckets and, if it is the slowest lately, in the tail sample.
   Anomalies have their own budget, apart from head and tail: a token bucket of
   `anomaly_budget` steps per minute (the `trace_anomaly_budget` option, default
@@ -52,7 +47,7 @@ import math
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -143,8 +138,9 @@ class DurationHistogram:
     def add_ns(self, durations: list[int]) -> None:
         """Add a batch of durations in integer ns; sorts `durations` in place (the builder
         clears its batches after). Sorted, each bucket's count is the distance between two
-        bisections, so the per-duration work is the sort's, in C: about 55 ns a duration
-        against 210 for a bisection and a Counter increment each (builder CPU per range)."""
+        bisections, so the per-duration work is the sort's, in C, not a bisection each:
+        bucket i holds BOUNDS_NS[i-1] < ns <= BOUNDS_NS[i], where `add` puts ns / 1e9, and
+        only the buckets between the smallest and largest duration's are bisected."""
         if not durations:
             return
         durations.sort()
@@ -155,70 +151,20 @@ class DurationHistogram:
             self.min = low
         if high > self.max:
             self.max = high
-        bucket_counts(durations, self.buckets)
+        bounds, buckets = BOUNDS_NS, self.buckets
+        first = bisect.bisect_left(bounds, durations[0])
+        last = bisect.bisect_left(bounds, durations[-1])
+        below = 0  # durations counted so far: all <= bounds[i - 1]
+        for i in range(first, last):
+            upto = bisect.bisect_right(durations, bounds[i], below)
+            buckets[i] += upto - below
+            below = upto
+        buckets[last] += len(durations) - below
 
     def add_column(self, values: Any, start: int, stride: int) -> None:
-        """Add every `stride`-th duration (integer ns) of the int64 buffer `values` from
-        `start`: one column of the rows of steps sampled out on their thread."""
-        try:
-            count, total, low_ns, high_ns = fold_column(
-                values, start, stride, BOUNDS_NS, self.buckets
-            )
-        except OverflowError:  # a total past int64 (a test's clock): Python ints do not overflow
-            self.add_ns(list(int64s(values)[start::stride]))
-            return
-        if not count:
-            return
-        self.count += count
-        self.sum += total / 1e9
-        low, high = low_ns / 1e9, high_ns / 1e9
-        if low < self.min:
-            self.min = low
-        if high > self.max:
-            self.max = high
-
-
-def fold_column(
-    values: Any, start: int, stride: int, bounds_ns: tuple[int, ...], buckets: list[int]
-) -> tuple[int, int, int, int]:
-    """Count every `stride`-th int64 of `values` from `start` into `buckets` (over
-    `bounds_ns`, as `bucket_counts`); (count, total, lowest, highest), zeros when empty:
-    one slice, one sort and a bisection per bucket, each a loop in C."""
-    if start < 0 or stride <= 0 or len(buckets) != len(bounds_ns) + 1:
-        raise ValueError(
-            "fold_column: start >= 0, stride > 0, a tuple of bounds and a list of one bucket more"
-        )
-    column = sorted(int64s(values)[start::stride])
-    if not column:
-        return 0, 0, 0, 0
-    total = sum(column)
-    if not -(1 << 63) <= total < 1 << 63:
-        raise OverflowError("fold_column: the total leaves int64")
-    bucket_counts(column, buckets, bounds_ns)
-    return len(column), total, column[0], column[-1]
-
-
-def int64s(values: Any) -> memoryview:
-    """A buffer of native int64s (a row of a step sampled out on its thread, or a view of
-    rows) as one flat view."""
-    return memoryview(values).cast("B").cast("q")
-
-
-def bucket_counts(
-    ordered: list[int], buckets: list[int], bounds_ns: tuple[int, ...] = BOUNDS_NS
-) -> None:
-    """Add to `buckets` how many of `ordered` (integer ns, ascending) fall in each bucket,
-    the bucket of `bisect_left(bounds_ns, ns)`, as `DurationHistogram.add` puts seconds:
-    bucket i holds bounds_ns[i-1] < ns <= bounds_ns[i]. Only the buckets between the
-    smallest and largest duration's are bisected."""
-    first = bisect.bisect_left(bounds_ns, ordered[0])
-    last = bisect.bisect_left(bounds_ns, ordered[-1])
-    below = 0  # durations counted so far: all <= bounds_ns[i - 1]
-    for i in range(first, last):
-        upto = bisect.bisect_right(ordered, bounds_ns[i], below)
-        buckets[i] += upto - below
-        below = upto
-    buckets[last] += len(ordered) - below
+        """Add every `stride`-th duration of `values`, a buffer of native int64 ns (rows of
+        steps sampled out on their thread), from `start`: one column of those rows."""
+        self.add_ns(list(memoryview(values).cast("B").cast("q")[start::stride]))
 
 
 class Aggregates:
@@ -230,11 +176,7 @@ class Aggregates:
         self.histograms: dict[tuple[str, str], DurationHistogram] = {}
 
     def add(self, name: str, phase: str, seconds: float) -> DurationHistogram:
-        key = (name, phase)
-        hist = self.histograms.get(key)
-        if hist is None:
-            with self._lock:
-                hist = self.histograms[key] = DurationHistogram()
+        hist = self.histograms.get((name, phase)) or self.add_histogram(name, phase)
         hist.add(seconds)
         return hist
 
@@ -375,7 +317,7 @@ class TraceSampler:
         self._held_links: list[tuple[int, int, dict[str, Any]]] = []
         self._last_capture = -math.inf
         self.sampled_out = 0
-        self.kept_steps: dict[str, int] = {}
+        self.kept_steps: Counter[str] = Counter()  # kept steps by why they were kept
         self.anomalies = 0  # steps the rule fired on, kept or not
         self.anomalies_refused = 0  # ... that the anomaly budget had no room for
         self.on_anomaly: Callable[[Any, float], bool] | None = None
@@ -396,15 +338,15 @@ class TraceSampler:
                 if decided and getattr(ctx, "kineto_capture", False):
                     fields = self._build(item)
                     if fields is not None:
-                        attributes = dict(fields.attributes)
-                        attributes[ATTR_SAMPLED] = "capture.kineto"
+                        attributes = {**fields.attributes, ATTR_SAMPLED: "capture.kineto"}
                         self._output(fields._replace(attributes=attributes))
-                        self.kept_steps["capture.kineto"] = (
-                            self.kept_steps.get("capture.kineto", 0) + 1
-                        )
+                        self.kept_steps["capture.kineto"] += 1
                         self.window_step(fields)
                     return
-            self._late(decided, item)
+            if decided:
+                self._emit(item)
+            else:
+                self.sampled_out += 1
             return
         if not is_step:
             self.buffer(ctx, [item], error)
@@ -448,12 +390,6 @@ class TraceSampler:
         if fields is not None:
             self._output(fields)
 
-    def _late(self, kept: bool, item: Any) -> None:
-        if kept:
-            self._emit(item)
-        else:
-            self.sampled_out += 1
-
     def flush(self) -> None:
         """An explicit flush: steps still open that head sampling selects are written now
         if the head budget allows (their tail decision is lost), others stay buffered."""
@@ -467,23 +403,22 @@ class TraceSampler:
         """Shutdown: steps whose step span never came (still open) go by the head budget."""
         self._release_held()
         for ctx, pending in list(self._pending.items()):
-            if self.keep_all or self._head.take(len(pending.items)):
-                self._release(ctx, pending, "head")
-            else:
-                self._sample_out(ctx, pending)
+            self._decide_by_head(ctx, pending)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
         del self._pending[ctx]
         self._buffered -= len(pending.items)
         ctx.kept = True
-        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        self.kept_steps[why] += 1
         for item in pending.items:
             self._emit(item)
 
     def _decide_oldest(self) -> None:
         ctx = next(iter(self._pending))
-        pending = self._pending[ctx]
-        if self._head.take(len(pending.items)):
+        self._decide_by_head(ctx, self._pending[ctx])
+
+    def _decide_by_head(self, ctx: Any, pending: _Pending) -> None:
+        if self.keep_all or self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
         else:
             self._sample_out(ctx, pending)
@@ -664,7 +599,7 @@ class TraceSampler:
                 self.on_sampled_out(pending.items)
             return
         ctx.kept = True
-        self.kept_steps[why] = self.kept_steps.get(why, 0) + 1
+        self.kept_steps[why] += 1
         for item in pending.items:
             self._emit(item)
         step = self._build(step_item)

@@ -9,7 +9,6 @@ restarts at every epoch and `repeat` counts the repetitions *after* the first wi
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 
 class ScheduleAction(enum.Enum):
@@ -37,6 +36,17 @@ def _check_counts(**counts: int) -> None:
         minimum = 1 if name == "active" else 0
         if value < minimum:
             raise ValueError(f"schedule: {name} must be >= {minimum}, got {value}")
+
+
+def _action_at(position: int, wait: int, warmup: int, cycle: int) -> ScheduleAction:
+    """The action at `position` in a cycle of `wait`, `warmup`, then active steps."""
+    if position < wait:
+        return ScheduleAction.NONE
+    if position < wait + warmup:
+        return ScheduleAction.WARMUP
+    if position < cycle - 1:
+        return ScheduleAction.RECORD
+    return ScheduleAction.RECORD_AND_SAVE
 
 
 class Schedule:
@@ -79,14 +89,7 @@ class Schedule:
         cycle = self.wait + self.warmup + self.active
         if self.repeat > 0 and step >= self.repeat * cycle:
             return ScheduleAction.NONE
-        position = step % cycle
-        if position < self.wait:
-            return ScheduleAction.NONE
-        if position < self.wait + self.warmup:
-            return ScheduleAction.WARMUP
-        if position < cycle - 1:
-            return ScheduleAction.RECORD
-        return ScheduleAction.RECORD_AND_SAVE
+        return _action_at(step % cycle, self.wait, self.warmup, cycle)
 
     def __repr__(self) -> str:
         return (
@@ -123,14 +126,7 @@ class CyclicSchedule:
         offset = batch_in_epoch - self.skip_first
         if self.repeat != 0 and offset >= cycle * (self.repeat + 1):
             return ScheduleAction.NONE
-        position = offset % cycle
-        if position < self.wait:
-            return ScheduleAction.NONE
-        if position < self.wait + self.warmup:
-            return ScheduleAction.WARMUP
-        if position == cycle - 1:
-            return ScheduleAction.RECORD_AND_SAVE
-        return ScheduleAction.RECORD
+        return _action_at(offset % cycle, self.wait, self.warmup, cycle)
 
     def __repr__(self) -> str:
         return (
@@ -188,5 +184,3 @@ _ALIASES = {
     "RECORD_AND_SAVE": ScheduleAction.RECORD_AND_SAVE,
     "ACTIVE_AND_SAVE": ScheduleAction.RECORD_AND_SAVE,
 }
-
-ScheduleFn = Callable[[int], object]
