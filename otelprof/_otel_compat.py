@@ -85,5 +85,13 @@ def stop_reader_thread(reader: Any) -> bool:
     event = getattr(reader, "_shutdown_event", None)
     if not isinstance(event, threading.Event):
         return False
+    # The thread's loop ends with one last `collect()`, which would run every observable
+    # callback in the child, and block for good on a lock another thread of the parent
+    # held at the fork; this reader collects nothing any more.
+    reader.collect = _collect_nothing
     event.set()
     return True
+
+
+def _collect_nothing(timeout_millis: float = 0.0) -> None:
+    """A stopped reader's `collect`: nothing is read and nothing exported."""

@@ -60,12 +60,17 @@ def test_a_periodic_readers_thread_ends_on_the_event_otelprof_sets_in_forked_chi
 
     reader = PeriodicExportingMetricReader(Recording(), export_interval_millis=60_000)
     provider = MeterProvider(metric_readers=[reader])
+    observed = []
+    provider.get_meter("compat").create_observable_gauge(
+        "compat.gauge", callbacks=[lambda options: observed.append(1) or []]
+    )
     try:
         assert reader._daemon_thread.is_alive()
         assert _otel_compat.stop_reader_thread(reader)
         reader._daemon_thread.join(timeout=5)
         assert not reader._daemon_thread.is_alive()
-        assert not exports  # stopped without a last collection or export
+        # stopped without the loop's last collection: no callback ran, nothing exported
+        assert not observed and not exports
     finally:
         provider.shutdown()
     assert not _otel_compat.stop_reader_thread(InMemoryMetricReader())
