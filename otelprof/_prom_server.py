@@ -73,17 +73,7 @@ class _Received:
 class BoundedMetricsServer:
     """Serves the registry's metrics (any path, as prometheus_client does) on host:port."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        registry: CollectorRegistry,
-        *,
-        workers: int = WORKERS,
-        max_connections: int = MAX_CONNECTIONS,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-        request_timeout_s: float = REQUEST_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
         family, kind, proto, _name, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -98,16 +88,13 @@ class BoundedMetricsServer:
             raise
         self.server_address: tuple[Any, ...] = self._listener.getsockname()
         self._handler = MetricsHandler.factory(registry)
-        self._max_connections = max_connections
-        self._idle_timeout_s = idle_timeout_s
-        self._request_timeout_s = request_timeout_s
         self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
         self._busy = 0  # connections handed to a worker and not closed yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="otelprof-prometheus")
+        self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="otelprof-prometheus")
         self._thread = threading.Thread(
             target=self._serve, name="otelprof-prometheus-accept", daemon=True
         )
@@ -144,7 +131,7 @@ class BoundedMetricsServer:
                 _log.debug("otelprof: Prometheus endpoint accept failed: %s", error)
                 return
             conn.setblocking(False)
-            if self.open_connections >= self._max_connections:
+            if self.open_connections >= MAX_CONNECTIONS:
                 self._read_ready()  # whole requests are served, not closed for room
                 victim = self._victim()
                 if victim is None:  # every held connection is being answered: no room
@@ -200,9 +187,9 @@ class BoundedMetricsServer:
         now = time.monotonic()
         for conn, state in list(self._pending.items()):
             if state.first_byte is None:
-                late = now - state.accepted > self._idle_timeout_s
+                late = now - state.accepted > IDLE_TIMEOUT_S
             else:
-                late = now - state.first_byte > self._request_timeout_s
+                late = now - state.first_byte > REQUEST_TIMEOUT_S
             if late:
                 self._close_pending(conn)
 
@@ -219,7 +206,7 @@ class BoundedMetricsServer:
     def _answer(self, conn: socket.socket, head: bytes) -> None:
         try:
             conn.setblocking(True)
-            conn.settimeout(self._request_timeout_s)  # each write: a reader that stalls
+            conn.settimeout(REQUEST_TIMEOUT_S)  # each write: a reader that stalls
             self._handler(_Received(conn, head), conn.getpeername(), self)
         except Exception as error:  # a client that hung up or stalled: its problem only
             _log.debug("otelprof: Prometheus scrape not answered: %r", error)

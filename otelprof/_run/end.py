@@ -104,10 +104,6 @@ class DeferredSignals:
         return None if self.received is None else signal_name(self.received)
 
 
-DeferredSigterm = DeferredSignals
-"""The former name (SIGTERM only); SIGINT is deferred too now."""
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.metrics import Exemplar
@@ -132,6 +131,3 @@ class AggregateMetrics:
                 ResourceMetrics(resource=self._resource, scope_metrics=[scope], schema_url="")
             )
         return MetricsData(resource_metrics=resource_metrics)
-
-
-MetricsExtra = Callable[[str, MetricsData], MetricsData]

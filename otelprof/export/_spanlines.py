@@ -49,14 +49,12 @@ _name_cache: dict[str, str] = {}
 _text_cache: dict[str, str] = {}  # short string attribute values: phases, thread names
 _MAX_CACHE = 8192
 MAX_CACHED_TEXT = 64
+"""Longer string values (exception messages and stack traces) are encoded every time: the
+cache holds what repeats on every span, not one copy of each distinct error."""
 MAX_HELD_BYTES = 4 << 20
 """Encoded spans held for a fuller line are written once they reach this many bytes, so a
 span with large attributes cannot make the held line grow past it (memory is bounded in
 bytes, not only in spans)."""
-"""Longer string values (exception messages and stack traces) are encoded every time: the
-cache holds what repeats on every span, not one copy of each distinct error."""
-
-
 MAX_CACHED_KEY = 256
 """Names and keys longer than this are encoded every time: the caches stay bounded in bytes
 (at most `_MAX_CACHE` entries of at most this many characters each)."""
