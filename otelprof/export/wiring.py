@@ -342,7 +342,7 @@ def _quiet_in_forked_children(pipelines: ExportPipelines) -> None:
     collects and exports nothing: the SDK restarts each periodic reader's thread in the
     child (its at-fork hook, registered with the reader, runs before this one), and this
     stops it again, so workers spend nothing on samples; the counting exporters export
-    nothing from a child either (`counters._Abandonable._forked`). The worker's CPU and
+    nothing from a child either (`counters._Counting._forked`). The worker's CPU and
     memory are in the host's metrics."""
     if not hasattr(os, "register_at_fork"):
         return
