@@ -21,8 +21,14 @@ from opentelemetry.sdk.trace import SpanProcessor
 from otelprof._otel_compat import otlp_log_destination, stop_reader_thread
 from otelprof._run.layout import RunLayout
 from otelprof.config import Settings
+from otelprof.export._appendfile import GONE, WRITE_ERROR, WRITTEN
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
-from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
+from otelprof.export._metriclines import (
+    SIZE_CAP,
+    CappedMetricExporter,
+    MetricLineStream,
+    closing_line,
+)
 from otelprof.export._outage import OutageLog, quiet_sdk_logs
 from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter, encode_span
 from otelprof.export.counters import (
@@ -104,9 +110,20 @@ class ExportPipelines:
         if end is None or resource is None or stats is None:
             stream.end(None)
             return False
-        from otelprof.export._closing import write_closing_record
-
-        return write_closing_record(stream, resource, end, stats)
+        outcome = stream.end(closing_line(resource, end, stats))
+        if outcome != WRITTEN:
+            why = {
+                SIZE_CAP: "it is at its size cap",
+                GONE: "the file is gone (its run directory removed)",
+                WRITE_ERROR: str(stream.last_error or "write error"),
+            }.get(outcome, f"the file was {outcome} before")
+            _log.warning(
+                "otelprof: cannot write the closing record (the run's end and drop counts) "
+                "to %s: %s",
+                stream.path,
+                why,
+            )
+        return outcome == WRITTEN
 
 
 def _span_processor(
