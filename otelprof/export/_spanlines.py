@@ -206,7 +206,12 @@ class SpanLineWriter:
     `compress`, the file is one gzip stream whose members each hold whole lines (readable by
     `gzip -d`, by otelprof's reader and by the collector's otlpjsonfile receiver with
     `compression: gzip`). Spans count as `<name>.spans_exported` once their line is written.
+
+    It is also the span builder's frame sink (otelprof/_timings/_targets.py): recorded ranges
+    come encoded by `encode_span` straight from their fields, no SDK objects.
     """
+
+    encode_span = staticmethod(encode_span)
 
     def __init__(
         self,
