@@ -1,13 +1,12 @@
 """The Prometheus pull endpoint with a bounded number of threads and connections.
 
-prometheus_client's `start_http_server` runs one thread per connection with no cap: 200 idle
-connections put 206 threads into the training process, and scrapers arriving behind them got
-no answer for 20 s. Here one thread waits on every connection at once (a selector) and reads
-each request's head itself, without blocking; only a *complete* request goes to one of
-`WORKERS` handler threads, which answer it from memory. So a connection that sends nothing,
-or trickles its request a byte at a time (a slowloris), costs a file descriptor and at most
-`MAX_REQUEST_HEAD` bytes, never a worker: scrapes are served while such connections are held
-(before, a scrape during 200 of them timed out and a storm of 20 scrapers got 0 answers).
+prometheus_client's `start_http_server` runs one thread per connection with no cap, so idle
+connections pile threads into the training process and starve the scrapers behind them. Here
+one thread waits on every connection at once (a selector) and reads each request's head
+itself, without blocking; only a *complete* request goes to one of `WORKERS` handler threads,
+which answer it from memory. So a connection that sends nothing, or trickles its request a
+byte at a time (a slowloris), costs a file descriptor and at most `MAX_REQUEST_HEAD` bytes,
+never a worker: scrapes are served while such connections are held.
 
 At most `MAX_CONNECTIONS` are held: past that, once the requests that arrived whole are
 handed on, the one trickling a request the longest is closed (else the one idle longest). A

@@ -85,7 +85,6 @@ class SdkExportLogFilter(logging.Filter):
     def __init__(self, destination: str, outage: OutageLog) -> None:
         super().__init__()
         self._destination = destination
-        self._note = outage.noted
         self._outage = outage
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -96,7 +95,7 @@ class SdkExportLogFilter(logging.Filter):
             return True
         if record.levelno >= logging.ERROR:
             with contextlib.suppress(Exception):  # one we cannot read is still filtered
-                self._note(_reason(record))
+                self._outage.noted(_reason(record))
         return False
 
 

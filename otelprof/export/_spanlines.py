@@ -40,9 +40,8 @@ BATCH_SPANS = 512
 """Spans per OTLP request line at most: big enough to amortize the resource header, small
 enough that a reader never holds a huge line."""
 LINE_SECONDS = 5.0
-"""Spans wait at most this long for a line to fill: at the default trace budget a line then
-holds ~50 spans and its ~650 B header is ~3 % of it (~18 % of a line of one step's spans,
-what one builder drain wrote before)."""
+"""Spans wait at most this long for a line to fill, so the ~650 B header is a small share of
+each line rather than of each builder drain's few spans."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
