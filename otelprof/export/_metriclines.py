@@ -32,7 +32,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from otelprof._run.closing_record import CLOSING_METRIC
-from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
+from otelprof.export._appendfile import WRITTEN, WholeRecordFile
 from otelprof.export._spanlines import encode_attributes
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
@@ -90,6 +90,9 @@ class MetricLineStream:
     @property
     def last_error(self) -> OSError | None:
         return self._out.last_error
+
+    def loss_message(self, outcome: str) -> str:
+        return self._out.loss_message(outcome, "metric exports")
 
     def write(self, text: str) -> int:
         self._buffer.append(text)
@@ -189,18 +192,6 @@ def closing_line(
     return line.encode("utf-8")
 
 
-def _lost_message(stream: MetricLineStream, reason: str) -> str:
-    if reason == GONE:
-        return (
-            f"otelprof: {stream.path} was deleted or replaced (its run directory removed?); "
-            "later metric exports are dropped and counted"
-        )
-    return (
-        f"otelprof: writing {stream.path} failed ({stream.last_error}); the file is kept whole "
-        "(no partial line), lost metric exports are counted, and writing resumes when it can"
-    )
-
-
 class CappedMetricExporter(MetricExporter):
     """Wraps the SDK's file exporter writing to a `MetricLineStream`; an export the cap
     refused raises `ExportDropped("size_cap")` for the counting wrapper to count.
@@ -231,7 +222,7 @@ class CappedMetricExporter(MetricExporter):
             lost = self.stream.lost
             if lost is not None:
                 self.stream.lost = None
-                raise ExportDropped(lost, _lost_message(self.stream, lost))
+                raise ExportDropped(lost, self.stream.loss_message(lost))
             if self.stream.capped != capped:
                 self._held_points = count_points(metrics_data)
                 raise ExportDropped(

@@ -339,23 +339,11 @@ class SpanLineWriter:
                 return  # counted as dropped by `abandon()` meanwhile (a hung write)
         if outcome == WRITTEN:
             self._counters.add(f"{self.name}.spans_exported", len(spans))
-        elif outcome == GONE:
-            self._counters.add(f"{self.name}.spans_dropped_run_dir_gone", len(spans))
-            self._counters.warn_once(
-                f"{self.name}.traces_run_dir_gone",
-                "otelprof: %s was deleted or replaced (its run directory removed?); later "
-                "spans are dropped and counted",
-                self.path,
-            )
-        else:
-            self._counters.add(f"{self.name}.spans_failed", len(spans))
-            self._counters.warn_once(
-                f"{self.name}.traces_write_error",
-                "otelprof: writing %s failed (%s); the file is kept whole (no partial line), "
-                "lost spans are counted, and writing resumes when it can",
-                self.path,
-                self._out.last_error,
-            )
+            return
+        lost = "spans_dropped_run_dir_gone" if outcome == GONE else "spans_failed"
+        self._counters.add(f"{self.name}.{lost}", len(spans))
+        message = self._out.loss_message(outcome, "spans")
+        self._counters.warn_once(f"{self.name}.traces_{outcome}", "%s", message)
 
     def abandon(self) -> None:
         """Shutdown ran out of time (a hung file system): count the spans held and the
