@@ -1,13 +1,12 @@
 """The Prometheus pull endpoint with a bounded number of threads and connections.
 
-prometheus_client's `start_http_server` runs one thread per connection with no cap: 200 idle
-connections put 206 threads into the training process, and scrapers arriving behind them got
-no answer for 20 s. Here one thread waits on every connection at once (a selector) and reads
-each request's head itself, without blocking; only a *complete* request goes to one of
-`WORKERS` handler threads, which answer it from memory. So a connection that sends nothing,
-or trickles its request a byte at a time (a slowloris), costs a file descriptor and at most
-`MAX_REQUEST_HEAD` bytes, never a worker: scrapes are served while such connections are held
-(before, a scrape during 200 of them timed out and a storm of 20 scrapers got 0 answers).
+prometheus_client's `start_http_server` runs one thread per connection with no cap, so idle
+connections pile threads into the training process and starve the scrapers behind them. Here
+one thread waits on every connection at once (a selector) and reads each request's head
+itself, without blocking; only a *complete* request goes to one of `WORKERS` handler threads,
+which answer it from memory. So a connection that sends nothing, or trickles its request a
+byte at a time (a slowloris), costs a file descriptor and at most `MAX_REQUEST_HEAD` bytes,
+never a worker: scrapes are served while such connections are held.
 
 At most `MAX_CONNECTIONS` are held: past that, once the requests that arrived whole are
 handed on, the one trickling a request the longest is closed (else the one idle longest). A
@@ -73,17 +72,7 @@ class _Received:
 class BoundedMetricsServer:
     """Serves the registry's metrics (any path, as prometheus_client does) on host:port."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        registry: CollectorRegistry,
-        *,
-        workers: int = WORKERS,
-        max_connections: int = MAX_CONNECTIONS,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
-        request_timeout_s: float = REQUEST_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
         family, kind, proto, _name, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -98,16 +87,13 @@ class BoundedMetricsServer:
             raise
         self.server_address: tuple[Any, ...] = self._listener.getsockname()
         self._handler = MetricsHandler.factory(registry)
-        self._max_connections = max_connections
-        self._idle_timeout_s = idle_timeout_s
-        self._request_timeout_s = request_timeout_s
         self._pending: OrderedDict[socket.socket, _Pending] = OrderedDict()  # oldest first
         self._busy = 0  # connections handed to a worker and not closed yet
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="otelprof-prometheus")
+        self._workers = ThreadPoolExecutor(WORKERS, thread_name_prefix="otelprof-prometheus")
         self._thread = threading.Thread(
             target=self._serve, name="otelprof-prometheus-accept", daemon=True
         )
@@ -144,7 +130,7 @@ class BoundedMetricsServer:
                 _log.debug("otelprof: Prometheus endpoint accept failed: %s", error)
                 return
             conn.setblocking(False)
-            if self.open_connections >= self._max_connections:
+            if self.open_connections >= MAX_CONNECTIONS:
                 self._read_ready()  # whole requests are served, not closed for room
                 victim = self._victim()
                 if victim is None:  # every held connection is being answered: no room
@@ -200,9 +186,9 @@ class BoundedMetricsServer:
         now = time.monotonic()
         for conn, state in list(self._pending.items()):
             if state.first_byte is None:
-                late = now - state.accepted > self._idle_timeout_s
+                late = now - state.accepted > IDLE_TIMEOUT_S
             else:
-                late = now - state.first_byte > self._request_timeout_s
+                late = now - state.first_byte > REQUEST_TIMEOUT_S
             if late:
                 self._close_pending(conn)
 
@@ -219,7 +205,7 @@ class BoundedMetricsServer:
     def _answer(self, conn: socket.socket, head: bytes) -> None:
         try:
             conn.setblocking(True)
-            conn.settimeout(self._request_timeout_s)  # each write: a reader that stalls
+            conn.settimeout(REQUEST_TIMEOUT_S)  # each write: a reader that stalls
             self._handler(_Received(conn, head), conn.getpeername(), self)
         except Exception as error:  # a client that hung up or stalled: its problem only
             _log.debug("otelprof: Prometheus scrape not answered: %r", error)

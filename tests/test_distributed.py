@@ -475,7 +475,7 @@ def test_a_process_launched_without_its_rank_names_its_files_after_its_pid(
     launched = {"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
     settings = Settings.from_options(output_dir=str(tmp_path), run_id="job", env=launched)
     early = _Identity(settings, launched, settled=False).layout
-    assert (early.metrics.name, early.traces.name) == (
+    assert (early.files["metrics"].name, early.files["traces"].name) == (
         f"metrics.pid{pid}.jsonl",
         f"traces.pid{pid}.jsonl",
     )
@@ -485,10 +485,13 @@ def test_a_process_launched_without_its_rank_names_its_files_after_its_pid(
         output_dir=str(tmp_path), run_id="job", env=grouped, compress=True
     )
     final = _Identity(settings, grouped, settled=True).layout
-    assert (final.metrics.name, final.traces.name) == (
+    assert (final.files["metrics"].name, final.files["traces"].name) == (
         "metrics.rank1.jsonl.gz",
         "traces.rank1.jsonl.gz",
     )
     assert final.run_info.name == "run.rank1.json"
     # a launcher that gives the rank (torchrun): its own names before any group
-    assert _Identity(settings, grouped, settled=False).layout.metrics == final.metrics
+    assert (
+        _Identity(settings, grouped, settled=False).layout.files["metrics"]
+        == final.files["metrics"]
+    )

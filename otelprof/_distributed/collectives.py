@@ -99,7 +99,6 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _add(name, perf_counter_ns() - start)
             _inside.depth -= 1
 
-    collective.__otelprof_original__ = fn  # type: ignore[attr-defined]
     return collective
 
 

@@ -72,10 +72,6 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         return None
 
 
-def _store(dist: Any) -> Any:
-    return _torch_compat.default_store(dist)
-
-
 def _wait(store: Any, keys: list[str], timeout_s: float) -> bool:
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -87,7 +83,7 @@ def _wait(store: Any, keys: list[str], timeout_s: float) -> bool:
 def _local_rank_from_store(dist: Any, rank: int, timeout_s: float) -> int | None:
     """Rank's position among the ranks on its host: each rank publishes its host name and
     reads those of the lower ranks only, so rank 0 never waits."""
-    store = _store(dist)
+    store = _torch_compat.default_store(dist)
     if store is None:
         return None
     host = socket.gethostname()
@@ -135,7 +131,7 @@ def agree_run_id(candidate: str, rank: int, *, timeout_s: float = STORE_TIMEOUT_
     """The run id of rank 0, published in the process group's store; `candidate` when there
     is no store or rank 0 does not publish within `timeout_s` (logged)."""
     dist = _dist()
-    store = _store(dist) if dist is not None else None
+    store = _torch_compat.default_store(dist) if dist is not None else None
     if store is None:
         return candidate
     key = f"{STORE_PREFIX}/{_generation}/run_id"

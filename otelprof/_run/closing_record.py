@@ -1,4 +1,4 @@
-"""Reading the metrics file's closing record (written by otelprof/export/_closing.py).
+"""Reading the metrics file's closing record (written by otelprof/export/_metriclines.py).
 
 Why: when run.json's final rewrite fails, the report still has to tell a clean close from
 a kill and show what was dropped: the last line of the metrics file, a gauge

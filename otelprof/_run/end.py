@@ -104,10 +104,6 @@ class DeferredSignals:
         return None if self.received is None else signal_name(self.received)
 
 
-DeferredSigterm = DeferredSignals
-"""The former name (SIGTERM only); SIGINT is deferred too now."""
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -269,24 +265,15 @@ class RunEndWatcher:
             # recorded while its handler runs (a kill meanwhile keeps it), and if the handler
             # ends the process (sys.exit) the end says SIGTERM; if training goes on, the
             # signal was not the run's end and is forgotten again.
-            try:
-                self._mark(self.end_record("signal (program handler runs)"))
-            except Exception as error:
-                _log.debug("otelprof: recording SIGTERM failed: %r", error)
+            self._mark_quietly(self.end_record("signal (program handler runs)"))
             previous(signum, frame)
             self._signal = None  # survived: not the run's end
-            try:
-                self._mark(None)
-            except Exception as error:
-                _log.debug("otelprof: clearing the SIGTERM record failed: %r", error)
+            self._mark_quietly(None)
             return
         # Default action: the process dies. Record, flush within bounds, then die the same way.
         end = self.end_record("signal")
         end["exit_code"] = 128 + signum
-        try:
-            self._mark(end)
-        except Exception as error:
-            _log.debug("otelprof: recording SIGTERM failed: %r", error)
+        self._mark_quietly(end)
         flusher = threading.Thread(
             target=self._finish_quietly, args=(end,), name="otelprof-sigterm", daemon=True
         )
@@ -295,6 +282,13 @@ class RunEndWatcher:
         self.uninstall()
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
+
+    def _mark_quietly(self, end: EndRecord | None) -> None:
+        try:
+            self._mark(end)
+        except Exception as error:
+            doing = "recording" if end is not None else "clearing the record of"
+            _log.debug("otelprof: %s SIGTERM failed: %r", doing, error)
 
     def _finish_quietly(self, end: EndRecord) -> None:
         try:

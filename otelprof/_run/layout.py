@@ -88,20 +88,10 @@ class RunLayout:
         return suffix + (f".attempt{self.attempt}" if self.attempt else "")
 
     @property
-    def metrics(self) -> Path:
-        return self._data_file("metrics")
-
-    @property
-    def traces(self) -> Path:
-        return self._data_file("traces")
-
-    def _data_file(self, kind: str) -> Path:
-        return self.run_dir / f"{kind}{self.suffix}.jsonl{'.gz' if self.compress else ''}"
-
-    @property
     def files(self) -> dict[str, Path]:
         """{"metrics": path, "traces": path}: the data files."""
-        return {"metrics": self.metrics, "traces": self.traces}
+        ext = ".jsonl.gz" if self.compress else ".jsonl"
+        return {kind: self.run_dir / f"{kind}{self.suffix}{ext}" for kind in ("metrics", "traces")}
 
     @property
     def run_info(self) -> Path:
@@ -155,9 +145,9 @@ class RunLayout:
                 return self.own_files().claim(run_id)
             raise ConfigError(
                 f"run_id {run_id!r}: {str(self.run_dir)!r} is being written by another live "
-                f"process ({_who(taken.owner)}, files {self.metrics.name}, "
-                f"{self.traces.name}); a run's files have one writer: choose another run_id "
-                "(or leave it unset for a fresh one)"
+                f"process ({_who(taken.owner)}, files {self.files['metrics'].name}, "
+                f"{self.files['traces'].name}); a run's files have one writer: choose another "
+                "run_id (or leave it unset for a fresh one)"
             ) from None
         except OSError as error:
             raise ConfigError(

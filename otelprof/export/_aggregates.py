@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.metrics import Exemplar
@@ -36,11 +35,14 @@ from otelprof._schema import ATTR_PHASE, ATTR_TIMING, TIMINGS_SCOPE
 from otelprof._schema import TIMING_HISTOGRAM as METRIC_NAME
 from otelprof._timings._sampling import BOUNDS
 
+DESCRIPTION = (
+    "Durations of every recorded timing range, per timing name and phase "
+    "(exact count/sum/min/max; traces are sampled, these are not)"
+)
 EXPORT_EVERY_S = 30.0
-"""Seconds between the histograms in the detached metrics file: a ~10 KB point set (61
-bucket bounds per timing name) every 10 s was a third of the metrics file at the default
-interval; every 30 s it is a fraction of that, and a replayed run's dashboards still get a
-point every 30 s."""
+"""Seconds between the histograms in the detached metrics file: a point set is ~10 KB (61
+bucket bounds per timing name), too much for every export; a replayed run's dashboards still
+get a point every 30 s."""
 
 
 class AggregateMetrics:
@@ -102,8 +104,7 @@ class AggregateMetrics:
             return None
         metric = Metric(
             name=METRIC_NAME,
-            description="Durations of every recorded timing range, per timing name and phase "
-            "(exact count/sum/min/max; traces are sampled, these are not)",
+            description=DESCRIPTION,
             unit="s",
             data=Histogram(
                 data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE
@@ -132,6 +133,3 @@ class AggregateMetrics:
                 ResourceMetrics(resource=self._resource, scope_metrics=[scope], schema_url="")
             )
         return MetricsData(resource_metrics=resource_metrics)
-
-
-MetricsExtra = Callable[[str, MetricsData], MetricsData]

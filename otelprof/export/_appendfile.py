@@ -109,6 +109,18 @@ class WholeRecordFile:
         self._dirty = False
         return True
 
+    def loss_message(self, outcome: str, what: str) -> str:
+        """The warning for `what` (spans, metric exports) lost to `outcome` (GONE, WRITE_ERROR)."""
+        if outcome == GONE:
+            return (
+                f"otelprof: {self.path} was deleted or replaced (its run directory removed?); "
+                f"later {what} are dropped and counted"
+            )
+        return (
+            f"otelprof: writing {self.path} failed ({self.last_error}); the file is kept whole "
+            f"(no partial line), lost {what} are counted, and writing resumes when it can"
+        )
+
     @property
     def closed(self) -> bool:
         """Closed for good (`close()`); a file not opened yet is not closed."""

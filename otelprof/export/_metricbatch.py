@@ -121,7 +121,7 @@ class MetricLineBatcher(MetricExporter):
         self,
         inner: MetricExporter,
         per_line: int,
-        counters: ExportCounters | None = None,
+        counters: ExportCounters,
         name: str = "files",
     ) -> None:
         super().__init__(**preferences_of(inner))
@@ -154,7 +154,7 @@ class MetricLineBatcher(MetricExporter):
 
     def _move(self, points: int, to: str) -> None:
         """Points already counted as exported that were lost after all."""
-        if self._counters is not None and points:
+        if points:
             self._counters.add(f"{self._name}.metric_points_exported", -points)
             self._counters.add(f"{self._name}.metric_points_{to}", points)
 
@@ -174,23 +174,22 @@ class MetricLineBatcher(MetricExporter):
                 merge_exports(held), timeout_millis=timeout_millis, **kwargs
             )
         except ExportDropped as dropped:
+            # the size cap, a failed write (disk full) or a deleted file: nothing of the line
+            # is in the file (the counting wrapper warns with the same key)
             reason = dropped.reason
-            if reason != "size_cap":  # a failed write (disk full) or a deleted file
-                return self._lost(dropped, earlier, from_export)
-            self.capped = True
+            self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
             older = len(held) - 1  # the exports held before the newest: lost either way
-            if self._counters is not None:  # (the counting wrapper warns with the same key)
-                self._counters.warn_once(f"{self._name}.{reason}", "%s", dropped.message)
+            if reason == "size_cap":
+                self.capped = True
                 if older:
                     self._counters.add(f"{self._name}.metric_exports_{reason}", older)
-            if older and self._alone(held[-1], timeout_millis, **kwargs):
-                self._move(points - count_points(held[-1]), f"dropped_{reason}")
-                return MetricExportResult.SUCCESS  # the newest made it in alone
+                if older and self._alone(held[-1], timeout_millis, **kwargs):
+                    self._move(points - count_points(held[-1]), f"dropped_{reason}")
+                    return MetricExportResult.SUCCESS  # the newest made it in alone
             self._move(earlier, f"dropped_{reason}")
             if from_export:
                 raise  # the counting wrapper counts the newest export and its points
-            if self._counters is not None:
-                self._counters.add(f"{self._name}.metric_exports_{reason}")
+            self._counters.add(f"{self._name}.metric_exports_{reason}")
             return MetricExportResult.FAILURE
         except Exception as error:
             self._move(earlier, "failed")
@@ -204,18 +203,6 @@ class MetricLineBatcher(MetricExporter):
                 self._count_failure(None)
         return result
 
-    def _lost(self, dropped: ExportDropped, earlier: int, from_export: bool) -> MetricExportResult:
-        """The line could not be written (nothing of it is in the file): its points are
-        dropped for `dropped.reason`, counted like the size cap's."""
-        if self._counters is not None:
-            self._counters.warn_once(f"{self._name}.{dropped.reason}", "%s", dropped.message)
-        self._move(earlier, f"dropped_{dropped.reason}")
-        if from_export:
-            raise dropped  # the counting wrapper counts the newest export and its points
-        if self._counters is not None:
-            self._counters.add(f"{self._name}.metric_exports_{dropped.reason}")
-        return MetricExportResult.FAILURE
-
     def _alone(self, newest: MetricsData, timeout_millis: float, **kwargs: Any) -> bool:
         """Write the newest export as a line of its own after the cap refused the line
         holding it: True if written. If refused too, the file keeps it (the newest refused
@@ -228,8 +215,6 @@ class MetricLineBatcher(MetricExporter):
         return result is MetricExportResult.SUCCESS
 
     def _count_failure(self, error: Exception | None) -> None:
-        if self._counters is None:
-            return
         self._counters.add(f"{self._name}.metric_exports_failed")
         self._counters.warn_once(
             f"{self._name}.metric_failure",

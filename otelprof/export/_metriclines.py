@@ -22,13 +22,18 @@ count as exported, not dropped.
 from __future__ import annotations
 
 import gzip
+import json
 import threading
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
-from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
+from otelprof._run.closing_record import CLOSING_METRIC
+from otelprof.export._appendfile import WRITTEN, WholeRecordFile
+from otelprof.export._spanlines import encode_attributes
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
 MAX_RESERVE_BYTES = 16 << 20
@@ -85,6 +90,9 @@ class MetricLineStream:
     @property
     def last_error(self) -> OSError | None:
         return self._out.last_error
+
+    def loss_message(self, outcome: str) -> str:
+        return self._out.loss_message(outcome, "metric exports")
 
     def write(self, text: str) -> int:
         self._buffer.append(text)
@@ -149,16 +157,39 @@ class MetricLineStream:
                 self._out.close()
 
 
-def _lost_message(stream: MetricLineStream, reason: str) -> str:
-    if reason == GONE:
-        return (
-            f"otelprof: {stream.path} was deleted or replaced (its run directory removed?); "
-            "later metric exports are dropped and counted"
-        )
-    return (
-        f"otelprof: writing {stream.path} failed ({stream.last_error}); the file is kept whole "
-        "(no partial line), lost metric exports are counted, and writing resumes when it can"
+def closing_line(
+    resource: Mapping[str, Any], end: Mapping[str, Any], stats: Mapping[str, int]
+) -> bytes:
+    """The metrics file's closing record: the run's end and drop counts, in the data file.
+
+    Why: run.json is rewritten at the end of a run to say how it ended and what was lost.
+    When that rewrite fails (a read-only remount, a full disk, a replaced directory), the
+    report could not tell a clean close from a SIGKILL and the drop counts vanished. So,
+    after the last export, `shutdown()` appends this line (before it rewrites run.json)
+    through the descriptor the stream has held since the run began (`end`), so a directory
+    remounted read-only or made unwritable since does not stop it: one OTLP JSON line
+    (ExportMetricsServiceRequest), a gauge `otelprof.run.end` = 1 whose point carries the end
+    record (`otelprof.end`, JSON) and the run's counts (`otelprof.stats`, JSON). Ordinary
+    OTLP (the collector's otlpjsonfile receiver and `replay` pass it on as a gauge), written
+    whole or not at all, never past the size cap. Its reader (which the report uses to fill
+    an unfinalized run.json) is otelprof/_run/closing_record.py.
+    """
+    point_attrs = encode_attributes(
+        {
+            "otelprof.end": json.dumps(dict(end), default=str, sort_keys=True),
+            "otelprof.stats": json.dumps(dict(stats), sort_keys=True),
+        }
     )
+    metric = (
+        f'{{"name":"{CLOSING_METRIC}","unit":"1","description":"The run ended: how, and what '
+        f'telemetry it lost (written at shutdown)","gauge":{{"dataPoints":[{{"asInt":"1",'
+        f'"timeUnixNano":"{time.time_ns()}","attributes":[{point_attrs}]}}]}}}}'
+    )
+    line = (
+        f'{{"resourceMetrics":[{{"resource":{{"attributes":[{encode_attributes(resource)}]}},'
+        f'"scopeMetrics":[{{"scope":{{"name":"otelprof"}},"metrics":[{metric}]}}]}}]}}\n'
+    )
+    return line.encode("utf-8")
 
 
 class CappedMetricExporter(MetricExporter):
@@ -171,7 +202,7 @@ class CappedMetricExporter(MetricExporter):
         self,
         inner: MetricExporter,
         stream: MetricLineStream,
-        counters: ExportCounters | None = None,
+        counters: ExportCounters,
         name: str = "files",
     ) -> None:
         super().__init__(**preferences_of(inner))
@@ -191,7 +222,7 @@ class CappedMetricExporter(MetricExporter):
             lost = self.stream.lost
             if lost is not None:
                 self.stream.lost = None
-                raise ExportDropped(lost, _lost_message(self.stream, lost))
+                raise ExportDropped(lost, self.stream.loss_message(lost))
             if self.stream.capped != capped:
                 self._held_points = count_points(metrics_data)
                 raise ExportDropped(
@@ -212,7 +243,7 @@ class CappedMetricExporter(MetricExporter):
         """Close the file, writing the held last export if it fits (see the module doc)."""
         with self._lock:
             self.stream.close()
-            if self.stream.held_written and self._counters is not None:
+            if self.stream.held_written:
                 points, self._held_points = self._held_points, 0
                 self._counters.add(f"{self._name}.metric_points_dropped_size_cap", -points)
                 self._counters.add(f"{self._name}.metric_exports_size_cap", -1)

@@ -30,8 +30,6 @@ class OutageLog:
     def __init__(self, name: str, destination: str) -> None:
         self.name = name
         self.destination = destination
-        self.outages = 0
-        """Outages begun so far."""
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._lost: dict[str, int] = {}
@@ -52,7 +50,6 @@ class OutageLog:
             if self._down_since is not None:
                 return
             self._down_since = time.monotonic()
-            self.outages += 1
             reason = self._last_error
         _log.warning(
             "otelprof: %s export to %s is failing%s; what cannot be sent is dropped and "
@@ -88,7 +85,6 @@ class SdkExportLogFilter(logging.Filter):
     def __init__(self, destination: str, outage: OutageLog) -> None:
         super().__init__()
         self._destination = destination
-        self._note = outage.noted
         self._outage = outage
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -99,7 +95,7 @@ class SdkExportLogFilter(logging.Filter):
             return True
         if record.levelno >= logging.ERROR:
             with contextlib.suppress(Exception):  # one we cannot read is still filtered
-                self._note(_reason(record))
+                self._outage.noted(_reason(record))
         return False
 
 

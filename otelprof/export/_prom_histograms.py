@@ -28,13 +28,10 @@ from prometheus_client.utils import floatToGoString
 from otelprof._schema import TIMING_HISTOGRAM_PROMETHEUS as PROM_NAME
 from otelprof._schema import TIMINGS_SCOPE as SCOPE_NAME
 from otelprof._timings._sampling import BOUNDS
+from otelprof.export._aggregates import DESCRIPTION
 
 _log = logging.getLogger("otelprof.export")
 
-DOCUMENTATION = (
-    "Durations of every recorded timing range, per timing name and phase "
-    "(exact count/sum/min/max; traces are sampled, these are not)"
-)
 _LE = [floatToGoString(bound) for bound in BOUNDS] + ["+Inf"]
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 DROPPED_RESOURCE_KEYS = frozenset(
@@ -107,7 +104,7 @@ class TimingHistogramCollector:
                 continue
             if family is None:
                 labels = [*self._base, "otelprof_timing", "otelprof_phase"]
-                family = HistogramMetricFamily(PROM_NAME, DOCUMENTATION, labels=labels)
+                family = HistogramMetricFamily(PROM_NAME, DESCRIPTION, labels=labels)
             exemplar_bucket, exemplar = _exemplar(hist.exemplar)
             buckets: list[Any] = []
             running = 0

@@ -40,23 +40,20 @@ BATCH_SPANS = 512
 """Spans per OTLP request line at most: big enough to amortize the resource header, small
 enough that a reader never holds a huge line."""
 LINE_SECONDS = 5.0
-"""Spans wait at most this long for a line to fill: at the default trace budget a line then
-holds ~50 spans and its ~650 B header is ~3 % of it (~18 % of a line of one step's spans,
-what one builder drain wrote before)."""
+"""Spans wait at most this long for a line to fill, so the ~650 B header is a small share of
+each line rather than of each builder drain's few spans."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
 _text_cache: dict[str, str] = {}  # short string attribute values: phases, thread names
 _MAX_CACHE = 8192
 MAX_CACHED_TEXT = 64
+"""Longer string values (exception messages and stack traces) are encoded every time: the
+cache holds what repeats on every span, not one copy of each distinct error."""
 MAX_HELD_BYTES = 4 << 20
 """Encoded spans held for a fuller line are written once they reach this many bytes, so a
 span with large attributes cannot make the held line grow past it (memory is bounded in
 bytes, not only in spans)."""
-"""Longer string values (exception messages and stack traces) are encoded every time: the
-cache holds what repeats on every span, not one copy of each distinct error."""
-
-
 MAX_CACHED_KEY = 256
 """Names and keys longer than this are encoded every time: the caches stay bounded in bytes
 (at most `_MAX_CACHE` entries of at most this many characters each)."""
@@ -208,7 +205,12 @@ class SpanLineWriter:
     `compress`, the file is one gzip stream whose members each hold whole lines (readable by
     `gzip -d`, by otelprof's reader and by the collector's otlpjsonfile receiver with
     `compression: gzip`). Spans count as `<name>.spans_exported` once their line is written.
+
+    It is also the span builder's frame sink (otelprof/_timings/_targets.py): recorded ranges
+    come encoded by `encode_span` straight from their fields, no SDK objects.
     """
+
+    encode_span = staticmethod(encode_span)
 
     def __init__(
         self,
@@ -337,23 +339,11 @@ class SpanLineWriter:
                 return  # counted as dropped by `abandon()` meanwhile (a hung write)
         if outcome == WRITTEN:
             self._counters.add(f"{self.name}.spans_exported", len(spans))
-        elif outcome == GONE:
-            self._counters.add(f"{self.name}.spans_dropped_run_dir_gone", len(spans))
-            self._counters.warn_once(
-                f"{self.name}.traces_run_dir_gone",
-                "otelprof: %s was deleted or replaced (its run directory removed?); later "
-                "spans are dropped and counted",
-                self.path,
-            )
-        else:
-            self._counters.add(f"{self.name}.spans_failed", len(spans))
-            self._counters.warn_once(
-                f"{self.name}.traces_write_error",
-                "otelprof: writing %s failed (%s); the file is kept whole (no partial line), "
-                "lost spans are counted, and writing resumes when it can",
-                self.path,
-                self._out.last_error,
-            )
+            return
+        lost = "spans_dropped_run_dir_gone" if outcome == GONE else "spans_failed"
+        self._counters.add(f"{self.name}.{lost}", len(spans))
+        message = self._out.loss_message(outcome, "spans")
+        self._counters.warn_once(f"{self.name}.traces_{outcome}", "%s", message)
 
     def abandon(self) -> None:
         """Shutdown ran out of time (a hung file system): count the spans held and the

@@ -112,19 +112,26 @@ def count_points(data: MetricsData) -> int:
     )
 
 
-class _Abandonable:
-    """Shared by the counting exporters: shut the inner exporter down once, on demand.
+class _Counting:
+    """Shared by the counting exporters: each export's outcome counted, failures logged
+    (once per outage with an `OutageLog`, else the first one), and the inner exporter shut
+    down once, on demand.
 
     `abandon()` is called when shutdown runs out of time: it interrupts an export that is
     still retrying (the OTLP exporters stop backing off when shut down) and makes every later
     export fail fast, counted, so flushing a dead collector cannot hold the job hostage.
     """
 
-    name: str
-    _inner: Any
-    _counters: ExportCounters
+    kind: str  # "span" or "metric": what the logs name
+    items: str  # what the counts count: "spans" or "metric_points"
 
-    def _init_abandon(self) -> None:
+    def __init__(
+        self, name: str, inner: Any, counters: ExportCounters, outage: OutageLog | None = None
+    ) -> None:
+        self.name = name
+        self._inner = inner
+        self._counters = counters
+        self._outage = outage
         self._abandoned = False
         self._inner_shut = False
         self._shut_lock = threading.Lock()
@@ -136,6 +143,58 @@ class _Abandonable:
         hands its readers' and processors' threads): it does nothing there, so no worker
         writes its own samples into the parent's files or exports under its identity."""
         return os.getpid() != self._pid
+
+    def _failed(self, count: int) -> None:
+        self._counters.add(f"{self.name}.{self.items}_failed", count)
+        if self.kind == "metric":
+            self._counters.add(f"{self.name}.metric_exports_failed")
+
+    def _counted(self, export: Callable[[], Any], success: Any, count: int) -> bool:
+        """Run the inner exporter's `export`, counting its `count` items as exported or
+        failed: True if it succeeded. An exception is a failure (logged once), except
+        `ExportDropped`, which the caller counts."""
+        if self._abandoned:
+            self._failed(count)
+            return False
+        try:
+            ok = export() is success
+        except ExportDropped:
+            raise
+        except Exception as error:  # an exporter bug must not kill the export thread
+            self._counters.warn_once(
+                f"{self.name}.{self.kind}_error",
+                "otelprof: %s %s exporter raised %r",
+                self.name,
+                self.kind,
+                error,
+            )
+            ok = False
+        if ok:
+            self._counters.add(f"{self.name}.{self.items}_exported", count)
+            if self._outage is not None:
+                self._outage.succeeded()
+            return True
+        self._failed(count)
+        if self._outage is not None:
+            self._outage.failed(self.items.replace("_", " "), count)
+        else:
+            self._counters.warn_once(
+                f"{self.name}.{self.kind}_failure",
+                "otelprof: %s %s export failed; %s are dropped and counted "
+                "(see Profiler.stats()); further failures are not logged",
+                self.name,
+                self.kind,
+                "spans" if self.kind == "span" else "points",
+            )
+        return False
+
+    def _flush_inner(self, timeout_millis: float) -> bool:
+        if self._forked:
+            return True
+        try:
+            return bool(self._inner.force_flush(timeout_millis=timeout_millis))
+        except Exception:
+            return False
 
     def _shutdown_inner_once(self, **kwargs: Any) -> None:
         with self._shut_lock:
@@ -162,65 +221,24 @@ class _Abandonable:
             stopper.start()
 
 
-class CountingSpanExporter(_Abandonable, SpanExporter):
-    """Delegates to `inner`, counting spans exported and spans lost to failed exports.
-    With an `outage` (`_outage.OutageLog`), failures are logged once per outage and its end
-    once; without, the first failure is logged."""
+class CountingSpanExporter(_Counting, SpanExporter):
+    """Delegates to `inner`, counting spans exported and spans lost to failed exports."""
 
-    def __init__(
-        self,
-        name: str,
-        inner: SpanExporter,
-        counters: ExportCounters,
-        outage: OutageLog | None = None,
-    ) -> None:
-        self.name = name
-        self._inner = inner
-        self._counters = counters
-        self._outage = outage
-        self._init_abandon()
+    kind, items = "span", "spans"
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._forked:
             return SpanExportResult.SUCCESS
-        if self._abandoned:
-            self._counters.add(f"{self.name}.spans_failed", len(spans))
-            return SpanExportResult.FAILURE
-        try:
-            result = self._inner.export(spans)
-        except Exception as error:  # an exporter bug must not kill the export thread
-            self._counters.warn_once(
-                f"{self.name}.span_error", "otelprof: %s span exporter raised %r", self.name, error
-            )
-            result = SpanExportResult.FAILURE
-        if result is SpanExportResult.SUCCESS:
-            self._counters.add(f"{self.name}.spans_exported", len(spans))
-            if self._outage is not None:
-                self._outage.succeeded()
-        else:
-            self._counters.add(f"{self.name}.spans_failed", len(spans))
-            if self._outage is not None:
-                self._outage.failed("spans", len(spans))
-                return result
-            self._counters.warn_once(
-                f"{self.name}.span_failure",
-                "otelprof: %s span export failed; spans are dropped and counted "
-                "(see Profiler.stats()); further failures are not logged",
-                self.name,
-            )
-        return result
+        if self._counted(lambda: self._inner.export(spans), SpanExportResult.SUCCESS, len(spans)):
+            return SpanExportResult.SUCCESS
+        return SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         if not self._forked:
             self._shutdown_inner_once()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        if self._forked:
-            return True
-        try:
-            return bool(self._inner.force_flush(timeout_millis))
-        except Exception:
-            return False
+        return self._flush_inner(timeout_millis)
 
 
 def preferences_of(inner: MetricExporter) -> dict[str, Any]:
@@ -232,9 +250,11 @@ def preferences_of(inner: MetricExporter) -> dict[str, Any]:
     }
 
 
-class CountingMetricExporter(_Abandonable, MetricExporter):
-    """Delegates to `inner`, counting data points exported and lost (failures logged like
-    `CountingSpanExporter`'s)."""
+class CountingMetricExporter(_Counting, MetricExporter):
+    """Delegates to `inner`, counting data points exported and lost (and failed exports);
+    an `ExportDropped` counts as dropped for its reason instead."""
+
+    kind, items = "metric", "metric_points"
 
     def __init__(
         self,
@@ -243,12 +263,8 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
         counters: ExportCounters,
         outage: OutageLog | None = None,
     ) -> None:
-        super().__init__(**preferences_of(inner))
-        self.name = name
-        self._inner = inner
-        self._counters = counters
-        self._outage = outage
-        self._init_abandon()
+        MetricExporter.__init__(self, **preferences_of(inner))
+        _Counting.__init__(self, name, inner, counters, outage)
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
@@ -257,52 +273,23 @@ class CountingMetricExporter(_Abandonable, MetricExporter):
             return MetricExportResult.SUCCESS
         metrics_data = self._counters.merge_metric_extras(self.name, metrics_data)
         points = count_points(metrics_data)
-        if self._abandoned:
-            self._counters.add(f"{self.name}.metric_points_failed", points)
-            self._counters.add(f"{self.name}.metric_exports_failed")
-            return MetricExportResult.FAILURE
-        try:
+
+        def export() -> MetricExportResult:
             # system metrics: each point's time = its read, start = its window (see _stamps)
-            metrics_data = apply_read_times(metrics_data)
-            result = self._inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+            data = apply_read_times(metrics_data)
+            return self._inner.export(data, timeout_millis=timeout_millis, **kwargs)
+
+        try:
+            if self._counted(export, MetricExportResult.SUCCESS, points):
+                return MetricExportResult.SUCCESS
         except ExportDropped as dropped:
             self._counters.add(f"{self.name}.metric_points_dropped_{dropped.reason}", points)
             self._counters.add(f"{self.name}.metric_exports_{dropped.reason}")
             self._counters.warn_once(f"{self.name}.{dropped.reason}", "%s", dropped.message)
-            return MetricExportResult.FAILURE
-        except Exception as error:
-            self._counters.warn_once(
-                f"{self.name}.metric_error",
-                "otelprof: %s metric exporter raised %r",
-                self.name,
-                error,
-            )
-            result = MetricExportResult.FAILURE
-        if result is MetricExportResult.SUCCESS:
-            self._counters.add(f"{self.name}.metric_points_exported", points)
-            if self._outage is not None:
-                self._outage.succeeded()
-        else:
-            self._counters.add(f"{self.name}.metric_points_failed", points)
-            self._counters.add(f"{self.name}.metric_exports_failed")
-            if self._outage is not None:
-                self._outage.failed("metric points", points)
-                return result
-            self._counters.warn_once(
-                f"{self.name}.metric_failure",
-                "otelprof: %s metric export failed; points are dropped and counted "
-                "(see Profiler.stats()); further failures are not logged",
-                self.name,
-            )
-        return result
+        return MetricExportResult.FAILURE
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        if self._forked:
-            return True
-        try:
-            return bool(self._inner.force_flush(timeout_millis=timeout_millis))
-        except Exception:
-            return False
+        return self._flush_inner(timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if not self._forked:

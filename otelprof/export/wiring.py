@@ -21,10 +21,16 @@ from opentelemetry.sdk.trace import SpanProcessor
 from otelprof._otel_compat import otlp_log_destination, stop_reader_thread
 from otelprof._run.layout import RunLayout
 from otelprof.config import Settings
+from otelprof.export._appendfile import GONE, WRITE_ERROR, WRITTEN
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
-from otelprof.export._metriclines import CappedMetricExporter, MetricLineStream
+from otelprof.export._metriclines import (
+    SIZE_CAP,
+    CappedMetricExporter,
+    MetricLineStream,
+    closing_line,
+)
 from otelprof.export._outage import OutageLog, quiet_sdk_logs
-from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter, encode_span
+from otelprof.export._spanlines import SpanLineExporter, SpanLineWriter
 from otelprof.export.counters import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
@@ -42,6 +48,11 @@ SPAN_QUEUE_SIZE = 8192
 # (BENCHMARKS.md, "OTLP export throughput").
 SPAN_BATCH_SIZE = 128
 SPAN_SCHEDULE_DELAY_MS = 1000
+_SPAN_BATCHING: dict[str, Any] = {
+    "max_queue_size": SPAN_QUEUE_SIZE,
+    "max_export_batch_size": SPAN_BATCH_SIZE,
+    "schedule_delay_millis": SPAN_SCHEDULE_DELAY_MS,
+}
 
 
 @dataclass
@@ -49,7 +60,7 @@ class ExportPipelines:
     """What the providers are built from, plus how to stop what the providers do not own."""
 
     span_processors: list[SpanProcessor] = field(default_factory=list)
-    frame_sinks: dict[SpanProcessor, TraceFileSink] = field(default_factory=dict)
+    frame_sinks: dict[SpanProcessor, SpanLineWriter] = field(default_factory=dict)
     """processor -> the writer the span builder encodes recorded ranges into, for the
     processors that have one (the trace file)."""
     metric_readers: list[MetricReader] = field(default_factory=list)
@@ -104,9 +115,20 @@ class ExportPipelines:
         if end is None or resource is None or stats is None:
             stream.end(None)
             return False
-        from otelprof.export._closing import write_closing_record
-
-        return write_closing_record(stream, resource, end, stats)
+        outcome = stream.end(closing_line(resource, end, stats))
+        if outcome != WRITTEN:
+            why = {
+                SIZE_CAP: "it is at its size cap",
+                GONE: "the file is gone (its run directory removed)",
+                WRITE_ERROR: str(stream.last_error or "write error"),
+            }.get(outcome, f"the file was {outcome} before")
+            _log.warning(
+                "otelprof: cannot write the closing record (the run's end and drop counts) "
+                "to %s: %s",
+                stream.path,
+                why,
+            )
+        return outcome == WRITTEN
 
 
 def _span_processor(
@@ -118,14 +140,7 @@ def _span_processor(
 ) -> SpanProcessor:
     counting = CountingSpanExporter(name, exporter, counters, outage)
     pipelines.exporters.append(counting)
-    return CountingBatchSpanProcessor(
-        name,
-        counting,
-        counters,
-        max_queue_size=SPAN_QUEUE_SIZE,
-        max_export_batch_size=SPAN_BATCH_SIZE,
-        schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
-    )
+    return CountingBatchSpanProcessor(name, counting, counters, **_SPAN_BATCHING)
 
 
 def _metric_reader(
@@ -145,24 +160,14 @@ def _metric_reader(
     )
 
 
-class TraceFileSink:
-    """The trace file's writer as the span builder's frame sink: spans encoded as OTLP JSON
-    straight from their fields, no SDK objects (see otelprof/_timings/_targets.py)."""
-
-    encode_span = staticmethod(encode_span)
-
-    def __init__(self, writer: SpanLineWriter) -> None:
-        self.write = writer.write
-
-
 class _FileSpanProcessor(CountingBatchSpanProcessor):
     """The trace file's processor. Its writer is also the span builder's frame sink
     (recorded ranges skip the SDK: `ExportPipelines.frame_sinks`), and `force_flush()` also
     writes the spans the writer holds (the SDK's batch processor does not flush its
     exporter)."""
 
-    def __init__(self, writer: SpanLineWriter, counters: ExportCounters, **kwargs: Any) -> None:
-        super().__init__("files", SpanLineExporter(writer), counters, **kwargs)
+    def __init__(self, writer: SpanLineWriter, counters: ExportCounters) -> None:
+        super().__init__("files", SpanLineExporter(writer), counters, **_SPAN_BATCHING)
         self._writer = writer
 
     def force_flush(self, timeout_millis: int | None = None) -> bool:
@@ -209,15 +214,9 @@ def _add_files(
             compress=compress,
             max_bytes=settings.max_trace_bytes,
         )
-        processor = _FileSpanProcessor(
-            writer,
-            counters,
-            max_queue_size=SPAN_QUEUE_SIZE,
-            max_export_batch_size=SPAN_BATCH_SIZE,
-            schedule_delay_millis=SPAN_SCHEDULE_DELAY_MS,
-        )
+        processor = _FileSpanProcessor(writer, counters)
         pipelines.span_processors.append(processor)
-        pipelines.frame_sinks[processor] = TraceFileSink(writer)
+        pipelines.frame_sinks[processor] = writer
         pipelines.file_writers.append(writer)
         # the writer holds spans for fuller lines; the metrics reader's tick (every
         # interval) writes them when due even if no new span comes
@@ -342,7 +341,7 @@ def _quiet_in_forked_children(pipelines: ExportPipelines) -> None:
     collects and exports nothing: the SDK restarts each periodic reader's thread in the
     child (its at-fork hook, registered with the reader, runs before this one), and this
     stops it again, so workers spend nothing on samples; the counting exporters export
-    nothing from a child either (`counters._Abandonable._forked`). The worker's CPU and
+    nothing from a child either (`counters._Counting._forked`). The worker's CPU and
     memory are in the host's metrics."""
     if not hasattr(os, "register_at_fork"):
         return
