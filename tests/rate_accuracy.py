@@ -123,8 +123,16 @@ def sampler(pid: int, out: str, disks: str) -> None:
     Path(out).write_text(json.dumps({"offset_ns": offset, "rows": rows}))
 
 
+BURST_S = 0.3
+PAUSE_S = 0.45
+
+
 def read_in_bursts(
-    path: str, duration_s: float, burst_s: float = 0.3, pause_s: float = 0.45, readers: int = 4
+    path: str,
+    duration_s: float,
+    burst_s: float = BURST_S,
+    pause_s: float = PAUSE_S,
+    readers: int = 4,
 ) -> None:
     """Read `path` from the disk for `burst_s`, pause `pause_s`, and so on, for `duration_s`:
     64 KiB reads without readahead (each its own I/O) by `readers` threads (each read
