@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from otelprof.config import INT32_MAX
 from otelprof.determined.mapping import (
     DISK_IOPS_READ,
     DISK_IOPS_WRITE,
@@ -24,8 +25,6 @@ from otelprof.determined.mapping import (
     HistogramPoint,
     TimingSample,
 )
-
-INT32_MAX = 2**31 - 1
 
 
 def rfc3339(time_ns: int) -> str:
