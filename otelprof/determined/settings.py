@@ -49,11 +49,6 @@ ENV = {
 }
 
 
-def default_spool_dir(env: Mapping[str, str]) -> str:
-    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(base) / "otelprof" / "determined-bridge")
-
-
 def validate_group(name: str) -> str:
     """Determined's rules for a generic group name (reference §1), plus: not a profiling one."""
     if not name:
@@ -148,7 +143,8 @@ class BridgeSettings:
         )
         if route.trial_id is not None and route.run_id is None:
             raise ConfigError("--trial-id needs --trial-run-id (Determined checks the run id)")
-        spool_dir = pick("spool_dir", default_spool_dir(env))
+        state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        spool_dir = pick("spool_dir", str(Path(state) / "otelprof" / "determined-bridge"))
         metrics_port = pick("metrics_port")
         if metrics_port is not None:
             metrics_port = int(number("metrics_port", 0, int, -1))
