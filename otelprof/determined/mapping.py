@@ -650,13 +650,10 @@ def extract_spans(
                 if seen % CHECK_EVERY == 0 and stop():
                     raise Cancelled
                 _add_span(span, sums, out)
-        for name, (total, count, max_step, t_end) in sums.items():
-            out.timings.append(
-                TimingSample(
-                    trial, run, name, total, int(count), int(max_step), int(t_end), offset,
-                    per_batch,
-                )
-            )  # fmt: skip
+        out.timings.extend(
+            TimingSample(trial, run, name, total, int(n), int(step), int(t_end), offset, per_batch)
+            for name, (total, n, step, t_end) in sums.items()
+        )
     return out
 
 
