@@ -543,13 +543,9 @@ class DiskSpool(_SpoolBase):
             p for p in self.directory.glob("journal-*.jsonl") if self._window_of(p) <= window
         ]
         if reports or journals:
-            state = {
-                "flushed_window": window,
-                "last_steps": [[t, r, s] for (t, r), s in last_steps.items()],
-            }
-            _atomic_write(
-                self.directory / "state.json", json.dumps(state).encode(), self.fsync, self.shared
-            )
+            steps = [[t, r, s] for (t, r), s in last_steps.items()]
+            state = json.dumps({"flushed_window": window, "last_steps": steps}).encode()
+            _atomic_write(self.directory / "state.json", state, self.fsync, self.shared)
             if self.fsync:  # the renames into place
                 fd = os.open(self.directory, os.O_RDONLY)
                 try:
