@@ -278,11 +278,8 @@ class WindowAggregator:
             timing = self._timing_report(trial_id, run_id, state)
             if timing is not None:
                 reports.append(timing)
-            if (
-                not state.gauges
-                and not state.timings
-                and (self.window - state.last_seen > self.idle_windows)
-            ):
+            idle = self.window - state.last_seen > self.idle_windows
+            if idle and not state.gauges and not state.timings:
                 del self._trials[(trial_id, run_id)]
                 if (trial_id, run_id) in self._hist_trials:  # forget its histogram series
                     self._hist_trials.discard((trial_id, run_id))
