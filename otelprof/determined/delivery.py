@@ -199,10 +199,8 @@ class Deliverer:
                 return trial, state, state.queue[0]
             if self._busy == 0 and self._queued == 0 and not self._refill:
                 self._idle.set()
-            wait = 1.0
-            if self._backoff:
-                wait = min(wait, max(0.0, self._backoff[0][0] - now))
-            self._cond.wait(wait)
+            soonest = self._backoff[0][0] - now if self._backoff else 1.0
+            self._cond.wait(min(1.0, max(0.0, soonest)))
             return None
 
     def _release(self, trial: Lane, state: _TrialState, answered: bool) -> None:
