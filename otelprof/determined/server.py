@@ -21,9 +21,8 @@ admitted request holds is bounded by its size: the raw bytes, the parsed message
 samples folded per key (`mapping.GaugeSample`), not per point (docs/ARCHITECTURE.md has
 the figure).
 
-Refused senders are logged, one warning per reason, sender address and trial a minute
-with the number refused since; a token is never logged, only which line of the token file
-it is on.
+Refused senders are logged (`RefusalLog`); a token never is, only which line of the token
+file it is on.
 """
 
 from __future__ import annotations
