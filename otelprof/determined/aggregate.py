@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from otelprof.config import INT32_MAX
 from otelprof.determined.mapping import (
     DISK_IOPS_READ,
     DISK_IOPS_WRITE,
@@ -24,14 +25,6 @@ from otelprof.determined.mapping import (
     HistogramPoint,
     TimingSample,
 )
-
-INT32_MAX = 2**31 - 1
-
-
-def rfc3339(time_ns: int) -> str:
-    """RFC 3339 UTC timestamp with milliseconds, as Determined's reportTime expects."""
-    stamp = _dt.datetime.fromtimestamp(time_ns / 1e9, tz=_dt.timezone.utc)
-    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -61,7 +54,8 @@ def build_body(
     metrics: dict[str, Any] = {"trialId": trial_id, "trialRunId": run_id}
     if steps_completed is not None:
         metrics["stepsCompleted"] = steps_completed
-    metrics["reportTime"] = rfc3339(report_time_ns)
+    stamp = _dt.datetime.fromtimestamp(report_time_ns / 1e9, tz=_dt.timezone.utc)
+    metrics["reportTime"] = stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
     metrics["metrics"] = {"avgMetrics": avg_metrics}
     if batch_metrics:
         metrics["metrics"]["batchMetrics"] = batch_metrics
@@ -253,9 +247,15 @@ class WindowAggregator:
             if s.from_histogram and not state.from_histograms:
                 state.from_histograms = True
                 state.timings.clear()  # this window's span sums: the histograms cover them
-            counted = s.n > 0 and (s.from_histogram or not state.from_histograms)
-            if counted and not self._add_timing(state, s):
-                continue
+            if s.n > 0 and (s.from_histogram or not state.from_histograms):
+                acc = state.timings.get(s.name)
+                if acc is None:
+                    if len(state.timings) >= self.max_timing_names:
+                        self.stats.dropped_timing_names += 1
+                        continue
+                    acc = state.timings[s.name] = [0.0, 0]
+                acc[0] += s.total_s
+                acc[1] += s.n
             state.max_step = max(state.max_step, s.max_step)
             if (
                 s.offset > 0
@@ -268,18 +268,6 @@ class WindowAggregator:
             state.per_batch = max(1, s.per_batch)
             state.timing_time_ns = max(state.timing_time_ns, s.time_ns)
 
-    def _add_timing(self, state: _Trial, s: TimingSample) -> bool:
-        """Add one sample's seconds and calls; False when the name is over the cap."""
-        acc = state.timings.get(s.name)
-        if acc is None:
-            if len(state.timings) >= self.max_timing_names:
-                self.stats.dropped_timing_names += 1
-                return False
-            acc = state.timings[s.name] = [0.0, 0]
-        acc[0] += s.total_s
-        acc[1] += s.n
-        return True
-
     def drain(self) -> list[Report]:
         """Close the current window and return its reports (profiling groups, then timings)."""
         self.incomplete = []
@@ -290,26 +278,19 @@ class WindowAggregator:
             timing = self._timing_report(trial_id, run_id, state)
             if timing is not None:
                 reports.append(timing)
-            if (
-                not state.gauges
-                and not state.timings
-                and (self.window - state.last_seen > self.idle_windows)
-            ):
+            idle = self.window - state.last_seen > self.idle_windows
+            if idle and not state.gauges and not state.timings:
                 del self._trials[(trial_id, run_id)]
-                self._forget_histograms(trial_id, run_id)
+                if (trial_id, run_id) in self._hist_trials:  # forget its histogram series
+                    self._hist_trials.discard((trial_id, run_id))
+                    for key in [k for k in self._hist_last if k[:2] == (trial_id, run_id)]:
+                        del self._hist_last[key]
+                    self._series_per_trial.pop((trial_id, run_id), None)
                 self.baselines_wanted.discard(trial_id)
         self.window += 1
         self.stats.windows += 1
         self.stats.reports += len(reports)
         return reports
-
-    def _forget_histograms(self, trial_id: int, run_id: int) -> None:
-        if (trial_id, run_id) not in self._hist_trials:
-            return
-        self._hist_trials.discard((trial_id, run_id))
-        for key in [k for k in self._hist_last if k[0] == trial_id and k[1] == run_id]:
-            del self._hist_last[key]
-        self._series_per_trial.pop((trial_id, run_id), None)
 
     def _fresh(self, state: _Trial, key: tuple[str, str, str, str]) -> float | None:
         acc = state.gauges.get(key)

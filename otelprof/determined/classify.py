@@ -40,35 +40,22 @@ class PostResult:
 
 
 # Messages of the real master's refusals that no retry can change (reference §0).
-PERMANENT_MESSAGES = (
-    re.compile(r"invalid run id"),
-    re.compile(r"conflicting key"),
-    re.compile(r"overwriting existing metric keys is not supported"),
-    re.compile(r"overwriting batch metrics is not supported"),
-    re.compile(r'null value in column "total_batches"'),
-    re.compile(r"violates check constraint"),
-    re.compile(r"violates not-null constraint"),
-    re.compile(r"cannot add metric with non numeric"),
-    re.compile(r"nil pointer dereference"),
-    re.compile(r"metric group cannot contain"),
-    re.compile(r"invalid input syntax"),
+PERMANENT_MESSAGES = re.compile(
+    r"invalid run id|conflicting key|overwriting existing metric keys is not supported"
+    r'|overwriting batch metrics is not supported|null value in column "total_batches"'
+    r"|violates check constraint|violates not-null constraint|cannot add metric with non numeric"
+    r"|nil pointer dereference|metric group cannot contain|invalid input syntax"
 )
 
 # A 500 that says the database (not the report) is the problem: PostgreSQL's connection
 # and availability SQLSTATE classes 08/53/57, serialization failures 40001/40P01, and the
 # Go driver's words for an unreachable server.
-TRANSIENT_MESSAGES = (
-    re.compile(r"SQLSTATE (08|53|57|40001|40P01)"),
-    re.compile(r"terminating connection"),
-    re.compile(r"failed to connect to"),
-    re.compile(r"connection refused"),
-    re.compile(r"connection reset by peer"),
-    re.compile(r"broken pipe"),
-    re.compile(r"the database system is (starting up|shutting down|in recovery mode)"),
-    re.compile(r"too many clients"),
-    re.compile(r"conn closed|closed pool|unexpected EOF|i/o timeout"),
-    re.compile(r"context deadline exceeded"),
-    re.compile(r"deadlock detected|could not serialize access"),
+TRANSIENT_MESSAGES = re.compile(
+    r"SQLSTATE (08|53|57|40001|40P01)|terminating connection|failed to connect to"
+    r"|connection refused|connection reset by peer|broken pipe|too many clients"
+    r"|the database system is (starting up|shutting down|in recovery mode)"
+    r"|conn closed|closed pool|unexpected EOF|i/o timeout|context deadline exceeded"
+    r"|deadlock detected|could not serialize access"
 )
 
 _RETRY_STATUSES = {408, 429, 502, 503, 504}
@@ -77,18 +64,16 @@ _MAYBE_FORWARDED = {502, 504}
 
 
 def classify_answer(status: int, message: str) -> PostResult:
-    """Classify an HTTP answer (status plus the master's message)."""
-    if 200 <= status < 300:
-        return PostResult(Outcome.OK, status, "")
+    """Classify a non-2xx HTTP answer (status plus the master's message)."""
     if status in _RETRY_STATUSES:
         return PostResult(
             Outcome.RETRY, status, message,
             maybe_stored=status in _MAYBE_FORWARDED, master_wide=True,
         )  # fmt: skip
-    if any(p.search(message) for p in PERMANENT_MESSAGES):
+    if PERMANENT_MESSAGES.search(message):
         return PostResult(Outcome.REJECTED, status, message)
     if status >= 500:
-        if any(p.search(message) for p in TRANSIENT_MESSAGES):
+        if TRANSIENT_MESSAGES.search(message):
             return PostResult(Outcome.RETRY, status, message, master_wide=True)
         return PostResult(Outcome.UNKNOWN, status, message)
     return PostResult(Outcome.REJECTED, status, message)

@@ -34,14 +34,12 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
-    def env(name: str) -> str:
-        return f"(env {ENV[name]})"
+    def add(group: Any, flag: str, text: str, **kwargs: Any) -> None:
+        """An option whose help ends with its environment variable (settings.ENV)."""
+        group.add_argument(flag, help=f"{text} (env {ENV[flag[2:].replace('-', '_')]})", **kwargs)
 
-    p.add_argument(
-        "--listen",
-        help=f"OTLP gRPC address, default {DEFAULT_LISTEN}; beyond loopback only with TLS "
-        f"{env('listen')}",
-    )
+    add(p, "--listen", f"OTLP gRPC address, default {DEFAULT_LISTEN}; beyond loopback only "
+        "with TLS")  # fmt: skip
     p.add_argument(
         "--new-token",
         action="store_true",
@@ -50,12 +48,9 @@ def register(subparsers: Any) -> None:
     ingest = p.add_argument_group(
         "who may send OTLP (required: every request needs `authorization: Bearer <token>`)"
     )
-    ingest.add_argument(
-        "--ingest-tokens",
-        help="file of ingest tokens, one per line with its scope: `TOKEN trial=42`, "
-        "`TOKEN experiment=7`, `TOKEN *`; must be readable by its owner only "
-        f"{env('ingest_tokens')}",
-    )
+    add(ingest, "--ingest-tokens", "file of ingest tokens, one per line with its scope: "
+        "`TOKEN trial=42`, `TOKEN experiment=7`, `TOKEN *`; must be readable by its owner "
+        "only")  # fmt: skip
     ingest.add_argument(
         "--allow-trial",
         type=int,
@@ -68,68 +63,29 @@ def register(subparsers: Any) -> None:
         action="append",
         help="scope of tokens listed without one: any trial of this experiment (repeatable)",
     )
-    ingest.add_argument("--tls-cert", help=f"server certificate (PEM) {env('tls_cert')}")
-    ingest.add_argument("--tls-key", help=f"server key (PEM) {env('tls_key')}")
-    ingest.add_argument(
-        "--tls-client-ca",
-        help=f"CA of client certificates: mutual TLS {env('tls_client_ca')}",
-    )
-    ingest.add_argument(
-        "--max-request-mb",
-        type=float,
-        help=f"largest OTLP request taken, default 4 {env('max_request_mb')}",
-    )
-    ingest.add_argument(
-        "--max-inflight-mb",
-        type=float,
-        help=f"request bytes being mapped at once, default 32 {env('max_inflight_mb')}",
-    )
-    ingest.add_argument(
-        "--max-steps-per-second",
-        type=float,
-        help="stepsCompleted may not grow faster than this (a bound on what a trial can "
-        f"really have trained), default 10000 {env('max_steps_per_second')}",
-    )
-    p.add_argument("--master", help=f"Determined master URL, e.g. http://det:8080 {env('master')}")
+    add(ingest, "--tls-cert", "server certificate (PEM)")
+    add(ingest, "--tls-key", "server key (PEM)")
+    add(ingest, "--tls-client-ca", "CA of client certificates: mutual TLS")
+    add(ingest, "--max-request-mb", "largest OTLP request taken, default 4", type=float)
+    add(ingest, "--max-inflight-mb", "request bytes being mapped at once, default 32", type=float)
+    add(ingest, "--max-steps-per-second", "stepsCompleted may not grow faster than this (a bound "
+        "on what a trial can really have trained), default 10000", type=float)  # fmt: skip
+    add(p, "--master", "Determined master URL, e.g. http://det:8080")
     auth = p.add_argument_group(
         "authentication (one of; default: DET_USER_TOKEN, DET_SESSION_TOKEN or DET_USER+DET_PASS)"
     )
-    auth.add_argument(
-        "--token-file",
-        help=f"file holding a user token (Authorization: Bearer) {env('token_file')}",
-    )
-    auth.add_argument(
-        "--allocation-token-file",
-        help="file holding a task's allocation token (DET_SESSION_TOKEN) "
-        f"{env('allocation_token_file')}",
-    )
-    auth.add_argument("--user", help=f"log in as this user via /api/v1/auth/login {env('user')}")
-    auth.add_argument(
-        "--password-file",
-        help=f"file holding --user's password (else DET_PASS) {env('password_file')}",
-    )
-    p.add_argument(
-        "--ca-bundle",
-        help="CA bundle to verify an https master; 'noverify' turns verification off "
-        f"{env('ca_bundle')}",
-    )
-    p.add_argument(
-        "--report-interval",
-        type=float,
-        help="seconds per report window, default 10 like Determined's profiler "
-        f"{env('report_interval')}",
-    )
-    p.add_argument(
-        "--spool-dir",
-        help="directory of the crash-safe report spool, default "
-        f"$XDG_STATE_HOME/otelprof/determined-bridge; 'none' keeps it in memory {env('spool_dir')}",
-    )
-    p.add_argument(
-        "--spool-max-mb",
-        type=float,
-        help="spool size cap; the oldest reports are dropped (and counted) beyond it, "
-        f"default 256 {env('spool_max_mb')}",
-    )
+    add(auth, "--token-file", "file holding a user token (Authorization: Bearer)")
+    add(auth, "--allocation-token-file", "file holding a task's allocation token "
+        "(DET_SESSION_TOKEN)")  # fmt: skip
+    add(auth, "--user", "log in as this user via /api/v1/auth/login")
+    add(auth, "--password-file", "file holding --user's password (else DET_PASS)")
+    add(p, "--ca-bundle", "CA bundle to verify an https master; 'noverify' turns verification off")
+    add(p, "--report-interval", "seconds per report window, default 10 like Determined's "
+        "profiler", type=float)  # fmt: skip
+    add(p, "--spool-dir", "directory of the crash-safe report spool, default "
+        "$XDG_STATE_HOME/otelprof/determined-bridge; 'none' keeps it in memory")  # fmt: skip
+    add(p, "--spool-max-mb", "spool size cap; the oldest reports are dropped (and counted) "
+        "beyond it, default 256", type=float)  # fmt: skip
     p.add_argument(
         "--shared-spool",
         action="store_true",
@@ -141,35 +97,16 @@ def register(subparsers: Any) -> None:
         help="do not fsync spool batches (still safe against a process crash, not a power cut)",
     )
     route = p.add_argument_group("routing data that carries no Determined ids")
-    route.add_argument("--trial-id", type=int, help=f"trial to report it under {env('trial_id')}")
-    route.add_argument(
-        "--trial-run-id", type=int, help=f"that trial's run id {env('trial_run_id')}"
-    )
-    route.add_argument(
-        "--agent-id",
-        help=f"agent id when neither determined.agent.id nor host.name is set {env('agent_id')}",
-    )
-    p.add_argument(
-        "--timings-group",
-        help=f"generic metric group for timing spans, default 'timings' {env('timings_group')}",
-    )
-    p.add_argument(
-        "--retry-max-delay",
-        type=float,
-        help="cap of the exponential retry backoff in seconds, default 30 "
-        f"{env('retry_max_delay')}",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        help=f"HTTP timeout per request in seconds, default 10 {env('request_timeout')}",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        help="serve the bridge's own metrics (delivered, refused, retries, pending, ...) in "
-        f"the Prometheus format on 127.0.0.1:PORT; 0 picks a free port {env('metrics_port')}",
-    )
+    add(route, "--trial-id", "trial to report it under", type=int)
+    add(route, "--trial-run-id", "that trial's run id", type=int)
+    add(route, "--agent-id", "agent id when neither determined.agent.id nor host.name is set")
+    add(p, "--timings-group", "generic metric group for timing spans, default 'timings'")
+    add(p, "--retry-max-delay", "cap of the exponential retry backoff in seconds, default 30",
+        type=float)  # fmt: skip
+    add(p, "--request-timeout", "HTTP timeout per request in seconds, default 10", type=float)
+    add(p, "--metrics-port", "serve the bridge's own metrics (delivered, refused, retries, "
+        "pending, ...) in the Prometheus format on 127.0.0.1:PORT; 0 picks a free port",
+        type=int)  # fmt: skip
     p.add_argument("--workers", type=int, help="gRPC worker threads, default 8")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)

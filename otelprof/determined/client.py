@@ -221,18 +221,14 @@ class DeterminedClient:
         answer = self._answer("POST", f"/api/v1/trials/{report.trial_id}/metrics", report.body)
         return answer if isinstance(answer, PostResult) else self._classify(answer)
 
-    def _can_refresh(self) -> bool:
-        c = self._creds
-        return bool(
-            (c.user_token_file or c.allocation_token_file or c.username) and not c.user_token
-        )
-
     def _answer(self, method: str, path: str, body: Any) -> httpx.Response | PostResult:
         """One request with this client's credentials, refreshed once after a 401: the
         master's answer, or why none came (classified). An unusable credential raises."""
         try:
             response = self._send(method, path, body)
-            if response.status_code == 401 and self._can_refresh():
+            c = self._creds
+            renewable = c.user_token_file or c.allocation_token_file or c.username
+            if response.status_code == 401 and renewable and not c.user_token:
                 # Token files may rotate and login sessions expire: fetch a fresh one once.
                 self._auth_header(refresh=True)
                 response = self._send(method, path, body)

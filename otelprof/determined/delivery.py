@@ -155,9 +155,7 @@ class Deliverer:
         self._generation = generation
         for item in self.spool.take_new():
             trial = (item[2].trial_id, item[2].group)
-            if trial not in self._trials:
-                self._trials[trial] = _TrialState()
-            state = self._trials[trial]
+            state = self._trials.setdefault(trial, _TrialState())
             state.queue.append(item)
             self._queued += 1
             self._schedule(trial, state)
@@ -201,10 +199,8 @@ class Deliverer:
                 return trial, state, state.queue[0]
             if self._busy == 0 and self._queued == 0 and not self._refill:
                 self._idle.set()
-            wait = 1.0
-            if self._backoff:
-                wait = min(wait, max(0.0, self._backoff[0][0] - now))
-            self._cond.wait(wait)
+            soonest = self._backoff[0][0] - now if self._backoff else 1.0
+            self._cond.wait(min(1.0, max(0.0, soonest)))
             return None
 
     def _release(self, trial: Lane, state: _TrialState, answered: bool) -> None:
@@ -264,34 +260,30 @@ class Deliverer:
         if result.outcome is Outcome.OK:
             self.spool.ack(window, index)
             self.stats.delivered += 1
-            self._recovered(state)
-            return True
-        if result.outcome is Outcome.REJECTED:
+        elif result.outcome is Outcome.REJECTED:
             self._move_aside(item, result, "")
-            self._recovered(state)
-            return True
-        if result.outcome is Outcome.UNKNOWN:
+        elif result.outcome is Outcome.UNKNOWN:
             state.unknown_attempts += 1
-            if state.unknown_attempts >= self.max_unknown_attempts:
-                self.stats.gave_up += 1
-                self._move_aside(
-                    item, result, f" (unrecognised error, gave up after {state.unknown_attempts}"
-                    " attempts)",
-                )  # fmt: skip
-                self._recovered(state)
-                return True
+            if state.unknown_attempts < self.max_unknown_attempts:
+                self.stats.retries += 1
+                self._back_off_trial(state)
+                return False
+            self.stats.gave_up += 1
+            self._move_aside(
+                item, result, f" (unrecognised error, gave up after {state.unknown_attempts}"
+                " attempts)",
+            )  # fmt: skip
+        else:  # Outcome.RETRY
             self.stats.retries += 1
-            self._back_off_trial(state)
+            if result.maybe_stored:
+                state.maybe_sent.add(key)
+            if result.master_wide:
+                self._back_off_master(result)
+            else:
+                self._back_off_trial(state)
             return False
-        # Outcome.RETRY
-        self.stats.retries += 1
-        if result.maybe_stored:
-            state.maybe_sent.add(key)
-        if result.master_wide:
-            self._back_off_master(result)
-        else:
-            self._back_off_trial(state)
-        return False
+        self._recovered(state)
+        return True
 
     def _recovered(self, state: _TrialState) -> None:
         state.delay = 0.0

@@ -73,21 +73,6 @@ class Scope:
         return cls(frozenset(trials), frozenset(experiments), everything)
 
 
-def check_secret_file(path: str | os.PathLike[str], what: str) -> None:
-    """Refuse a secret file that others can read or write (like ssh with a private key)."""
-    try:
-        info = os.stat(path)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{what} file {path} is not a regular file")
-    if info.st_mode & 0o077:
-        raise ConfigError(
-            f"{what} file {path} has mode {stat.S_IMODE(info.st_mode):04o}: it is open to "
-            f"other users; run `chmod 600 {path}` (secrets must be readable by their owner only)"
-        )
-
-
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -117,8 +102,20 @@ class IngestTokens:
 
     @classmethod
     def from_file(cls, path: str, default: Scope | None = None) -> IngestTokens:
-        """Read a token file (see the module docstring); refused if others may read it."""
-        check_secret_file(path, "ingest token")
+        """Read a token file (see the module docstring); refused, like ssh's private keys,
+        if others may read or write it."""
+        try:
+            info = os.stat(path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read ingest token file {path}: {exc.strerror}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"ingest token file {path} is not a regular file")
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                f"ingest token file {path} has mode {stat.S_IMODE(info.st_mode):04o}: it is open "
+                f"to other users; run `chmod 600 {path}` (secrets must be readable by their owner "
+                "only)"
+            )
         scopes: dict[str, Scope] = {}
         labels: dict[str, str] = {}
         for number, line in enumerate(Path(path).read_text().splitlines(), 1):

@@ -46,8 +46,6 @@ ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
 # Set by a process that posts to Determined itself (instrument(determined=True)): the
 # bridge leaves its data alone, so one trial's group has exactly one producer.
 ATTR_DIRECT = "otelprof.determined.direct"
-# otelprof's per-(timing, phase) duration histograms, aggregated in process from every
-# recorded range (otelprof._timings._sampling): exact whatever the trace sampling kept.
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
@@ -294,9 +292,7 @@ def _as_int(attrs: Mapping[str, Any], key: str) -> int | None:
     if raw is None or raw == "":
         return None
     value: int | None = None
-    if isinstance(raw, bool):
-        value = None
-    elif isinstance(raw, int):
+    if isinstance(raw, int) and not isinstance(raw, bool):
         value = raw
     elif isinstance(raw, float) and raw.is_integer():
         value = int(raw)
@@ -479,10 +475,7 @@ def _map_histogram(
     """
     kind = metric.WhichOneof("data")
     points = getattr(metric, kind).data_points if kind else ()
-    if kind != "histogram":
-        out.ignored += len(points)
-        return
-    if _rank(attrs) not in (None, 0):
+    if kind != "histogram" or _rank(attrs) not in (None, 0):
         out.ignored += len(points)
         return
     temporality = metric.histogram.aggregation_temporality
@@ -545,7 +538,7 @@ def _map_metric(
     kind = metric.WhichOneof("data")
     rule = GAUGE_RULES.get(metric.name)
     if rule is None or kind not in ("gauge", "sum"):
-        out.ignored += len(getattr(metric, kind).data_points) if kind else 0
+        out.ignored += point_count(metric)
         return
     data_points = getattr(metric, kind).data_points
     factor = rule.units.get(metric.unit)
@@ -657,13 +650,10 @@ def extract_spans(
                 if seen % CHECK_EVERY == 0 and stop():
                     raise Cancelled
                 _add_span(span, sums, out)
-        for name, (total, count, max_step, t_end) in sums.items():
-            out.timings.append(
-                TimingSample(
-                    trial, run, name, total, int(count), int(max_step), int(t_end), offset,
-                    per_batch,
-                )
-            )  # fmt: skip
+        out.timings.extend(
+            TimingSample(trial, run, name, total, int(n), int(step), int(t_end), offset, per_batch)
+            for name, (total, n, step, t_end) in sums.items()
+        )
     return out
 
 

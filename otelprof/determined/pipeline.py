@@ -223,31 +223,28 @@ class Pipeline:
         back (the master may hold it), as dropped otherwise.
         """
         deadline = time.monotonic() + max(0.0, drain_timeout_s)
-        if not self._started:
-            self.spool.close()
-            self.client.close()
-            return
-        self._stop.set()
-        if self._timer is not None:
-            self._timer.join(max(0.0, deadline - time.monotonic()))
-        self.flush(lookup_s=max(0.0, deadline - time.monotonic()) / 2)
-        if not self.wait_delivered(max(0.0, deadline - time.monotonic())):
-            pending = self.spool.pending()
-            self.unconfirmed_at_shutdown = min(self.deliverer.unconfirmed(), pending)
-            self.undelivered_at_shutdown = pending - self.unconfirmed_at_shutdown
-            log.warning(
-                "Determined: %d reports not delivered at shutdown, %d more posted without "
-                "an answer (%s)",
-                self.undelivered_at_shutdown,
-                self.unconfirmed_at_shutdown,
-                "kept in the spool for the next start"
-                if isinstance(self.spool, DiskSpool)
-                else "lost: the spool is in memory",
-            )
-        self.deliverer.stop(max(0.0, deadline - time.monotonic()))
+        if self._started:
+            self._started = False
+            self._stop.set()
+            if self._timer is not None:
+                self._timer.join(max(0.0, deadline - time.monotonic()))
+            self.flush(lookup_s=max(0.0, deadline - time.monotonic()) / 2)
+            if not self.wait_delivered(max(0.0, deadline - time.monotonic())):
+                pending = self.spool.pending()
+                self.unconfirmed_at_shutdown = min(self.deliverer.unconfirmed(), pending)
+                self.undelivered_at_shutdown = pending - self.unconfirmed_at_shutdown
+                log.warning(
+                    "Determined: %d reports not delivered at shutdown, %d more posted without "
+                    "an answer (%s)",
+                    self.undelivered_at_shutdown,
+                    self.unconfirmed_at_shutdown,
+                    "kept in the spool for the next start"
+                    if isinstance(self.spool, DiskSpool)
+                    else "lost: the spool is in memory",
+                )
+            self.deliverer.stop(max(0.0, deadline - time.monotonic()))
         self.spool.close()
         self.client.close()
-        self._started = False
 
     def stats(self) -> dict[str, Any]:
         a, s, d = self.aggregator.stats, self.spool.stats, self.deliverer.stats

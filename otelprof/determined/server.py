@@ -21,9 +21,8 @@ admitted request holds is bounded by its size: the raw bytes, the parsed message
 samples folded per key (`mapping.GaugeSample`), not per point (docs/ARCHITECTURE.md has
 the figure).
 
-Refused senders are logged, one warning per reason, sender address and trial a minute
-with the number refused since; a token is never logged, only which line of the token file
-it is on.
+Refused senders are logged (`RefusalLog`); a token never is, only which line of the token
+file it is on.
 """
 
 from __future__ import annotations
@@ -290,7 +289,13 @@ class _Receiver:
             message, forbidden = self._keep_in_scope(
                 message, field_name, scope, context, caller.gone, credential
             )
-            extracted = _guard(lambda: ingest(message, caller.gone), context)
+            try:
+                extracted = ingest(message, caller.gone)
+            except Cancelled:
+                raise
+            except Exception as exc:  # a mapping bug must not take the receiver down
+                log.exception("could not map an OTLP request")
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
         except Cancelled:
             return None
         if forbidden:
@@ -373,16 +378,6 @@ def _parse(cls: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
             grpc.StatusCode.INVALID_ARGUMENT,
             f"malformed OTLP {cls.DESCRIPTOR.name} ({len(raw)} bytes): {exc}",
         )
-
-
-def _guard(ingest: Callable[[], Extracted], context: grpc.ServicerContext) -> Extracted:
-    try:
-        return ingest()
-    except Cancelled:
-        raise
-    except Exception as exc:  # a mapping bug must not take the receiver down
-        log.exception("could not map an OTLP request")
-        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
 
 
 def _service(

@@ -49,11 +49,6 @@ ENV = {
 }
 
 
-def default_spool_dir(env: Mapping[str, str]) -> str:
-    base = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(base) / "otelprof" / "determined-bridge")
-
-
 def validate_group(name: str) -> str:
     """Determined's rules for a generic group name (reference §1), plus: not a profiling one."""
     if not name:
@@ -117,6 +112,9 @@ class BridgeSettings:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > {minimum}, got {value}")
             return value
 
+        def count(name: str) -> int | None:  # an optional integer >= 0
+            return None if pick(name) is None else int(number(name, 0, int, -1))
+
         master = pick("master")
         if not master:
             raise ConfigError("no Determined master: pass --master URL or set DET_MASTER")
@@ -139,21 +137,16 @@ class BridgeSettings:
         verify = True
         if ca == "noverify":  # Determined's own spelling for "do not verify"
             ca, verify = None, False
-        trial = pick("trial_id")
-        run = pick("trial_run_id")
         route = Route(
-            trial_id=int(number("trial_id", 0, int, -1)) if trial is not None else None,
-            run_id=int(number("trial_run_id", 0, int, -1)) if run is not None else None,
-            agent=pick("agent_id"),
+            trial_id=count("trial_id"), run_id=count("trial_run_id"), agent=pick("agent_id")
         )
         if route.trial_id is not None and route.run_id is None:
             raise ConfigError("--trial-id needs --trial-run-id (Determined checks the run id)")
-        spool_dir = pick("spool_dir", default_spool_dir(env))
-        metrics_port = pick("metrics_port")
-        if metrics_port is not None:
-            metrics_port = int(number("metrics_port", 0, int, -1))
-            if metrics_port > 65535:
-                raise ConfigError(f"--metrics-port must be a TCP port, got {metrics_port}")
+        state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+        spool_dir = pick("spool_dir", str(Path(state) / "otelprof" / "determined-bridge"))
+        metrics_port = count("metrics_port")
+        if metrics_port is not None and metrics_port > 65535:
+            raise ConfigError(f"--metrics-port must be a TCP port, got {metrics_port}")
         default_scope = Scope(
             trials=frozenset(int(t) for t in getattr(args, "allow_trial", None) or ()),
             experiments=frozenset(int(e) for e in getattr(args, "allow_experiment", None) or ()),

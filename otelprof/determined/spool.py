@@ -87,11 +87,6 @@ class _Batch:
         return self.count - len(self.acked)
 
 
-def _refusal_entry(report: Report, status: int | None, message: str) -> dict[str, Any]:
-    return {"time": time.time(), "status": status, "message": message,
-            "report": report.to_json()}  # fmt: skip
-
-
 def _append_refused(path: Path, entry: dict[str, Any], used: int | None, max_bytes: int,
                     shared: bool = False, fsync: bool = False) -> int:  # fmt: skip
     """Append a refused report to `path` (JSON Lines) unless that would take the file (of
@@ -188,7 +183,8 @@ class _SpoolBase:
                message: str) -> None:  # fmt: skip
         """Move a report the master will never take aside: kept with the master's answer
         (the disk spool's refused.jsonl, or memory), counted, and never sent again."""
-        entry = _refusal_entry(report, status, message)
+        entry = {"time": time.time(), "status": status, "message": message,
+                 "report": report.to_json()}  # fmt: skip
         with self._lock:
             self.stats.reports_refused += 1
             if not self._keep_refused(entry):
@@ -273,14 +269,6 @@ class MemorySpool(_SpoolBase):
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _atomic_write(path: Path, data: bytes, fsync: bool, shared: bool = False) -> None:
@@ -555,15 +543,15 @@ class DiskSpool(_SpoolBase):
             p for p in self.directory.glob("journal-*.jsonl") if self._window_of(p) <= window
         ]
         if reports or journals:
-            state = {
-                "flushed_window": window,
-                "last_steps": [[t, r, s] for (t, r), s in last_steps.items()],
-            }
-            _atomic_write(
-                self.directory / "state.json", json.dumps(state).encode(), self.fsync, self.shared
-            )
-            if self.fsync:
-                _fsync_dir(self.directory)
+            steps = [[t, r, s] for (t, r), s in last_steps.items()]
+            state = json.dumps({"flushed_window": window, "last_steps": steps}).encode()
+            _atomic_write(self.directory / "state.json", state, self.fsync, self.shared)
+            if self.fsync:  # the renames into place
+                fd = os.open(self.directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         if reports:
             self._add(window, len(data), reports)
         with self._lock:

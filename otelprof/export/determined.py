@@ -134,7 +134,6 @@ class DeterminedMetricExporter(MetricExporter):
         """`pipeline` from `build_pipeline`, or the keyword arguments of `build_pipeline`;
         `export_timeout_s` bounds shutdown (Settings.export_timeout_s)."""
         super().__init__()
-        self.export_timeout_s = export_timeout_s
         self._shared = _SharedPipeline(
             pipeline or build_pipeline(**kwargs), users=1, export_timeout_s=export_timeout_s
         )
@@ -177,7 +176,7 @@ class DeterminedMetricExporter(MetricExporter):
         """Drain for what is left of the caller's time (the SDK's metric reader passes it
         as `timeout`, in ms), never longer than the export timeout."""
         millis = timeout if timeout is not None else timeout_millis
-        self._shared.release(max(0.0, min(millis / 1000, self.export_timeout_s)))
+        self._shared.release(max(0.0, min(millis / 1000, self._shared.export_timeout_s)))
 
     def abandon(self) -> None:
         """Shutdown's time is up: stop waiting for the master; what is left is counted."""
