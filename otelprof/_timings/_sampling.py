@@ -366,7 +366,8 @@ class TraceSampler:
             pending.error = True
         self._buffered += len(items)
         if self._buffered > MAX_BUFFERED:
-            self._decide_oldest()
+            oldest = next(iter(self._pending))
+            self._decide_by_head(oldest, self._pending[oldest])
 
     def release_decided(self) -> None:
         """Items held for steps decided elsewhere as sampled out (`kept` False: on their own
@@ -413,22 +414,14 @@ class TraceSampler:
         for item in pending.items:
             self._emit(item)
 
-    def _decide_oldest(self) -> None:
-        ctx = next(iter(self._pending))
-        self._decide_by_head(ctx, self._pending[ctx])
-
     def _decide_by_head(self, ctx: Any, pending: _Pending) -> None:
         if self.keep_all or self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
-        else:
-            self._sample_out(ctx, pending)
-
-    def _sample_out(self, ctx: Any, pending: _Pending) -> None:
-        """A held step the head budget cannot take: its items are counted, not exported."""
-        del self._pending[ctx]
-        self._buffered -= len(pending.items)
-        ctx.kept = False
-        self.sampled_out += len(pending.items)
+        else:  # the head budget cannot take it: its items are counted, not exported
+            del self._pending[ctx]
+            self._buffered -= len(pending.items)
+            ctx.kept = False
+            self.sampled_out += len(pending.items)
 
     def _recent_of(self, root: str) -> deque[float]:
         recent = self._recent_by_root.get(root)
