@@ -65,15 +65,12 @@ class AggregateMetrics:
             return True
         now = time.monotonic()
         with self._lock:
-            if self.final:
-                if self._last.get(exporter) == -1.0:
-                    return False
-                self._last[exporter] = -1.0
-                return True
             last = self._last.get(exporter)
-            if last is not None and (last == -1.0 or now - last < EXPORT_EVERY_S):
-                return False
-            self._last[exporter] = now
+            if last == -1.0 or (
+                not self.final and last is not None and now - last < EXPORT_EVERY_S
+            ):
+                return False  # (-1.0: the final histograms went out)
+            self._last[exporter] = -1.0 if self.final else now
             return True
 
     def scope_metrics(self) -> ScopeMetrics | None:
