@@ -267,8 +267,8 @@ class TraceSampler:
         output: Callable[[SpanFields], None],
         *,
         clock: Callable[[], float] = time.monotonic,
-        head_burst: float | None = None,
-        tail_burst: float | None = None,
+        head_burst: float = HEAD_BURST,
+        tail_burst: float = TAIL_BURST,
         build: Callable[[Any], SpanFields | None] | None = None,
         traces: RunTraces | None = None,
         head_fraction: float | None = None,
@@ -280,8 +280,6 @@ class TraceSampler:
         fixed share of steps for head sampling (None: follow the budget);
         `anomaly_budget`: anomaly steps kept per minute (inf: every one; 0: none)."""
         self._build = build or (lambda item: item)
-        head_burst = HEAD_BURST if head_burst is None else head_burst
-        tail_burst = TAIL_BURST if tail_burst is None else tail_burst
         self.keep_all = math.isinf(budget)
         self._head = TokenBucket(budget / 2, head_burst, clock)
         self._tail = TokenBucket(budget / 2, tail_burst, clock)
@@ -407,8 +405,8 @@ class TraceSampler:
             self._decide_by_head(ctx, pending)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
-        del self._pending[ctx]
-        self._buffered -= len(pending.items)
+        if self._pending.pop(ctx, None) is not None:  # (`_decide`'s step is out already)
+            self._buffered -= len(pending.items)
         ctx.kept = True
         self.kept_steps[why] += 1
         for item in pending.items:
@@ -591,10 +589,7 @@ class TraceSampler:
             if self.on_sampled_out is not None:
                 self.on_sampled_out(pending.items)
             return
-        ctx.kept = True
-        self.kept_steps[why] += 1
-        for item in pending.items:
-            self._emit(item)
+        self._release(ctx, pending, why)
         step = self._build(step_item)
         if step is None:
             return
