@@ -135,23 +135,14 @@ def schedule(
     skip_first_wait: int = 0,
 ) -> Schedule:
     """A step -> `ScheduleAction` function with `torch.profiler.schedule`'s exact semantics."""
-    return Schedule(
-        wait=wait,
-        warmup=warmup,
-        active=active,
-        repeat=repeat,
-        skip_first=skip_first,
-        skip_first_wait=skip_first_wait,
-    )
+    return Schedule(wait, warmup, active, repeat, skip_first, skip_first_wait)
 
 
 def cyclic_schedule(
     skip_first: int = 0, wait: int = 0, warmup: int = 1, active: int = 4, repeat: int = 1
 ) -> CyclicSchedule:
     """Composer's per-epoch cyclic window (see `CyclicSchedule` for how `repeat` counts)."""
-    return CyclicSchedule(
-        skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat
-    )
+    return CyclicSchedule(skip_first, wait, warmup, active, repeat)
 
 
 def as_action(value: object) -> ScheduleAction:
