@@ -463,7 +463,16 @@ class SpanBuilder:
         for (phase, root, names), views in self._held_rows.items():
             values = row_values(views)
             width = len(names) + 2  # the ranges, the step, the layout
-            for index, hist in enumerate(self._row_histograms(phase, root, names)):
+            # a layout's histograms in its rows' column order: its ranges' (close order),
+            # then the step's own (its name, not folded); `OnThreadSampler.max_layouts`
+            # bounds how many layouts are remembered
+            hists = self._layout_histograms.get((phase, root, names))
+            if hists is None:
+                add = self.aggregates.add_histogram
+                hists = [add(self.names.exported(raw), phase) for raw in names]
+                hists.append(add(root, phase))
+                self._layout_histograms[(phase, root, names)] = hists
+            for index, hist in enumerate(hists):
                 hist.add_column(values, index, width)
         self._held_rows.clear()
         for columns, rows in self._signature_list:
@@ -502,21 +511,6 @@ class SpanBuilder:
         for frame in frames:
             if frame[F_CUDA] is not None:
                 release(frame[F_CUDA])
-
-    def _row_histograms(
-        self, phase: str, root: str, names: tuple[str, ...]
-    ) -> list[DurationHistogram]:
-        """A step layout's histograms, in its rows' column order: its ranges' (close order),
-        then the step's own (its name, not folded). Remembered per layout, whose count
-        `OnThreadSampler.max_layouts` bounds."""
-        key = (phase, root, names)
-        hists = self._layout_histograms.get(key)
-        if hists is None:
-            add = self.aggregates.add_histogram
-            hists = [add(self.names.exported(raw), phase) for raw in names]
-            hists.append(add(root, phase))
-            self._layout_histograms[key] = hists
-        return hists
 
     def _unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """A step or chunk item in sampling mode, held while its ranges' CUDA events run."""
