@@ -410,8 +410,7 @@ class TimingsEngine:
             # head-selected steps the head budget had no room for (this rank lacks them)
             "head_steps_refused": builder.sampler.head_refused,
         }
-        for why, count in builder.sampler.kept_steps.items():
-            stats[f"steps_kept.{why}"] = count
+        stats.update({f"steps_kept.{why}": n for why, n in builder.sampler.kept_steps.items()})
         if self._kineto is not None:
             stats["kineto_traces"] = self._kineto.traces
             stats["kineto_spans"] = self._kineto.spans
