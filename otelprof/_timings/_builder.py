@@ -450,10 +450,7 @@ class SpanBuilder:
             phase, root, names = rec.on_thread.layouts[row_layout(key)]
             width = len(names) + 2  # the ranges, the step, the layout
             values = row_values(group)
-            held = self._held_rows.get((phase, root, names))
-            if held is None:
-                held = self._held_rows[(phase, root, names)] = []
-            held.append(values)
+            self._held_rows.setdefault((phase, root, names), []).append(values)
             seconds = map(truediv, values[width - 2 :: width], repeat(1e9))
             self.sampler.add_recent(root, seconds)
         self.sampler.sampled_out += spans
@@ -466,7 +463,16 @@ class SpanBuilder:
         for (phase, root, names), views in self._held_rows.items():
             values = row_values(views)
             width = len(names) + 2  # the ranges, the step, the layout
-            for index, hist in enumerate(self._row_histograms(phase, root, names)):
+            # a layout's histograms in its rows' column order: its ranges' (close order),
+            # then the step's own (its name, not folded); `OnThreadSampler.max_layouts`
+            # bounds how many layouts are remembered
+            hists = self._layout_histograms.get((phase, root, names))
+            if hists is None:
+                add = self.aggregates.add_histogram
+                hists = [add(self.names.exported(raw), phase) for raw in names]
+                hists.append(add(root, phase))
+                self._layout_histograms[(phase, root, names)] = hists
+            for index, hist in enumerate(hists):
                 hist.add_column(values, index, width)
         self._held_rows.clear()
         for columns, rows in self._signature_list:
@@ -505,21 +511,6 @@ class SpanBuilder:
         for frame in frames:
             if frame[F_CUDA] is not None:
                 release(frame[F_CUDA])
-
-    def _row_histograms(
-        self, phase: str, root: str, names: tuple[str, ...]
-    ) -> list[DurationHistogram]:
-        """A step layout's histograms, in its rows' column order: its ranges' (close order),
-        then the step's own (its name, not folded). Remembered per layout, whose count
-        `OnThreadSampler.max_layouts` bounds."""
-        key = (phase, root, names)
-        hists = self._layout_histograms.get(key)
-        if hists is None:
-            add = self.aggregates.add_histogram
-            hists = [add(self.names.exported(raw), phase) for raw in names]
-            hists.append(add(root, phase))
-            self._layout_histograms[key] = hists
-        return hists
 
     def _unit(self, item: list[Any], frames: list[list[Any]]) -> None:
         """A step or chunk item in sampling mode, held while its ranges' CUDA events run."""
@@ -584,20 +575,15 @@ class SpanBuilder:
             durations.append(frame[F_END] - frame[F_START])
 
     def _durations_in(self, raw: str, phase: str) -> list[int]:
-        by_raw = self._raw_hists.setdefault(phase, {})
-        durations = by_raw.get(raw)
-        if durations is None:
-            durations = self._durations_for(raw, phase)
-        return durations
+        durations = self._raw_hists.setdefault(phase, {}).get(raw)
+        return self._durations_for(raw, phase) if durations is None else durations
 
     def _durations_for(self, raw: str, phase: str) -> list[int]:
         """The duration batch of the histogram `raw` (in `phase`) aggregates into;
         remembered per (phase, raw name) while few enough."""
         hist = self.aggregates.add_histogram(self.names.exported(raw), phase)
-        entry = self._batches.get(id(hist))  # (its histogram, the batch folded in at the end)
-        if entry is None:
-            entry = self._batches[id(hist)] = (hist, [])
-        durations = entry[1]
+        # (its histogram, the batch folded in at the end)
+        durations = self._batches.setdefault(id(hist), (hist, []))[1]
         by_raw = self._raw_hists[phase]
         if len(by_raw) < MAX_CACHED_NAMES:
             by_raw[raw] = durations

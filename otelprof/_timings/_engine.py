@@ -75,13 +75,6 @@ def check_phase(phase: object) -> str:
     return phase
 
 
-def _import_torch() -> Any:
-    try:
-        return importlib.import_module("torch")
-    except Exception:
-        return None
-
-
 class TimingsEngine:
     """Turns record_function ranges, `timing()` blocks and steps into OTel spans."""
 
@@ -136,8 +129,10 @@ class TimingsEngine:
         self._settings = settings
         self._calibrate = calibrate
         self._clock = Clock()
-        wants_torch = settings.record_function or settings.kineto or settings.cuda_events
-        self._torch = _import_torch() if wants_torch else None
+        self._torch: Any = None
+        if settings.record_function or settings.kineto or settings.cuda_events:
+            with contextlib.suppress(Exception):
+                self._torch = importlib.import_module("torch")
         self._cuda = self._make_cuda_timer()
         # every rank of the run attempt derives the same trace ids and head sampling
         attempt = resource.attributes.get(ATTR_ATTEMPT)
@@ -415,8 +410,7 @@ class TimingsEngine:
             # head-selected steps the head budget had no room for (this rank lacks them)
             "head_steps_refused": builder.sampler.head_refused,
         }
-        for why, count in builder.sampler.kept_steps.items():
-            stats[f"steps_kept.{why}"] = count
+        stats.update({f"steps_kept.{why}": n for why, n in builder.sampler.kept_steps.items()})
         if self._kineto is not None:
             stats["kineto_traces"] = self._kineto.traces
             stats["kineto_spans"] = self._kineto.spans
@@ -483,10 +477,9 @@ class TimingsEngine:
         window for the next steps (True: the slow step's span waits to link to it)."""
         if self._kineto is None or self._capture or self._capturing:
             return False
-        window = [ScheduleAction.WARMUP]
-        window += [ScheduleAction.RECORD] * (KINETO_WINDOW_STEPS - 1)
-        window.append(ScheduleAction.RECORD_AND_SAVE)
-        self._capture.extend(window)
+        recorded = [ScheduleAction.RECORD] * (KINETO_WINDOW_STEPS - 1)
+        # one extend: the training thread never sees part of the window
+        self._capture.extend([ScheduleAction.WARMUP, *recorded, ScheduleAction.RECORD_AND_SAVE])
         self.kineto_captures += 1
         return True
 

@@ -74,16 +74,15 @@ class KinetoSession:
     def _torch_action(self, _step: int) -> Any:
         return self._torch.profiler.ProfilerAction[self._next.name]
 
-    def _another_profiler_active(self) -> bool:
-        if self._ours:
-            return False
-        return _torch_compat.profiler_enabled(self._torch)
-
     def _admit(self, action: ScheduleAction) -> ScheduleAction:
         """The action torch gets: NONE when Kineto is off or another profiler is active."""
         if self._disabled:
             return ScheduleAction.NONE
-        if action is not ScheduleAction.NONE and self._another_profiler_active():
+        if (
+            action is not ScheduleAction.NONE
+            and not self._ours
+            and _torch_compat.profiler_enabled(self._torch)
+        ):
             self.steps_skipped += 1
             if not self._warned:
                 self._warned = True
@@ -124,7 +123,9 @@ class KinetoSession:
     def stop(self, finished: WindowStep | None) -> None:
         if finished is not None and self._ours:
             self._window.append(finished)
-        self._unpatch_foreign_start()
+        patched, self._patched = self._patched, None
+        if patched is not None:
+            patched.restore()
         profile, self._profile = self._profile, None
         if profile is not None and not self._disabled:
             try:
@@ -163,11 +164,6 @@ class KinetoSession:
             return original(profile, *args, **kwargs)
 
         self._patched = Patch(cls, _torch_compat.PROFILE_START, _prepare_trace)
-
-    def _unpatch_foreign_start(self) -> None:
-        patched, self._patched = self._patched, None
-        if patched is not None:
-            patched.restore()
 
     def _yield_to_foreign(self) -> None:
         """Another profiler starts during our window: close ours (trace kept), then stand down."""

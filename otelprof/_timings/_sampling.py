@@ -267,8 +267,8 @@ class TraceSampler:
         output: Callable[[SpanFields], None],
         *,
         clock: Callable[[], float] = time.monotonic,
-        head_burst: float | None = None,
-        tail_burst: float | None = None,
+        head_burst: float = HEAD_BURST,
+        tail_burst: float = TAIL_BURST,
         build: Callable[[Any], SpanFields | None] | None = None,
         traces: RunTraces | None = None,
         head_fraction: float | None = None,
@@ -280,8 +280,6 @@ class TraceSampler:
         fixed share of steps for head sampling (None: follow the budget);
         `anomaly_budget`: anomaly steps kept per minute (inf: every one; 0: none)."""
         self._build = build or (lambda item: item)
-        head_burst = HEAD_BURST if head_burst is None else head_burst
-        tail_burst = TAIL_BURST if tail_burst is None else tail_burst
         self.keep_all = math.isinf(budget)
         self._head = TokenBucket(budget / 2, head_burst, clock)
         self._tail = TokenBucket(budget / 2, tail_burst, clock)
@@ -366,7 +364,8 @@ class TraceSampler:
             pending.error = True
         self._buffered += len(items)
         if self._buffered > MAX_BUFFERED:
-            self._decide_oldest()
+            oldest = next(iter(self._pending))
+            self._decide_by_head(oldest, self._pending[oldest])
 
     def release_decided(self) -> None:
         """Items held for steps decided elsewhere as sampled out (`kept` False: on their own
@@ -406,29 +405,21 @@ class TraceSampler:
             self._decide_by_head(ctx, pending)
 
     def _release(self, ctx: Any, pending: _Pending, why: str) -> None:
-        del self._pending[ctx]
-        self._buffered -= len(pending.items)
+        if self._pending.pop(ctx, None) is not None:  # (`_decide`'s step is out already)
+            self._buffered -= len(pending.items)
         ctx.kept = True
         self.kept_steps[why] += 1
         for item in pending.items:
             self._emit(item)
 
-    def _decide_oldest(self) -> None:
-        ctx = next(iter(self._pending))
-        self._decide_by_head(ctx, self._pending[ctx])
-
     def _decide_by_head(self, ctx: Any, pending: _Pending) -> None:
         if self.keep_all or self._head.take(len(pending.items)):
             self._release(ctx, pending, "head")
-        else:
-            self._sample_out(ctx, pending)
-
-    def _sample_out(self, ctx: Any, pending: _Pending) -> None:
-        """A held step the head budget cannot take: its items are counted, not exported."""
-        del self._pending[ctx]
-        self._buffered -= len(pending.items)
-        ctx.kept = False
-        self.sampled_out += len(pending.items)
+        else:  # the head budget cannot take it: its items are counted, not exported
+            del self._pending[ctx]
+            self._buffered -= len(pending.items)
+            ctx.kept = False
+            self.sampled_out += len(pending.items)
 
     def _recent_of(self, root: str) -> deque[float]:
         recent = self._recent_by_root.get(root)
@@ -598,10 +589,7 @@ class TraceSampler:
             if self.on_sampled_out is not None:
                 self.on_sampled_out(pending.items)
             return
-        ctx.kept = True
-        self.kept_steps[why] += 1
-        for item in pending.items:
-            self._emit(item)
+        self._release(ctx, pending, why)
         step = self._build(step_item)
         if step is None:
             return

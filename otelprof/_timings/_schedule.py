@@ -8,6 +8,7 @@ restarts at every epoch and `repeat` counts the repetitions *after* the first wi
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -49,34 +50,23 @@ def _action_at(position: int, wait: int, warmup: int, cycle: int) -> ScheduleAct
     return ScheduleAction.RECORD_AND_SAVE
 
 
+@dataclasses.dataclass(eq=False)
 class Schedule:
     """`torch.profiler.schedule` semantics: skip_first, then cycles of wait/warmup/active.
 
     `repeat=0` cycles until the end of training. Called with the global step number.
     """
 
+    wait: int
+    warmup: int
+    active: int
+    repeat: int = 0
+    skip_first: int = 0
+    skip_first_wait: int = 0
     restarts_each_epoch = False
 
-    def __init__(
-        self,
-        *,
-        wait: int,
-        warmup: int,
-        active: int,
-        repeat: int = 0,
-        skip_first: int = 0,
-        skip_first_wait: int = 0,
-    ) -> None:
-        _check_counts(
-            wait=wait,
-            warmup=warmup,
-            active=active,
-            repeat=repeat,
-            skip_first=skip_first,
-            skip_first_wait=skip_first_wait,
-        )
-        self.wait, self.warmup, self.active = wait, warmup, active
-        self.repeat, self.skip_first, self.skip_first_wait = repeat, skip_first, skip_first_wait
+    def __post_init__(self) -> None:
+        _check_counts(**vars(self))
 
     def __call__(self, step: int) -> ScheduleAction:
         if step < 0:
@@ -145,23 +135,14 @@ def schedule(
     skip_first_wait: int = 0,
 ) -> Schedule:
     """A step -> `ScheduleAction` function with `torch.profiler.schedule`'s exact semantics."""
-    return Schedule(
-        wait=wait,
-        warmup=warmup,
-        active=active,
-        repeat=repeat,
-        skip_first=skip_first,
-        skip_first_wait=skip_first_wait,
-    )
+    return Schedule(wait, warmup, active, repeat, skip_first, skip_first_wait)
 
 
 def cyclic_schedule(
     skip_first: int = 0, wait: int = 0, warmup: int = 1, active: int = 4, repeat: int = 1
 ) -> CyclicSchedule:
     """Composer's per-epoch cyclic window (see `CyclicSchedule` for how `repeat` counts)."""
-    return CyclicSchedule(
-        skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat
-    )
+    return CyclicSchedule(skip_first, wait, warmup, active, repeat)
 
 
 def as_action(value: object) -> ScheduleAction:

@@ -3,12 +3,11 @@
 The histograms are aggregated on the span builder thread from every recorded range (see
 `otelprof._timings._sampling`); recording each range through an SDK Histogram instrument
 cost more per range than the range itself (docs/benchmarks-history.md), so the aggregation
-is ours and the points are
-merged into the data each counting metric exporter sends (files, OTLP, Determined), as
-cumulative OTel histograms with an exemplar pointing at a kept trace. Detached files get
-them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between exports: the report
-reads the last point, which the run's final export makes exact over every step), other
-exporters with every export; all once more at shutdown.
+is ours and the points are merged into the data each counting metric exporter sends (files,
+OTLP, Determined), as cumulative OTel histograms with an exemplar pointing at a kept trace.
+Detached files get them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between
+exports: the report reads the last point, which the run's final export makes exact over every
+step), other exporters with every export; all once more at shutdown.
 The Prometheus pull endpoint reads the SDK's instruments only, so it gets them from its own
 collector instead (`otelprof.export._prom_histograms`, a consistent snapshot per scrape).
 """
@@ -65,15 +64,12 @@ class AggregateMetrics:
             return True
         now = time.monotonic()
         with self._lock:
-            if self.final:
-                if self._last.get(exporter) == -1.0:
-                    return False
-                self._last[exporter] = -1.0
-                return True
             last = self._last.get(exporter)
-            if last is not None and (last == -1.0 or now - last < EXPORT_EVERY_S):
-                return False
-            self._last[exporter] = now
+            if last == -1.0 or (
+                not self.final and last is not None and now - last < EXPORT_EVERY_S
+            ):
+                return False  # (-1.0: the final histograms went out)
+            self._last[exporter] = -1.0 if self.final else now
             return True
 
     def scope_metrics(self) -> ScopeMetrics | None:

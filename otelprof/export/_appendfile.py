@@ -41,13 +41,14 @@ class WholeRecordFile:
         self._dirty = False
         self.gone = False
         self.last_error: OSError | None = None
-        self._closed = False
+        self.closed = False
+        """Closed for good (`close()`); a file not opened yet is not closed."""
 
     def open(self) -> None:
         """Open (create) the file now; raises OSError (callers that must not fail catch it)."""
         if self._fd is not None:
             return
-        if self._closed:
+        if self.closed:
             raise OSError(errno.EBADF, "closed", str(self.path))
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
         fd = os.open(self.path, flags, private_files.file_mode_in(self.path.parent))
@@ -121,13 +122,8 @@ class WholeRecordFile:
             f"(no partial line), lost {what} are counted, and writing resumes when it can"
         )
 
-    @property
-    def closed(self) -> bool:
-        """Closed for good (`close()`); a file not opened yet is not closed."""
-        return self._closed
-
     def close(self) -> None:
-        self._closed = True
+        self.closed = True
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

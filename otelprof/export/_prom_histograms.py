@@ -16,6 +16,7 @@ collector's `job`/`instance` labels are left to the scraping Prometheus, which s
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import re
 from collections.abc import Iterator, Mapping
@@ -71,11 +72,11 @@ class TimingHistogramCollector:
         self, aggregates: Any, resource_attributes: Mapping[str, Any], version: str
     ) -> None:
         self._aggregates = aggregates
-        labels: dict[str, str] = {}
-        for key, value in resource_attributes.items():
-            if key in DROPPED_RESOURCE_KEYS:
-                continue
-            labels[label_name(str(key))] = _label_value(value)
+        labels = {
+            label_name(str(key)): _label_value(value)
+            for key, value in resource_attributes.items()
+            if key not in DROPPED_RESOURCE_KEYS
+        }
         labels.update(
             otel_scope_name=SCOPE_NAME, otel_scope_schema_url="", otel_scope_version=version
         )
@@ -106,14 +107,9 @@ class TimingHistogramCollector:
                 labels = [*self._base, "otelprof_timing", "otelprof_phase"]
                 family = HistogramMetricFamily(PROM_NAME, DESCRIPTION, labels=labels)
             exemplar_bucket, exemplar = _exemplar(hist.exemplar)
-            buckets: list[Any] = []
-            running = 0
-            for index, (le, n) in enumerate(zip(_LE, hist.buckets, strict=True)):
-                running += n
-                if index == exemplar_bucket:
-                    buckets.append((le, running, exemplar))
-                else:
-                    buckets.append((le, running))
+            buckets: list[Any] = list(zip(_LE, itertools.accumulate(hist.buckets), strict=True))
+            if exemplar is not None:
+                buckets[exemplar_bucket] += (exemplar,)
             # _count is the +Inf bucket, so a scrape racing the builder's update of one
             # histogram still exposes a self-consistent one (the next scrape catches up).
             family.add_metric([*self._base.values(), name, phase], buckets, hist.sum)

@@ -3,10 +3,9 @@
 Why: the SDK path (a ReadableSpan per range, a BatchSpanProcessor queue, the JSON file
 exporter building a dict tree per span) cost many times this path's background CPU per
 span (BENCHMARKS.md, "Helpers and ranges", has this one's), pure Python holding the GIL the
-training thread needs. Here the span builder hands each span's
-fields to `encode_span`, one f-string per span with cached JSON for names and keys, and
-`SpanLineWriter` writes them in batched lines (up to `BATCH_SPANS` spans, or `LINE_SECONDS`
-of them, per OTLP request line).
+training thread needs. Here the span builder hands each span's fields to `encode_span`, one
+f-string per span with cached JSON for names and keys, and `SpanLineWriter` writes them in
+batched lines (up to `BATCH_SPANS` spans, or `LINE_SECONDS` of them, per OTLP request line).
 The lines are the same ExportTraceServiceRequest JSON the SDK exporter writes (hex ids,
 int64 as decimal strings), so the collector's otlpjsonfile receiver, otelprof's reader and
 `replay` read them unchanged. Optionally gzip'd and size-capped, with drops counted.
@@ -195,19 +194,16 @@ class SpanLineWriter:
 
     Spans are held until `line_spans` are waiting or the oldest has waited `line_seconds`
     (checked at each `write()` and each `flush_due()`, which the metrics file's periodic
-    export calls every interval), then written as lines of up to `line_spans` spans, so the
-    resource and scope (~650 B) are written once per line rather than once per builder drain
-    (a few spans at the default trace budget). `flush()` and `close()` write what is held; a
-    SIGKILL can lose at most `line_seconds` of spans. Bounded: at most `line_spans` held.
+    export calls every interval), then written as lines of up to `line_spans` spans.
+    `flush()` and `close()` write what is held; a SIGKILL can lose at most `line_seconds` of
+    spans. Bounded: at most `line_spans` held.
 
     `max_bytes` caps the file (bytes written, compressed size for gzip): a line that would
     pass it is dropped and its spans counted as `<name>.spans_dropped_size_cap`. With
     `compress`, the file is one gzip stream whose members each hold whole lines (readable by
     `gzip -d`, by otelprof's reader and by the collector's otlpjsonfile receiver with
     `compression: gzip`). Spans count as `<name>.spans_exported` once their line is written.
-
-    It is also the span builder's frame sink (otelprof/_timings/_targets.py): recorded ranges
-    come encoded by `encode_span` straight from their fields, no SDK objects.
+    It is also the span builder's frame sink (otelprof/_timings/_targets.py).
     """
 
     encode_span = staticmethod(encode_span)

@@ -281,7 +281,6 @@ def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: 
     pipelines.prometheus_port = int(server.server_address[1])
     pipelines.prometheus_registry = registry
     pipelines.metric_readers.append(reader)
-
     pipelines.closers.append(server.shutdown)
 
 
