@@ -38,8 +38,9 @@ def register(subparsers: Any) -> None:
         """An option whose help ends with its environment variable (settings.ENV)."""
         group.add_argument(flag, help=f"{text} (env {ENV[flag[2:].replace('-', '_')]})", **kwargs)
 
-    add(p, "--listen", f"OTLP gRPC address, default {DEFAULT_LISTEN}; beyond loopback only "
-        "with TLS")  # fmt: skip
+    add(
+        p, "--listen", f"OTLP gRPC address, default {DEFAULT_LISTEN}; beyond loopback only with TLS"
+    )
     p.add_argument(
         "--new-token",
         action="store_true",
@@ -48,9 +49,13 @@ def register(subparsers: Any) -> None:
     ingest = p.add_argument_group(
         "who may send OTLP (required: every request needs `authorization: Bearer <token>`)"
     )
-    add(ingest, "--ingest-tokens", "file of ingest tokens, one per line with its scope: "
+    add(
+        ingest,
+        "--ingest-tokens",
+        "file of ingest tokens, one per line with its scope: "
         "`TOKEN trial=42`, `TOKEN experiment=7`, `TOKEN *`; must be readable by its owner "
-        "only")  # fmt: skip
+        "only",
+    )
     ingest.add_argument(
         "--allow-trial",
         type=int,
@@ -68,24 +73,44 @@ def register(subparsers: Any) -> None:
     add(ingest, "--tls-client-ca", "CA of client certificates: mutual TLS")
     add(ingest, "--max-request-mb", "largest OTLP request taken, default 4", type=float)
     add(ingest, "--max-inflight-mb", "request bytes being mapped at once, default 32", type=float)
-    add(ingest, "--max-steps-per-second", "stepsCompleted may not grow faster than this (a bound "
-        "on what a trial can really have trained), default 10000", type=float)  # fmt: skip
+    add(
+        ingest,
+        "--max-steps-per-second",
+        "stepsCompleted may not grow faster than this (a bound "
+        "on what a trial can really have trained), default 10000",
+        type=float,
+    )
     add(p, "--master", "Determined master URL, e.g. http://det:8080")
     auth = p.add_argument_group(
         "authentication (one of; default: DET_USER_TOKEN, DET_SESSION_TOKEN or DET_USER+DET_PASS)"
     )
     add(auth, "--token-file", "file holding a user token (Authorization: Bearer)")
-    add(auth, "--allocation-token-file", "file holding a task's allocation token "
-        "(DET_SESSION_TOKEN)")  # fmt: skip
+    add(
+        auth,
+        "--allocation-token-file",
+        "file holding a task's allocation token (DET_SESSION_TOKEN)",
+    )
     add(auth, "--user", "log in as this user via /api/v1/auth/login")
     add(auth, "--password-file", "file holding --user's password (else DET_PASS)")
     add(p, "--ca-bundle", "CA bundle to verify an https master; 'noverify' turns verification off")
-    add(p, "--report-interval", "seconds per report window, default 10 like Determined's "
-        "profiler", type=float)  # fmt: skip
-    add(p, "--spool-dir", "directory of the crash-safe report spool, default "
-        "$XDG_STATE_HOME/otelprof/determined-bridge; 'none' keeps it in memory")  # fmt: skip
-    add(p, "--spool-max-mb", "spool size cap; the oldest reports are dropped (and counted) "
-        "beyond it, default 256", type=float)  # fmt: skip
+    add(
+        p,
+        "--report-interval",
+        "seconds per report window, default 10 like Determined's profiler",
+        type=float,
+    )
+    add(
+        p,
+        "--spool-dir",
+        "directory of the crash-safe report spool, default "
+        "$XDG_STATE_HOME/otelprof/determined-bridge; 'none' keeps it in memory",
+    )
+    add(
+        p,
+        "--spool-max-mb",
+        "spool size cap; the oldest reports are dropped (and counted) beyond it, default 256",
+        type=float,
+    )
     p.add_argument(
         "--shared-spool",
         action="store_true",
@@ -101,12 +126,20 @@ def register(subparsers: Any) -> None:
     add(route, "--trial-run-id", "that trial's run id", type=int)
     add(route, "--agent-id", "agent id when neither determined.agent.id nor host.name is set")
     add(p, "--timings-group", "generic metric group for timing spans, default 'timings'")
-    add(p, "--retry-max-delay", "cap of the exponential retry backoff in seconds, default 30",
-        type=float)  # fmt: skip
+    add(
+        p,
+        "--retry-max-delay",
+        "cap of the exponential retry backoff in seconds, default 30",
+        type=float,
+    )
     add(p, "--request-timeout", "HTTP timeout per request in seconds, default 10", type=float)
-    add(p, "--metrics-port", "serve the bridge's own metrics (delivered, refused, retries, "
+    add(
+        p,
+        "--metrics-port",
+        "serve the bridge's own metrics (delivered, refused, retries, "
         "pending, ...) in the Prometheus format on 127.0.0.1:PORT; 0 picks a free port",
-        type=int)  # fmt: skip
+        type=int,
+    )
     p.add_argument("--workers", type=int, help="gRPC worker threads, default 8")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
