@@ -44,23 +44,19 @@ __all__ = [
 ]
 
 _DEPRECATED = {
-    # name: (module, attribute, the replacement a warning names)
-    "train_batch": ("otelprof.determined_timings", "train_batch", None),
-    "reduce_metrics": ("otelprof.determined_timings", "reduce_metrics", None),
-    "to_device": ("otelprof.determined_timings", "to_device", None),
-    "from_device": ("otelprof.determined_timings", "from_device", None),
-    "instrument_lr_scheduler": ("otelprof.determined_timings", "instrument_lr_scheduler", None),
-    "set_phase": ("otelprof._steps", "set_phase", "with otelprof.phase(name):"),
-    "current_phase": ("otelprof._steps", "current_phase", "otelprof.phase.current()"),
-    "active_profiler": (
-        "otelprof._profiler",
-        "active_profiler",
-        "the Profiler instrument() returns",
-    ),
-    "Settings": ("otelprof.config", "Settings", None),
-    "Timing": ("otelprof._timings._recorder", "Timing", "otelprof.timing(name)"),
-    "HookHandle": ("otelprof._timings._api", "HookHandle", "instrument_optimizer()'s result"),
-    "ScheduleAction": ("otelprof._timings._schedule", "ScheduleAction", "otelprof.schedule()"),
+    # name: (its module, the replacement a warning names)
+    "train_batch": ("otelprof.determined_timings", None),
+    "reduce_metrics": ("otelprof.determined_timings", None),
+    "to_device": ("otelprof.determined_timings", None),
+    "from_device": ("otelprof.determined_timings", None),
+    "instrument_lr_scheduler": ("otelprof.determined_timings", None),
+    "set_phase": ("otelprof._steps", "with otelprof.phase(name):"),
+    "current_phase": ("otelprof._steps", "otelprof.phase.current()"),
+    "active_profiler": ("otelprof._profiler", "the Profiler instrument() returns"),
+    "Settings": ("otelprof.config", None),
+    "Timing": ("otelprof._timings._recorder", "otelprof.timing(name)"),
+    "HookHandle": ("otelprof._timings._api", "instrument_optimizer()'s result"),
+    "ScheduleAction": ("otelprof._timings._schedule", "otelprof.schedule()"),
 }
 """Names `otelprof` exported before 0.2: they keep working for one release, with a warning."""
 
@@ -69,10 +65,10 @@ def __getattr__(name: str) -> Any:
     found = _DEPRECATED.get(name)
     if found is None:
         raise AttributeError(f"module 'otelprof' has no attribute {name!r}")
-    module, attribute, replacement = found
+    module, replacement = found
     warnings.warn(
-        f"otelprof.{name} is deprecated; use {replacement or f'{module}.{attribute}'}",
+        f"otelprof.{name} is deprecated; use {replacement or f'{module}.{name}'}",
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(importlib.import_module(module), attribute)
+    return getattr(importlib.import_module(module), name)

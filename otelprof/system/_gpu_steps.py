@@ -93,19 +93,11 @@ class GpuStepMetrics:
                 previous_window is not None
                 and energy_time is not None
                 and complete
-                and energy_delta >= 0
                 and previous_window[2] == TRAIN
                 and phase == TRAIN
                 and steps > previous_window[1]
             ):
                 per_step = energy_delta / (steps - previous_window[1])
-                out.append(
-                    Reading(
-                        names.GPU_ENERGY_PER_STEP.name,
-                        per_step,
-                        {},
-                        energy_time,
-                        previous_window[0],
-                    )
-                )
+                name = names.GPU_ENERGY_PER_STEP.name
+                out.append(Reading(name, per_step, {}, energy_time, previous_window[0]))
         return out
