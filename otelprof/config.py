@@ -234,8 +234,8 @@ def choice(*words: str) -> Parser:
 @parser("`key=value,...` (values URL-decoded) or a mapping of strings")
 def attributes(src: _Source) -> dict[str, str]:
     """`k=v,k2=v2` (the OTEL_* format, values URL-decoded) or a mapping of strings."""
+    out: dict[str, str] = {}
     if isinstance(src.value, Mapping):
-        out = {}
         for key, value in src.value.items():
             if not isinstance(key, str) or not key.strip():
                 raise src.error(f"key {key!r} is not a non-empty string")
@@ -243,7 +243,6 @@ def attributes(src: _Source) -> dict[str, str]:
                 raise src.error(f"value of {key!r} is not a string")
             out[key] = str(value)
     else:
-        out = {}
         for item in filter(None, (part.strip() for part in _text_of(src, "a mapping").split(","))):
             key, sep, value = item.partition("=")
             if not sep or not key.strip():

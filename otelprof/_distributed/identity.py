@@ -84,14 +84,8 @@ def resolve(
 
 def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     """Whether the ranks in `env` differ from those a resource was built with."""
-    for key, variable in (
-        (ATTR_RANK, "RANK"),
-        (ATTR_LOCAL_RANK, "LOCAL_RANK"),
-        (ATTR_WORLD_SIZE, "WORLD_SIZE"),
-    ):
-        if str(resource.get(key)) != env.get(variable):
-            return True
-    return False
+    ranks = ((ATTR_RANK, "RANK"), (ATTR_LOCAL_RANK, "LOCAL_RANK"), (ATTR_WORLD_SIZE, "WORLD_SIZE"))
+    return any(str(resource.get(key)) != env.get(variable) for key, variable in ranks)
 
 
 class InitProcessGroupHook:
