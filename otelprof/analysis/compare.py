@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE, RUN_ENDED
+from otelprof.analysis.format import value
 from otelprof.analysis.memory_section import memory_by_phase
 from otelprof.analysis.module_section import module_times
 from otelprof.analysis.sections import Section
@@ -284,12 +285,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}" if seconds < 0.01 else f"{seconds * 1e3:.1f}"
 
 
-def _bytes(value: float) -> str:
-    from otelprof.analysis.format import value as by_unit
-
-    return by_unit(value, "By")
-
-
 def _moved(d: Delta, step_a: float | None) -> bool:
     """A change worth words: new or gone, or large against itself and against the step."""
     if d.a is None or d.b is None:
@@ -312,7 +307,6 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
     step = next((r for r in rows if r.name == "step time (mean)"), None)
     step_a = step.a if step is not None else None
     changes: list[str] = []
-    first: str | None = None
     if step is not None and step.a is not None and step.b is not None:
         if abs(step.relative or 0.0) < STEP_UNCHANGED:
             changes.append(f"step time unchanged ({_ms(step.a)} -> {_ms(step.b)} ms)")
@@ -322,11 +316,8 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
             )
     parts = [r for r in rows if r.group == "per step" and _moved(r, step_a)]
     parts.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
-    for i, d in enumerate(parts[:3]):
-        words = _part_words(d)
-        if i == 0:
-            first = words
-        changes.append(words)
+    words = [_part_words(d) for d in parts[:3]]
+    changes.extend(words)
     if a.verdict.kind != b.verdict.kind:
         verdict = f"now {b.verdict.kind} (was {a.verdict.kind})"
     else:
@@ -338,7 +329,8 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
     for d in rows:
         if d.group == "memory" and d.relative is not None and abs(d.relative) >= SIGNIFICANT:
             changes.append(
-                f"{d.name} {percent(d.relative)} ({_bytes(d.a or 0.0)} -> {_bytes(d.b or 0.0)})"
+                f"{d.name} {percent(d.relative)} "
+                f"({value(d.a or 0.0, 'By')} -> {value(d.b or 0.0, 'By')})"
             )
     modules = [r for r in rows if r.group == "modules" and _moved(r, step_a)]
     modules.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
@@ -348,5 +340,5 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
             f"processes: {len(a.summary.ranks)} -> {len(b.summary.ranks)} (per-step figures "
             "are per process)"
         )
-    lead = first or (changes[0] if changes else "nothing to compare")
+    lead = words[0] if words else changes[0]
     return changes, f"{lead}; {verdict}"
