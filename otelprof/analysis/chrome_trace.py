@@ -141,9 +141,6 @@ class _EventWriter:
         else:
             self.out.write(",\n" + event_json)
 
-    def emit(self, event: dict[str, Any]) -> None:
-        self.raw(_compact(event))
-
 
 class _Processes:
     """Maps resources to trace pids (the rank when it is free) and emits their metadata."""
@@ -156,7 +153,7 @@ class _Processes:
         self.threads: set[tuple[int, int]] = set()
 
     def _meta(self, pid: int, name: str, args: dict[str, Any], tid: int = 0) -> None:
-        self.out.emit({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args})
+        self.out.raw(_compact({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}))
 
     def _process(self, pid: int, name: str, sort_index: int) -> int:
         self.used.add(pid)
@@ -233,42 +230,29 @@ class _StepGroups:
                     lanes.append((tid, end))
                     procs.thread(pid, tid, who[1] if lane == 0 else f"{who[1]} ({lane + 1})")
                     tid += 1
-                lanes[lane] = (lanes[lane][0], end)
-                self._slice(out, pid, lanes[lane][0], origin, trace_id, who, start, end)
+                tid_of_lane = lanes[lane][0]
+                lanes[lane] = (tid_of_lane, end)
+                name, step, ranks = self.groups[trace_id]
+                if step is None:
+                    title = name
+                elif name == "step":
+                    title = f"step {step}"
+                else:  # a phase batch (or the time after the last step)
+                    title = f"{name} (at step {step})"
+                ends = [e for _s, e in ranks.values()]
+                args: dict[str, Any] = {
+                    "trace_id": trace_id,
+                    "ranks": len(ranks),
+                    "last_to_end": max(ranks, key=lambda w: ranks[w][1])[1],
+                    "end_spread_ms": round((max(ends) - min(ends)) / 1e6, 3),
+                    "ends_after_first_ms": round((end - min(ends)) / 1e6, 3),
+                }
+                out.raw(
+                    f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
+                    f'"tid":{tid_of_lane},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
+                    f'"args":{_compact(args)}}}'
+                )
         return len(self.groups)
-
-    def _slice(
-        self,
-        out: _EventWriter,
-        pid: int,
-        tid: int,
-        origin: int,
-        trace_id: str,
-        who: tuple[int, str],
-        start: int,
-        end: int,
-    ) -> None:
-        name, step, ranks = self.groups[trace_id]
-        if step is None:
-            title = name
-        elif name == "step":
-            title = f"step {step}"
-        else:  # a phase batch (or the time after the last step)
-            title = f"{name} (at step {step})"
-        ends = [e for _s, e in ranks.values()]
-        last = max(ranks, key=lambda w: ranks[w][1])
-        args: dict[str, Any] = {
-            "trace_id": trace_id,
-            "ranks": len(ranks),
-            "last_to_end": last[1],
-            "end_spread_ms": round((max(ends) - min(ends)) / 1e6, 3),
-            "ends_after_first_ms": round((end - min(ends)) / 1e6, 3),
-        }
-        out.raw(
-            f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
-            f'"tid":{tid},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
-            f'"args":{_compact(args)}}}'
-        )
 
 
 def _counter_name(point: PointRec) -> str:
