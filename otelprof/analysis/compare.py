@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE, RUN_ENDED
+from otelprof._schema import RUN_ENDED
 from otelprof.analysis.format import value
-from otelprof.analysis.memory_section import memory_by_phase
+from otelprof.analysis.memory_section import MEMORY_GAUGES, memory_by_phase
 from otelprof.analysis.module_section import module_times
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
@@ -40,9 +40,8 @@ SAME = 0.005
 """A figure moving less than this share of itself reads "same"."""
 TOP_MODULES = 10
 _HIGHER_IS_BETTER = ("hw.gpu.utilization", "hw.gpu.sm.activity", "hw.gpu.tensor.activity")
-_MEMORY_GAUGES = (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED)
 # compared elsewhere (memory) or not a measurement (the end marker for Prometheus' alerts)
-_NOT_HARDWARE = (*_MEMORY_GAUGES, RUN_ENDED)
+_NOT_HARDWARE = (*MEMORY_GAUGES, RUN_ENDED)
 
 
 @dataclass
