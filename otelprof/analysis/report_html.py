@@ -11,6 +11,7 @@ from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary, SeriesAgg
 from otelprof.analysis.svg import bar_chart, line_chart
 from otelprof.analysis.tables import (
+    hardware_cells,
     hardware_series,
     rank_cells,
     rank_rows,
@@ -188,15 +189,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
             _table(
                 ["host", "device", "metric", "min", "mean", "max", "samples"],
                 [
-                    [
-                        s.host if not s.scope else f"{s.host} {s.scope}",
-                        s.device,
-                        s.name,
-                        fmt.value(s.min, s.unit),
-                        fmt.value(s.mean, s.unit),
-                        fmt.value(s.max, s.unit),
-                        f"{s.count:,}",
-                    ]
+                    [s.host if not s.scope else f"{s.host} {s.scope}", *hardware_cells(s)]
                     for s in hardware_series(summary)
                 ],
                 left=3,

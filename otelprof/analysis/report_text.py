@@ -14,6 +14,7 @@ from otelprof.analysis.problems import notes, problems
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
 from otelprof.analysis.tables import (
+    hardware_cells,
     hardware_series,
     rank_cells,
     rank_rows,
@@ -76,15 +77,7 @@ def hardware_table(summary: RunSummary) -> Table:
     last_host = None
     for s in hardware_series(summary):
         host = s.host if s.scope == "" else f"{s.host} {s.scope.split(' @ ')[0]}"
-        table.add_row(
-            host if host != last_host else "",
-            s.device,
-            s.name,
-            fmt.value(s.min, s.unit),
-            fmt.value(s.mean, s.unit),
-            fmt.value(s.max, s.unit),
-            f"{s.count:,}",
-        )
+        table.add_row(host if host != last_host else "", *hardware_cells(s))
         last_host = host
     return table
 
@@ -103,10 +96,7 @@ def section_table(section: Section) -> Table:
 
 
 def render(
-    summary: RunSummary,
-    verdict: Verdict,
-    console: Console,
-    sections: list[Section] | None = None,
+    summary: RunSummary, verdict: Verdict, console: Console, sections: list[Section] | None = None
 ) -> None:
     """Print the whole report: problems first, then figures, then the verdict."""
     console.print(_run_header(summary))
