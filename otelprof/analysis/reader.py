@@ -262,10 +262,6 @@ class ReadPlan:
     def partial(self) -> bool:
         return bool(self.windows)
 
-    @classmethod
-    def whole(cls, max_line: int = DEFAULT_MAX_LINE) -> ReadPlan:
-        return cls({}, max_line=max_line)
-
     def for_file(self, path: Path) -> ReadPlan:
         """The plan of one file (what a worker process is handed for it)."""
         windows = self.windows.get(path)
@@ -447,7 +443,7 @@ def iter_lines(
 ) -> Iterator[Line]:
     """Yield every intact OTLP request line (of the parts `plan` reads; default: all);
     skip and report the others."""
-    plan = plan if plan is not None else ReadPlan.whole()
+    plan = plan if plan is not None else ReadPlan({})
     stats.total_bytes += plan.total_bytes
     for path in files:
         stats.files += 1

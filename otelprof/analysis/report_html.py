@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from html import escape
 from pathlib import Path
 
@@ -68,10 +69,6 @@ def _metric_charts(
     charts = []
     for name, group in by_metric.items():
         unit = group[0].unit
-
-        def yfmt(v: float, unit: str = unit) -> str:
-            return fmt.value(v, unit)
-
         lines = []
         for s in group:
             where = s.device or "host"
@@ -84,7 +81,7 @@ def _metric_charts(
                 lines,
                 (t0, t1),
                 phases,
-                y_format=yfmt,
+                y_format=functools.partial(fmt.value, unit=unit),
                 y_max=1.0 if unit == "1" else None,
                 y_scale=_byte_scale(group) if unit.startswith("By") else 1.0,
             )

@@ -258,7 +258,7 @@ class RunSummary:
     timings_from_histograms: bool = False  # timing figures from otelprof.timing.duration
     series_over_limit: int = 0  # metric points of series beyond the report's series cap
     throughput: list[PhaseThroughput] = field(default_factory=list)  # throughput_pass.py
-    plan: ReadPlan = field(default_factory=ReadPlan.whole)  # the parts of the files read
+    plan: ReadPlan = field(default_factory=lambda: ReadPlan({}))  # the parts of the files read
     dropped_counted: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     """(host, pid) -> the drops its last `otelprof.telemetry.dropped` export counted, by
     `source.reason`: what a process whose final counts were never recorded had lost."""

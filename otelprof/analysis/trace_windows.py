@@ -232,10 +232,9 @@ def plan_trace(
     if budget is None or not whole.partial:
         return TracePlan(whole, read_budget=budget)
     ref_traces = _reference(files, "traces")
-    ref_metrics = _reference(files, "metrics")
     indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
     sizes = {p: file_size(p) for p in files}
-    for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
+    for ref, prefix in ((ref_traces, "traces"), (_reference(files, "metrics"), "metrics")):
         if ref is None:
             continue
         try:
