@@ -1,15 +1,9 @@
 """`otelprof compare A B`: what changed from run A to run B, in figures and in plain words.
 
 Each run is read once, exactly as `otelprof report` reads it (`summary.summarize`, the
-verdict and the report's sections); the comparison only pairs the two reports' figures:
-
-- steps: step time (mean, p50, p95), steps and processes; per process (rank) step means
-  when both runs have several;
-- per step: each direct part of a training step (and the untimed rest) as time per step,
-  so a part that got faster shows as fewer milliseconds in every step;
-- throughput per phase (samples/s, tokens/s, MFU), hardware gauge means, memory by phase
-  (RSS, per-step CUDA peaks) and the top modules' time per step, where the runs have them;
-- the verdicts of both runs.
+verdict and the report's sections); the comparison only pairs the two reports' figures
+(the groups `compare` lists). A step's parts are compared as time per step, so a part that
+got faster shows as fewer milliseconds in every step.
 
 Every row has its direction: `lower` or `higher` is better, or neither (a gauge such as
 CPU utilization, whose change is neither good nor bad by itself). `changes` puts the few
