@@ -40,14 +40,7 @@ from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof._schema import ATTR_SAMPLES as SAMPLES_ATTR
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof._schema import STEP_SPAN
-from otelprof.analysis.reader import (
-    PointRec,
-    ReadPlan,
-    ReadStats,
-    SpanRec,
-    Warn,
-    iter_records,
-)
+from otelprof.analysis.reader import PointRec, ReadPlan, ReadStats, SpanRec, Warn, iter_records
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary, union
 
