@@ -77,8 +77,7 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
                 found: list[int] = []
                 try:
                     for obj, key in keyed(json.loads(raw), _TIME_KEYS):
-                        # spans' starts and points' times; not metric start times (the
-                        # process start)
+                        # spans' starts, points' times; not metric start times (process start)
                         if key == "timeUnixNano" or "endTimeUnixNano" in obj:
                             with contextlib.suppress(TypeError, ValueError, OverflowError):
                                 found.append(int(obj[key]))
@@ -213,9 +212,8 @@ class _StepGroups:
         group[2][who] = (rec.start_ns, rec.end_ns)
 
     def emit(self, out: _EventWriter, procs: _Processes, pid: int, origin: int) -> int:
-        """One slice per rank per step, each rank on a track of its own (slices on a track
-        must nest, and a step of all ranks, from the first start to the last end, overlaps
-        the next step); returns how many steps."""
+        """One slice per rank per step, each rank on a track of its own (see the module
+        docstring); returns how many steps."""
         by_rank: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
         for trace_id, (_name, _step, ranks) in self.groups.items():
             for who, (start, end) in ranks.items():

@@ -269,12 +269,8 @@ def _split_at_gaps(
     starts = sorted(start for start, _end in gaps)
     segments: list[list[tuple[float, float]]] = []
     for x, y in pts:
-        if segments:
-            prev = segments[-1][-1][0]
-            i = bisect.bisect_right(starts, prev)
-            if i < len(starts) and starts[i] < x:
-                segments.append([])
-        else:
+        i = bisect.bisect_right(starts, segments[-1][-1][0]) if segments else 0
+        if not segments or (i < len(starts) and starts[i] < x):  # a gap begins before x
             segments.append([])
         segments[-1].append((x, y))
     return segments
