@@ -46,11 +46,9 @@ def _run_header(summary: RunSummary) -> str:
 def timings_table(summary: RunSummary) -> Table:
     table = Table(title="Timings (ms; share = part of summed step time)", title_justify="left")
     for col in ("name", "where", "count", "mean", "p50", "p95", "total s", "share"):
+        text = col in ("name", "where")
         table.add_column(
-            col,
-            justify="left" if col in ("name", "where") else "right",
-            overflow="fold",
-            no_wrap=col not in ("name", "where"),
+            col, justify="left" if text else "right", overflow="fold", no_wrap=not text
         )
     for row in timing_rows(summary):
         style = "bold" if row.level == "step" else ("dim" if row.share is None else None)
