@@ -295,18 +295,13 @@ def write_trace(
     slices = counters = 0
     stats = ReadStats()
     with _open_output(output) as out:
-        out.write('{"displayTimeUnit":"ms","otherData":')
-        out.write(
-            json.dumps(
-                {
-                    "generator": "otelprof trace",
-                    "origin_unix_nano": str(origin),
-                    "run_dirs": [str(d) for d in files.dirs],
-                    **({"sample": sample} if sample else {}),
-                }
-            )
-        )
-        out.write(',"traceEvents":[')
+        other = {
+            "generator": "otelprof trace",
+            "origin_unix_nano": str(origin),
+            "run_dirs": [str(d) for d in files.dirs],
+            **({"sample": sample} if sample else {}),
+        }
+        out.write(f'{{"displayTimeUnit":"ms","otherData":{json.dumps(other)},"traceEvents":[')
         events = _EventWriter(out)
         procs = _Processes(events)
         steps = _StepGroups()
