@@ -311,10 +311,9 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
     parts.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
     words = [_part_words(d) for d in parts[:3]]
     changes.extend(words)
+    verdict = f"still {b.verdict.kind}"
     if a.verdict.kind != b.verdict.kind:
         verdict = f"now {b.verdict.kind} (was {a.verdict.kind})"
-    else:
-        verdict = f"still {b.verdict.kind}"
     changes.append(verdict)
     for d in rows:
         if d.group == "throughput" and d.relative is not None and abs(d.relative) >= 0.02:
