@@ -110,14 +110,6 @@ def keep_latest(last: dict[SeriesKey, HistRec], rec: HistRec) -> None:
         last[key] = rec
 
 
-def latest_points(recs: Sequence[HistRec]) -> list[HistRec]:
-    """The last cumulative point of each (process, timing, phase) series."""
-    last: dict[SeriesKey, HistRec] = {}
-    for rec in recs:
-        keep_latest(last, rec)
-    return list(last.values())
-
-
 def apply(summary: Any, recs: Sequence[HistRec], timing_key: Any, timing_agg: Any) -> bool:
     """Replace the summary's span-based timing figures with histogram ones where traces
     were sampled out; True if any was replaced.
@@ -125,12 +117,14 @@ def apply(summary: Any, recs: Sequence[HistRec], timing_key: Any, timing_agg: An
     `timing_key(name, phase)` and `timing_agg(name, stats)` are the summary's own, so rows
     are keyed exactly as the span path keys them.
     """
-    points = latest_points(recs)
-    if not points:
+    last: dict[SeriesKey, HistRec] = {}  # the last cumulative point of each series
+    for rec in recs:
+        keep_latest(last, rec)
+    if not last:
         return False
     by_key: dict[str, list[HistRec]] = {}
     steps_by_rank: dict[Any, list[HistRec]] = {}
-    for rec in points:
+    for rec in last.values():
         if rec.timing == STEP_SPAN and rec.phase == PHASE_TRAIN:
             by_key.setdefault("\0step", []).append(rec)
             steps_by_rank.setdefault(rec.resource, []).append(rec)

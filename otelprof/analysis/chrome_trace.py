@@ -77,8 +77,7 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
                 found: list[int] = []
                 try:
                     for obj, key in keyed(json.loads(raw), _TIME_KEYS):
-                        # spans' starts and points' times; not metric start times (the
-                        # process start)
+                        # spans' starts, points' times; not metric start times (process start)
                         if key == "timeUnixNano" or "endTimeUnixNano" in obj:
                             with contextlib.suppress(TypeError, ValueError, OverflowError):
                                 found.append(int(obj[key]))
@@ -141,9 +140,6 @@ class _EventWriter:
         else:
             self.out.write(",\n" + event_json)
 
-    def emit(self, event: dict[str, Any]) -> None:
-        self.raw(_compact(event))
-
 
 class _Processes:
     """Maps resources to trace pids (the rank when it is free) and emits their metadata."""
@@ -156,7 +152,7 @@ class _Processes:
         self.threads: set[tuple[int, int]] = set()
 
     def _meta(self, pid: int, name: str, args: dict[str, Any], tid: int = 0) -> None:
-        self.out.emit({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args})
+        self.out.raw(_compact({"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}))
 
     def _process(self, pid: int, name: str, sort_index: int) -> int:
         self.used.add(pid)
@@ -216,9 +212,8 @@ class _StepGroups:
         group[2][who] = (rec.start_ns, rec.end_ns)
 
     def emit(self, out: _EventWriter, procs: _Processes, pid: int, origin: int) -> int:
-        """One slice per rank per step, each rank on a track of its own (slices on a track
-        must nest, and a step of all ranks, from the first start to the last end, overlaps
-        the next step); returns how many steps."""
+        """One slice per rank per step, each rank on a track of its own (see the module
+        docstring); returns how many steps."""
         by_rank: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
         for trace_id, (_name, _step, ranks) in self.groups.items():
             for who, (start, end) in ranks.items():
@@ -233,42 +228,29 @@ class _StepGroups:
                     lanes.append((tid, end))
                     procs.thread(pid, tid, who[1] if lane == 0 else f"{who[1]} ({lane + 1})")
                     tid += 1
-                lanes[lane] = (lanes[lane][0], end)
-                self._slice(out, pid, lanes[lane][0], origin, trace_id, who, start, end)
+                tid_of_lane = lanes[lane][0]
+                lanes[lane] = (tid_of_lane, end)
+                name, step, ranks = self.groups[trace_id]
+                if step is None:
+                    title = name
+                elif name == "step":
+                    title = f"step {step}"
+                else:  # a phase batch (or the time after the last step)
+                    title = f"{name} (at step {step})"
+                ends = [e for _s, e in ranks.values()]
+                args: dict[str, Any] = {
+                    "trace_id": trace_id,
+                    "ranks": len(ranks),
+                    "last_to_end": max(ranks, key=lambda w: ranks[w][1])[1],
+                    "end_spread_ms": round((max(ends) - min(ends)) / 1e6, 3),
+                    "ends_after_first_ms": round((end - min(ends)) / 1e6, 3),
+                }
+                out.raw(
+                    f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
+                    f'"tid":{tid_of_lane},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
+                    f'"args":{_compact(args)}}}'
+                )
         return len(self.groups)
-
-    def _slice(
-        self,
-        out: _EventWriter,
-        pid: int,
-        tid: int,
-        origin: int,
-        trace_id: str,
-        who: tuple[int, str],
-        start: int,
-        end: int,
-    ) -> None:
-        name, step, ranks = self.groups[trace_id]
-        if step is None:
-            title = name
-        elif name == "step":
-            title = f"step {step}"
-        else:  # a phase batch (or the time after the last step)
-            title = f"{name} (at step {step})"
-        ends = [e for _s, e in ranks.values()]
-        last = max(ranks, key=lambda w: ranks[w][1])
-        args: dict[str, Any] = {
-            "trace_id": trace_id,
-            "ranks": len(ranks),
-            "last_to_end": last[1],
-            "end_spread_ms": round((max(ends) - min(ends)) / 1e6, 3),
-            "ends_after_first_ms": round((end - min(ends)) / 1e6, 3),
-        }
-        out.raw(
-            f'{{"ph":"X","cat":"otelprof.steps","name":{json.dumps(title)},"pid":{pid},'
-            f'"tid":{tid},"ts":{_us(start - origin)},"dur":{_us(end - start)},'
-            f'"args":{_compact(args)}}}'
-        )
 
 
 def _counter_name(point: PointRec) -> str:
@@ -313,18 +295,13 @@ def write_trace(
     slices = counters = 0
     stats = ReadStats()
     with _open_output(output) as out:
-        out.write('{"displayTimeUnit":"ms","otherData":')
-        out.write(
-            json.dumps(
-                {
-                    "generator": "otelprof trace",
-                    "origin_unix_nano": str(origin),
-                    "run_dirs": [str(d) for d in files.dirs],
-                    **({"sample": sample} if sample else {}),
-                }
-            )
-        )
-        out.write(',"traceEvents":[')
+        other = {
+            "generator": "otelprof trace",
+            "origin_unix_nano": str(origin),
+            "run_dirs": [str(d) for d in files.dirs],
+            **({"sample": sample} if sample else {}),
+        }
+        out.write(f'{{"displayTimeUnit":"ms","otherData":{json.dumps(other)},"traceEvents":[')
         events = _EventWriter(out)
         procs = _Processes(events)
         steps = _StepGroups()

@@ -7,11 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from otelprof.analysis.parallel_summary import (
-    MAX_DEFAULT_JOBS,
-    PARALLEL_FROM_BYTES,
-    default_jobs,
-)
+from otelprof.analysis.parallel_summary import MAX_DEFAULT_JOBS, PARALLEL_FROM_BYTES, default_jobs
 from otelprof.analysis.reader import (
     DEFAULT_MAX_LINE,
     DEFAULT_READ_BUDGET,
@@ -109,8 +105,7 @@ def register(subparsers: Any) -> None:
     trace.set_defaults(func=_trace)
 
     replay = subparsers.add_parser(
-        "replay",
-        help="send a detached run to an OTLP gRPC collector with its original timestamps",
+        "replay", help="send a detached run to an OTLP gRPC collector with its original timestamps"
     )
     replay.add_argument("run_dir", nargs="+", type=Path, metavar="RUN_DIR")
     replay.add_argument(

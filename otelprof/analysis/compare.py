@@ -1,15 +1,9 @@
 """`otelprof compare A B`: what changed from run A to run B, in figures and in plain words.
 
 Each run is read once, exactly as `otelprof report` reads it (`summary.summarize`, the
-verdict and the report's sections); the comparison only pairs the two reports' figures:
-
-- steps: step time (mean, p50, p95), steps and processes; per process (rank) step means
-  when both runs have several;
-- per step: each direct part of a training step (and the untimed rest) as time per step,
-  so a part that got faster shows as fewer milliseconds in every step;
-- throughput per phase (samples/s, tokens/s, MFU), hardware gauge means, memory by phase
-  (RSS, per-step CUDA peaks) and the top modules' time per step, where the runs have them;
-- the verdicts of both runs.
+verdict and the report's sections); the comparison only pairs the two reports' figures
+(the groups `compare` lists). A step's parts are compared as time per step, so a part that
+got faster shows as fewer milliseconds in every step.
 
 Every row has its direction: `lower` or `higher` is better, or neither (a gauge such as
 CPU utilization, whose change is neither good nor bad by itself). `changes` puts the few
@@ -22,8 +16,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from otelprof._schema import CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED, MEMORY_BY_PHASE, RUN_ENDED
-from otelprof.analysis.memory_section import memory_by_phase
+from otelprof._schema import RUN_ENDED
+from otelprof.analysis.format import value
+from otelprof.analysis.memory_section import MEMORY_GAUGES, memory_by_phase
 from otelprof.analysis.module_section import module_times
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
@@ -39,9 +34,8 @@ SAME = 0.005
 """A figure moving less than this share of itself reads "same"."""
 TOP_MODULES = 10
 _HIGHER_IS_BETTER = ("hw.gpu.utilization", "hw.gpu.sm.activity", "hw.gpu.tensor.activity")
-_MEMORY_GAUGES = (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED)
 # compared elsewhere (memory) or not a measurement (the end marker for Prometheus' alerts)
-_NOT_HARDWARE = (*_MEMORY_GAUGES, RUN_ENDED)
+_NOT_HARDWARE = (*MEMORY_GAUGES, RUN_ENDED)
 
 
 @dataclass
@@ -284,12 +278,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}" if seconds < 0.01 else f"{seconds * 1e3:.1f}"
 
 
-def _bytes(value: float) -> str:
-    from otelprof.analysis.format import value as by_unit
-
-    return by_unit(value, "By")
-
-
 def _moved(d: Delta, step_a: float | None) -> bool:
     """A change worth words: new or gone, or large against itself and against the step."""
     if d.a is None or d.b is None:
@@ -312,7 +300,6 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
     step = next((r for r in rows if r.name == "step time (mean)"), None)
     step_a = step.a if step is not None else None
     changes: list[str] = []
-    first: str | None = None
     if step is not None and step.a is not None and step.b is not None:
         if abs(step.relative or 0.0) < STEP_UNCHANGED:
             changes.append(f"step time unchanged ({_ms(step.a)} -> {_ms(step.b)} ms)")
@@ -322,15 +309,11 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
             )
     parts = [r for r in rows if r.group == "per step" and _moved(r, step_a)]
     parts.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
-    for i, d in enumerate(parts[:3]):
-        words = _part_words(d)
-        if i == 0:
-            first = words
-        changes.append(words)
+    words = [_part_words(d) for d in parts[:3]]
+    changes.extend(words)
+    verdict = f"still {b.verdict.kind}"
     if a.verdict.kind != b.verdict.kind:
         verdict = f"now {b.verdict.kind} (was {a.verdict.kind})"
-    else:
-        verdict = f"still {b.verdict.kind}"
     changes.append(verdict)
     for d in rows:
         if d.group == "throughput" and d.relative is not None and abs(d.relative) >= 0.02:
@@ -338,7 +321,8 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
     for d in rows:
         if d.group == "memory" and d.relative is not None and abs(d.relative) >= SIGNIFICANT:
             changes.append(
-                f"{d.name} {percent(d.relative)} ({_bytes(d.a or 0.0)} -> {_bytes(d.b or 0.0)})"
+                f"{d.name} {percent(d.relative)} "
+                f"({value(d.a or 0.0, 'By')} -> {value(d.b or 0.0, 'By')})"
             )
     modules = [r for r in rows if r.group == "modules" and _moved(r, step_a)]
     modules.sort(key=lambda r: -abs((r.b or 0.0) - (r.a or 0.0)))
@@ -348,5 +332,5 @@ def _in_words(a: Run, b: Run, rows: list[Delta]) -> tuple[list[str], str]:
             f"processes: {len(a.summary.ranks)} -> {len(b.summary.ranks)} (per-step figures "
             "are per process)"
         )
-    lead = first or (changes[0] if changes else "nothing to compare")
+    lead = words[0] if words else changes[0]
     return changes, f"{lead}; {verdict}"

@@ -159,8 +159,7 @@ def _pairs_chart(title: str, rows: list[Delta]) -> str:
     rows = [d for d in rows if d.a is not None or d.b is not None]
     if not rows:
         return ""
-    width, left, bar, gap = 920, 220, 14, 8
-    top = 44
+    width, left, bar, gap, top = 920, 220, 14, 8, 44
     height = top + len(rows) * (2 * bar + gap) + 6
     scale = max(max(d.a or 0.0, d.b or 0.0) for d in rows) or 1.0
     plot = width - left - 120

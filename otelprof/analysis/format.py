@@ -58,9 +58,7 @@ def number(v: float | None) -> str:
     '12.35', '0.034', '4.2e-05' (not '0.000' beside another figure of the same row)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    if isinstance(v, bool):
-        return str(v)
-    if math.isinf(v):
+    if isinstance(v, bool) or math.isinf(v):
         return str(v)
     magnitude = abs(v)
     if magnitude >= 1000 or (v == int(v) and magnitude < 1e15):

@@ -40,14 +40,7 @@ from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof._schema import ATTR_SAMPLES as SAMPLES_ATTR
 from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof._schema import STEP_SPAN
-from otelprof.analysis.reader import (
-    PointRec,
-    ReadPlan,
-    ReadStats,
-    SpanRec,
-    Warn,
-    iter_records,
-)
+from otelprof.analysis.reader import PointRec, ReadPlan, ReadStats, SpanRec, Warn, iter_records
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary, union
 
@@ -224,8 +217,7 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
     source = ENERGY if has_energy else (POWER if has_power else None)
 
     rows: list[LabelRow] = []
-    labels = [("phase", phases), ("timing", timings)]
-    for kind, table in labels:
+    for kind, table in (("phase", phases), ("timing", timings)):
         by_label: dict[str, LabelRow] = {}
         for (host, label), ivs in sorted(table.items()):
             row = by_label.setdefault(label, LabelRow(kind, label))
@@ -250,14 +242,7 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
         )
     if source == POWER:
         notes.append("energy from hw.power × sample interval (NVML refused the energy counter)")
-    return GpuEnergy(
-        rows=rows,
-        train_steps=steps,
-        energy_source=source,
-        gpus=len(gpus),
-        samples=samples,
-        notes=notes,
-    )
+    return GpuEnergy(rows, steps, source, len(gpus), samples, notes)
 
 
 def _accumulate(

@@ -19,6 +19,7 @@ from otelprof.analysis.summary import RunSummary
 
 MiB = float(1 << 20)
 _CUDA_CURRENT = "otelprof.torch.cuda.memory.allocated"
+MEMORY_GAUGES = (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED)
 
 
 @dataclass
@@ -43,14 +44,10 @@ def memory_by_phase(summary: RunSummary) -> list[PhaseMemory]:
     """Per phase, training first, then the others by name."""
     phases: dict[str, PhaseMemory] = {}
     for s in summary.series.values():
-        if s.name not in (MEMORY_BY_PHASE, CUDA_PEAK_ALLOCATED, CUDA_PEAK_RESERVED):
-            continue
-        if not s.count or not math.isfinite(s.max):
+        if s.name not in MEMORY_GAUGES or not s.count or not math.isfinite(s.max):
             continue
         phase = str(dict(s.attrs).get(ATTR_PHASE, TRAIN))
-        row = phases.get(phase)
-        if row is None:
-            row = phases[phase] = PhaseMemory(phase)
+        row = phases.setdefault(phase, PhaseMemory(phase))
         row.processes.add(s.scope)
         if s.name == MEMORY_BY_PHASE:
             row.rss_max = _most(row.rss_max, s.max)

@@ -44,9 +44,7 @@ def module_times(summary: RunSummary) -> list[ModuleTime]:
             key, forward = name[len(MODULE_BACKWARD_PREFIX) :], False
         else:
             continue
-        row = out.get(key)
-        if row is None:
-            row = out[key] = ModuleTime(key)
+        row = out.setdefault(key, ModuleTime(key))
         if forward:
             row.forward_s += agg.stats.total
             row.forward_calls += agg.stats.count

@@ -216,17 +216,14 @@ def read_in_workers(
                         warn(message)
                     total.merge(part)
                     merged += 1
-    except _Stalled as stalled:
+    except (_Stalled, BrokenProcessPool) as exc:
+        if isinstance(exc, _Stalled):
+            why = f"(pid {exc}) made no progress for {stalled_after_s:g} s (stopped?)"
+        else:
+            why = f"ended abruptly ({exc})"
         warn(
-            f"a report worker process (pid {stalled}) made no progress for "
-            f"{stalled_after_s:g} s (stopped?); reading the other {len(paths) - merged} "
-            "files in this process"
-        )
-        read_serially(paths[merged:], plan, warn, total, make)
-    except BrokenProcessPool as exc:
-        warn(
-            f"a report worker process ended abruptly ({exc}); reading the other "
-            f"{len(paths) - merged} files in this process"
+            f"a report worker process {why}; reading the other {len(paths) - merged} files in "
+            "this process"
         )
         read_serially(paths[merged:], plan, warn, total, make)
     return total

@@ -123,7 +123,6 @@ def problems(summary: RunSummary) -> list[Finding]:
     found.extend(
         f for info in summary.files.run_info if (f := _end_finding(info, summary)) is not None
     )
-
     found.extend(
         Finding("missing rank", message) for message in missing_ranks(summary.files.run_info)
     )

@@ -45,9 +45,8 @@ def missing_ranks(run_info: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def lost_hosts(run_info: Iterable[dict[str, Any]]) -> list[str]:
-    """One message per node of a multi-node job whose ranks all stopped without recording an
-    end (SIGKILL, power, network) while ranks on another node recorded theirs: a node lost,
-    said once rather than left for the reader to infer from its ranks' lines."""
+    """One message per lost node (see the module docstring; SIGKILL, power, network), said
+    once rather than left for the reader to infer from its ranks' lines."""
     ranks: dict[tuple[str, int], dict[str, list[tuple[int, bool]]]] = {}
     for info in run_info:
         resource = info.get("resource")

@@ -262,10 +262,6 @@ class ReadPlan:
     def partial(self) -> bool:
         return bool(self.windows)
 
-    @classmethod
-    def whole(cls, max_line: int = DEFAULT_MAX_LINE) -> ReadPlan:
-        return cls({}, max_line=max_line)
-
     def for_file(self, path: Path) -> ReadPlan:
         """The plan of one file (what a worker process is handed for it)."""
         windows = self.windows.get(path)
@@ -414,11 +410,8 @@ def _first_line_start(handle: IO[bytes], start: int, end: int) -> int | None:
 def _window_lines(
     handle: IO[bytes], windows: tuple[tuple[int, int], ...], limit: int
 ) -> Iterator[bytes | int]:
-    """The whole lines that start inside each (start, end) byte window of a plain file;
-    for the last window (the file's tail) of a metrics file, or of a file whose earlier
-    windows held no line start, every line that ends in it: the final export, with the
-    exact cumulative histograms, and whole lines of a file whose lines are longer than its
-    windows. A line over `limit` comes as its length (`read_line`)."""
+    """The lines of each (start, end) byte window of a plain file, as `ReadPlan` says (the
+    tail's rule included); a line over `limit` comes as its length (`read_line`)."""
     done = 0  # lines before this offset were read already (windows may touch)
     metrics = handle.read(len(_METRICS_START)) == _METRICS_START
     handle.seek(0)
@@ -447,7 +440,7 @@ def iter_lines(
 ) -> Iterator[Line]:
     """Yield every intact OTLP request line (of the parts `plan` reads; default: all);
     skip and report the others."""
-    plan = plan if plan is not None else ReadPlan.whole()
+    plan = plan if plan is not None else ReadPlan({})
     stats.total_bytes += plan.total_bytes
     for path in files:
         stats.files += 1

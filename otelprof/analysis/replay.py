@@ -42,6 +42,10 @@ _REQUESTS = {
     "traces": trace_service_pb2.ExportTraceServiceRequest,
     "metrics": metrics_service_pb2.ExportMetricsServiceRequest,
 }
+_STUBS: dict[str, Any] = {
+    "traces": trace_service_pb2_grpc.TraceServiceStub,
+    "metrics": metrics_service_pb2_grpc.MetricsServiceStub,
+}
 PROMETHEUS_HEAD_WINDOW_S = 3600.0  # Prometheus rejects samples older than ~1 h behind its head
 
 
@@ -164,11 +168,7 @@ class _Sender:
     """One signal's batching and sending."""
 
     def __init__(
-        self,
-        kind: str,
-        call: Callable[..., Any],
-        options: ReplayOptions,
-        result: ReplayResult,
+        self, kind: str, call: Callable[..., Any], options: ReplayOptions, result: ReplayResult
     ) -> None:
         self.kind = kind
         self.call = call
@@ -185,20 +185,16 @@ class _Sender:
 
     def flush(self) -> None:
         request, self.request, self.size = self.request, _REQUESTS[self.kind](), 0
-        if self.kind == "traces":
-            items = _count_spans(request)
-        else:
-            items = sum(1 for _ in _data_points(request))
+        traces = self.kind == "traces"
+        items = _count_spans(request) if traces else sum(1 for _ in _data_points(request))
         if not items:
             return
-        if self.kind == "metrics":
+        r = self.result
+        if not traces:
             times = (dp.time_unix_nano for dp in _data_points(request))
             oldest = min((t for t in times if t), default=None)
-            if oldest is not None and (
-                self.result.oldest_point_ns is None or oldest < self.result.oldest_point_ns
-            ):
-                self.result.oldest_point_ns = oldest
-        r = self.result
+            if oldest is not None and (r.oldest_point_ns is None or oldest < r.oldest_point_ns):
+                r.oldest_point_ns = oldest
         delay = self.options.backoff_s
         for attempt in range(1, max(1, self.options.retries) + 1):
             try:
@@ -211,7 +207,7 @@ class _Sender:
                     delay = min(delay * 2, 10.0)
                     continue
                 r.failed_requests += 1
-                if self.kind == "traces":
+                if traces:
                     r.failed_spans += items
                 else:
                     r.failed_points += items
@@ -224,7 +220,7 @@ class _Sender:
                 return
             r.requests += 1
             partial = response.partial_success
-            if self.kind == "traces":
+            if traces:
                 r.spans += items
                 r.rejected_spans += partial.rejected_spans
             else:
@@ -263,15 +259,8 @@ def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
                 f"no OTLP gRPC server answered at {target} within {options.timeout_s:g} s"
             ) from exc
         senders = {
-            "traces": _Sender(
-                "traces", trace_service_pb2_grpc.TraceServiceStub(channel).Export, options, result
-            ),
-            "metrics": _Sender(
-                "metrics",
-                metrics_service_pb2_grpc.MetricsServiceStub(channel).Export,
-                options,
-                result,
-            ),
+            kind: _Sender(kind, stub(channel).Export, options, result)
+            for kind, stub in _STUBS.items()
         }
         stats = ReadStats()
         for line in iter_lines(files.jsonl, warn, stats):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from html import escape
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary, SeriesAgg
 from otelprof.analysis.svg import bar_chart, line_chart
 from otelprof.analysis.tables import (
+    hardware_cells,
     hardware_series,
     rank_cells,
     rank_rows,
@@ -67,10 +69,6 @@ def _metric_charts(
     charts = []
     for name, group in by_metric.items():
         unit = group[0].unit
-
-        def yfmt(v: float, unit: str = unit) -> str:
-            return fmt.value(v, unit)
-
         lines = []
         for s in group:
             where = s.device or "host"
@@ -83,7 +81,7 @@ def _metric_charts(
                 lines,
                 (t0, t1),
                 phases,
-                y_format=yfmt,
+                y_format=functools.partial(fmt.value, unit=unit),
                 y_max=1.0 if unit == "1" else None,
                 y_scale=_byte_scale(group) if unit.startswith("By") else 1.0,
             )
@@ -188,15 +186,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
             _table(
                 ["host", "device", "metric", "min", "mean", "max", "samples"],
                 [
-                    [
-                        s.host if not s.scope else f"{s.host} {s.scope}",
-                        s.device,
-                        s.name,
-                        fmt.value(s.min, s.unit),
-                        fmt.value(s.mean, s.unit),
-                        fmt.value(s.max, s.unit),
-                        f"{s.count:,}",
-                    ]
+                    [s.host if not s.scope else f"{s.host} {s.scope}", *hardware_cells(s)]
                     for s in hardware_series(summary)
                 ],
                 left=3,

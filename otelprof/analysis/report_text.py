@@ -14,6 +14,7 @@ from otelprof.analysis.problems import notes, problems
 from otelprof.analysis.sections import Section
 from otelprof.analysis.summary import RunSummary
 from otelprof.analysis.tables import (
+    hardware_cells,
     hardware_series,
     rank_cells,
     rank_rows,
@@ -45,11 +46,9 @@ def _run_header(summary: RunSummary) -> str:
 def timings_table(summary: RunSummary) -> Table:
     table = Table(title="Timings (ms; share = part of summed step time)", title_justify="left")
     for col in ("name", "where", "count", "mean", "p50", "p95", "total s", "share"):
+        text = col in ("name", "where")
         table.add_column(
-            col,
-            justify="left" if col in ("name", "where") else "right",
-            overflow="fold",
-            no_wrap=col not in ("name", "where"),
+            col, justify="left" if text else "right", overflow="fold", no_wrap=not text
         )
     for row in timing_rows(summary):
         style = "bold" if row.level == "step" else ("dim" if row.share is None else None)
@@ -76,15 +75,7 @@ def hardware_table(summary: RunSummary) -> Table:
     last_host = None
     for s in hardware_series(summary):
         host = s.host if s.scope == "" else f"{s.host} {s.scope.split(' @ ')[0]}"
-        table.add_row(
-            host if host != last_host else "",
-            s.device,
-            s.name,
-            fmt.value(s.min, s.unit),
-            fmt.value(s.mean, s.unit),
-            fmt.value(s.max, s.unit),
-            f"{s.count:,}",
-        )
+        table.add_row(host if host != last_host else "", *hardware_cells(s))
         last_host = host
     return table
 
@@ -103,10 +94,7 @@ def section_table(section: Section) -> Table:
 
 
 def render(
-    summary: RunSummary,
-    verdict: Verdict,
-    console: Console,
-    sections: list[Section] | None = None,
+    summary: RunSummary, verdict: Verdict, console: Console, sections: list[Section] | None = None
 ) -> None:
     """Print the whole report: problems first, then figures, then the verdict."""
     console.print(_run_header(summary))

@@ -232,8 +232,7 @@ def _parts(group: _StepGroup) -> list[_Child]:
 class StragglerPass:
     """Fed every span of a run (`span()`), then `result()`."""
 
-    def __init__(self, window_steps: int = _WINDOW_STEPS) -> None:
-        self._window = window_steps
+    def __init__(self) -> None:
         self._ranks: dict[Resource, RankWork] = {}
         self._open: dict[Resource, OrderedDict[Any, _StepGroup]] = {}
 
@@ -245,7 +244,7 @@ class StragglerPass:
         group = groups.get(key)
         if group is None:
             group = groups[key] = _StepGroup()
-            if len(groups) > self._window:
+            if len(groups) > _WINDOW_STEPS:
                 _, oldest = groups.popitem(last=False)
                 self._fold(rec.resource, oldest)
         if rec.name == STEP_SPAN and not rec.parent_span_id:

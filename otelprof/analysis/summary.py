@@ -38,7 +38,6 @@ from otelprof.analysis.parallel_summary import read_in_workers, read_serially
 from otelprof.analysis.quantiles import DurationStats
 from otelprof.analysis.reader import (
     DEFAULT_MAX_LINE,
-    PointRec,
     ReadPlan,
     ReadStats,
     Resource,
@@ -259,7 +258,7 @@ class RunSummary:
     timings_from_histograms: bool = False  # timing figures from otelprof.timing.duration
     series_over_limit: int = 0  # metric points of series beyond the report's series cap
     throughput: list[PhaseThroughput] = field(default_factory=list)  # throughput_pass.py
-    plan: ReadPlan = field(default_factory=ReadPlan.whole)  # the parts of the files read
+    plan: ReadPlan = field(default_factory=lambda: ReadPlan({}))  # the parts of the files read
     dropped_counted: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
     """(host, pid) -> the drops its last `otelprof.telemetry.dropped` export counted, by
     `source.reason`: what a process whose final counts were never recorded had lost."""
@@ -473,13 +472,6 @@ class _StepResolver:
         self.pending.clear()
 
 
-def _scope_of(point: PointRec) -> str:
-    """Host- and GPU-wide metrics merge across ranks; anything else stays per process."""
-    if point.name.startswith(("hw.", "system.")):
-        return ""
-    return point.resource.label
-
-
 CRASHED_STEP = "crashed step"
 INTERRUPTED_STEP = "interrupted step"
 ProcessKey = tuple[str, Any]  # (host.name, process.pid)
@@ -632,7 +624,8 @@ class _FilePass:
                     if not _keep_latest(latest, ckey, (rec.time_ns, rec.value)):
                         self.over_limit += 1
                     continue
-                scope = _scope_of(rec)
+                # host- and GPU-wide metrics merge across ranks; anything else stays per process
+                scope = "" if rec.name.startswith(("hw.", "system.")) else rec.resource.label
                 key = (rec.resource.host, scope, rec.name, rec.attributes)
                 agg = series.get(key)
                 if agg is None:
@@ -682,7 +675,8 @@ class _FilePass:
         for name, n in other.failed.items():
             self.failed[name] = self.failed.get(name, 0) + n
         self.step0.extend(other.step0)
-        _add_read_stats(self.read, other.read)
+        for name in vars(ReadStats()):
+            setattr(self.read, name, getattr(self.read, name) + getattr(other.read, name))
         for name, agg in other.timings.items():
             mine = self.timings.get(name)
             if mine is None:
@@ -799,11 +793,6 @@ def _least(a: int | None, b: int | None) -> int | None:
 
 def _most(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else max(a, b)
-
-
-def _add_read_stats(into: ReadStats, more: ReadStats) -> None:
-    for name in vars(ReadStats()):
-        setattr(into, name, getattr(into, name) + getattr(more, name))
 
 
 def summarize(

@@ -42,17 +42,16 @@ CHAR_EM = 0.6
 what labels are measured with so that they fit."""
 
 
+def _is_epoch(label: str) -> bool:
+    return label == "training" or label.startswith("epoch ")
+
+
 def phase_fill(label: str) -> str:
     """A phase band's colour, by its name (the same in every report), not by its order."""
-    if label == "training" or label.startswith("epoch "):
+    if _is_epoch(label):
         number = label.removeprefix("epoch ")
         return EPOCH_FILLS[int(number) % 2 if number.isdigit() else 0]
     return PHASE_FILLS.get(label) or OTHER_FILLS[zlib.crc32(label.encode()) % len(OTHER_FILLS)]
-
-
-def name_color(name: str) -> str:
-    """A colour for a named thing (a timing's bar), the same in every report."""
-    return PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
 
 
 def text_width(text: str, font_px: float) -> float:
@@ -65,10 +64,6 @@ def fit(text: str, room_px: float, font_px: float) -> str:
         return text
     keep = int(room_px / (CHAR_EM * font_px)) - 1
     return text[:keep] + "…" if keep >= 3 else ""
-
-
-def _is_epoch(label: str) -> bool:
-    return label == "training" or label.startswith("epoch ")
 
 
 def job_bands(phases: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
@@ -127,8 +122,6 @@ def line_chart(
     y_format: Callable[[float], str] = lambda v: f"{v:.3g}",
     y_max: float | None = None,
     y_scale: float = 1.0,
-    width: int = 920,
-    height: int = 230,
     gaps: Sequence[tuple[float, float]] = (),
     spreads: Sequence[Sequence[tuple[float, float, float]]] = (),
     outliers: bool = False,
@@ -144,7 +137,7 @@ def line_chart(
     point alone between gaps is drawn as a dot. Phase bands are one set for the job
     (`job_bands`), coloured by name (`phase_fill`), with a legend under the lines'.
     """
-    left, right, top, bottom = 70, 190, 28, 30
+    width, height, left, right, top, bottom = 920, 230, 70, 190, 28, 30
     pw, ph = width - left - right, height - top - bottom
     x0, x1 = x_range
     if x1 <= x0:
@@ -276,27 +269,19 @@ def _split_at_gaps(
     starts = sorted(start for start, _end in gaps)
     segments: list[list[tuple[float, float]]] = []
     for x, y in pts:
-        if segments:
-            prev = segments[-1][-1][0]
-            i = bisect.bisect_right(starts, prev)
-            if i < len(starts) and starts[i] < x:
-                segments.append([])
-        else:
+        i = bisect.bisect_right(starts, segments[-1][-1][0]) if segments else 0
+        if not segments or (i < len(starts) and starts[i] < x):  # a gap begins before x
             segments.append([])
         segments[-1].append((x, y))
     return segments
 
 
-def bar_chart(
-    title: str,
-    bars: Sequence[tuple[str, float, str]],
-    width: int = 920,
-    bar_height: int = 20,
-) -> str:
+def bar_chart(title: str, bars: Sequence[tuple[str, float, str]]) -> str:
     """Horizontal bars: (label, fraction 0..1, text shown at the bar's end). The labels'
     column is as wide as the longest label needs, up to 40 % of the chart; a longer label
-    is cut with an ellipsis (its whole name in the tooltip). Bars are coloured by name."""
-    font = 12
+    is cut with an ellipsis (its whole name in the tooltip). Bars are coloured by name (the
+    same colour in every report)."""
+    width, bar_height, font = 920, 20, 12
     longest = max((text_width(label, font) for label, _, _ in bars), default=0.0)
     left = int(min(max(80.0, longest + 12), 0.4 * width))
     top = 28
@@ -310,7 +295,7 @@ def bar_chart(
     for i, (label, frac, text) in enumerate(bars):
         y = top + i * bar_height
         w = max(0.0, min(frac, 1.0)) * pw
-        color = name_color(label)
+        color = PALETTE[zlib.crc32(label.encode()) % len(PALETTE)]
         out.append(
             f'<text x="{left - 6}" y="{y + bar_height * 0.7:.1f}" text-anchor="end">'
             f"{escape(fit(label, left - 10, font))}<title>{escape(label)}</title></text>"

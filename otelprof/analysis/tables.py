@@ -127,6 +127,12 @@ def hardware_series(summary: RunSummary) -> list[SeriesAgg]:
     )
 
 
+def hardware_cells(s: SeriesAgg) -> list[str]:
+    """A series' cells after its host column, text and HTML alike."""
+    figures = [fmt.value(v, s.unit) for v in (s.min, s.mean, s.max)]
+    return [s.device, s.name, *figures, f"{s.count:,}"]
+
+
 @dataclass
 class RankRow:
     label: str

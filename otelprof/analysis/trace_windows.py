@@ -232,10 +232,9 @@ def plan_trace(
     if budget is None or not whole.partial:
         return TracePlan(whole, read_budget=budget)
     ref_traces = _reference(files, "traces")
-    ref_metrics = _reference(files, "metrics")
     indexes: list[tuple[_LineIndex, float]] = []  # (reference, scale to all files of its kind)
     sizes = {p: file_size(p) for p in files}
-    for ref, prefix in ((ref_traces, "traces"), (ref_metrics, "metrics")):
+    for ref, prefix in ((ref_traces, "traces"), (_reference(files, "metrics"), "metrics")):
         if ref is None:
             continue
         try:
@@ -296,11 +295,10 @@ def plan_trace(
         windows = _step_ranges(ref_traces, sizes[ref_traces], chosen, warn, max_line)
     else:
         windows = [Window(a, b) for a, b in chosen]
-    byte_windows = {}
-    for path in files:
-        if path.name.endswith(".gz"):
-            continue  # cannot be read in parts: read whole, filtered by the windows
-        byte_windows[path] = _byte_windows(path, sizes[path], windows, margin)
+    # a .gz file cannot be read in parts: read whole, filtered by the windows
+    byte_windows = {
+        p: _byte_windows(p, sizes[p], windows, margin) for p in files if not p.name.endswith(".gz")
+    }
     return TracePlan(
         ReadPlan(byte_windows, whole.total_bytes, budget, max_line), tuple(windows), budget
     )

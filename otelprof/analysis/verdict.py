@@ -165,33 +165,28 @@ def judge(summary: RunSummary) -> Verdict:
             evidence,
         )
     share, name = ranked[0]
+
+    def bound(kind: str, why: str) -> Verdict:
+        return Verdict(kind, f"{kind}: {why}", evidence)
+
     if name == "dataloader_next":
-        return Verdict(
-            "data-loader bound",
-            f"data-loader bound: dataloader_next takes {_pct(share)} of step time while {hw}",
-            evidence,
+        return bound(
+            "data-loader bound", f"dataloader_next takes {_pct(share)} of step time while {hw}"
         )
     if name == "copies":
         parts = " + ".join(f"{n} {_pct(shares[n])}" for n in _COPY_NAMES if n in shares)
-        return Verdict(
-            "host-device copy bound",
-            f"host-device copy bound: copies take {_pct(share)} of step time ({parts}) while {hw}",
-            evidence,
+        return bound(
+            "host-device copy bound", f"copies take {_pct(share)} of step time ({parts}) while {hw}"
         )
     if name == "train_batch":
         if gpu is None and _contended(cpu, proc):
-            return Verdict(
+            return bound(
                 "compute bound, CPU contended",
-                f"compute bound, CPU contended: train_batch takes {_pct(share)} of step time "
-                f"while {hw}: other work on this machine slows training",
-                evidence,
+                f"train_batch takes {_pct(share)} of step time while {hw}: other work on this "
+                "machine slows training",
             )
         if gpu is None:
-            return Verdict(
-                "compute bound",
-                f"compute bound: train_batch takes {_pct(share)} of step time; {hw}",
-                evidence,
-            )
+            return bound("compute bound", f"train_batch takes {_pct(share)} of step time; {hw}")
         if gpu >= _GPU_BUSY:
             return Verdict(
                 "GPU compute bound",
@@ -206,14 +201,9 @@ def judge(summary: RunSummary) -> Verdict:
             evidence,
         )
     if name == UNTIMED:
-        return Verdict(
+        return bound(
             "untimed work",
-            f"untimed work: {_pct(share)} of step time is outside every timing span "
-            f"(wrap it in otelprof.timing() to see what it is); {hw}",
-            evidence,
+            f"{_pct(share)} of step time is outside every timing span (wrap it in "
+            f"otelprof.timing() to see what it is); {hw}",
         )
-    return Verdict(
-        f"{name} bound",
-        f"{name} bound: {name} takes {_pct(share)} of step time while {hw}",
-        evidence,
-    )
+    return bound(f"{name} bound", f"{name} takes {_pct(share)} of step time while {hw}")
