@@ -209,3 +209,16 @@ def test_a_slower_module_and_memory_by_phase_are_in_the_comparison(
     assert any(c.startswith("module Sequential.1 +") for c in doc["changes"])
     rss = row(doc, "memory", "RSS max (train)")
     assert rss["a"] > 0 and rss["b"] > 0 and rss["unit"] == "By"
+
+
+def test_a_line_over_max_line_is_skipped_with_a_warning_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = write_sdk_run(tmp_path / "a", RunSpec(steps=10))
+    (traces,) = run.glob("traces*.jsonl")
+    limit = max(len(line) for line in traces.read_bytes().splitlines()) - 1
+    capsys.readouterr()
+    assert cli_main(["compare", str(run), str(run), "--max-line", str(limit)]) == 0
+    err = capsys.readouterr().err
+    assert f"{traces.name}:1: line of" in err, err
+    assert f"longer than the line limit ({limit:,} bytes, --max-line)" in err, err

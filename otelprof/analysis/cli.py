@@ -302,7 +302,9 @@ def _compare(args: argparse.Namespace) -> int:
             if files is None:
                 return 2
             jobs = default_jobs(files, args.read_budget)
-            summary = summarize(files, warn, read_budget=args.read_budget, jobs=jobs)
+            summary = summarize(
+                files, warn, read_budget=args.read_budget, jobs=jobs, max_line=args.max_line
+            )
             runs.append(Run(label, summary, judge(summary), build_sections(summary, warn)))
         comparison = compare(*runs)
         if args.json:
