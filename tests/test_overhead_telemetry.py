@@ -32,6 +32,7 @@ def test_overhead_gauges_follow_the_ranges_recorded_and_calibration_leaves_no_tr
             ranges += 100
             otelprof.step()
             time.sleep(0.001)
+        busy_s = (time.time_ns() - idle_until) / 1e9
         busy_from = idle_until
         time.sleep(0.3)
     finally:
@@ -48,6 +49,9 @@ def test_overhead_gauges_follow_the_ranges_recorded_and_calibration_leaves_no_tr
     idle = [p.value for p in training if p.time_ns < busy_from]
     busy = [p.value for p in training if p.time_ns > busy_from + 300_000_000]
     assert idle and max(idle) == 0.0
-    assert busy and max(busy) > 0.01  # a loop of empty ranges is largely otelprof's cost
+    # the gauge is the ranges' rate x their calibrated cost: its busiest window reads at least
+    # half the busy second's mean (a loaded machine runs fewer ranges, and the gauge says so)
+    mean_busy = ranges * engine.range_cost_s / busy_s
+    assert busy and max(busy) >= 0.5 * mean_busy > 0, (busy, mean_busy)
     # background threads did work while spans were built and written
     assert max(p.value for p in background if p.time_ns > busy_from) > 0
