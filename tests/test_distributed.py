@@ -350,7 +350,11 @@ def test_dashboard_straggler_panels_name_the_slow_rank_of_a_real_job(
 
     waiting = by_rank(COLLECTIVE_WAIT_PANEL)
     assert set(waiting) == {"0", "1"}, waiting
-    assert waiting["0"] > waiting["1"] + 0.2, waiting  # rank 0 waits for the straggler
+    # rank 0 waits for the straggler: its share of wall time waiting is several times the
+    # straggler's own. A loaded machine makes every step longer, so both shares shrink:
+    # 0.42-0.54 against 0.06-0.08 here with one other job, 0.23 against 0.04 under two test
+    # workers and a load of 9 on two cores
+    assert waiting["0"] > max(3 * waiting["1"], waiting["1"] + 0.1), waiting
     lateness = by_rank(STRAGGLER_PANEL)
     assert lateness["1"] > 0.2 and lateness["1"] > lateness["0"] + 0.2, lateness
     # the OtelprofStraggler rule's expression (as shipped, with the panels' 4 s rate window
