@@ -432,7 +432,7 @@ def extract_metrics(
         if stop():
             raise Cancelled
         attrs = attributes_dict(resource_metrics.resource.attributes)
-        points = sum(point_count(m) for sm in resource_metrics.scope_metrics for m in sm.metrics)
+        points = resource_items(resource_metrics)
         if skip_direct and _direct(attrs):
             out.skipped_direct += points
             continue
@@ -527,6 +527,13 @@ def _map_histogram(
 def point_count(metric: Any) -> int:
     kind = metric.WhichOneof("data")
     return len(getattr(metric, kind).data_points) if kind else 0
+
+
+def resource_items(resource: Any) -> int:
+    """The points of a ResourceMetrics, the spans of a ResourceSpans."""
+    if hasattr(resource, "scope_metrics"):
+        return sum(point_count(m) for sm in resource.scope_metrics for m in sm.metrics)
+    return sum(len(ss.spans) for ss in resource.scope_spans)
 
 
 def _map_metric(
@@ -625,7 +632,7 @@ def extract_spans(
         if stop():
             raise Cancelled
         attrs = attributes_dict(resource_spans.resource.attributes)
-        n_spans = sum(len(ss.spans) for ss in resource_spans.scope_spans)
+        n_spans = resource_items(resource_spans)
         if not n_spans:
             continue
         if skip_direct and _direct(attrs):

@@ -59,8 +59,8 @@ from otelprof.determined.mapping import (
     RouteError,
     Stop,
     attributes_dict,
-    point_count,
     resolve_route,
+    resource_items,
 )
 from otelprof.determined.pipeline import Pipeline
 
@@ -81,21 +81,38 @@ class IngestStats:
     abandoned: int = 0  # the caller went away (deadline, closed connection): work dropped
 
 
-class _Caller:
-    """Whether a request's caller is still waiting: gRPC ends the call when its deadline
-    passes or its connection closes, and calls back at once."""
+class _Call:
+    """One request: its gRPC context and, once authenticated, its credential and scope.
+    `gone()`: its caller stopped waiting (gRPC ends the call when its deadline passes or
+    its connection closes, and calls back at once)."""
+
+    credential: bytes
+    scope: Scope
 
     def __init__(self, context: grpc.ServicerContext) -> None:
-        self._context = context
+        self.context = context
         self._ended = threading.Event()
         if not context.add_callback(self._ended.set):
             self._ended.set()  # it ended before the handler ran
 
     def gone(self) -> bool:
-        if self._ended.is_set() or not self._context.is_active():
+        if self._ended.is_set() or not self.context.is_active():
             return True
-        remaining = self._context.time_remaining()
+        remaining = self.context.time_remaining()
         return remaining is not None and remaining <= 0
+
+
+@dataclass(frozen=True)
+class _Signal:
+    """One OTLP service: its messages (`module`, e.g. metrics_service_pb2), the request
+    field holding the resources, the pipeline's ingest, and partial success's counter."""
+
+    module: Any
+    service: str  # e.g. MetricsService
+    resources: str  # e.g. resource_metrics
+    ingest: Callable[[Any, Stop], Extracted]
+    rejected_field: str
+    what: str  # what partial success counts, e.g. "data points"
 
 
 def sender_of(context: grpc.ServicerContext) -> str:
@@ -223,16 +240,9 @@ class _Receiver:
         with self._stats_lock:  # worker threads refuse at once: no count may be lost
             setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def export(
-        self,
-        raw: bytes,
-        context: grpc.ServicerContext,
-        cls: Any,
-        field_name: str,
-        ingest: Callable[[Any, Stop], Extracted],
-    ) -> Extracted:
-        caller = _Caller(context)
-        if caller.gone():  # it waited for a worker past its deadline
+    def export(self, raw: bytes, context: grpc.ServicerContext, signal: _Signal) -> Extracted:
+        call = _Call(context)
+        if call.gone():  # it waited for a worker past its deadline
             self._abandon(context)
         found = self.tokens.scope_of(context.invocation_metadata())
         if found is None:
@@ -245,13 +255,13 @@ class _Receiver:
                 "no valid bearer token: send `authorization: Bearer <token>` "
                 "(OTEL_EXPORTER_OTLP_HEADERS=authorization=Bearer%20<token>)",
             )
-        credential, scope = found
+        call.credential, call.scope = found
         if len(raw) > self.limits.max_request_bytes:
             self._count("too_large")
             self.refusals.refused(
                 "too_large", sender_of(context), "",
                 f"a request of {len(raw)} bytes (limit {self.limits.max_request_bytes}) with "
-                f"{self.tokens.describe(credential)}",
+                f"{self.tokens.describe(call.credential)}",
             )  # fmt: skip
             _abort(
                 context,
@@ -259,43 +269,34 @@ class _Receiver:
                 f"request of {len(raw)} bytes is over the bridge's limit of "
                 f"{self.limits.max_request_bytes}; send smaller batches",
             )
-        refusal = self.admission.enter(credential, len(raw))
+        refusal = self.admission.enter(call.credential, len(raw))
         if refusal is not None:
             self._count("throttled")
             _abort(context, grpc.StatusCode.UNAVAILABLE, refusal)
         try:
-            done = self._admitted(raw, cls, field_name, ingest, context, caller, scope, credential)
+            done = self._admitted(raw, call, signal)
         finally:
-            self.admission.leave(credential, len(raw))
+            self.admission.leave(call.credential, len(raw))
         if done is None:
             self._abandon(context)
         return done
 
-    def _admitted(
-        self,
-        raw: bytes,
-        cls: Any,
-        field_name: str,
-        ingest: Callable[[Any, Stop], Extracted],
-        context: grpc.ServicerContext,
-        caller: _Caller,
-        scope: Scope,
-        credential: bytes,
-    ) -> Extracted | None:
+    def _admitted(self, raw: bytes, call: _Call, signal: _Signal) -> Extracted | None:
         """Parse, scope and ingest an admitted request; None when its caller went away (its
         message is freed on return: no traceback holds it)."""
         try:
-            message = _parse(cls, raw, context)
-            message, forbidden = self._keep_in_scope(
-                message, field_name, scope, context, caller.gone, credential
-            )
+            request_cls = getattr(signal.module, f"Export{signal.service}Request")
+            message = _parse(request_cls, raw, call.context)
+            message, forbidden = self._keep_in_scope(message, call, signal.resources)
             try:
-                extracted = ingest(message, caller.gone)
+                extracted = signal.ingest(message, call.gone)
             except Cancelled:
                 raise
             except Exception as exc:  # a mapping bug must not take the receiver down
                 log.exception("could not map an OTLP request")
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}")
+                _abort(
+                    call.context, grpc.StatusCode.INVALID_ARGUMENT, f"could not map request: {exc}"
+                )
         except Cancelled:
             return None
         if forbidden:
@@ -307,22 +308,16 @@ class _Receiver:
         _abort(context, grpc.StatusCode.CANCELLED, "the caller went away; the request was dropped")
 
     def _keep_in_scope(
-        self,
-        message: Any,
-        field_name: str,
-        scope: Scope,
-        context: grpc.ServicerContext,
-        gone: Stop,
-        credential: bytes,
+        self, message: Any, call: _Call, field_name: str
     ) -> tuple[Any, tuple[int, str] | None]:
         """The request without the resources of trials the token may not write, and
         (points left out, why) when there were some."""
-        resources = getattr(message, field_name)
+        resources, scope, context = getattr(message, field_name), call.scope, call.context
         if scope.everything:
             return message, None
         kept, refused, trials = [], 0, set()
         for i, resource in enumerate(resources):
-            if i % CHECK_EVERY == 0 and gone():  # a master lookup per new trial may wait
+            if i % CHECK_EVERY == 0 and call.gone():  # a master lookup per new trial may wait
                 raise Cancelled
             attrs = attributes_dict(resource.resource.attributes)
             try:
@@ -338,7 +333,7 @@ class _Receiver:
             if allowed:
                 kept.append(resource)
             else:
-                refused += _items(resource)
+                refused += resource_items(resource)
                 trials.add(trial)
         if not trials:
             return message, None
@@ -348,7 +343,7 @@ class _Receiver:
         self.refusals.refused(
             "out_of_scope", sender_of(context), named,
             f"{refused} points/spans for trial(s) {named} with "
-            f"{self.tokens.describe(credential)}, whose scope is {scope.describe()}",
+            f"{self.tokens.describe(call.credential)}, whose scope is {scope.describe()}",
         )  # fmt: skip
         if not kept:
             self._count("out_of_scope_requests")
@@ -356,12 +351,6 @@ class _Receiver:
         allowed_only = type(message)()
         getattr(allowed_only, field_name).extend(kept)
         return allowed_only, (refused, why)
-
-
-def _items(resource: Any) -> int:
-    if hasattr(resource, "scope_metrics"):
-        return sum(point_count(m) for sm in resource.scope_metrics for m in sm.metrics)
-    return sum(len(ss.spans) for ss in resource.scope_spans)
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -380,23 +369,14 @@ def _parse(cls: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
         )
 
 
-def _service(
-    receiver: _Receiver,
-    module: Any,
-    service: str,
-    field_name: str,
-    ingest: Callable[[Any, Stop], Extracted],
-    rejected_field: str,
-    what: str,
-) -> grpc.GenericRpcHandler:
-    """OTLP `service`'s Export (messages of `module`, e.g. metrics_service_pb2) → pipeline;
-    data that maps to nothing is INVALID_ARGUMENT, some of it: partial success."""
-    request_cls = getattr(module, f"Export{service}Request")
-    response_cls = getattr(module, f"Export{service}Response")
+def _service(receiver: _Receiver, signal: _Signal) -> grpc.GenericRpcHandler:
+    """`signal`'s Export → pipeline; data that maps to nothing is INVALID_ARGUMENT, some
+    of it: partial success."""
+    response_cls = getattr(signal.module, f"Export{signal.service}Response")
 
     def export(raw: bytes, context: grpc.ServicerContext) -> Any:
         try:
-            extracted = receiver.export(raw, context, request_cls, field_name, ingest)
+            extracted = receiver.export(raw, context, signal)
         finally:  # refused or taken: what it cost the heap goes back
             receiver.heap.after(len(raw))
         response = response_cls()
@@ -406,14 +386,14 @@ def _service(
                 _abort(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"refused {extracted.rejected} {what}: {errors}",
+                    f"refused {extracted.rejected} {signal.what}: {errors}",
                 )
-            setattr(response.partial_success, rejected_field, extracted.rejected)
+            setattr(response.partial_success, signal.rejected_field, extracted.rejected)
             response.partial_success.error_message = errors
         return response
 
     return grpc.method_handlers_generic_handler(
-        module.DESCRIPTOR.services_by_name[service].full_name,
+        signal.module.DESCRIPTOR.services_by_name[signal.service].full_name,
         {
             "Export": grpc.unary_unary_rpc_method_handler(
                 export,
@@ -473,28 +453,25 @@ class BridgeServer:
             ],
             maximum_concurrent_rpcs=workers * 4,
         )
-        self._server.add_generic_rpc_handlers(
-            (
-                _service(
-                    self.receiver,
-                    metrics_service_pb2,
-                    "MetricsService",
-                    "resource_metrics",
-                    pipeline.ingest_metrics,
-                    "rejected_data_points",
-                    "data points",
-                ),
-                _service(
-                    self.receiver,
-                    trace_service_pb2,
-                    "TraceService",
-                    "resource_spans",
-                    pipeline.ingest_traces,
-                    "rejected_spans",
-                    "spans",
-                ),
-            )
+        signals = (
+            _Signal(
+                metrics_service_pb2,
+                "MetricsService",
+                "resource_metrics",
+                pipeline.ingest_metrics,
+                "rejected_data_points",
+                "data points",
+            ),
+            _Signal(
+                trace_service_pb2,
+                "TraceService",
+                "resource_spans",
+                pipeline.ingest_traces,
+                "rejected_spans",
+                "spans",
+            ),
         )
+        self._server.add_generic_rpc_handlers(tuple(_service(self.receiver, s) for s in signals))
         try:
             if tls is None:
                 self.port = self._server.add_insecure_port(listen)
