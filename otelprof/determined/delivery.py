@@ -301,17 +301,13 @@ class Deliverer:
                 self._outage_since_retries = None
 
     def _back_off_trial(self, state: _TrialState) -> None:
-        state.delay = min(max(state.delay * 2, self.initial_delay_s), self.max_delay_s)
-        state.ready_at = time.monotonic() + self._jitter(state.delay)
+        state.delay, state.ready_at = self._next_try(state.delay)
 
     def _back_off_master(self, result: PostResult) -> None:
         with self._cond:
             if self._master_ready_at > time.monotonic():
                 return  # another worker already paused delivery for this outage
-            self._master_delay = min(
-                max(self._master_delay * 2, self.initial_delay_s), self.max_delay_s
-            )
-            self._master_ready_at = time.monotonic() + self._jitter(self._master_delay)
+            self._master_delay, self._master_ready_at = self._next_try(self._master_delay)
             if self._outage_since_retries is None:
                 self._outage_since_retries = self.stats.retries - 1
                 log.warning(
@@ -322,10 +318,11 @@ class Deliverer:
                     self.max_delay_s,
                 )
 
-    @staticmethod
-    def _jitter(delay: float) -> float:
-        """Equal jitter: half the delay fixed, half random, so restarts do not stampede."""
-        return delay / 2 + random.uniform(0, delay / 2)
+    def _next_try(self, delay: float) -> tuple[float, float]:
+        """(the doubled delay, when to try next): equal jitter, half the delay fixed and half
+        random, so restarts do not stampede."""
+        delay = min(max(delay * 2, self.initial_delay_s), self.max_delay_s)
+        return delay, time.monotonic() + delay / 2 + random.uniform(0, delay / 2)
 
     def _move_aside(self, item: Item, result: PostResult, why: str) -> None:
         window, index, report = item
