@@ -24,6 +24,7 @@ from otelprof.determined.mapping import (
     GaugeSample,
     HistogramPoint,
     TimingSample,
+    add_up,
 )
 
 
@@ -177,13 +178,7 @@ class WindowAggregator:
                 tacc[0] += s.value
                 tacc[1] += s.n
                 continue
-            acc = state.gauges.get((s.agent, s.group, s.sub, s.key))
-            if acc is None:
-                state.gauges[(s.agent, s.group, s.sub, s.key)] = [s.value, s.n, s.time_ns]
-            else:
-                acc[0] += s.value
-                acc[1] += s.n
-                acc[2] = max(acc[2], s.time_ns)
+            add_up(state.gauges, (s.agent, s.group, s.sub, s.key), s.value, s.n, s.time_ns)
         return taken
 
     def histogram_deltas(self, points: list[HistogramPoint]) -> list[TimingSample]:

@@ -590,14 +590,12 @@ def _map_metric(
         if not math.isfinite(value):
             out.reject(1, f"metric {metric.name} has a non-finite value", "bad_value")
             continue
-        bucket = buckets.get((sub, key, int(point.time_unix_nano)))
-        if bucket is None:
-            if len(buckets) >= MAX_TIME_BUCKETS:
-                _fold(buckets, rule, folded)
-            buckets[(sub, key, int(point.time_unix_nano))] = [value, 1]
-        else:
-            bucket[0] += value
-            bucket[1] += 1
+        when = (sub, key, int(point.time_unix_nano))
+        if when not in buckets and len(buckets) >= MAX_TIME_BUCKETS:
+            _fold(buckets, rule, folded)
+        bucket = buckets.setdefault(when, [0.0, 0])
+        bucket[0] += value
+        bucket[1] += 1
     _fold(buckets, rule, folded)
 
 
@@ -609,14 +607,17 @@ def _fold(
     """Each timestamp's combined value into its key's sum (and count, and latest time)."""
     for (sub, key, time_ns), (total, count) in buckets.items():
         value = total if rule.combine == "sum" else total / count
-        acc = folded.get((rule.group, sub, key))
-        if acc is None:
-            folded[(rule.group, sub, key)] = [value, 1, time_ns]
-        else:
-            acc[0] += value
-            acc[1] += 1
-            acc[2] = max(acc[2], time_ns)
+        add_up(folded, (rule.group, sub, key), value, 1, time_ns)
     buckets.clear()
+
+
+def add_up(sums: dict[Any, list[float]], key: Any, value: float, n: int, time_ns: int) -> None:
+    """`n` values summing to `value`, the latest at `time_ns`, into `sums[key]`: [sum, count,
+    latest time]."""
+    acc = sums.setdefault(key, [0.0, 0, time_ns])
+    acc[0] += value
+    acc[1] += n
+    acc[2] = max(acc[2], time_ns)
 
 
 def extract_spans(
