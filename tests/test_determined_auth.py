@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from otelprof.cli import main as otelprof_main
@@ -158,7 +159,9 @@ def _args(**kw: object) -> argparse.Namespace:
 _INGEST_TOKENS = write_token_file(Path(tempfile.mkdtemp(prefix="otelprof-test-")) / "ingest-tokens")
 
 
-def test_settings_come_from_the_determined_task_environment() -> None:
+def test_settings_come_from_the_determined_task_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     env = {
         "DET_MASTER": "det-master:8080",
         "DET_SESSION_TOKEN": "alloc-tok",
@@ -169,11 +172,15 @@ def test_settings_come_from_the_determined_task_environment() -> None:
     s = BridgeSettings.from_args(_args(), env)
     assert s.master == "det-master:8080"
     assert s.credentials.allocation_token == "alloc-tok"
-    assert s.verify_tls is False and s.ca_bundle is None
     assert s.window_s == 5.0 and s.spool_dir == "/var/spool/x"
-    assert (
-        DeterminedClient(s.master, s.credentials, verify=False).master == "http://det-master:8080"
-    )
+    # the client the bridge makes from them (as a task would): verification off, no CA
+    made: dict[str, object] = {}
+    real = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: made.update(kw) or real(**kw))
+    client = DeterminedClient.in_task(s.master, s.credentials, env, s.ca_bundle)
+    assert made["verify"] is False and client.master == "http://det-master:8080"
+    tls = DeterminedClient.in_task(s.master, s.credentials, {**env, "DET_USE_TLS": "true"})
+    assert tls.master == "https://det-master:8080"
     # flags win over the environment
     s = BridgeSettings.from_args(_args(report_interval=2.0, user="bob"), {**env, "DET_PASS": "pw"})
     assert s.window_s == 2.0 and s.credentials.username == "bob"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -166,13 +167,12 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per POST otherwise
     try:
         settings = BridgeSettings.from_args(args)
-        client = DeterminedClient(
+        client = DeterminedClient.in_task(  # DET_USE_TLS; a --ca-bundle of noverify: no checks
             settings.master,
             settings.credentials,
-            ca_bundle=settings.ca_bundle,
-            timeout_s=settings.request_timeout_s,
-            use_tls=settings.use_tls,
-            verify=settings.verify_tls,
+            os.environ,
+            settings.ca_bundle,
+            settings.request_timeout_s,
         )
         spool: DiskSpool | MemorySpool = (
             DiskSpool(

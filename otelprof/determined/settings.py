@@ -71,9 +71,7 @@ class BridgeSettings:
     master: str
     credentials: Credentials
     listen: str = DEFAULT_LISTEN
-    ca_bundle: str | None = None
-    verify_tls: bool = True
-    use_tls: bool = False
+    ca_bundle: str | None = None  # 'noverify': Determined's own spelling for "do not verify"
     window_s: float = DEFAULT_WINDOW_S
     spool_dir: str | None = None
     spool_max_bytes: int = 256 * 1024 * 1024
@@ -133,10 +131,6 @@ class BridgeSettings:
                 "--allocation-token-file, or --user (password from DET_PASS or "
                 "--password-file); or set DET_USER_TOKEN / DET_SESSION_TOKEN / DET_USER"
             )
-        ca = pick("ca_bundle")
-        verify = True
-        if ca == "noverify":  # Determined's own spelling for "do not verify"
-            ca, verify = None, False
         route = Route(
             trial_id=count("trial_id"), run_id=count("trial_run_id"), agent=pick("agent_id")
         )
@@ -178,9 +172,7 @@ class BridgeSettings:
             master=str(master),
             credentials=creds,
             listen=str(pick("listen", DEFAULT_LISTEN)),
-            ca_bundle=ca,
-            verify_tls=verify,
-            use_tls=env.get("DET_USE_TLS", "").lower() in ("1", "true", "yes"),
+            ca_bundle=pick("ca_bundle"),
             window_s=number("report_interval", DEFAULT_WINDOW_S),
             spool_dir=None if spool_dir == "none" else str(spool_dir),
             spool_max_bytes=int(number("spool_max_mb", 256) * 1024 * 1024),
