@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -94,44 +95,30 @@ def notes_with_link(notes: str, trial_id: int, url: str) -> str:
     return "\n".join(out) + "\n"
 
 
+@dataclass(eq=False)
 class TrialLink:
     """Writes one trial's link into its experiment's notes, on its own thread."""
 
-    def __init__(
-        self,
-        client: DeterminedClient,
-        trial_id: int,
-        run_id: str,
-        url: str,
-        experiment_id: int | None = None,
-        *,
-        attempts: int = 8,
-        retry_initial_s: float = 0.5,
-        retry_max_s: float = 30.0,
-        recheck_s: tuple[float, ...] = (2.0, 10.0, 60.0),
-    ) -> None:
-        """`recheck_s`: after the link is in, look again after each of these delays and
-        write it again if it is gone (the master has no compare-and-swap: a writer that
-        read the notes before our PATCH, another trial's process or a user, may replace
-        them after we read our write back)."""
-        self.client = client
-        self.trial_id = trial_id
-        self.run_id = run_id
-        self.url = url
-        self.experiment_id = experiment_id
-        self.attempts = attempts
-        self.retry_initial_s = retry_initial_s
-        self.retry_max_s = retry_max_s
-        self.recheck_s = recheck_s
-        self.done = threading.Event()
-        self.linked = False
-        self.errors = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    client: DeterminedClient
+    trial_id: int
+    run_id: str
+    url: str
+    experiment_id: int | None = None
+    _: KW_ONLY
+    attempts: int = 8
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+    # After the link is in, look again after each of these delays and write it again if it
+    # is gone (the master has no compare-and-swap: a writer that read the notes before our
+    # PATCH, another trial's process or a user, may replace them after we read our write back).
+    recheck_s: tuple[float, ...] = (2.0, 10.0, 60.0)
+    done: threading.Event = field(default_factory=threading.Event, init=False)
+    linked: bool = field(default=False, init=False)
+    errors: int = field(default=0, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
 
     def start(self) -> TrialLink:
-        self._thread = threading.Thread(target=self._run, name="otelprof-trial-link", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="otelprof-trial-link", daemon=True).start()
         return self
 
     def stats(self) -> dict[str, int]:
