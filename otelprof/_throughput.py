@@ -200,24 +200,14 @@ class ThroughputTracker:
 
             return observe
 
-        meter.create_observable_gauge(
-            TRAIN_THROUGHPUT_SAMPLES,
-            [gauge(0)],
-            "{sample}/s",
-            "samples per second of training-step time, over the last steps",
-        )
-        meter.create_observable_gauge(
-            TRAIN_THROUGHPUT_TOKENS,
-            [gauge(1)],
-            "{token}/s",
-            "tokens per second of training-step time, over the last steps",
-        )
-        meter.create_observable_gauge(
-            TRAIN_MFU,
-            [gauge(3)],
-            "1",
-            "model FLOP utilization: achieved FLOP/s over one device's peak, last steps",
-        )
+        per_s = "per second of training-step time, over the last steps"
+        mfu = "model FLOP utilization: achieved FLOP/s over one device's peak, last steps"
+        for name, index, unit, description in (
+            (TRAIN_THROUGHPUT_SAMPLES, 0, "{sample}/s", f"samples {per_s}"),
+            (TRAIN_THROUGHPUT_TOKENS, 1, "{token}/s", f"tokens {per_s}"),
+            (TRAIN_MFU, 3, "1", mfu),
+        ):
+            meter.create_observable_gauge(name, [gauge(index)], unit, description)
 
     def close(self) -> None:
         self._remove()
