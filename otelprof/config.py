@@ -941,12 +941,8 @@ def _check_combination(
 def _check_writable(settings: Settings, env: Mapping[str, str], options: Mapping[str, Any]) -> None:
     """The run directory can be made (or exists, as a writable directory), without making it."""
     target = settings.run_dir
-    if "output_dir" in options:
-        where = "option 'output_dir'"
-    elif env.get("OTELPROF_OUTPUT_DIR"):
-        where = "environment variable OTELPROF_OUTPUT_DIR"
-    else:
-        where = "default output directory"
+    given = _source("output_dir", OPTIONS["output_dir"], options, env)
+    where = given.where if given is not None else "default output directory"
     try:
         if len(os.fsencode(os.path.abspath(target))) >= os.pathconf("/", "PC_PATH_MAX"):
             raise ConfigError(f"{where}: run directory path {str(target)!r} is too long")
