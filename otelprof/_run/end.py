@@ -99,10 +99,6 @@ class DeferredSignals:
             if previous == handler:
                 self._previous[signum] = replacement
 
-    @property
-    def received_name(self) -> str | None:
-        return None if self.received is None else signal_name(self.received)
-
 
 def signal_name(signum: int) -> str:
     try:

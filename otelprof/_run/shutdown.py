@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 from otelprof._run.bounded import FINALIZE_S, FLUSH_GRACE_S, run_within
-from otelprof._run.end import DeferredSignals, EndRecord
+from otelprof._run.end import DeferredSignals, EndRecord, signal_name
 
 _log = logging.getLogger("otelprof")
 
@@ -42,7 +42,7 @@ def finish_run(
     if not run_within(partial(session.flush_all, end, final), timeout + FLUSH_GRACE_S, "shutdown"):
         abandon_flush(session, end)
     if deferred.received is not None:
-        end["signal_during_shutdown"] = deferred.received_name
+        end["signal_during_shutdown"] = signal_name(deferred.received)
     stats: dict[str, int] = session.stats()
     if not run_within(partial(session.record_end, end, stats, final), FINALIZE_S, "end") and final:
         _log.warning(
