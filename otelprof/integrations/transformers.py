@@ -50,13 +50,15 @@ def _ours(trainer: Any) -> OtelprofTrainerCallback | None:
     return None
 
 
-def _inside(context: Callable[[], Any]) -> Callable[[Any], Any]:
-    """A wrapper of a Trainer method that runs it inside `context()` (a timing, a phase) for
-    Trainers that hold this callback; other Trainers run it as it is."""
+def _inside(
+    context: Callable[[], Any], acts: Callable[[Any], bool] = lambda self: _ours(self) is not None
+) -> Callable[[Any], Any]:
+    """A wrapper of a method that runs it inside `context()` (a timing, a phase) when `acts`
+    (by default: for Trainers that hold this callback); otherwise it runs as it is."""
 
     def wrap(original: Any) -> Any:
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if _ours(self) is None:
+            if not acts(self):
                 return original(self, *args, **kwargs)
             with context():
                 return original(self, *args, **kwargs)
@@ -69,6 +71,8 @@ def _inside(context: Callable[[], Any]) -> Callable[[Any], Any]:
 _wrap_compute_loss = _inside(lambda: otelprof.timing(FORWARD))
 _wrap_evaluate = _inside(lambda: _steps.phase(PHASE_VALIDATION))
 _wrap_save = _inside(lambda: _steps.phase(PHASE_CHECKPOINT))
+# Accelerator.backward: while any Trainer with this callback trains
+_wrap_backward = _inside(lambda: otelprof.timing(BACKWARD), lambda _accelerator: bool(_active))
 
 
 def _wrap_eval_loader(original: Any) -> Any:
@@ -80,16 +84,6 @@ def _wrap_eval_loader(original: Any) -> Any:
         return loader
 
     return get_eval_dataloader
-
-
-def _wrap_backward(original: Any) -> Any:
-    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _active:
-            return original(self, *args, **kwargs)
-        with otelprof.timing(BACKWARD):
-            return original(self, *args, **kwargs)
-
-    return backward
 
 
 def _patches() -> list[tuple[type, str, Callable[[Any], Any]]]:
