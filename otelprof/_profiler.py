@@ -342,11 +342,14 @@ class _Session:
         self.counters.add_metric_extra(self._aggregate_metrics.merge)
         registry = self.pipelines.prometheus_registry
         if registry is not None:  # and on the pull endpoint, at each scrape
-            from otelprof.export._prom_histograms import register
+            from otelprof.export._prom_histograms import TimingHistogramCollector
 
+            attrs = self.resource.attributes
             _degrade(
                 "timing histograms on the Prometheus endpoint",
-                lambda: register(registry, engine.aggregates, self.resource.attributes, _version()),
+                lambda: registry.register(
+                    TimingHistogramCollector(engine.aggregates, attrs, _version())
+                ),
             )
         return engine
 

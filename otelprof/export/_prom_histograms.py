@@ -124,10 +124,3 @@ def _exemplar(raw: tuple[float, int, int, int] | None) -> tuple[int, Exemplar | 
     value, at_ns, trace_id, span_id = raw
     labels = {"trace_id": format(trace_id, "032x"), "span_id": format(span_id, "016x")}
     return bisect.bisect_left(BOUNDS, value), Exemplar(labels, value, at_ns / 1e9)
-
-
-def register(
-    registry: Any, aggregates: Any, resource_attributes: Mapping[str, Any], version: str
-) -> None:
-    """Serve the timing histograms on `registry` (the pull endpoint's)."""
-    registry.register(TimingHistogramCollector(aggregates, resource_attributes, version))
