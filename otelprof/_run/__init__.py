@@ -8,7 +8,8 @@
   `shutdown`: the bounded end of a run (`bounded`: how long each part may take).
 - `closing_record`: the reader of the metrics file's last line (the run's end and counts),
   standard library only, so the offline readers import it without the runtime.
-- `private_files`: run files are the user's alone (owner-only modes).
+- `private_files`: run files are the user's alone (owner-only modes); `appendfile`: a run
+  file is appended whole records at a time, or nothing (the writers' and `relocate`'s).
 
 Importing this package imports nothing else: `analysis/` reads `closing_record` alone.
 """

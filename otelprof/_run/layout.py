@@ -211,7 +211,7 @@ class RunLayout:
             target = self.files[kind]
             if source == target or not source.exists():
                 continue
-            moved = move_lines(source, target, resource, self.shared)
+            moved = move_lines(source, target, resource)
             total.lines += moved.lines
             total.lost += moved.lost
             total.error = moved.error or total.error

@@ -12,15 +12,13 @@ way. The metrics file's closing record (a run's end) is not data of the new run:
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import json
-import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from otelprof._run import private_files
+from otelprof._run.appendfile import WRITTEN, WholeRecordFile
 from otelprof._run.closing_record import is_closing_request
 from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
 
@@ -39,19 +37,19 @@ class Moved:
         self.error: BaseException | None = None
 
 
-def move_lines(
-    source: Path, target: Path, resource: Mapping[str, Any], shared: bool = False
-) -> Moved:
+def move_lines(source: Path, target: Path, resource: Mapping[str, Any]) -> Moved:
     """Append `source`'s lines to `target` relabelled with `resource`'s ranks, then remove
     `source`. What cannot be moved is counted in `Moved.lost` (a damaged or unreadable end of
     `source` as one line; every line a failed write did not take) and `source` then stays."""
     moved = Moved()
     compress = target.name.endswith(".gz")
-    out: IO[bytes] | None = None
+    out: WholeRecordFile | None = None
     try:
-        out = private_files.open_append(target, shared)
+        out = WholeRecordFile(target)  # as private as its directory
+        out.open()
     except OSError as error:
         moved.error = error
+        out = None
     pending: list[bytes] = []
     size = 0
     try:
@@ -79,25 +77,19 @@ def move_lines(
     return moved
 
 
-def _write(out: IO[bytes], lines: list[bytes], compress: bool, moved: Moved) -> IO[bytes] | None:
+def _write(
+    out: WholeRecordFile, lines: list[bytes], compress: bool, moved: Moved
+) -> WholeRecordFile | None:
     """Append `lines` whole (one gzip member with `compress`) or not at all: a failed write
-    is cut back off the target, its lines counted lost, and the target closed (None)."""
+    leaves nothing of them in the target, counts them lost and closes the target (None)."""
     if not lines:
         return out
     data = b"".join(lines)
     if compress:
         data = gzip.compress(data, compresslevel=6)
-    fd = out.fileno()
-    start = os.fstat(fd).st_size
-    view = memoryview(data)
-    try:
-        while view:
-            view = view[os.write(fd, view) :]
-    except OSError as error:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, start)
+    if out.append(data) != WRITTEN:
         moved.lost += len(lines)
-        moved.error = error
+        moved.error = out.last_error or FileNotFoundError(f"{out.path} is gone")
         out.close()
         return None
     moved.lines += len(lines)

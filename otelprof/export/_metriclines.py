@@ -31,8 +31,8 @@ from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
+from otelprof._run.appendfile import WRITTEN, WholeRecordFile
 from otelprof._run.closing_record import CLOSING_METRIC
-from otelprof.export._appendfile import WRITTEN, WholeRecordFile
 from otelprof.export._spanlines import encode_attributes
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 

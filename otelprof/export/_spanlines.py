@@ -31,7 +31,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from otelprof.export._appendfile import GONE, WRITTEN, WholeRecordFile
+from otelprof._run.appendfile import GONE, WRITTEN, WholeRecordFile
 
 _log = logging.getLogger("otelprof.export")
 

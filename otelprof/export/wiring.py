@@ -19,9 +19,9 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.trace import SpanProcessor
 
 from otelprof._otel_compat import otlp_log_destination, stop_reader_thread
+from otelprof._run.appendfile import GONE, WRITE_ERROR, WRITTEN
 from otelprof._run.layout import RunLayout
 from otelprof.config import Settings
-from otelprof.export._appendfile import GONE, WRITE_ERROR, WRITTEN
 from otelprof.export._metricbatch import MetricLineBatcher, exports_per_line
 from otelprof.export._metriclines import (
     SIZE_CAP,
