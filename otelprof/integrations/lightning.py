@@ -250,8 +250,7 @@ class _OtelprofProfiler(Profiler):
 
     # ---- Lightning's interface ----
     def start(self, action_name: str) -> None:
-        kind = self._kinds.get(action_name)
-        if kind is not None and kind[0] == _IGNORED and self._passthrough:
+        if action_name in self._ignored:  # (a pass-through inner profiler's only)
             return
         try:
             self._start(action_name)
@@ -264,8 +263,7 @@ class _OtelprofProfiler(Profiler):
         common.forget_ranges_above(depth)  # the inner profiler's own range, if any
 
     def stop(self, action_name: str) -> None:
-        kind = self._kinds.get(action_name)
-        if kind is not None and kind[0] == _IGNORED and self._passthrough:
+        if action_name in self._ignored:  # (a pass-through inner profiler's only)
             return
         if not self._passthrough:
             depth = rec.recorder.depth()
