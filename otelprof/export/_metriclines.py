@@ -71,7 +71,7 @@ class MetricLineStream:
         self.held_written = False
         self._compress = compress
         self._buffer: list[str] = []
-        self._out = WholeRecordFile(self.path)
+        self.file = WholeRecordFile(self.path)  # its size, last error and loss messages too
         self.capped = 0
         self.lost: str | None = None
         """Why the last flush wrote nothing (`write_error`, `run_dir_gone`), else None: a
@@ -81,18 +81,7 @@ class MetricLineStream:
         # The file exists, and its descriptor is held, from the start: the closing record is
         # written through it at the end, whatever happened to the directory's permissions or
         # mount meanwhile (a read-only remount).
-        self._out.open()
-
-    @property
-    def bytes_written(self) -> int:
-        return self._out.size
-
-    @property
-    def last_error(self) -> OSError | None:
-        return self._out.last_error
-
-    def loss_message(self, outcome: str) -> str:
-        return self._out.loss_message(outcome, "metric exports")
+        self.file.open()
 
     def write(self, text: str) -> int:
         self._buffer.append(text)
@@ -112,13 +101,13 @@ class MetricLineStream:
         self.lost = None
         if (
             self.max_bytes is not None
-            and self.bytes_written + len(data) > self.max_bytes - self.reserve_bytes
+            and self.file.size + len(data) > self.max_bytes - self.reserve_bytes
         ):
             self.capped += 1
             self._held = data
             return
         self._held = None  # a newer line made it in (or was lost: it is newer still)
-        outcome = self._out.append(data)
+        outcome = self.file.append(data)
         if outcome != WRITTEN:
             self.lost = outcome
 
@@ -132,29 +121,29 @@ class MetricLineStream:
                 held is not None
                 and not self.closed
                 and self.max_bytes is not None
-                and self.bytes_written + len(held) <= self.max_bytes
+                and self.file.size + len(held) <= self.max_bytes
             ):
-                self.held_written = self._out.append(held) == WRITTEN
+                self.held_written = self.file.append(held) == WRITTEN
             self.closed = True
 
     def end(self, closing: bytes | None) -> str:
         """Append the closing record `closing` (one whole line, gzip'd as its own member with
         `compress`; never past `max_bytes`), then close the file. Returns WRITTEN, or why
-        not: `size_cap`, `write_error` (`last_error` says which), `run_dir_gone`, `closed`
+        not: `size_cap`, `write_error` (`file.last_error` says which), `run_dir_gone`, `closed`
         (ended before), `none` (no record given)."""
         with self._lock:
-            if self._out.closed:
+            if self.file.closed:
                 return "closed"
             self.closed = True
             try:
                 if closing is None:
                     return "none"
                 data = gzip.compress(closing, compresslevel=6) if self._compress else closing
-                if self.max_bytes is not None and self.bytes_written + len(data) > self.max_bytes:
+                if self.max_bytes is not None and self.file.size + len(data) > self.max_bytes:
                     return SIZE_CAP
-                return self._out.append(data)
+                return self.file.append(data)
             finally:
-                self._out.close()
+                self.file.close()
 
 
 def closing_line(
@@ -222,7 +211,7 @@ class CappedMetricExporter(MetricExporter):
             lost = self.stream.lost
             if lost is not None:
                 self.stream.lost = None
-                raise ExportDropped(lost, self.stream.loss_message(lost))
+                raise ExportDropped(lost, self.stream.file.loss_message(lost, "metric exports"))
             if self.stream.capped != capped:
                 self._held_points = count_points(metrics_data)
                 raise ExportDropped(

@@ -245,11 +245,6 @@ class SpanLineWriter:
         self._writing = 0  # spans of the line being written now (see `abandon`)
         self._count_lock = threading.Lock()  # never held across I/O
 
-    @property
-    def bytes_written(self) -> int:
-        """Bytes in the file (what an earlier process appended included)."""
-        return self._out.size
-
     def _header(self, resource: Any, scope: Any) -> str:
         key = (id(resource), id(scope))
         header = self._headers.get(key)
@@ -318,7 +313,7 @@ class SpanLineWriter:
         data = (header + ",".join(spans) + "]}]}]}\n").encode("utf-8")
         if self._compress:
             data = gzip.compress(data, compresslevel=6)
-        if self._max_bytes is not None and self.bytes_written + len(data) > self._max_bytes:
+        if self._max_bytes is not None and self._out.size + len(data) > self._max_bytes:
             self._writing = 0
             self._counters.add(f"{self.name}.spans_dropped_size_cap", len(spans))
             self._counters.warn_once(

@@ -120,7 +120,7 @@ class ExportPipelines:
             why = {
                 SIZE_CAP: "it is at its size cap",
                 GONE: "the file is gone (its run directory removed)",
-                WRITE_ERROR: str(stream.last_error or "write error"),
+                WRITE_ERROR: str(stream.file.last_error or "write error"),
             }.get(outcome, f"the file was {outcome} before")
             _log.warning(
                 "otelprof: cannot write the closing record (the run's end and drop counts) "
