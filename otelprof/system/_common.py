@@ -43,3 +43,8 @@ class LogOnce:
             self._seen.add(key)
         logger.log(level, message, *args)
         return True
+
+    def error(self, key: str, exc: BaseException, doing: str, outcome: str = "omitted") -> None:
+        """A WARNING once per `key` and kind of error: "<doing> (<type>: <error>); <outcome>"."""
+        kind = type(exc).__name__
+        self(f"{key}:{kind}", logging.WARNING, "%s (%s: %s); %s", doing, kind, exc, outcome)

@@ -15,7 +15,6 @@ counters again instead of re-serving the previous snapshot.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -121,14 +120,7 @@ class Snapshots:
             try:
                 readings = source()
             except Exception as exc:  # a sampler bug must not cost the other sources
-                self._log(
-                    f"source:{label}:{type(exc).__name__}",
-                    logging.WARNING,
-                    "%s metrics failed (%s: %s); omitted",
-                    label,
-                    type(exc).__name__,
-                    exc,
-                )
+                self._log.error(f"source:{label}", exc, f"{label} metrics failed")
                 continue
             for reading in readings:
                 read = None if reading.time_ns is None else to_unix(reading.time_ns)
@@ -270,14 +262,7 @@ def _callback(
         try:
             return snapshots.observations(name)
         except Exception as exc:  # never raise into the SDK's collection
-            log(
-                f"callback:{name}:{type(exc).__name__}",
-                logging.WARNING,
-                "collecting %s failed (%s: %s); omitted",
-                name,
-                type(exc).__name__,
-                exc,
-            )
+            log.error(f"callback:{name}", exc, f"collecting {name} failed")
             return []
 
     return observe

@@ -221,13 +221,8 @@ class HostSampler:
         try:
             return read()
         except Exception as exc:
-            self._log(
-                f"host:{what}:{type(exc).__name__}",
-                logging.WARNING,
-                "cannot read %s counters (%s: %s); those metrics are omitted",
-                what,
-                type(exc).__name__,
-                exc,
+            self._log.error(
+                f"host:{what}", exc, f"cannot read {what} counters", "those metrics are omitted"
             )
             return None
 

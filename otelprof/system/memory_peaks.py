@@ -21,7 +21,6 @@ logic without a GPU.
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from collections.abc import Callable
@@ -115,13 +114,8 @@ class PhasePeaks:
                 read = self._peaks.read_and_reset()
             except Exception as error:  # telemetry never breaks training
                 self.failed = True
-                self._log(
-                    f"memory-peaks:{type(error).__name__}",
-                    logging.WARNING,
-                    "cannot read the CUDA allocator's peaks (%s: %s); memory peaks off",
-                    type(error).__name__,
-                    error,
-                )
+                doing = "cannot read the CUDA allocator's peaks"
+                self._log.error("memory-peaks", error, doing, "memory peaks off")
                 return
             window = self._window
             for attrs, allocated, reserved in read:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -64,13 +63,8 @@ class ProcessSampler:
         try:
             cpu, rss = self._read()
         except Exception as exc:
-            self._log(
-                f"process:{type(exc).__name__}",
-                logging.WARNING,
-                "cannot read this process's CPU/memory (%s: %s); process metrics omitted",
-                type(exc).__name__,
-                exc,
-            )
+            doing = "cannot read this process's CPU/memory"
+            self._log.error("process", exc, doing, "process metrics omitted")
             return out
         step = self._cpu.advance(cpu.time_ns, cpu.value)
         if step is not None:

@@ -9,7 +9,6 @@ knows it.
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from collections.abc import Callable
@@ -54,13 +53,7 @@ class TorchMemorySampler:
                     out.append(Reading(instrument.name, float(value), attrs, t))
             return out
         except Exception as exc:
-            self._log(
-                f"torch:{type(exc).__name__}",
-                logging.WARNING,
-                "cannot read torch.cuda allocator statistics (%s: %s); omitted",
-                type(exc).__name__,
-                exc,
-            )
+            self._log.error("torch", exc, "cannot read torch.cuda allocator statistics")
             return []
 
 
