@@ -25,6 +25,7 @@ named spans above replace them. If no otelprof profiler runs, the callback start
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -81,25 +82,6 @@ def _timing_name(action: str) -> str | None:
     if action.startswith("[LightningModule]"):
         return _MODULE_ACTIONS.get(action.rsplit(".", 1)[-1])
     return None
-
-
-class _Ignored:
-    """`profile()` for an action otelprof does not time while the trainer's own profiler is
-    the pass-through (most of Lightning's ~30 actions a batch): a context manager that does
-    nothing, one per action name, in place of the generator-based one Lightning's base class
-    builds on every call (paid by every hook of every batch; BENCHMARKS.md, "Framework
-    integrations and collectives")."""
-
-    __slots__ = ("action",)
-
-    def __init__(self, action: str) -> None:
-        self.action = action
-
-    def __enter__(self) -> str:
-        return self.action
-
-    def __exit__(self, *_exc: object) -> None:
-        return None
 
 
 class _Profiled:
@@ -178,7 +160,12 @@ class _OtelprofProfiler(Profiler):
         # range, so there is nothing to forget around its calls.
         self._passthrough = type(inner) is PassThroughProfiler
         self._kinds: dict[str, tuple[int, str | None]] = {}
-        self._ignored: dict[str, _Ignored] = {}  # `profile()`'s for the ignored actions
+        # `profile()` for an action otelprof does not time under a pass-through profiler
+        # (most of Lightning's ~30 actions a batch): a context manager that does nothing, one
+        # per action name, in place of the generator-based one Lightning's base class builds
+        # on every call (paid by every hook of every batch; BENCHMARKS.md, "Framework
+        # integrations and collectives")
+        self._ignored: dict[str, contextlib.nullcontext[str]] = {}
         self._timed: dict[str, _Timed] = {}  # and for the timed ones
         self._open: dict[str, list[tuple[Any, Any]]] = {}
         self._opt_depth: int | None = None  # stack depth at `optimizer_step` start
@@ -199,7 +186,7 @@ class _OtelprofProfiler(Profiler):
             if len(self._kinds) < 4096:
                 self._kinds[action] = kind
                 if kind[0] == _IGNORED and self._passthrough:
-                    self._ignored[action] = _Ignored(action)
+                    self._ignored[action] = contextlib.nullcontext(action)
                 elif kind[0] == _TIMED and self._passthrough and kind[1] is not None:
                     self._timed[action] = _Timed(self, action, kind[1])
         return kind
