@@ -315,7 +315,6 @@ class OtelprofCallback(Callback):
         self._handle: Any = None
         self._profiler: _OtelprofProfiler | None = None
         self._profiler_patch: Patch | None = None
-        self._trainer: Any = None
         self._phases: list[str] = []
 
     # ---- lifecycle ----
@@ -334,7 +333,6 @@ class OtelprofCallback(Callback):
             return
         if not isinstance(inner, _OtelprofProfiler):
             self._profiler = _OtelprofProfiler(inner)
-            self._trainer = trainer
             self._profiler_patch = Patch(trainer, "profiler", self._profiler)
 
     @common.safe
