@@ -185,9 +185,7 @@ class _Session:
         if self.timings is not None:  # what profiling costs, in the same dashboards
             from otelprof._overhead import OverheadGauges
 
-            self._overhead = _degrade(
-                "overhead gauges", lambda: OverheadGauges(self._meter, self.timings)
-            )
+            _degrade("overhead gauges", lambda: OverheadGauges(self._meter, self.timings))
         self._end: EndRecord | None = None
         self.announced = named is not None and named == settings.run_dir
         """The run directory was named on the console (or must never be: it moves)."""
