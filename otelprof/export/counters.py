@@ -188,7 +188,7 @@ class _Counting:
             )
         return False
 
-    def _flush_inner(self, timeout_millis: float) -> bool:
+    def force_flush(self, timeout_millis: float = 30_000) -> bool:
         if self._forked:
             return True
         try:
@@ -237,9 +237,6 @@ class CountingSpanExporter(_Counting, SpanExporter):
         if not self._forked:
             self._shutdown_inner_once()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._flush_inner(timeout_millis)
-
 
 def preferences_of(inner: MetricExporter) -> dict[str, Any]:
     """What a wrapping exporter passes to `MetricExporter.__init__`: the temporality and
@@ -287,9 +284,6 @@ class CountingMetricExporter(_Counting, MetricExporter):
             self._counters.add(f"{self.name}.metric_exports_{dropped.reason}")
             self._counters.warn_once(f"{self.name}.{dropped.reason}", "%s", dropped.message)
         return MetricExportResult.FAILURE
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return self._flush_inner(timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if not self._forked:
