@@ -25,6 +25,7 @@ the clock right before its call, like NVML's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 from collections.abc import Callable, Mapping
@@ -198,15 +199,11 @@ class AmdGpuSampler:
 
     def _temperature(self, device: GpuIdentity) -> float | None:
         smi = self._amdsmi
+        current = smi.AmdSmiTemperatureMetric.CURRENT
         for sensor in ("EDGE", "HOTSPOT"):
             kind = getattr(smi.AmdSmiTemperatureType, sensor)
-            current = smi.AmdSmiTemperatureMetric.CURRENT
-
-            def read(kind: Any = kind, current: Any = current) -> Any:
-                return smi.amdsmi_get_temp_metric(device.handle, kind, current)
-
-            value = self._query(device, f"temperature-{sensor.lower()}", read)
-            number = _number(value)
+            read = functools.partial(smi.amdsmi_get_temp_metric, device.handle, kind, current)
+            number = _number(self._query(device, f"temperature-{sensor.lower()}", read))
             if number is not None:
                 return number
         return None
