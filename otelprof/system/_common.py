@@ -45,6 +45,15 @@ class LogOnce:
         return True
 
     def error(self, key: str, exc: BaseException, doing: str, outcome: str = "omitted") -> None:
-        """A WARNING once per `key` and kind of error: "<doing> (<type>: <error>); <outcome>"."""
-        kind = type(exc).__name__
-        self(f"{key}:{kind}", logging.WARNING, "%s (%s: %s); %s", doing, kind, exc, outcome)
+        """A WARNING once per `key` and kind of error: "<doing> (<error>); <outcome>"."""
+        key = f"{key}:{type(exc).__name__}"
+        self(key, logging.WARNING, "%s (%s); %s", doing, describe(exc), outcome)
+
+
+def describe(exc: BaseException) -> str:
+    """An error in words: its type, and its text when it has one."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

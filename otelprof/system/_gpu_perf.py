@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import names
-from ._common import LogOnce, Reading
-from ._gpu_query import QueryPolicy, describe
+from ._common import LogOnce, Reading, describe
+from ._gpu_query import QueryPolicy
 from ._stamps import Baseline
 
 if TYPE_CHECKING:

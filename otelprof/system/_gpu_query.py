@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import names
-from ._common import Attributes
+from ._common import Attributes, LogOnce
 
 T = TypeVar("T")
 D = TypeVar("D", bound="GpuIdentity")
@@ -66,22 +66,13 @@ def select_visible(
     return chosen
 
 
-def describe(exc: BaseException) -> str:
-    """A driver error in words: its type, and its text when it has one."""
-    try:
-        text = str(exc)
-    except Exception:
-        text = ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class QueryPolicy:
     """Asks through `call`, and turns a driver error into an omitted sample (see above)."""
 
     def __init__(
         self,
         driver: str,
-        log: Callable[..., Any],
+        log: LogOnce,
         refusal: Callable[[Exception], str | None],
         key_prefix: str = "",
     ) -> None:
@@ -117,11 +108,6 @@ class QueryPolicy:
 
     def transient(self, device: GpuIdentity, metric: str, exc: Exception) -> None:
         """An error that may pass: this sample is omitted, the kind of error logged once."""
-        self._log(
-            f"{self._prefix}failed:{device.uuid}:{metric}:{type(exc).__name__}",
-            logging.WARNING,
-            "GPU %s: reading %s failed (%s); omitted while it fails",
-            device.uuid,
-            metric,
-            describe(exc),
-        )
+        doing = f"GPU {device.uuid}: reading {metric} failed"
+        key = f"{self._prefix}failed:{device.uuid}:{metric}"
+        self._log.error(key, exc, doing, "omitted while it fails")

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names
-from ._common import LogOnce, Reading, logger
+from ._common import LogOnce, Reading, describe, logger
 from ._gpu_perf import GpuPerf, PerfState, fresh_mean, permanent_codes, skip_history
-from ._gpu_query import GpuIdentity, QueryPolicy, describe, select_visible
+from ._gpu_query import GpuIdentity, QueryPolicy, select_visible
 from ._stamps import Clock
 
 
