@@ -173,7 +173,7 @@ class ThroughputTracker:
         self.peak: float | None = None
         self.peak_source = ""
         self._peak_generation = -1  # the `_peak_generation` `peak` was resolved under
-        self._remove = engine.add_step_listener(self.on_step)
+        engine.add_step_listener(self.on_step)  # for the engine's life: the run's
         if meter_provider is not None:
             self._make_instruments(meter_provider)
 
@@ -208,9 +208,6 @@ class ThroughputTracker:
             (TRAIN_MFU, 3, "1", mfu),
         ):
             meter.create_observable_gauge(name, [gauge(index)], unit, description)
-
-    def close(self) -> None:
-        self._remove()
 
     def finish(self) -> None:
         """At the run's end, before the last collection: a run that never called `step()`
