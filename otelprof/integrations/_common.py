@@ -43,12 +43,8 @@ def safe(func: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
 def _first_tensor(data: Any) -> Any:
-    torch = _torch()
+    torch = sys.modules.get("torch")
     if torch is None:
         return None
     if isinstance(data, torch.Tensor):
@@ -80,7 +76,7 @@ def batch_samples(batch: Any) -> int | None:
 def batch_tokens(batch: Any) -> int | None:
     """Tokens in a batch of token ids (a mapping with `input_ids`): non-padding tokens from
     `attention_mask` when present, else every id. None for other batches."""
-    torch = _torch()
+    torch = sys.modules.get("torch")
     if torch is None or not isinstance(batch, Mapping):
         return None
     mask = batch.get("attention_mask")
