@@ -88,7 +88,7 @@ def parser(describe: str) -> Callable[[Callable[[_Source], Any]], Parser]:
 Default = Callable[[dict[str, Any], Mapping[str, str]], Any]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Option:
     """One option: environment variables (priority order), keyword aliases, parser, default,
     and what it means.
@@ -103,22 +103,29 @@ class Option:
     sentences, shown in the options reference.
     """
 
-    env: tuple[str, ...] = ()
+    env: tuple[str, ...]
     parse: Parser
-    help: str
     aliases: tuple[str, ...] = ()
     derive: Default | None = None
     keyword: bool = True
+    help: str = ""
     unset: str = ""
 
-    def __post_init__(self) -> None:
-        if self.derive is not None and not self.unset:
-            raise TypeError("an option with a derived default says what it is: `unset=`")
 
-
-def opt(**declaration: Any) -> dict[str, Option]:
+def opt(
+    *,
+    env: tuple[str, ...] = (),
+    parse: Parser,
+    help: str,
+    aliases: tuple[str, ...] = (),
+    derive: Default | None = None,
+    keyword: bool = True,
+    unset: str = "",
+) -> dict[str, Option]:
     """A `Settings` field's metadata: its `Option` declaration."""
-    return {"option": Option(**declaration)}
+    if derive is not None and not unset:
+        raise TypeError("an option with a derived default says what it is: `unset=`")
+    return {"option": Option(env, parse, aliases, derive, keyword, help, unset)}
 
 
 # ---- parsers: each takes a `_Source` and returns the typed value or raises ConfigError ----
