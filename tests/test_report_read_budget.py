@@ -21,13 +21,14 @@ from otelprof.analysis.reader import (
     ReadPlan,
     ReadStats,
     WarningLog,
+    iter_all_records,
     iter_lines,
     open_run,
 )
 from otelprof.analysis.report_json import build_json
 from otelprof.analysis.sections import build_sections
 from otelprof.analysis.summary import RunSummary, summarize
-from otelprof.analysis.throughput import analyze as throughput_pass
+from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass
 from otelprof.analysis.verdict import judge
 
 STEPS = 2500
@@ -71,14 +72,22 @@ def test_a_run_within_the_budget_gives_the_report_of_a_full_read(sampled_run: Pa
     assert whole.read.bytes == whole.read.total_bytes == open_run([sampled_run]).total_bytes
 
 
+def throughput_pass(run: Path, steps: tuple[int, int] | None = None) -> list[PhaseThroughput]:
+    """The throughput figures from a pass over the run of their own."""
+    work = ThroughputPass(steps)
+    for rec in iter_all_records(open_run([run]).jsonl, lambda _m: None):
+        work.feed(rec)
+    return work.result()
+
+
 def test_the_throughput_of_the_single_pass_equals_a_pass_of_its_own(sampled_run: Path) -> None:
     summary, doc, _warn = _report(sampled_run)
-    alone = throughput_pass(open_run([sampled_run]).jsonl, lambda _m: None)
+    alone = throughput_pass(sampled_run)
     assert alone and summary.throughput == alone
     assert alone[0].from_aggregates  # sampled: the counters over every step
     assert doc["sections"]["throughput"]["rows"][0]["steps"] == alone[0].steps
     ranged, _doc, _warn = _report(sampled_run, steps=(100, 900))
-    alone = throughput_pass(open_run([sampled_run]).jsonl, lambda _m: None, (100, 900))
+    alone = throughput_pass(sampled_run, (100, 900))
     assert ranged.throughput == alone and alone[0].steps > 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from otelprof._schema import RUN_ENDED
 from otelprof.analysis.format import value
@@ -108,9 +109,6 @@ class Comparison:
     def group(self, name: str) -> list[Delta]:
         return [r for r in self.rows if r.group == name]
 
-    def find(self, group: str, name: str) -> Delta | None:
-        return next((r for r in self.rows if r.group == group and r.name == name), None)
-
 
 def compare(a: Run, b: Run) -> Comparison:
     """Pair the two runs' figures and say what changed."""
@@ -188,42 +186,48 @@ def _processes(a: RunSummary, b: RunSummary) -> list[Delta]:
     ]
 
 
-def _throughput(a: RunSummary, b: RunSummary) -> list[Delta]:
-    ta = {t.phase: t for t in a.throughput}
-    tb = {t.phase: t for t in b.throughput}
+def _by_phase(
+    group: str,
+    xa: dict[str, Any],
+    xb: dict[str, Any],
+    phases: list[str],
+    better: str,
+    figures: tuple[tuple[str, str, str], ...],
+) -> list[Delta]:
+    """A row per phase and figure (attribute, unit, label) that either run has."""
     rows = []
-    for phase in (
-        [p for p in ta if p in tb] + [p for p in tb if p not in ta] + [p for p in ta if p not in tb]
-    ):
-        x, y = ta.get(phase), tb.get(phase)
-        for attr, unit, label in (
-            ("samples_per_s", "{sample}/s", "samples/s"),
-            ("tokens_per_s", "{token}/s", "tokens/s"),
-            ("mfu", "1", "MFU"),
-        ):
+    for phase in phases:
+        x, y = xa.get(phase), xb.get(phase)
+        for attr, unit, label in figures:
             va = getattr(x, attr) if x is not None else None
             vb = getattr(y, attr) if y is not None else None
             if va is not None or vb is not None:
-                rows.append(Delta("throughput", f"{label} ({phase})", unit, va, vb, "higher"))
+                rows.append(Delta(group, f"{label} ({phase})", unit, va, vb, better))
     return rows
+
+
+def _throughput(a: RunSummary, b: RunSummary) -> list[Delta]:
+    ta = {t.phase: t for t in a.throughput}
+    tb = {t.phase: t for t in b.throughput}
+    phases = [p for p in ta if p in tb] + [p for p in tb if p not in ta]
+    phases += [p for p in ta if p not in tb]
+    figures = (
+        ("samples_per_s", "{sample}/s", "samples/s"),
+        ("tokens_per_s", "{token}/s", "tokens/s"),
+        ("mfu", "1", "MFU"),
+    )
+    return _by_phase("throughput", ta, tb, phases, "higher", figures)
 
 
 def _memory(a: RunSummary, b: RunSummary) -> list[Delta]:
     ma = {m.phase: m for m in memory_by_phase(a)}
     mb = {m.phase: m for m in memory_by_phase(b)}
-    rows = []
-    for phase in list(ma) + [p for p in mb if p not in ma]:
-        x, y = ma.get(phase), mb.get(phase)
-        for attr, label in (
-            ("cuda_peak_allocated", "CUDA peak allocated"),
-            ("cuda_peak_reserved", "CUDA peak reserved"),
-            ("rss_max", "RSS max"),
-        ):
-            va = getattr(x, attr) if x is not None else None
-            vb = getattr(y, attr) if y is not None else None
-            if va is not None or vb is not None:
-                rows.append(Delta("memory", f"{label} ({phase})", "By", va, vb, "lower"))
-    return rows
+    figures = (
+        ("cuda_peak_allocated", "By", "CUDA peak allocated"),
+        ("cuda_peak_reserved", "By", "CUDA peak reserved"),
+        ("rss_max", "By", "RSS max"),
+    )
+    return _by_phase("memory", ma, mb, list(ma) + [p for p in mb if p not in ma], "lower", figures)
 
 
 def module_per_step(summary: RunSummary) -> dict[str, float]:

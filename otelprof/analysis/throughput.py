@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from otelprof.analysis.sections import Section, section
 from otelprof.analysis.summary import RunSummary
-from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass, analyze
-
-__all__ = ["PhaseThroughput", "ThroughputPass", "analyze", "throughput_section"]
 
 
 def _round(value: float | None, digits: int = 4) -> float | None:

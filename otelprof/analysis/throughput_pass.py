@@ -17,9 +17,7 @@ time (every step, step 0 included), and FLOP/s (MFU) from the kept steps' rate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from otelprof._schema import (
@@ -35,15 +33,7 @@ from otelprof._schema import (
 from otelprof._schema import ATTR_PEAK_FLOPS as PEAK_ATTR
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec
-from otelprof.analysis.reader import (
-    PointRec,
-    ReadPlan,
-    ReadStats,
-    Resource,
-    SpanRec,
-    Warn,
-    iter_all_records,
-)
+from otelprof.analysis.reader import PointRec, Resource, SpanRec
 
 WORK_ATTRS = (ATTR_SAMPLES, ATTR_TOKENS, ATTR_FLOPS)
 COUNTERS = {TRAIN_SAMPLES: "samples", TRAIN_TOKENS: "tokens"}
@@ -99,7 +89,7 @@ def _number(value: Any) -> float | None:
 
 class ThroughputPass:
     """The throughput figures fed one record at a time, so the summary's single pass over
-    the files computes them too (`analyze` for a pass of its own)."""
+    the files computes them too."""
 
     def __init__(self, steps: tuple[int | None, int | None] | None = None) -> None:
         self.steps = steps
@@ -221,20 +211,6 @@ class ThroughputPass:
                 )
             )
         return out
-
-
-def analyze(
-    files: Iterable[Path],
-    warn: Warn,
-    steps: tuple[int | None, int | None] | None = None,
-    plan: ReadPlan | None = None,
-) -> list[PhaseThroughput]:
-    """One pass over the spans; a row per phase that recorded any work. `steps` (A, B):
-    only steps A <= n < B (`otelprof report --steps A:B`); else every step but step 0."""
-    work = ThroughputPass(steps)
-    for rec in iter_all_records(files, warn, ReadStats(), plan=plan):
-        work.feed(rec)
-    return work.result()
 
 
 def _from_aggregates(
