@@ -131,14 +131,11 @@ class _EventWriter:
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
-        self.first = True
+        self.separator = "\n"  # before the first event; ",\n" before each later one
 
     def raw(self, event_json: str) -> None:
-        if self.first:
-            self.first = False
-            self.out.write("\n" + event_json)
-        else:
-            self.out.write(",\n" + event_json)
+        self.out.write(self.separator + event_json)
+        self.separator = ",\n"
 
 
 class _Processes:

@@ -211,11 +211,11 @@ def _step_range(text: str) -> tuple[int | None, int | None]:
     return a, b
 
 
-def _open(args: argparse.Namespace, warn: WarningLog) -> Any:
+def _open(paths: list[Path], command: str, warn: WarningLog) -> Any:
     try:
-        return open_run(args.run_dir, warn)
+        return open_run(paths, warn)
     except RunDirError as exc:
-        print(f"otelprof {args.command}: error: {exc}", file=sys.stderr)
+        print(f"otelprof {command}: error: {exc}", file=sys.stderr)
         return None
 
 
@@ -235,10 +235,23 @@ def _console(width: int | None) -> Any:
     return console
 
 
-def _report(args: argparse.Namespace) -> int:
+def _read(
+    label: str, files: Any, warn: WarningLog, args: argparse.Namespace, **options: Any
+) -> Any:
+    """A run's summary, verdict and sections (`compare.Run`), as `otelprof report` reads it."""
+    from otelprof.analysis.compare import Run
+    from otelprof.analysis.sections import build_sections
     from otelprof.analysis.summary import summarize
     from otelprof.analysis.verdict import judge
 
+    jobs = options.pop("jobs", None) or default_jobs(files, args.read_budget)
+    summary = summarize(
+        files, warn, read_budget=args.read_budget, jobs=jobs, max_line=args.max_line, **options
+    )
+    return Run(label, summary, judge(summary), build_sections(summary, warn))
+
+
+def _report(args: argparse.Namespace) -> int:
     warn = WarningLog()
     if not args.run_dir:
         try:
@@ -248,22 +261,11 @@ def _report(args: argparse.Namespace) -> int:
             return 2
         print(f"otelprof report: latest run {latest}", file=sys.stderr)
         args.run_dir = [latest]
-    files = _open(args, warn)
+    files = _open(args.run_dir, "report", warn)
     if files is None:
         return 2
-    jobs = args.jobs if args.jobs is not None else default_jobs(files, args.read_budget)
-    summary = summarize(
-        files,
-        warn,
-        steps=args.steps,
-        read_budget=args.read_budget,
-        jobs=jobs,
-        max_line=args.max_line,
-    )
-    verdict = judge(summary)
-    from otelprof.analysis.sections import build_sections
-
-    sections = build_sections(summary, warn)
+    run = _read("", files, warn, args, steps=args.steps, jobs=args.jobs)
+    summary, verdict, sections = run.summary, run.verdict, run.sections
     if args.json:
         import json
 
@@ -289,23 +291,16 @@ def _report(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     """Both runs read as `otelprof report` reads them, then the comparison rendered."""
     from otelprof.analysis import compare_report
-    from otelprof.analysis.compare import Run, compare
-    from otelprof.analysis.sections import build_sections
-    from otelprof.analysis.summary import summarize
-    from otelprof.analysis.verdict import judge
+    from otelprof.analysis.compare import compare
 
     warn = WarningLog()
     try:
         runs = []
         for label, directory in (("A", args.run_a), ("B", args.run_b)):
-            files = _open(argparse.Namespace(run_dir=[directory], command="compare"), warn)
+            files = _open([directory], "compare", warn)
             if files is None:
                 return 2
-            jobs = default_jobs(files, args.read_budget)
-            summary = summarize(
-                files, warn, read_budget=args.read_budget, jobs=jobs, max_line=args.max_line
-            )
-            runs.append(Run(label, summary, judge(summary), build_sections(summary, warn)))
+            runs.append(_read(label, files, warn, args))
         comparison = compare(*runs)
         if args.json:
             import json
@@ -326,7 +321,7 @@ def _trace(args: argparse.Namespace) -> int:
     from otelprof.analysis.chrome_trace import write_trace
 
     warn = WarningLog()
-    files = _open(args, warn)
+    files = _open(args.run_dir, args.command, warn)
     if files is None:
         return 2
     result = write_trace(
@@ -355,7 +350,7 @@ def _replay(args: argparse.Namespace) -> int:
     from otelprof.analysis.replay import ReplayError, ReplayOptions, replay
 
     warn = WarningLog()
-    files = _open(args, warn)
+    files = _open(args.run_dir, args.command, warn)
     if files is None:
         return 2
     options = ReplayOptions(

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from otelprof.analysis import format as fmt
 from otelprof.analysis.compare import Comparison, Delta, Run, percent
+from otelprof.analysis.report_html import CSS
 from otelprof.analysis.report_json import json_safe
 
 SCHEMA_VERSION = 1
@@ -141,16 +142,9 @@ def build_json(cmp: Comparison) -> dict[str, Any]:
 
 # ---- HTML ----
 
-_CSS = """
-body{font-family:sans-serif;margin:24px;color:#222;max-width:1000px}
-h1{font-size:20px} h2{font-size:16px;margin-top:28px}
-table{border-collapse:collapse;font-size:13px}
-th,td{padding:3px 9px;border-bottom:1px solid #ddd;text-align:right}
-th:first-child,td:first-child{text-align:left}
-td.good{color:#1a7f37} td.bad{color:#c0392b}
+_CSS = """td.good{color:#1a7f37} td.bad{color:#c0392b}
 .changed{border:2px solid #1f77b4;border-radius:6px;padding:10px 14px;background:#eef5fb}
-.meta{color:#555;font-size:13px}
-"""
+"""  # after the report's own (report_html.CSS)
 _COLOURS = ("#1f77b4", "#ff7f0e")  # run A, run B: the same in every chart
 
 
@@ -197,7 +191,7 @@ def build_html(cmp: Comparison) -> str:
     title = f"otelprof compare: {cmp.a.name} vs {cmp.b.name}"
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>",
+        f"<style>{CSS}{_CSS}</style></head><body><h1>{escape(title)}</h1>",
         f"<p class='meta'>{escape(_run_line(cmp.a))}<br>{escape(_run_line(cmp.b))}</p>",
         f"<div class='changed'><b>{escape(cmp.headline)}</b><ul>"
         + "".join(f"<li>{escape(c)}</li>" for c in cmp.changes)

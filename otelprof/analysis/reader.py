@@ -71,11 +71,7 @@ class RunFiles:
     @property
     def started_ns(self) -> int | None:
         """Earliest start time recorded in run.json files, if any."""
-        starts = []
-        for info in self.run_info:
-            for key in ("started_unix_nano", "start_time_unix_nano"):
-                with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError):
-                    starts.append(int(info[key]))
+        starts = [t for i in self.run_info if isinstance(t := i.get("started_unix_nano"), int)]
         return min(starts) if starts else None
 
 
@@ -146,7 +142,6 @@ def open_run(paths: Sequence[str | Path], warn: Warn | None = None) -> RunFiles:
 _RUN_INFO_FIELDS: dict[str, tuple[type, ...]] = {
     "run_id": (str,),
     "started_unix_nano": (int,),
-    "start_time_unix_nano": (int,),
     "finished_unix_nano": (int,),
     "attempt": (int,),
     "interval_s": (int, float),
@@ -820,8 +815,7 @@ def _points_of(
                     resource=resource,
                 )
             except MALFORMED as exc:
-                stats.skipped_items += 1
-                warn(f"{where}: malformed data point of {name} skipped ({exc!r})")
+                _skipped(f"{where}: malformed data point of {name}", exc, warn, stats)
                 continue
             stats.points += 1
             yield rec
@@ -833,15 +827,13 @@ def _histograms_of(
     try:
         points = _list(metric["histogram"].get("dataPoints"), "dataPoints")
     except MALFORMED as exc:
-        stats.skipped_items += 1
-        warn(f"{where}: malformed histogram {HIST_METRIC} skipped ({exc!r})")
+        _skipped(f"{where}: malformed histogram {HIST_METRIC}", exc, warn, stats)
         return
     for dp in points:
         try:
             hist = parse_hist(dp, attributes(dp.get("attributes")), resource)
         except MALFORMED as exc:
-            stats.skipped_items += 1
-            warn(f"{where}: malformed histogram point of {HIST_METRIC} skipped ({exc!r})")
+            _skipped(f"{where}: malformed histogram point of {HIST_METRIC}", exc, warn, stats)
             continue
         stats.points += 1
         yield hist

@@ -21,7 +21,7 @@ from otelprof.analysis.tables import (
 )
 from otelprof.analysis.verdict import Verdict, direct_shares
 
-_CSS = """
+CSS = """
 body{font-family:sans-serif;margin:24px;color:#222;max-width:1000px}
 h1{font-size:20px} h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px}
@@ -33,6 +33,7 @@ tr.dim td{color:#888}
 .note{color:#8a6d00}
 .verdict b{font-size:15px} .meta{color:#555;font-size:13px}
 """
+"""The page's style (`otelprof compare`'s too, with its own rules added)."""
 
 
 def _table(
@@ -99,7 +100,7 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
     phases = [(p.label, p.start_ns / 1e9, p.end_ns / 1e9) for p in summary.phases]
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(title)}</title>"
-        f"<style>{_CSS}</style></head><body><h1>{escape(title)}</h1>"
+        f"<style>{CSS}</style></head><body><h1>{escape(title)}</h1>"
     ]
     parts.append(
         f"<p class='meta'>{len(files.jsonl)} files ({escape(fmt.size(summary.read.bytes))}), "
