@@ -13,7 +13,7 @@ from otelprof._timings._sampling import BOUNDS
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import apply as apply_aggregates
 from otelprof.analysis.quantiles import DurationStats
-from otelprof.analysis.reader import WarningLog, iter_all_records, open_run
+from otelprof.analysis.reader import WarningLog, iter_records, open_run
 from otelprof.analysis.summary import TimingAgg, summarize, timing_key
 from otelprof.cli import main as cli_main
 
@@ -45,7 +45,9 @@ def test_histogram_figures_equal_the_span_figures_of_a_fully_traced_run(tmp_path
     warn = WarningLog(sink=lambda _m: None)
     from_spans = summarize(open_run([run]), warn, steps=(None, None))  # spans only
     hists = [
-        rec for rec in iter_all_records(open_run([run]).jsonl, warn) if isinstance(rec, HistRec)
+        rec
+        for rec in iter_records(open_run([run]).jsonl, warn, histograms=True)
+        if isinstance(rec, HistRec)
     ]
     from_hists = summarize(open_run([run]), warn, steps=(None, None))
     from_hists.timings = {}  # as if every span had been sampled out

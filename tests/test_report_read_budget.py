@@ -21,8 +21,8 @@ from otelprof.analysis.reader import (
     ReadPlan,
     ReadStats,
     WarningLog,
-    iter_all_records,
     iter_lines,
+    iter_records,
     open_run,
 )
 from otelprof.analysis.report_json import build_json
@@ -75,7 +75,7 @@ def test_a_run_within_the_budget_gives_the_report_of_a_full_read(sampled_run: Pa
 def throughput_pass(run: Path, steps: tuple[int, int] | None = None) -> list[PhaseThroughput]:
     """The throughput figures from a pass over the run of their own."""
     work = ThroughputPass(steps)
-    for rec in iter_all_records(open_run([run]).jsonl, lambda _m: None):
+    for rec in iter_records(open_run([run]).jsonl, lambda _m: None, histograms=True):
         work.feed(rec)
     return work.result()
 

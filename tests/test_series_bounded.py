@@ -15,7 +15,7 @@ from typing import Any
 
 import otelprof
 from otelprof.analysis.aggregates import HistRec
-from otelprof.analysis.reader import PointRec, WarningLog, iter_all_records, open_run
+from otelprof.analysis.reader import PointRec, WarningLog, iter_records, open_run
 
 IDENTITY = {"process.pid", "otelprof.run_id", "service.instance.id"}
 """Resource attributes that differ between two runs by design (one value per process)."""
@@ -50,7 +50,9 @@ def _series(run: Path) -> tuple[set[tuple[str, Any]], dict[str, Any]]:
     series: set[tuple[str, Any]] = set()
     resource: dict[str, Any] = {}
     warn = WarningLog(sink=lambda _m: None)
-    for rec in iter_all_records(open_run([run]).jsonl, warn, kinds=frozenset({"metrics"})):
+    for rec in iter_records(
+        open_run([run]).jsonl, warn, kinds=frozenset({"metrics"}), histograms=True
+    ):
         if isinstance(rec, HistRec):
             series.add(("otelprof.timing.duration", (rec.timing, rec.phase)))
         elif isinstance(rec, PointRec):

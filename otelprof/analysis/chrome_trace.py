@@ -339,7 +339,7 @@ def write_trace(
                     f'"args":{_compact(args)}}}'
                 )
                 slices += 1
-            else:
+            elif isinstance(rec, PointRec):  # no HistRec without histograms=True
                 if (rec.kind == "sum" and rec.monotonic) or not math.isfinite(rec.value):
                     continue  # cumulative counters make poor counter tracks; JSON has no NaN
                 events.raw(

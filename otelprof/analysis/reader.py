@@ -854,21 +854,10 @@ def iter_records(
     stats: ReadStats | None = None,
     kinds: frozenset[str] = frozenset({"traces", "metrics"}),
     plan: ReadPlan | None = None,
-) -> Iterator[SpanRec | PointRec]:
-    """Spans and gauge/sum points of every intact line, file by file, in file order."""
-    # no HistRec comes without histograms=True
-    yield from iter_all_records(files, warn, stats, kinds, histograms=False, plan=plan)  # type: ignore[misc]
-
-
-def iter_all_records(
-    files: Iterable[Path],
-    warn: Warn,
-    stats: ReadStats | None = None,
-    kinds: frozenset[str] = frozenset({"traces", "metrics"}),
-    histograms: bool = True,
-    plan: ReadPlan | None = None,
+    histograms: bool = False,
 ) -> Iterator[SpanRec | PointRec | HistRec]:
-    """Like `iter_records`, plus the points of the timing histograms (`HistRec`)."""
+    """Spans and gauge/sum points of every intact line, file by file, in file order; with
+    `histograms`, the points of the timing histograms (`HistRec`) too."""
     stats = stats if stats is not None else ReadStats()
     cache = _ResourceCache()
     for line in iter_lines(files, warn, stats, plan):

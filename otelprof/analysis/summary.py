@@ -45,7 +45,7 @@ from otelprof.analysis.reader import (
     SpanRec,
     Warn,
     device_label,
-    iter_all_records,
+    iter_records,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
 from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass, in_steps
@@ -569,7 +569,7 @@ class _FilePass:
         straggler_pass = StragglerPass()
         first_ns = self.first_ns
         last_ns = self.last_ns
-        records = iter_all_records([path], warn, self.read, histograms=steps is None, plan=plan)
+        records = iter_records([path], warn, self.read, histograms=steps is None, plan=plan)
         for rec in records:
             work.feed(rec)
             if isinstance(rec, HistRec):
