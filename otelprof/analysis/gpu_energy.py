@@ -42,60 +42,12 @@ from otelprof._schema import PHASE_TRAIN as DEFAULT_PHASE
 from otelprof._schema import STEP_SPAN
 from otelprof.analysis.reader import PointRec, ReadPlan, ReadStats, SpanRec, Warn, iter_records
 from otelprof.analysis.sections import Section, section
-from otelprof.analysis.summary import RunSummary, union
+from otelprof.analysis.summary import MAX_INTERVALS, IntervalSet, RunSummary
 
 UTILIZATION = "hw.gpu.utilization"
 ENERGY = "hw.energy"
 POWER = "hw.power"
-MAX_INTERVALS = 20_000
 MAX_TIMING_NAMES = 40
-
-
-class IntervalSet:
-    """Union of [start, end) intervals (ns), bounded in size, with the true covered time."""
-
-    def __init__(self, cap: int = MAX_INTERVALS) -> None:
-        self._cap = cap
-        self._raw: list[tuple[int, int]] = []
-        self._merged: list[tuple[int, int]] = []
-        self.true_ns = 0  # summed durations as added (exact if the spans do not overlap)
-        self.lossy = False
-
-    def add(self, start: int, end: int) -> None:
-        if end <= start:
-            return
-        self._raw.append((start, end))
-        self.true_ns += end - start
-        if len(self._raw) >= 4 * self._cap:
-            self._normalize()
-
-    def _normalize(self) -> None:
-        merged = [list(iv) for iv in union(self._merged + self._raw)]
-        self._raw = []
-        while len(merged) > self._cap:  # join the closest neighbours (rare, bounded)
-            self.lossy = True
-            gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
-            drop = set(gaps[: len(merged) - self._cap])
-            out: list[list[int]] = []
-            for i, iv in enumerate(merged):
-                if out and (i - 1) in drop:
-                    out[-1][1] = max(out[-1][1], iv[1])
-                else:
-                    out.append(list(iv))
-            merged = out
-        self._merged = [(s, e) for s, e in merged]
-
-    def intervals(self) -> list[tuple[int, int]]:
-        self._normalize()
-        return self._merged
-
-    def covered_ns(self) -> int:
-        return sum(e - s for s, e in self.intervals())
-
-    def scale(self) -> float:
-        """True time / merged time: 1 unless closest intervals had to be joined."""
-        covered = self.covered_ns()
-        return min(1.0, self.true_ns / covered) if self.lossy and covered else 1.0
 
 
 def overlap_ns(intervals: list[tuple[int, int]], starts: list[int], a: int, b: int) -> int:

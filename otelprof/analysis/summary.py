@@ -294,7 +294,7 @@ class _Phases:
 
     def __init__(self) -> None:
         self._epochs: dict[str, list[int]] = {}
-        self._others: dict[str, list[list[int]]] = {}
+        self._others: dict[str, IntervalSet] = {}
 
     def step(self, epoch: Any, start: int, end: int) -> None:
         self._epoch(f"epoch {epoch}" if epoch is not None else "training", start, end)
@@ -308,32 +308,21 @@ class _Phases:
             span[1] = max(span[1], end)
 
     def root(self, name: str, start: int, end: int) -> None:
-        intervals = self._others.setdefault(name, [])
-        for iv in intervals:
-            if start <= iv[1] and end >= iv[0]:  # overlaps (another rank's copy): merge
-                iv[0] = min(iv[0], start)
-                iv[1] = max(iv[1], end)
-                return
-        intervals.append([start, end])
-        if len(intervals) > _MAX_PHASES_PER_LABEL:  # keep bounded: merge the closest pair
-            intervals.sort()
-            gaps = [intervals[i + 1][0] - intervals[i][1] for i in range(len(intervals) - 1)]
-            i = gaps.index(min(gaps))
-            intervals[i][1] = max(intervals[i][1], intervals[i + 1][1])
-            del intervals[i + 1]
+        # another rank's copy of a phase overlaps it: one interval
+        self._others.setdefault(name, IntervalSet(_MAX_PHASES_PER_LABEL)).add(start, end)
 
     def merge(self, other: _Phases) -> None:
         """Fold in the phases of other files (another rank's copy of a phase overlaps)."""
         for label, (start, end) in other._epochs.items():
             self._epoch(label, start, end)
         for name, intervals in other._others.items():
-            for start, end in intervals:
+            for start, end in intervals.intervals():
                 self.root(name, start, end)
 
     def result(self) -> list[Phase]:
         phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
         for label, intervals in self._others.items():
-            phases.extend(Phase(label, s, e) for s, e in union(intervals))
+            phases.extend(Phase(label, s, e) for s, e in intervals.intervals())
         return sorted(phases, key=lambda p: (p.start_ns, p.label))
 
 
@@ -347,6 +336,56 @@ def union(intervals: Iterable[Any]) -> list[tuple[int, int]]:
         else:
             out.append((start, end))
     return out
+
+
+MAX_INTERVALS = 20_000
+
+
+class IntervalSet:
+    """Union of [start, end) intervals (ns), bounded in size, with the true covered time."""
+
+    def __init__(self, cap: int = MAX_INTERVALS) -> None:
+        self._cap = cap
+        self._raw: list[tuple[int, int]] = []
+        self._merged: list[tuple[int, int]] = []
+        self.true_ns = 0  # summed durations as added (exact if the spans do not overlap)
+        self.lossy = False
+
+    def add(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        self._raw.append((start, end))
+        self.true_ns += end - start
+        if len(self._raw) >= 4 * self._cap:
+            self._normalize()
+
+    def _normalize(self) -> None:
+        merged = [list(iv) for iv in union(self._merged + self._raw)]
+        self._raw = []
+        while len(merged) > self._cap:  # join the closest neighbours (rare, bounded)
+            self.lossy = True
+            gaps = sorted(range(len(merged) - 1), key=lambda i: merged[i + 1][0] - merged[i][1])
+            drop = set(gaps[: len(merged) - self._cap])
+            out: list[list[int]] = []
+            for i, iv in enumerate(merged):
+                if out and (i - 1) in drop:
+                    out[-1][1] = max(out[-1][1], iv[1])
+                else:
+                    out.append(list(iv))
+            merged = out
+        self._merged = [(s, e) for s, e in merged]
+
+    def intervals(self) -> list[tuple[int, int]]:
+        self._normalize()
+        return self._merged
+
+    def covered_ns(self) -> int:
+        return sum(e - s for s, e in self.intervals())
+
+    def scale(self) -> float:
+        """True time / merged time: 1 unless closest intervals had to be joined."""
+        covered = self.covered_ns()
+        return min(1.0, self.true_ns / covered) if self.lossy and covered else 1.0
 
 
 _Waiting = tuple[str, str, str, float, int, "list[_Waiting] | None"]
