@@ -1,7 +1,8 @@
 """What a reader must see first: crashed, killed or unfinalized processes, failed spans, drops;
 then notes that change how the figures should be read (step 0 outlier, step() never called).
 
-Both are plain data, rendered by the text, HTML and JSON reports alike.
+Both are plain data, rendered by the text, HTML and JSON reports alike. The run files' fields
+are as `reader.open_run` left them: `resource`, `end` and `stats` an object or absent.
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ class Finding:
 
 
 def _process_label(info: dict[str, Any]) -> str:
-    resource = info.get("resource") if isinstance(info.get("resource"), dict) else {}
-    assert isinstance(resource, dict)
+    resource = info.get("resource") or {}
     parts = []
     if "otelprof.rank" in resource and int(resource.get("otelprof.world_size", 1) or 1) > 1:
         parts.append(f"rank {resource['otelprof.rank']}")
@@ -46,7 +46,7 @@ def _process_label(info: dict[str, Any]) -> str:
 
 def _in_step(info: dict[str, Any], summary: RunSummary | None) -> str:
     """' in step 4 (its ranges: the "crashed step" rows)' for a process that ended in a step."""
-    resource = info.get("resource") if isinstance(info.get("resource"), dict) else None
+    resource = info.get("resource")
     if resource is None or summary is None:
         return ""
     key = (str(resource.get("host.name", "unknown-host")), resource.get("process.pid"))
@@ -61,7 +61,7 @@ def _end_finding(info: dict[str, Any], summary: RunSummary | None = None) -> Fin
     """How one process's run ended, as a problem (None for a clean end); with the run's
     summary, the step a crash or a stop came in."""
     who = _process_label(info)
-    end = info.get("end") if isinstance(info.get("end"), dict) else None
+    end = info.get("end")
     if "finished_unix_nano" not in info:
         if end and end.get("signal"):
             return Finding(
@@ -134,8 +134,7 @@ def problems(summary: RunSummary) -> list[Finding]:
         )
         found.append(Finding("failed spans", f"{total:,} span(s) ended with an error: {names}"))
     for info in summary.files.run_info:
-        stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
-        assert isinstance(stats, dict)
+        stats = info.get("stats") or {}
         if "finished_unix_nano" not in info:  # no final counts: what its exports counted
             found.extend(_counted_by_exports(info, summary))
             continue
@@ -158,8 +157,7 @@ def problems(summary: RunSummary) -> list[Finding]:
 
 def _counted_by_exports(info: dict[str, Any], summary: RunSummary) -> list[Finding]:
     """The drops a process without a recorded end had counted by its last export."""
-    resource = info.get("resource") if isinstance(info.get("resource"), dict) else {}
-    assert isinstance(resource, dict)
+    resource = info.get("resource") or {}
     pid = resource.get("process.pid")
     if not isinstance(pid, int):
         return []
@@ -253,8 +251,7 @@ def notes(summary: RunSummary) -> list[str]:
                 "`otelprof report --steps 1:`"
             )
     for info in summary.files.run_info:
-        stats = info.get("stats") if isinstance(info.get("stats"), dict) else {}
-        assert isinstance(stats, dict)
+        stats = info.get("stats") or {}
         folded = stats.get("timings.span_names_folded")
         if isinstance(folded, int) and folded > 0:
             out.append(
