@@ -803,10 +803,7 @@ class _FilePass:
                     hist.timing = label if hist.timing == PHASE_AFTER_TRAINING else hist.timing
         # in-process histograms cover every step, the kept traces only a sample of them
         summary.timings_from_histograms = apply_aggregates(
-            summary,
-            list(self.hists.values()),
-            timing_key,
-            lambda name, stats: TimingAgg(name, stats),
+            summary, list(self.hists.values()), timing_key, TimingAgg
         )
         return summary
 

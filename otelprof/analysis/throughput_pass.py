@@ -32,7 +32,7 @@ from otelprof._schema import (
 )
 from otelprof._schema import ATTR_PEAK_FLOPS as PEAK_ATTR
 from otelprof._schema import ATTR_PHASE as PHASE_ATTR
-from otelprof.analysis.aggregates import HistRec
+from otelprof.analysis.aggregates import HistRec, SeriesKey, keep_latest
 from otelprof.analysis.reader import PointRec, Resource, SpanRec
 
 WORK_ATTRS = (ATTR_SAMPLES, ATTR_TOKENS, ATTR_FLOPS)
@@ -95,7 +95,7 @@ class ThroughputPass:
         self.steps = steps
         self.accs: dict[tuple[str, Resource], _Acc] = {}
         self.kept_steps: dict[Resource, int] = {}  # kept training step spans, step 0 included
-        self.step_hists: dict[Resource, HistRec] = {}  # latest cumulative step histogram
+        self.step_hists: dict[SeriesKey, HistRec] = {}  # latest cumulative step histogram
         self.counters: dict[tuple[Resource, str], tuple[int, float]] = {}  # latest (time, total)
         # training step 0's work per process: the rate of a run that is that one step
         self.first_steps: dict[tuple[str, Resource], _Acc] = {}
@@ -104,9 +104,7 @@ class ThroughputPass:
         steps = self.steps
         if isinstance(rec, HistRec):
             if rec.timing == STEP_SPAN and rec.phase == PHASE_TRAIN:
-                seen = self.step_hists.get(rec.resource)
-                if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
-                    self.step_hists[rec.resource] = rec
+                keep_latest(self.step_hists, rec)
             return
         if isinstance(rec, PointRec):
             what = COUNTERS.get(rec.name)
@@ -162,10 +160,8 @@ class ThroughputPass:
                     mine.peak = acc.peak
         for resource, kept in other.kept_steps.items():
             self.kept_steps[resource] = self.kept_steps.get(resource, 0) + kept
-        for resource, rec in other.step_hists.items():
-            seen = self.step_hists.get(resource)
-            if seen is None or (rec.time_ns, rec.count) >= (seen.time_ns, seen.count):
-                self.step_hists[resource] = rec
+        for rec in other.step_hists.values():
+            keep_latest(self.step_hists, rec)
         for ckey, latest in other.counters.items():
             if latest[0] >= self.counters.get(ckey, (0, 0.0))[0]:
                 self.counters[ckey] = latest
@@ -216,13 +212,14 @@ class ThroughputPass:
 def _from_aggregates(
     accs: dict[tuple[str, Resource], _Acc],
     kept_steps: dict[Resource, int],
-    step_hists: dict[Resource, HistRec],
+    step_hists: dict[SeriesKey, HistRec],
     counters: dict[tuple[Resource, str], tuple[int, float]],
 ) -> bool:
     """Replace each sampled process's training figures by its counters over its step
     histogram; True if any was replaced."""
     replaced = False
-    for resource, hist in step_hists.items():
+    for hist in step_hists.values():
+        resource = hist.resource
         acc = accs.get((PHASE_TRAIN, resource))
         if acc is None or hist.count <= kept_steps.get(resource, 0) or hist.sum <= 0:
             continue  # all steps were kept (exact spans stay), or no work was recorded
