@@ -289,6 +289,18 @@ class ReadPlan:
         return cls(windows, total, budget, max_line)
 
 
+def union(intervals: Iterable[Any]) -> list[tuple[int, int]]:
+    """(start, end) pairs, overlapping ones as one, whatever order they came in (a span that
+    overlaps two kept intervals joins them)."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
 def file_size(path: Path) -> int:
     """A run file's size for read planning; 0 for one that cannot be stat'ed (the reading
     pass, `iter_lines`, names it)."""

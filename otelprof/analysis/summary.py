@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ from otelprof.analysis.reader import (
     Warn,
     device_label,
     iter_records,
+    union,
 )
 from otelprof.analysis.stragglers import StragglerPass, StragglerReport
 from otelprof.analysis.throughput_pass import PhaseThroughput, ThroughputPass, in_steps
@@ -324,18 +325,6 @@ class _Phases:
         for label, intervals in self._others.items():
             phases.extend(Phase(label, s, e) for s, e in intervals.intervals())
         return sorted(phases, key=lambda p: (p.start_ns, p.label))
-
-
-def union(intervals: Iterable[Any]) -> list[tuple[int, int]]:
-    """(start, end) pairs, overlapping ones as one, whatever order they came in (a span that
-    overlaps two kept intervals joins them)."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 MAX_INTERVALS = 20_000

@@ -48,6 +48,7 @@ from otelprof.analysis.reader import (
     iter_records,
     line_start,
     open_lines,
+    union,
 )
 
 GOOD_WIDTH_S = 5.0
@@ -334,15 +335,9 @@ def _step_ranges(
 def _byte_windows_of(
     handle: Any, size: int, times: list[tuple[int, int]]
 ) -> tuple[tuple[int, int], ...]:
-    parts: list[tuple[int, int]] = []
-    for a, b in times:
-        lo = line_start(handle, byte_offset_at(handle, size, a))
-        hi = min(size, byte_offset_at(handle, size, b) + _CLOSE_ENOUGH + _PROBE)
-        if parts and lo <= parts[-1][1]:
-            parts[-1] = (parts[-1][0], max(parts[-1][1], hi))
-        else:
-            parts.append((lo, hi))
-    return tuple(parts)
+    reach = _CLOSE_ENOUGH + _PROBE
+    ends = [(byte_offset_at(handle, size, a), byte_offset_at(handle, size, b)) for a, b in times]
+    return tuple(union((line_start(handle, lo), min(size, hi + reach)) for lo, hi in ends))
 
 
 def _byte_windows(
