@@ -287,7 +287,7 @@ def write_trace(
     bytes (None: no limit) is read in time windows common to every rank (`trace_windows`);
     a line over `max_line` bytes is skipped with a warning."""
     origin = time_origin(files, max_line)
-    plan = plan_trace(files.jsonl, read_budget, origin, warn, max_line)
+    plan = plan_trace(files.jsonl, read_budget, warn, max_line)
     sample = _sample_note(plan, origin)
     slices = counters = 0
     stats = ReadStats()

@@ -279,9 +279,9 @@ def _report(args: argparse.Namespace) -> int:
 
         render(summary, verdict, _console(args.width), sections)
     if args.html:
-        from otelprof.analysis.report_html import write_html
+        from otelprof.analysis.report_html import build_html
 
-        write_html(summary, verdict, args.html, sections)
+        args.html.write_text(build_html(summary, verdict, sections), encoding="utf-8")
         if not args.json:
             print(f"HTML report written to {args.html}")
     _finish(warn)
@@ -309,7 +309,7 @@ def _compare(args: argparse.Namespace) -> int:
         else:
             compare_report.render_text(comparison, _console(args.width))
         if args.html:
-            compare_report.write_html(comparison, args.html)
+            args.html.write_text(compare_report.build_html(comparison), encoding="utf-8")
             if not args.json:
                 print(f"HTML comparison written to {args.html}")
         return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from html import escape
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -220,7 +219,3 @@ def build_html(cmp: Comparison) -> str:
             parts.append(_pairs_chart("top modules, A and B", rows))
     parts.append("</body></html>\n")
     return "".join(parts)
-
-
-def write_html(cmp: Comparison, path: Path) -> None:
-    path.write_text(build_html(cmp), encoding="utf-8")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from html import escape
-from pathlib import Path
 
 from otelprof.analysis import format as fmt
 from otelprof.analysis.problems import notes, problems
@@ -209,9 +208,3 @@ def build_html(summary: RunSummary, verdict: Verdict, sections: list[Section] | 
         parts.append("<p>This run holds no spans and no gauges.</p>")
     parts.append("</body></html>\n")
     return "".join(parts)
-
-
-def write_html(
-    summary: RunSummary, verdict: Verdict, path: Path, sections: list[Section] | None = None
-) -> None:
-    path.write_text(build_html(summary, verdict, sections), encoding="utf-8")

@@ -221,11 +221,7 @@ def _place(start: int, end: int, count: int, index: int, width: int) -> tuple[in
 
 
 def plan_trace(
-    files: tuple[Path, ...],
-    budget: int | None,
-    origin: int,
-    warn: Warn,
-    max_line: int = DEFAULT_MAX_LINE,
+    files: tuple[Path, ...], budget: int | None, warn: Warn, max_line: int = DEFAULT_MAX_LINE
 ) -> TracePlan:
     """Read everything when the run fits `budget` (or it is None); else choose the windows
     (no line over `max_line` bytes held, in planning or reading)."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from otelprof.analysis.stragglers import UNTIMED
 from otelprof.analysis.summary import RunSummary
 
-UNTIMED = "(untimed)"
 _COPY_NAMES = ("to_device", "from_device")
 _GPU_BUSY = 0.7
 _OTHERS_BUSY = 0.3  # host CPU beyond the process's own, as a share of all CPUs
