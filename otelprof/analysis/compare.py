@@ -128,15 +128,12 @@ def compare(a: Run, b: Run) -> Comparison:
 # ---- the figures ----
 
 
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
 def _steps(a: RunSummary, b: RunSummary) -> list[Delta]:
     def stat(s: RunSummary, what: str) -> float | None:
         if not s.step.count:
             return None
-        return _finite(s.step.mean if what == "mean" else s.step.percentile(float(what[1:])))
+        value = s.step.mean if what == "mean" else s.step.percentile(float(what[1:]))
+        return value if math.isfinite(value) else None
 
     rows = [
         Delta("steps", f"step time ({what})", "s", stat(a, what), stat(b, what), "lower")

@@ -56,11 +56,6 @@ class _StepGroup:
     collectives: list[tuple[str, str, str, int, int]] = field(default_factory=list)
 
 
-def collective_span(op: str) -> str:
-    """The span a collective's waiting is recorded on (`otelprof.collective` → span name)."""
-    return DDP_SPAN if op == DDP_COLLECTIVE else f"{COLLECTIVE_SPAN_PREFIX}{op}"
-
-
 @dataclass
 class RankWork:
     """Sums over one rank's steps (seconds)."""
@@ -133,10 +128,11 @@ class StragglerReport:
     @property
     def waiting_sentence(self) -> str:
         """What the others' waiting measures, in words (headline and evidence)."""
-        wait = self.others_wait_in
-        op = collective_span(self.others_wait_op) if self.others_wait_op else ""
-        if op and op != wait:  # the collective, named as in the timings table
-            wait = f"{wait}, in {op}"
+        wait, op = self.others_wait_in, self.others_wait_op
+        # the span the collective's waiting is on (`otelprof.collective` → span name)
+        span = DDP_SPAN if op == DDP_COLLECTIVE else f"{COLLECTIVE_SPAN_PREFIX}{op}"
+        if op and span != wait:  # the collective, named as in the timings table
+            wait = f"{wait}, in {span}"
         name = self.name(self.straggler) if self.straggler is not None else "it"
         return (
             f"the other ranks wait for it: they spend {1e3 * self.others_wait_s:.1f} ms per step "

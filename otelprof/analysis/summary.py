@@ -179,10 +179,6 @@ class TimingAgg:
             elif len(self.by_parent) < _MAX_PARENTS:
                 self.by_parent[parent] = stats
 
-    @property
-    def main_parent(self) -> str | None:
-        return max(self.nested_in, key=lambda k: self.nested_in[k]) if self.nested_in else None
-
 
 @dataclass
 class RankAgg:

@@ -63,7 +63,8 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
         if agg.direct_count:
             level = "in step" if not agg.nested_count else "in step + nested"
         elif agg.nested_count:
-            level = f"in {agg.main_parent}"
+            # its main parent
+            level = f"in {max(agg.nested_in, key=agg.nested_in.__getitem__, default=None)}"
         elif agg.root_count:
             level = "top level"
         elif agg.wrapper_count:

@@ -161,10 +161,6 @@ def byte_offset_at(handle: Any, size: int, time_ns: int) -> int:
     return low
 
 
-def _starts_in(raw: bytes) -> list[int]:
-    return [int(m) for m in _START.findall(raw)]
-
-
 @dataclass
 class _LineIndex:
     """Lines of one reference file: (start offset, end offset, first time, last time)."""
@@ -187,7 +183,9 @@ class _LineIndex:
                 times = [int(m) for m in _TIME.findall(raw)]
                 if times:
                     last = max(times)
-                    first = last if exported_at else min(times + _starts_in(raw))
+                    first = (
+                        last if exported_at else min(times + [int(m) for m in _START.findall(raw)])
+                    )
                     lines.append((offset, offset + len(raw), first, last))
                 offset += len(raw)
         return cls(lines, offset)
