@@ -165,8 +165,7 @@ def analyze(files: Iterable[Path], warn: Warn, plan: ReadPlan | None = None) -> 
         series[key] = sorted(set(points))
     gpus = {(h, g) for h, g, _ in series}
     has_energy = {(h, g) for h, g, n in series if n == ENERGY}
-    has_power = {(h, g) for h, g, n in series if n == POWER}
-    source = ENERGY if has_energy else (POWER if has_power else None)
+    source = ENERGY if has_energy else (POWER if any(n == POWER for *_, n in series) else None)
 
     rows: list[LabelRow] = []
     for kind, table in (("phase", phases), ("timing", timings)):

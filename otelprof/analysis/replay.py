@@ -234,9 +234,7 @@ class _Sender:
 def replay(files: RunFiles, options: ReplayOptions, warn: Warn) -> ReplayResult:
     """Send every intact line of a run to the collector; return the counts."""
     result = ReplayResult()
-    kinds = {"all": {"traces", "metrics"}, "traces": {"traces"}, "metrics": {"metrics"}}[
-        options.signals
-    ]
+    kinds = {"traces", "metrics"} if options.signals == "all" else {options.signals}
     if options.shift_to_now:
         newest = 0
         for line in iter_lines(files.jsonl, lambda _msg: None, ReadStats()):
