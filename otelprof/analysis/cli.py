@@ -212,7 +212,11 @@ def _step_range(text: str) -> tuple[int | None, int | None]:
 
 
 def _open(paths: list[Path], command: str, warn: WarningLog) -> Any:
+    """The run directories' files (none given: the latest run's), or None with the error."""
     try:
+        if not paths:
+            paths = [latest_run()]
+            print(f"otelprof {command}: latest run {paths[0]}", file=sys.stderr)
         return open_run(paths, warn)
     except RunDirError as exc:
         print(f"otelprof {command}: error: {exc}", file=sys.stderr)
@@ -253,14 +257,6 @@ def _read(
 
 def _report(args: argparse.Namespace) -> int:
     warn = WarningLog()
-    if not args.run_dir:
-        try:
-            latest = latest_run()
-        except RunDirError as exc:
-            print(f"otelprof report: error: {exc}", file=sys.stderr)
-            return 2
-        print(f"otelprof report: latest run {latest}", file=sys.stderr)
-        args.run_dir = [latest]
     files = _open(args.run_dir, "report", warn)
     if files is None:
         return 2
