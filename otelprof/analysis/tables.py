@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from otelprof._schema import MODULE_PREFIXES, RUN_ENDED
 from otelprof.analysis import format as fmt
 from otelprof.analysis.quantiles import DurationStats
+from otelprof.analysis.stragglers import UNTIMED
 from otelprof.analysis.summary import (
     PARENT_ROOT,
     PARENT_STEP,
@@ -77,20 +79,9 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
     other.sort(key=lambda r: -r.total_s)
     rows.extend(direct)
     untimed = summary.untimed_share
-    if untimed is not None and direct:
-        rows.append(
-            TimingRow(
-                "(untimed)",
-                "in step",
-                0,
-                float("nan"),
-                float("nan"),
-                float("nan"),
-                untimed * summary.step.total,
-                untimed,
-                True,
-            )
-        )
+    if untimed is not None and direct:  # no count, no percentiles: its total and share
+        nan, total = math.nan, untimed * summary.step.total
+        rows.append(TimingRow(UNTIMED, "in step", 0, nan, nan, nan, total, untimed, True))
     rows.extend(other)
     return rows
 
