@@ -135,9 +135,11 @@ def test_the_slow_submodule_is_the_top_module_with_the_time_the_tests_clock_meas
     forward_ms = 1e3 * sum(clock.forward) / len(clock.forward)
     assert top["calls"] == len(clock.forward) == 8
     # the range wraps the model's own measurement plus two hooks: a little more, never less
-    assert forward_ms <= top["forward ms"] <= forward_ms + 1.0
+    # (a quarter more on a loaded machine, where the work around the sleep can be preempted:
+    # 15.97 ms against the model's 14.1 ms under two test workers at a load of 7-9)
+    assert forward_ms <= top["forward ms"] <= 1.25 * forward_ms + 1.0
     backward_ms = 1e3 * sum(clock.backward) / len(clock.backward)
-    assert backward_ms <= rows["Net.slow_back"]["backward ms"] <= backward_ms + 1.5
+    assert backward_ms <= rows["Net.slow_back"]["backward ms"] <= 1.25 * backward_ms + 1.5
     # depth 1 looks through the ModuleList: each layer is a row, the container none
     assert {"Net.embed", "Net.layers.0", "Net.layers.1", "Net.head"} <= set(rows)
     assert "Net.layers" not in rows and "Net.slow.lin" not in rows
@@ -253,7 +255,7 @@ def test_on_a_gpu_backward_ranges_come_from_the_autograd_engines_device_thread(
         r["module"]: r for r in report_json(capsys, prof.run_dir)["sections"]["modules"]["rows"]
     }
     forward_ms = 1e3 * sum(clock.forward) / len(clock.forward)
-    assert forward_ms <= rows["Net.slow"]["forward ms"] <= forward_ms + 1.0
+    assert forward_ms <= rows["Net.slow"]["forward ms"] <= 1.25 * forward_ms + 1.0
     backward_ms = 1e3 * sum(clock.backward) / len(clock.backward)
-    assert backward_ms <= rows["Net.slow_back"]["backward ms"] <= backward_ms + 1.5
+    assert backward_ms <= rows["Net.slow_back"]["backward ms"] <= 1.25 * backward_ms + 1.5
     assert rows["Net.embed"]["backward ms"] is not None  # ended with the backward pass
