@@ -804,7 +804,7 @@ class Settings:
         check_launcher(env)
         values: dict[str, Any] = {}
         for f in fields(cls):
-            values[f.name] = _resolve_one(f.name, f.metadata["option"], f, options, env, values)
+            values[f.name] = _resolve_one(f, options, env, values)
         values.pop("_scheme_insecure", None)
         for name in ("max_trace_bytes", "max_metrics_bytes"):
             values[name] = values[name] or None  # 0 = no cap
@@ -822,13 +822,10 @@ _OPTION_NAMES = frozenset(n for n, o in OPTIONS.items() if o.keyword) | {
 
 
 def _resolve_one(
-    name: str,
-    declared: Option,
-    f: Any,
-    options: Mapping[str, Any],
-    env: Mapping[str, str],
-    values: dict[str, Any],
+    f: Any, options: Mapping[str, Any], env: Mapping[str, str], values: dict[str, Any]
 ) -> Any:
+    """Field `f`'s value: its winning raw value parsed, else its (derived) default."""
+    name, declared = f.name, f.metadata["option"]
     src = _source(name, declared, options, env)
     if src is None:
         if declared.derive is not None:
