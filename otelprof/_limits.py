@@ -27,6 +27,7 @@ a few hundred bytes each.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -50,19 +51,16 @@ def _from_environment() -> int:
         raw = os.environ.get(name)
         if raw is None or not raw.strip():
             continue
-        try:
-            value = int(raw)
-        except ValueError:
-            value = -1
-        if value < 1:
-            _log.warning(
-                "otelprof: %s=%r is not a positive integer; using %d",
-                name,
-                raw,
-                DEFAULT_VALUE_LENGTH_LIMIT,
-            )
-            return DEFAULT_VALUE_LENGTH_LIMIT
-        return value
+        with contextlib.suppress(ValueError):
+            if int(raw) >= 1:
+                return int(raw)
+        _log.warning(
+            "otelprof: %s=%r is not a positive integer; using %d",
+            name,
+            raw,
+            DEFAULT_VALUE_LENGTH_LIMIT,
+        )
+        return DEFAULT_VALUE_LENGTH_LIMIT
     return DEFAULT_VALUE_LENGTH_LIMIT
 
 

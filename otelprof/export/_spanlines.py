@@ -267,9 +267,7 @@ class SpanLineWriter:
             if self._closed:
                 self._counters.add(f"{self.name}.spans_failed", len(spans))
                 return False
-            entry = self._held.get(key)
-            if entry is None:
-                entry = self._held[key] = (resource, scope, [])
+            entry = self._held.setdefault(key, (resource, scope, []))
             now = self._clock()
             if not self._held_spans:
                 self._held_since = now
@@ -374,9 +372,7 @@ class SpanLineExporter(SpanExporter):
         groups: dict[tuple[int, int], tuple[Any, Any, list[str]]] = {}
         for span in spans:
             key = (id(span.resource), id(span.instrumentation_scope))
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = (span.resource, span.instrumentation_scope, [])
+            group = groups.setdefault(key, (span.resource, span.instrumentation_scope, []))
             group[2].append(encode_readable(span))
         ok = True
         for resource, scope, encoded in groups.values():

@@ -60,12 +60,8 @@ class NetCounters:
     recv: dict[str, int]
 
 
-@dataclass(frozen=True)
-class DiskCounters:
-    read_count: dict[str, int]
-    write_count: dict[str, int]
-    read_bytes: dict[str, int]
-    write_bytes: dict[str, int]
+DiskCounters = tuple[dict[str, int], ...]
+"""Reads, writes, bytes read and bytes written, each per disk."""
 
 
 class HostSampler:
@@ -150,11 +146,9 @@ class HostSampler:
         before, dt, start = step
         read = {names.DISK_DIRECTION: names.READ}
         write = {names.DISK_DIRECTION: names.WRITE}
-        for instrument, attrs, previous, current in (
-            (names.DISK_IOPS, read, before.read_count, disk.read_count),
-            (names.DISK_IOPS, write, before.write_count, disk.write_count),
-            (names.DISK_THROUGHPUT, read, before.read_bytes, disk.read_bytes),
-            (names.DISK_THROUGHPUT, write, before.write_bytes, disk.write_bytes),
+        iops, rate = names.DISK_IOPS, names.DISK_THROUGHPUT
+        for instrument, attrs, previous, current in zip(
+            (iops, iops, rate, rate), (read, write, read, write), before, disk, strict=True
         ):
             self._add(out, instrument, summed_rate(previous, current, dt), attrs, now, start)
 
@@ -215,7 +209,7 @@ class HostSampler:
             self._log("disk:none", logging.INFO, "no physical disk found; disk metrics omitted")
             return Stamped(None, t)
         # (reads, writes, read bytes, written bytes) per disk -> one dict per counter
-        return Stamped(DiskCounters(*({d: c[i] for d, c in disks.items()} for i in range(4))), t)
+        return Stamped(tuple({d: c[i] for d, c in disks.items()} for i in range(4)), t)
 
     def _read(self, what: str, read: Callable[[], Stamped[T]]) -> Stamped[T] | None:
         try:
