@@ -30,15 +30,12 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import names
 from ._common import LogOnce, Reading, describe
-from ._gpu_query import QueryPolicy
+from ._gpu_query import GpuIdentity, QueryPolicy
 from ._stamps import Baseline
-
-if TYPE_CHECKING:
-    from .gpu import GpuDevice
 
 SOURCE_GPM = "gpm"
 SOURCE_NVML = "nvml"
@@ -144,6 +141,17 @@ class PerfState:
     mig_instance: int | None = None
     counters: dict[str, Baseline[float]] = field(default_factory=dict)
     refused_fields: set[str] = field(default_factory=set)
+
+
+@dataclass
+class GpuDevice(GpuIdentity):
+    """One GPU (or MIG slice) being sampled, with NVML's state for it."""
+
+    parent: Any = None  # the physical GPU's handle, for a MIG slice
+    use_samples: bool = True
+    last_samples_us: dict[int, int] = field(default_factory=dict)  # by kind of sample
+    last_utilization_ns: int | None = None
+    perf: PerfState = field(default_factory=PerfState)
 
 
 class GpuPerf:

@@ -34,13 +34,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import names
 from ._common import LogOnce, Reading, describe, logger
-from ._gpu_perf import GpuPerf, PerfState, fresh_mean, permanent_codes, skip_history
-from ._gpu_query import GpuIdentity, QueryPolicy, select_visible
+from ._gpu_perf import GpuDevice, GpuPerf, fresh_mean, permanent_codes, skip_history
+from ._gpu_query import QueryPolicy, select_visible
 from ._stamps import Clock
 
 
@@ -60,17 +59,6 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
         else:
             break
     return entries
-
-
-@dataclass
-class GpuDevice(GpuIdentity):
-    """One GPU (or MIG slice) being sampled, with NVML's state for it."""
-
-    parent: Any = None  # the physical GPU's handle, for a MIG slice
-    use_samples: bool = True
-    last_samples_us: dict[int, int] = field(default_factory=dict)  # by kind of sample
-    last_utilization_ns: int | None = None
-    perf: PerfState = field(default_factory=PerfState)
 
 
 class GpuSampler:
