@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names
-from ._common import LogOnce, Reading, describe
+from ._common import Attributes, LogOnce, Reading, describe
 from ._gpu_query import GpuIdentity, QueryPolicy
 from ._stamps import Baseline
 
@@ -87,43 +87,23 @@ GPM_METRICS = (
 
 @dataclass(frozen=True)
 class CounterField:
-    """A cumulative NVML field value whose Δ/Δt is a classic-NVML rate."""
+    """A cumulative NVML field value whose Δ/Δt is a classic-NVML rate: the series of the
+    GPM metric of the same `key`."""
 
     key: str
     constant: str
     default_id: int
     scope: int | None
-    instrument: names.Instrument
     scale: float  # counter unit -> bytes
-    direction: str
 
 
 COUNTER_FIELDS = (
-    CounterField(
-        "pcie_tx", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 197, None, names.GPU_PCIE_IO, 1, "transmit"
-    ),
-    CounterField(
-        "pcie_rx", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 198, None, names.GPU_PCIE_IO, 1, "receive"
-    ),
-    CounterField(
-        "nvlink_tx",
-        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX",
-        138,
-        UINT_MAX,
-        names.GPU_NVLINK_IO,
-        1024,
-        "transmit",
-    ),
-    CounterField(
-        "nvlink_rx",
-        "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX",
-        139,
-        UINT_MAX,
-        names.GPU_NVLINK_IO,
-        1024,
-        "receive",
-    ),
+    CounterField("pcie_tx", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 197, None, 1),
+    CounterField("pcie_rx", "NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 198, None, 1),
+    CounterField("nvlink_tx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", 138, UINT_MAX, 1024),
+    CounterField("nvlink_rx", "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", 139, UINT_MAX, 1024),
 )
+_GPM_BY_KEY = {m.key: m for m in GPM_METRICS}
 
 _UINT32 = 1  # NVML_VALUE_TYPE_UNSIGNED_INT: a counter that wraps at 2**32
 _VALUE_FIELDS = dict(enumerate(("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")))
@@ -278,9 +258,7 @@ class GpuPerf:
                         code,
                     )
                 continue
-            attrs = {**device.attributes, names.GPU_SOURCE: SOURCE_GPM}
-            if metric.direction is not None:
-                attrs[names.NETWORK_DIRECTION] = metric.direction
+            attrs = _attributes(device, SOURCE_GPM, metric)
             value = float(result.value) * metric.scale
             out.append(Reading(metric.instrument.name, value, attrs, now, start))
 
@@ -324,13 +302,10 @@ class GpuPerf:
                 if value_type != _UINT32:
                     continue  # counter reset (driver reload): the next window is clean
                 delta += 2**32  # a 32-bit counter wrapped (once: see the module docstring)
-            attrs = {
-                **device.attributes,
-                names.GPU_SOURCE: SOURCE_NVML,
-                names.NETWORK_DIRECTION: spec.direction,
-            }
+            series = _GPM_BY_KEY[spec.key]
+            attrs = _attributes(device, SOURCE_NVML, series)
             rate = delta * spec.scale / dt
-            out.append(Reading(spec.instrument.name, rate, attrs, now, start))
+            out.append(Reading(series.instrument.name, rate, attrs, now, start))
         if refused:
             self._log(
                 f"field-refused:{device.uuid}:{','.join(refused)}",
@@ -353,6 +328,13 @@ class GpuPerf:
             return
         attrs = {**device.attributes, names.GPU_SOURCE: SOURCE_NVML}
         out.append(Reading(names.GPU_DRAM_BANDWIDTH.name, mean / 100.0, attrs, now, start))
+
+
+def _attributes(device: GpuDevice, source: str, series: GpmMetric) -> Attributes:
+    attrs: Attributes = {**device.attributes, names.GPU_SOURCE: source}
+    if series.direction is not None:
+        attrs[names.NETWORK_DIRECTION] = series.direction
+    return attrs
 
 
 def permanent_codes(nvml: Any) -> set[int]:
