@@ -142,9 +142,7 @@ def _text_of(src: _Source, what: str = "a string") -> str:
     return value
 
 
-@parser("a string")
-def text(src: _Source) -> str:
-    return _text_of(src)
+text = Parser(_text_of, "a string")
 
 
 _TRUE = ("1", "true", "yes", "on")
