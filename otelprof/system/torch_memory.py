@@ -31,11 +31,8 @@ class TorchMemorySampler:
         self._attributes: dict[int, Attributes] = {}
 
     def sample(self) -> list[Reading]:
-        torch = self._modules.get("torch")
-        if torch is None:
-            return []
-        cuda = getattr(torch, "cuda", None)
-        if cuda is None:  # torch is still being imported by another thread
+        cuda = getattr(self._modules.get("torch"), "cuda", None)
+        if cuda is None:  # no torch, or torch still being imported by another thread
             return []
         try:
             if not cuda.is_initialized():
@@ -44,13 +41,10 @@ class TorchMemorySampler:
             for ordinal in range(cuda.device_count()):
                 attrs = device_attributes(cuda, ordinal, self._attributes)
                 t = self._clock()  # both come from the allocator's counters, read together
-                allocated = cuda.memory_allocated(ordinal)
-                reserved = cuda.memory_reserved(ordinal)
-                for instrument, value in (
-                    (names.TORCH_CUDA_ALLOCATED, allocated),
-                    (names.TORCH_CUDA_RESERVED, reserved),
-                ):
-                    out.append(Reading(instrument.name, float(value), attrs, t))
+                allocated = float(cuda.memory_allocated(ordinal))
+                reserved = float(cuda.memory_reserved(ordinal))
+                out.append(Reading(names.TORCH_CUDA_ALLOCATED.name, allocated, attrs, t))
+                out.append(Reading(names.TORCH_CUDA_RESERVED.name, reserved, attrs, t))
             return out
         except Exception as exc:
             self._log.error("torch", exc, "cannot read torch.cuda allocator statistics")
