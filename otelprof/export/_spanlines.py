@@ -178,17 +178,6 @@ def encode_readable(span: ReadableSpan) -> str:
     )
 
 
-def _resource_json(resource: Any) -> str:
-    attrs = dict(getattr(resource, "attributes", {}) or {})
-    return f'{{"attributes":[{encode_attributes(attrs)}]}}'
-
-
-def _scope_json(scope: Any) -> str:
-    name = json.dumps(getattr(scope, "name", "") or "")
-    version = getattr(scope, "version", None)
-    return f'{{"name":{name},"version":{json.dumps(version)}}}' if version else f'{{"name":{name}}}'
-
-
 class SpanLineWriter:
     """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe.
 
@@ -249,9 +238,14 @@ class SpanLineWriter:
         key = (id(resource), id(scope))
         header = self._headers.get(key)
         if header is None:
+            attrs = encode_attributes(dict(getattr(resource, "attributes", {}) or {}))
+            name = json.dumps(getattr(scope, "name", "") or "")
+            version = getattr(scope, "version", None)
+            if version:
+                name += f',"version":{json.dumps(version)}'
             header = (
-                f'{{"resourceSpans":[{{"resource":{_resource_json(resource)},'
-                f'"scopeSpans":[{{"scope":{_scope_json(scope)},"spans":['
+                f'{{"resourceSpans":[{{"resource":{{"attributes":[{attrs}]}},'
+                f'"scopeSpans":[{{"scope":{{"name":{name}}},"spans":['
             )
             if len(self._headers) < 256:
                 self._headers[key] = header
