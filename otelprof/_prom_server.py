@@ -131,7 +131,10 @@ class BoundedMetricsServer:
                 return
             conn.setblocking(False)
             if self.open_connections >= MAX_CONNECTIONS:
-                self._read_ready()  # whole requests are served, not closed for room
+                # the requests that arrived whole are served, not closed for room
+                for key, _events in self._selector.select(timeout=0):
+                    if key.fileobj in self._pending:
+                        self._read(key.fileobj)  # type: ignore[arg-type]
                 victim = self._victim()
                 if victim is None:  # every held connection is being answered: no room
                     conn.close()
@@ -141,11 +144,6 @@ class BoundedMetricsServer:
                 self._pending[conn] = _Pending(time.monotonic())
             self._selector.register(conn, selectors.EVENT_READ)
             self._read(conn)  # a scraper's request is usually there already
-
-    def _read_ready(self) -> None:
-        for key, _events in self._selector.select(timeout=0):
-            if key.fileobj in self._pending:
-                self._read(key.fileobj)  # type: ignore[arg-type]
 
     def _victim(self) -> socket.socket | None:
         """The connection to close for room: the one trickling a request the longest (a
