@@ -21,7 +21,6 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import _procfs, names
@@ -54,12 +53,8 @@ def physical_disk_filter(sys_block: str = "/sys/block") -> Callable[[str], bool]
     return is_physical
 
 
-@dataclass(frozen=True)
-class NetCounters:
-    sent: dict[str, int]
-    recv: dict[str, int]
-
-
+NetCounters = tuple[dict[str, int], dict[str, int]]
+"""Bytes sent and bytes received, each per interface."""
 DiskCounters = tuple[dict[str, int], ...]
 """Reads, writes, bytes read and bytes written, each per disk."""
 
@@ -133,11 +128,11 @@ class HostSampler:
         if step is None:
             return
         before, dt, start = step
-        direction = names.NETWORK_DIRECTION
-        sent = summed_rate(before.sent, net.sent, dt)
-        recv = summed_rate(before.recv, net.recv, dt)
-        self._add(out, names.NETWORK_THROUGHPUT, sent, {direction: names.TRANSMIT}, now, start)
-        self._add(out, names.NETWORK_THROUGHPUT, recv, {direction: names.RECEIVE}, now, start)
+        directions = (names.TRANSMIT, names.RECEIVE)
+        for previous, current, direction in zip(before, net, directions, strict=True):
+            attrs = {names.NETWORK_DIRECTION: direction}
+            rate = summed_rate(previous, current, dt)
+            self._add(out, names.NETWORK_THROUGHPUT, rate, attrs, now, start)
 
     def _disk_rates(self, out: list[Reading], disk: DiskCounters, now: int) -> None:
         step = self._disk.advance(now, disk)
@@ -157,18 +152,13 @@ class HostSampler:
         if proc is not None:
             raw = proc.read(self._clock)
             sent, recv = _procfs.parse_net_dev(raw.value)
-            return Stamped(NetCounters(sent, recv) if sent else None, raw.time_ns)
+            return Stamped((sent, recv) if sent else None, raw.time_ns)
         stamped = timed(lambda: self._ps.net_io_counters(pernic=True, nowrap=False), self._clock)
         per_nic = stamped.value
         if not per_nic:
             return Stamped(None, stamped.time_ns)
-        return Stamped(
-            NetCounters(
-                sent={nic: c.bytes_sent for nic, c in per_nic.items()},
-                recv={nic: c.bytes_recv for nic, c in per_nic.items()},
-            ),
-            stamped.time_ns,
-        )
+        sent = {nic: c.bytes_sent for nic, c in per_nic.items()}
+        return Stamped((sent, {nic: c.bytes_recv for nic, c in per_nic.items()}), stamped.time_ns)
 
     def _read_cpu(self) -> Stamped[Any]:
         proc = self._proc.get("cpu")

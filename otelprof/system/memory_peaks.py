@@ -120,12 +120,9 @@ class PhasePeaks:
             window = self._window
             for attrs, allocated, reserved in read:
                 key = (phase, tuple(attrs.items()))
-                have = window.get(key)
-                if have is None:
-                    window[key] = [allocated, reserved, attrs]
-                else:
-                    have[0] = max(have[0], allocated)
-                    have[1] = max(have[1], reserved)
+                have = window.setdefault(key, [allocated, reserved, attrs])
+                have[0] = max(have[0], allocated)
+                have[1] = max(have[1], reserved)
 
     def source(
         self, clock: Callable[[], int], training: Training | None = None
