@@ -77,10 +77,8 @@ def merge_exports(exports: Sequence[MetricsData]) -> MetricsData:
     groups: list[tuple[ResourceMetrics, dict[Any, dict[Any, list[Metric]]]]] = []
     for data in exports:
         for rm in data.resource_metrics:
-            scopes = next(
-                (s for first, s in groups if first.resource is rm.resource),
-                None,
-            ) or next((s for first, s in groups if first.resource == rm.resource), None)
+            res = rm.resource  # the group of an equal resource (one at most: they merge)
+            scopes = next((s for f, s in groups if f.resource is res or f.resource == res), None)
             if scopes is None:
                 scopes = {}
                 groups.append((rm, scopes))
