@@ -330,7 +330,11 @@ class _Session:
         from otelprof._timings._engine import TimingsEngine
 
         engine = TimingsEngine(
-            self.span_targets, self.resource, self.settings, calibrate=calibrate_range_cost
+            self.span_targets,
+            self.resource,
+            self.settings,
+            calibrate=calibrate_range_cost,
+            version=_version(),
         )
         engine.start()
         from otelprof.export._aggregates import AggregateMetrics

@@ -121,11 +121,12 @@ class TimingsEngine:
         settings: Settings,
         *,
         calibrate: Callable[[], float] | None = None,
+        version: str = "0",
     ) -> None:
         """`targets`: the tracer provider's active span processor and `resource` its
         resource: where built spans go. `calibrate`: measures what one range costs the
         thread that opens it, run by `start()` before the builder thread starts
-        (`range_cost_s`)."""
+        (`range_cost_s`). `version`: otelprof's, for the spans' instrumentation scope."""
         self._settings = settings
         self._calibrate = calibrate
         self._clock = Clock()
@@ -142,7 +143,7 @@ class TimingsEngine:
             resource,
             self._clock,
             cuda_timer=self._cuda,
-            version=_version(),
+            version=version,
             trace_budget=settings.trace_budget,
             traces=self.traces,
             head_fraction=settings.trace_head_fraction,
@@ -367,10 +368,6 @@ class TimingsEngine:
         self._phase_listeners.append(listener)
         return functools.partial(_remove_listener, self._phase_listeners, listener)
 
-    def timing(self, name: str, **attributes: Any) -> rec.Timing:
-        """A timing span (context manager or decorator); see `otelprof.timing`."""
-        return rec.timing(name, **attributes)
-
     @property
     def aggregates(self) -> Any:
         """Per-(timing, phase) duration histograms of every recorded range."""
@@ -502,38 +499,25 @@ class TimingsEngine:
         s = self._settings
         if torch is None or not (s.cuda_events or s.sync_cuda):
             return None
-        try:
-            if not torch.cuda.is_available():
-                return None
-        except Exception:
-            return None
-        from otelprof._timings._cuda import CudaTimer
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_available():
+                from otelprof._timings._cuda import CudaTimer
 
-        return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
+                return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
+        return None
 
     def _set_torch_hooks(self) -> None:
         torch = self._torch
         if torch is None:
             return
         ops = _torch_compat.record_function_ops(torch)
-        if ops is None:
-            rec.recorder.set_torch_hooks(None, None, None)
-        else:
-            rec.recorder.set_torch_hooks(_torch_compat.profiler_flag(torch), *ops)
+        flag = None if ops is None else _torch_compat.profiler_flag(torch)
+        rec.recorder.set_torch_hooks(flag, *(ops or (None, None)))
 
 
 def _remove_listener(listeners: list[Any], listener: Any) -> None:
     with contextlib.suppress(ValueError):
         listeners.remove(listener)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("otelprof")
-    except PackageNotFoundError:
-        return "0"
 
 
 def _only_torch_steps(ctx: rec.StepContext) -> bool:
