@@ -61,6 +61,15 @@ class Patches:
         self._patches.append(patch)
         return patch
 
+    def patch_where(
+        self, owners: tuple[Any, ...], name: str, original: Any, replacement: Any
+    ) -> None:
+        """Patch `name` on each of `owners` that holds `original` under it (a function a
+        package re-exports from a submodule is seen under both names)."""
+        for owner in owners:
+            if getattr(owner, name, None) is original:
+                self.patch(owner, name, replacement)
+
     def restore(self) -> None:
         while self._patches:
             self._patches.pop().restore()

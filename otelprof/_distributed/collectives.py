@@ -145,63 +145,44 @@ def timed_allreduce_hook(state: HookState, bucket: Any) -> Any:
     return future.then(done)
 
 
-class CollectiveTiming:
-    """Patches torch.distributed's collectives and DDP; `remove()` restores them exactly."""
+def install(dist: Any, patches: Patches) -> None:
+    """Time torch.distributed's collectives and DDP's all-reduce until `patches` is restored
+    (which also puts `_enabled` back)."""
+    c10d = dist.distributed_c10d
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is not None:
+            patches.patch_where((dist, c10d), name, original, _timed(name, original))
+    _patch_ddp(patches)
+    patches.patch(sys.modules[__name__], "_enabled", True)
 
-    def __init__(self) -> None:
-        self._patches = Patches()
 
-    def install(self) -> None:
-        global _enabled
-        if "torch" not in sys.modules:
-            return
-        import torch.distributed as dist
+def _patch_ddp(patches: Patches) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
-        if not dist.is_available():
-            return
-        c10d = dist.distributed_c10d
-        for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
-            if original is None:
-                continue
-            wrapper = _timed(name, original)
-            for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    self._patches.patch(module, name, wrapper)
-        self._patch_ddp()
-        _enabled = True
+    original = DDP.__dict__["forward"]
 
-    def _patch_ddp(self) -> None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_otelprof_hook_checked", False):
+            _register_hook(self)
+        return original(self, *args, **kwargs)
 
-        original = DDP.__dict__["forward"]
+    patches.patch(DDP, "forward", forward)
+    original_register = DDP.__dict__["register_comm_hook"]
 
-        @functools.wraps(original)
-        def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(self, "_otelprof_hook_checked", False):
-                _register_hook(self)
-            return original(self, *args, **kwargs)
+    @functools.wraps(original_register)
+    def register_comm_hook(self: Any, state: object, hook: Any) -> None:
+        ours: HookState | None = getattr(self, "_otelprof_hook_state", None)
+        if ours is None or ours.user is not None:
+            return original_register(self, state, hook)  # DDP's own checks and errors
+        # otelprof's hook came first (DDP takes one): it calls the user's from now on
+        if hasattr(self, "_check_comm_hook"):
+            self._check_comm_hook(hook)
+        ours.user = (state, hook)
+        return None
 
-        self._patches.patch(DDP, "forward", forward)
-        original_register = DDP.__dict__["register_comm_hook"]
-
-        @functools.wraps(original_register)
-        def register_comm_hook(self: Any, state: object, hook: Any) -> None:
-            ours: HookState | None = getattr(self, "_otelprof_hook_state", None)
-            if ours is None or ours.user is not None:
-                return original_register(self, state, hook)  # DDP's own checks and errors
-            # otelprof's hook came first (DDP takes one): it calls the user's from now on
-            if hasattr(self, "_check_comm_hook"):
-                self._check_comm_hook(hook)
-            ours.user = (state, hook)
-            return None
-
-        self._patches.patch(DDP, "register_comm_hook", register_comm_hook)
-
-    def remove(self) -> None:
-        global _enabled
-        _enabled = False
-        self._patches.restore()
+    patches.patch(DDP, "register_comm_hook", register_comm_hook)
 
 
 def _register_hook(model: Any) -> None:

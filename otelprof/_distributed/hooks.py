@@ -2,35 +2,38 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from otelprof._distributed import collectives
-from otelprof._distributed.identity import InitProcessGroupHook
+from otelprof._distributed.identity import hook_init_process_group
+from otelprof._patch import Patches
 from otelprof._schema import COLLECTIVE_DURATION as COLLECTIVE_METRIC
 
 
 class DistributedHooks:
     """Collective timing, the init_process_group hook and the live collective-time counter."""
 
-    def __init__(self, timing: collectives.CollectiveTiming, init: InitProcessGroupHook) -> None:
-        self._timing = timing
-        self._init = init
+    def __init__(self) -> None:
+        self._patches = Patches()
 
     @classmethod
     def start(cls, meter: Meter, on_new_identity: Callable[[], None]) -> DistributedHooks:
         """Install the hooks; `on_new_identity` is called after a process group is set up
         (the Profiler restarts under its ranks if they differ)."""
-        timing = collectives.CollectiveTiming()
-        init = InitProcessGroupHook(on_new_identity)
-        hooks = cls(timing, init)
-        try:
-            timing.install()
-            init.install()
-        except Exception:
-            hooks.remove()
-            raise
+        hooks = cls()
+        if "torch" in sys.modules:  # a process group needs the program to import torch
+            import torch.distributed as dist
+
+            if dist.is_available():
+                try:
+                    collectives.install(dist, hooks._patches)
+                    hook_init_process_group(dist, hooks._patches, on_new_identity)
+                except Exception:
+                    hooks.remove()
+                    raise
 
         def observe(_options: CallbackOptions) -> Iterable[Observation]:
             for op, (seconds, _calls) in collectives.snapshot().items():
@@ -46,5 +49,4 @@ class DistributedHooks:
         return hooks
 
     def remove(self) -> None:
-        self._init.remove()
-        self._timing.remove()
+        self._patches.restore()

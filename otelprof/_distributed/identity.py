@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -72,7 +71,7 @@ def resolve(
     """
     environment = dict(os.environ if env is None else env)
     opts = dict(options)
-    if not ranks.process_group_initialized():
+    if ranks.dist_with_group() is None:
         return environment, opts, False
     ident = ranks.detect(environment)
     environment.update(ident.env())
@@ -88,35 +87,18 @@ def differs(resource: Mapping[str, Any], env: Mapping[str, str]) -> bool:
     return any(str(resource.get(key)) != env.get(variable) for key, variable in ranks)
 
 
-class InitProcessGroupHook:
-    """Calls `callback()` after every successful `torch.distributed.init_process_group`."""
+def hook_init_process_group(dist: Any, patches: Patches, callback: Callable[[], None]) -> None:
+    """Call `callback()` after every successful `torch.distributed.init_process_group`,
+    until `patches` is restored."""
+    original = dist.distributed_c10d.init_process_group
 
-    def __init__(self, callback: Callable[[], None]) -> None:
-        self._callback = callback
-        self._patches = Patches()
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        try:
+            callback()
+        except Exception:  # telemetry never breaks training
+            _log.exception("otelprof: could not take the process group's ranks")
+        return result
 
-    def install(self) -> None:
-        if "torch" not in sys.modules:
-            return
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return
-        original = dist.distributed_c10d.init_process_group
-        callback = self._callback
-
-        @functools.wraps(original)
-        def init_process_group(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
-            try:
-                callback()
-            except Exception:  # telemetry never breaks training
-                _log.exception("otelprof: could not take the process group's ranks")
-            return result
-
-        for module in (dist, dist.distributed_c10d):
-            if getattr(module, _INIT, None) is original:
-                self._patches.patch(module, _INIT, init_process_group)
-
-    def remove(self) -> None:
-        self._patches.restore()
+    patches.patch_where((dist, dist.distributed_c10d), _INIT, original, init_process_group)

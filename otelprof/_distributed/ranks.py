@@ -50,7 +50,7 @@ class Identity:
         }
 
 
-def _dist() -> Any:
+def dist_with_group() -> Any:
     """`torch.distributed` if the program imported it and a default group exists, else None."""
     dist = sys.modules.get("torch.distributed")
     try:
@@ -59,10 +59,6 @@ def _dist() -> Any:
     except Exception:
         return None
     return None
-
-
-def process_group_initialized() -> bool:
-    return _dist() is not None
 
 
 def _int(env: Mapping[str, str], name: str) -> int | None:
@@ -101,7 +97,7 @@ def _local_rank_from_store(dist: Any, rank: int, timeout_s: float) -> int | None
 def detect(env: Mapping[str, str] | None = None, *, timeout_s: float = STORE_TIMEOUT_S) -> Identity:
     """This process's identity; a process group, when there is one, wins over the environment."""
     env = os.environ if env is None else env
-    dist = _dist()
+    dist = dist_with_group()
     if dist is not None:
         try:
             rank, world = int(dist.get_rank()), int(dist.get_world_size())
@@ -130,7 +126,7 @@ def detect(env: Mapping[str, str] | None = None, *, timeout_s: float = STORE_TIM
 def agree_run_id(candidate: str, rank: int, *, timeout_s: float = STORE_TIMEOUT_S) -> str:
     """The run id of rank 0, published in the process group's store; `candidate` when there
     is no store or rank 0 does not publish within `timeout_s` (logged)."""
-    dist = _dist()
+    dist = dist_with_group()
     store = _torch_compat.default_store(dist) if dist is not None else None
     if store is None:
         return candidate
