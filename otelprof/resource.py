@@ -35,13 +35,22 @@ _DETERMINED_IDS = {
 }
 
 
-def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
-    """Ranks (torchrun/DeepSpeed) and the Determined agent present in `env` (Determined's
-    other ids come from the settings, which checked them).
+def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> Resource:
+    """The process's resource; explicit settings win over detected values: ranks
+    (torchrun/DeepSpeed) and the Determined agent from `env`, Determined's other ids from
+    the settings (which checked them).
 
     Single-process runs get rank 0 of world size 1 so queries can always group by rank.
     """
+    env = os.environ if env is None else env
+    host = socket.gethostname()
+    pid = os.getpid()
     attributes: dict[str, str | int] = {
+        "host.name": host,
+        "process.pid": pid,
+        "service.instance.id": f"{host}:{pid}",
+        # one id per job, shared by its ranks: dashboards keep concurrent jobs apart by it
+        "otelprof.run_id": settings.run_id,
         ATTR_RANK: 0,
         ATTR_LOCAL_RANK: 0,
         ATTR_WORLD_SIZE: 1,
@@ -54,29 +63,11 @@ def detect_attributes(env: Mapping[str, str]) -> dict[str, str | int]:
                 attributes[key] = value
     if agent := env.get("DET_AGENT_ID"):
         attributes["determined.agent.id"] = agent
-    return attributes
-
-
-def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> Resource:
-    """The process's resource; explicit settings win over detected values."""
-    env = os.environ if env is None else env
-    host = socket.gethostname()
-    pid = os.getpid()
-    attributes: dict[str, str | int] = {
-        "host.name": host,
-        "process.pid": pid,
-        "service.instance.id": f"{host}:{pid}",
-        # one id per job, shared by its ranks: dashboards keep concurrent jobs apart by it
-        "otelprof.run_id": settings.run_id,
-        **detect_attributes(env),
-        **{
-            key: value
-            for name, key in _DETERMINED_IDS.items()
-            if (value := getattr(settings, name)) is not None
-        },
-        **dict(settings.resource_attributes),
-        "service.name": settings.service_name,
-    }
+    for name, key in _DETERMINED_IDS.items():
+        if (value := getattr(settings, name)) is not None:
+            attributes[key] = value
+    attributes.update(settings.resource_attributes)
+    attributes["service.name"] = settings.service_name
     if settings.determined:
         # This process posts to Determined itself: a bridge must not post its data again.
         attributes["otelprof.determined.direct"] = "true"
