@@ -33,11 +33,8 @@ class Bridge:
             cls = getattr(module, "record_function", None)
             if isinstance(cls, type) and cls not in self._classes:
                 self._classes.append(cls)
-        self._installed: dict[type, Patches] = {}
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._installed)
+        self._patches = Patches()
+        self.installed = False
 
     def install(self) -> None:
         for cls in self._classes:
@@ -48,11 +45,11 @@ class Bridge:
                     "otelprof engine; shut that one down first"
                 )
             enter, exit_ = rec.bridged_methods(target.__enter__, target.__exit__)
-            patches = self._installed[cls] = Patches()
-            patches.patch(cls, "__enter__", enter)
-            patches.patch(cls, "__exit__", exit_)
+            self._patches.patch(cls, "__enter__", enter)
+            self._patches.patch(cls, "__exit__", exit_)
+            self.installed = True
 
     def uninstall(self) -> None:
         """Restore each class attribute exactly (or leave a later patch in place, warning)."""
-        for cls in list(self._installed):
-            self._installed.pop(cls).restore()
+        self._patches.restore()
+        self.installed = False
