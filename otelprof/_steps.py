@@ -66,10 +66,7 @@ class phase:  # lower-case: used like a function, `with otelprof.phase("validati
         self.name = check_phase(name)
         self._previous: list[str] = []
 
-    @staticmethod
-    def current() -> str:
-        """The running profiler's phase ("train" when none runs)."""
-        return current_phase()
+    current = staticmethod(current_phase)
 
     def __enter__(self) -> phase:
         self._previous.append(set_phase(self.name))

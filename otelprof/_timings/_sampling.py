@@ -43,6 +43,7 @@ the histograms. A kept step's span carries `otelprof.sampled` = why it was kept.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import statistics
 import threading
@@ -195,11 +196,9 @@ class Aggregates:
             items = list(self.histograms.items())
         out = []
         for (name, phase), hist in items:
-            copy = DurationHistogram()
-            copy.count, copy.sum, copy.min, copy.max = hist.count, hist.sum, hist.min, hist.max
-            copy.buckets = list(hist.buckets)
-            copy.exemplar = hist.exemplar
-            out.append((name, phase, copy))
+            snapshot = copy.copy(hist)
+            snapshot.buckets = list(hist.buckets)
+            out.append((name, phase, snapshot))
         return out
 
 
