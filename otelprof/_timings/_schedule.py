@@ -50,7 +50,7 @@ def _action_at(position: int, wait: int, warmup: int, cycle: int) -> ScheduleAct
     return ScheduleAction.RECORD_AND_SAVE
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, repr=False)
 class Schedule:
     """`torch.profiler.schedule` semantics: skip_first, then cycles of wait/warmup/active.
 
@@ -64,6 +64,7 @@ class Schedule:
     skip_first: int = 0
     skip_first_wait: int = 0
     restarts_each_epoch = False
+    _name = "schedule"  # the factory, in repr
 
     def __post_init__(self) -> None:
         _check_counts(**vars(self))
@@ -83,12 +84,12 @@ class Schedule:
 
     def __repr__(self) -> str:
         return (
-            f"schedule(skip_first={self.skip_first}, wait={self.wait}, warmup={self.warmup}, "
-            f"active={self.active}, repeat={self.repeat})"
+            f"{self._name}(skip_first={self.skip_first}, wait={self.wait}, "
+            f"warmup={self.warmup}, active={self.active}, repeat={self.repeat})"
         )
 
 
-class CyclicSchedule:
+class CyclicSchedule(Schedule):
     """Composer's cyclic window, restarting every epoch; called with the batch-in-epoch index.
 
     Per the Composer profiler tutorial's table (seed 003): skip `skip_first` batches, then a
@@ -99,13 +100,7 @@ class CyclicSchedule:
     """
 
     restarts_each_epoch = True
-
-    def __init__(
-        self, skip_first: int = 0, wait: int = 0, warmup: int = 1, active: int = 4, repeat: int = 1
-    ) -> None:
-        _check_counts(skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat)
-        self.skip_first, self.wait, self.warmup = skip_first, wait, warmup
-        self.active, self.repeat = active, repeat
+    _name = "cyclic_schedule"
 
     def __call__(self, batch_in_epoch: int) -> ScheduleAction:
         if batch_in_epoch < 0:
@@ -117,12 +112,6 @@ class CyclicSchedule:
         if self.repeat != 0 and offset >= cycle * (self.repeat + 1):
             return ScheduleAction.NONE
         return _action_at(offset % cycle, self.wait, self.warmup, cycle)
-
-    def __repr__(self) -> str:
-        return (
-            f"cyclic_schedule(skip_first={self.skip_first}, wait={self.wait}, "
-            f"warmup={self.warmup}, active={self.active}, repeat={self.repeat})"
-        )
 
 
 def schedule(
@@ -142,7 +131,7 @@ def cyclic_schedule(
     skip_first: int = 0, wait: int = 0, warmup: int = 1, active: int = 4, repeat: int = 1
 ) -> CyclicSchedule:
     """Composer's per-epoch cyclic window (see `CyclicSchedule` for how `repeat` counts)."""
-    return CyclicSchedule(skip_first, wait, warmup, active, repeat)
+    return CyclicSchedule(wait, warmup, active, repeat, skip_first)
 
 
 def as_action(value: object) -> ScheduleAction:
