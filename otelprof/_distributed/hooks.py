@@ -13,11 +13,9 @@ from otelprof._patch import Patches
 from otelprof._schema import COLLECTIVE_DURATION as COLLECTIVE_METRIC
 
 
-class DistributedHooks:
-    """Collective timing, the init_process_group hook and the live collective-time counter."""
-
-    def __init__(self) -> None:
-        self._patches = Patches()
+class DistributedHooks(Patches):
+    """Collective timing, the init_process_group hook and the live collective-time counter:
+    its patches (the counter lives with the meter)."""
 
     @classmethod
     def start(cls, meter: Meter, on_new_identity: Callable[[], None]) -> DistributedHooks:
@@ -29,8 +27,8 @@ class DistributedHooks:
 
             if dist.is_available():
                 try:
-                    collectives.install(dist, hooks._patches)
-                    hook_init_process_group(dist, hooks._patches, on_new_identity)
+                    collectives.install(dist, hooks)
+                    hook_init_process_group(dist, hooks, on_new_identity)
                 except Exception:
                     hooks.remove()
                     raise
@@ -48,5 +46,4 @@ class DistributedHooks:
         )
         return hooks
 
-    def remove(self) -> None:
-        self._patches.restore()
+    remove = Patches.restore
