@@ -253,10 +253,6 @@ class SpanBuilder:
         self._jobs.append(job)
         self._wake.set()
 
-    def flush(self, timeout_s: float = 10.0) -> None:
-        """Build and hand over everything queued so far (waiting for CUDA events)."""
-        self.drain(final=True, timeout_s=timeout_s)
-
     def pending_cuda(self) -> int:
         return len(self._pending) + sum(len(frames) for _, frames in self._pending_units)
 
@@ -279,6 +275,8 @@ class SpanBuilder:
 
     # ---- work ----
     def drain(self, *, final: bool, timeout_s: float = 0.0) -> None:
+        """Build and hand over everything queued so far; `final` (a flush): waiting up to
+        `timeout_s` for CUDA events, and steps still open that head sampling selects."""
         with self._lock:
             try:
                 self._recheck_steps()

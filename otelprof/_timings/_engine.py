@@ -224,7 +224,7 @@ class TimingsEngine:
                 self._bridge.uninstall()
             if self._kineto is not None:
                 self._kineto.stop(self._window_step(ctx, end))
-            self._builder.flush(timeout)
+            self._builder.drain(final=True, timeout_s=timeout)
             if (
                 ctx is not None
                 and (ctx.has_children or ctx.frames)
@@ -381,7 +381,7 @@ class TimingsEngine:
             rec.on_thread.hand_rows(state)  # steps sampled out on this thread so far
         if ctx is not None and ctx.owner is not None and ctx.owner is state:
             rec.recorder.hand_off(ctx)  # the running step's ranges so far (only its thread may)
-        self._builder.flush(timeout_s)
+        self._builder.drain(final=True, timeout_s=timeout_s)
 
     def stats(self) -> dict[str, int]:
         builder = self._builder
