@@ -102,14 +102,6 @@ def _timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return collective
 
 
-def _emit(name: str, op: str, start: int, end: int, ctx: Any, parent: Any, state: Any) -> None:
-    """Queue a finished range measured across threads."""
-    _add(op, end - start)
-    if ctx is None:
-        return
-    rec.recorder.enqueue_measured(name, {ATTR_COLLECTIVE: op}, start, end, ctx, parent, state)
-
-
 class HookState:
     """State of otelprof's DDP hook: the model's process group, and the user's own hook when
     they register one after otelprof did (it is called instead of DDP's all-reduce)."""
@@ -137,9 +129,13 @@ def timed_allreduce_hook(state: HookState, bucket: Any) -> Any:
     start = perf_counter_ns()
     ctx, parent, thread = rec.recorder.position()
 
-    def done(fut: Any) -> Any:
+    def done(fut: Any) -> Any:  # a range measured across threads
         with contextlib.suppress(Exception):  # telemetry never breaks training
-            _emit(DDP_SPAN, DDP_COLLECTIVE, start, perf_counter_ns(), ctx, parent, thread)
+            end = perf_counter_ns()
+            _add(DDP_COLLECTIVE, end - start)
+            if ctx is not None:
+                attributes = {ATTR_COLLECTIVE: DDP_COLLECTIVE}
+                rec.recorder.enqueue_measured(DDP_SPAN, attributes, start, end, ctx, parent, thread)
         return fut.value()
 
     return future.then(done)
