@@ -195,12 +195,20 @@ class TimingsEngine:
             # for the overhead gauge: what one range costs this thread (before the builder runs)
             self.range_cost_s = self._calibrate()
         rec.recorder.set_cuda_timer(self._cuda)
-        self._set_torch_hooks()
+        torch = self._torch
+        if torch is not None:  # what `timing()` needs to open torch.profiler ranges too
+            ops = _torch_compat.record_function_ops(torch)
+            flag = None if ops is None else _torch_compat.profiler_flag(torch)
+            rec.recorder.set_torch_hooks(flag, *(ops or (None, None)))
         self._builder.start()
         if self._bridge is not None:
             self._bridge.install()
-        if self._settings.kineto and self._torch is not None:
-            self._start_kineto()
+        if self._settings.kineto and torch is not None:
+            from otelprof._timings._kineto import KinetoSession
+
+            self._kineto = KinetoSession(torch, self._builder, self._settings.run_dir / "kineto")
+            self._kineto_action = self._kineto_action_for(0)
+            self._kineto.start(self._kineto_action)
         self._train_t0 = perf_counter_ns()
         self._begin_step(self._train_t0)
 
@@ -487,13 +495,6 @@ class TimingsEngine:
             return None
         return WindowStep(ctx, self._clock.to_wall(ctx.start_ns), self._clock.to_wall(end_ns))
 
-    def _start_kineto(self) -> None:
-        from otelprof._timings._kineto import KinetoSession
-
-        self._kineto = KinetoSession(self._torch, self._builder, self._settings.run_dir / "kineto")
-        self._kineto_action = self._kineto_action_for(0)
-        self._kineto.start(self._kineto_action)
-
     def _make_cuda_timer(self) -> Any:
         torch = self._torch
         s = self._settings
@@ -505,14 +506,6 @@ class TimingsEngine:
 
                 return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
         return None
-
-    def _set_torch_hooks(self) -> None:
-        torch = self._torch
-        if torch is None:
-            return
-        ops = _torch_compat.record_function_ops(torch)
-        flag = None if ops is None else _torch_compat.profiler_flag(torch)
-        rec.recorder.set_torch_hooks(flag, *(ops or (None, None)))
 
 
 def _remove_listener(listeners: list[Any], listener: Any) -> None:
