@@ -134,7 +134,15 @@ class TimingsEngine:
         if settings.record_function or settings.kineto or settings.cuda_events:
             with contextlib.suppress(Exception):
                 self._torch = importlib.import_module("torch")
-        self._cuda = self._make_cuda_timer()
+        self._cuda: Any = None  # CUDA-event timing, when asked and CUDA is there
+        if self._torch is not None and (settings.cuda_events or settings.sync_cuda):
+            with contextlib.suppress(Exception):
+                if self._torch.cuda.is_available():
+                    from otelprof._timings._cuda import CudaTimer
+
+                    self._cuda = CudaTimer(
+                        self._torch, events=settings.cuda_events, sync=settings.sync_cuda
+                    )
         # every rank of the run attempt derives the same trace ids and head sampling
         attempt = resource.attributes.get(ATTR_ATTEMPT)
         self.traces = RunTraces(settings.run_id, attempt if isinstance(attempt, int) else 0)
@@ -494,18 +502,6 @@ class TimingsEngine:
         if ctx is None or not self._kineto_action.records:
             return None
         return WindowStep(ctx, self._clock.to_wall(ctx.start_ns), self._clock.to_wall(end_ns))
-
-    def _make_cuda_timer(self) -> Any:
-        torch = self._torch
-        s = self._settings
-        if torch is None or not (s.cuda_events or s.sync_cuda):
-            return None
-        with contextlib.suppress(Exception):
-            if torch.cuda.is_available():
-                from otelprof._timings._cuda import CudaTimer
-
-                return CudaTimer(torch, events=s.cuda_events, sync=s.sync_cuda)
-        return None
 
 
 def _remove_listener(listeners: list[Any], listener: Any) -> None:
