@@ -16,6 +16,8 @@ PURE_PYTHON_TESTS := tests/test_timings_*.py tests/test_trace_sampling.py \
 DEMO_ARGS ?=
 # test-fast's worker processes (pytest-xdist): one per core of the 2-core development VM
 FAST_WORKERS ?= 2
+# make test's worker processes for the main pass (pytest-xdist; 0: all in pytest's own process)
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test test-fast docs collector prometheus shellcheck traceql-grammar lint bench bench-scale gpu-bundle gpu-check dashboards-png clean
 
@@ -61,7 +63,7 @@ traceql-grammar:
 test: venv collector prometheus shellcheck traceql-grammar
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" \
 	OTELPROF_TRACEQL_GRAMMAR="$$(scripts/traceql-grammar.sh | tail -n 1)" \
-	  $(VENV)/bin/pytest $(PYTEST_ARGS)
+	  $(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 	@echo "== the recorder's tests again on the pure-Python hot path (no C extension)"
 	OTELPROF_COLLECTOR="$$(scripts/build-collector.sh | tail -n 1)" OTELPROF_PURE_PYTHON=1 \
 	  $(VENV)/bin/pytest -q $(PURE_PYTHON_TESTS)
