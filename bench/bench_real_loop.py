@@ -168,7 +168,7 @@ def _block(
     start = time.perf_counter()
     steps = loop(m, seconds, prof)
     if builder is not None:
-        builder.flush()
+        builder.drain(final=True, timeout_s=10.0)
     wall = time.perf_counter() - start
     n = max(steps, 1)
     return {
@@ -195,7 +195,7 @@ def _outside_inside(m: Model, args: Any, make: Callable[[], Any]) -> None:
             if inside:
                 prof = make()
                 instrumented_loop(m, 1.0, prof)  # the session busy, as it is when training
-                prof._timings._builder.flush()
+                prof._timings._builder.drain(final=True, timeout_s=10.0)
                 with between_steps(prof):
                     times[inside] = _block(bare_loop, m, args.block_seconds, None, None)["step_us"]
                 prof.shutdown()
@@ -233,7 +233,7 @@ def run(step_ms: float, args: Any, out: Path, index: int) -> None:
             waited += 0.25
         instrumented_loop(m, 0.5, prof)
         if builder is not None:
-            builder.flush()
+            builder.drain(final=True, timeout_s=10.0)
         blocks: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         off = 0
         gc_ns = {False: 0, True: 0}

@@ -263,7 +263,7 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
             _loop(work, units, 0.25, prof)
             waited += 0.25
         _loop(work, units, 0.5, prof)
-        builder.flush()
+        builder.drain(final=True, timeout_s=10.0)
         bare: list[float] = []
         inst: list[float] = []
         cpu_per_step: dict[bool, list[float]] = {False: [], True: []}  # training thread, µs
@@ -287,7 +287,7 @@ def _interleaved(work: Work, step_ms: float, args: Any, out: Path, index: int) -
                         cpu = background_cpu()
                         start = time.perf_counter()
                         steps = _loop(work, units, args.block_seconds, prof)
-                        builder.flush()
+                        builder.drain(final=True, timeout_s=10.0)
                         wall = time.perf_counter() - start
                         background += background_cpu() - cpu
                         ranges += steps * (len(TIMINGS) + 1)
