@@ -27,7 +27,6 @@ a few hundred bytes each.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -51,16 +50,19 @@ def _from_environment() -> int:
         raw = os.environ.get(name)
         if raw is None or not raw.strip():
             continue
-        with contextlib.suppress(ValueError):
-            if int(raw) >= 1:
-                return int(raw)
-        _log.warning(
-            "otelprof: %s=%r is not a positive integer; using %d",
-            name,
-            raw,
-            DEFAULT_VALUE_LENGTH_LIMIT,
-        )
-        return DEFAULT_VALUE_LENGTH_LIMIT
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 1:
+            _log.warning(
+                "otelprof: %s=%r is not a positive integer; using %d",
+                name,
+                raw,
+                DEFAULT_VALUE_LENGTH_LIMIT,
+            )
+            return DEFAULT_VALUE_LENGTH_LIMIT
+        return value
     return DEFAULT_VALUE_LENGTH_LIMIT
 
 

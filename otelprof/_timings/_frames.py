@@ -73,11 +73,23 @@ KIND_CHUNK = "chunk"
 KIND_ROWS = "rows"
 
 LAYOUT = {
-    name: index
-    for name, index in list(globals().items())
-    if name.startswith("F_") or name in ("RF_LEN", "TIMING_LEN")
+    "F_NAME": F_NAME,
+    "F_SPAN": F_SPAN,
+    "F_PARENT": F_PARENT,
+    "F_CTX": F_CTX,
+    "F_THREAD": F_THREAD,
+    "F_ATTRS": F_ATTRS,
+    "F_START": F_START,
+    "F_END": F_END,
+    "F_ERROR": F_ERROR,
+    "F_CUDA": F_CUDA,
+    "F_KIND": F_KIND,
+    "F_OWNER": F_OWNER,
+    "F_RANGE": F_RANGE,
+    "RF_LEN": RF_LEN,
+    "TIMING_LEN": TIMING_LEN,
 }
-"""What the C hot path must agree with (its `FRAME_LAYOUT`): every `F_*` index, the lengths."""
+"""What the C hot path must agree with (its `FRAME_LAYOUT`)."""
 
 
 def record_function_frame(

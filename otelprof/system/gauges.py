@@ -240,7 +240,11 @@ def register_system_metrics(
         sources, max_age_s=settings.interval_s / 2, clock=clock, log=log, counters=counters
     )
     for instrument in instruments:
-        create = getattr(meter, f"create_observable_{instrument.kind}")  # counter or gauge
+        create = (
+            meter.create_observable_counter
+            if instrument.kind == "counter"
+            else meter.create_observable_gauge
+        )
         create(
             instrument.name,
             callbacks=[_callback(snapshots, instrument.name, log)],

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import _procfs, names
@@ -53,10 +54,18 @@ def physical_disk_filter(sys_block: str = "/sys/block") -> Callable[[str], bool]
     return is_physical
 
 
-NetCounters = tuple[dict[str, int], dict[str, int]]
-"""Bytes sent and bytes received, each per interface."""
-DiskCounters = tuple[dict[str, int], ...]
-"""Reads, writes, bytes read and bytes written, each per disk."""
+@dataclass(frozen=True)
+class NetCounters:
+    sent: dict[str, int]
+    recv: dict[str, int]
+
+
+@dataclass(frozen=True)
+class DiskCounters:
+    read_count: dict[str, int]
+    write_count: dict[str, int]
+    read_bytes: dict[str, int]
+    write_bytes: dict[str, int]
 
 
 class HostSampler:
@@ -128,11 +137,11 @@ class HostSampler:
         if step is None:
             return
         before, dt, start = step
-        directions = (names.TRANSMIT, names.RECEIVE)
-        for previous, current, direction in zip(before, net, directions, strict=True):
-            attrs = {names.NETWORK_DIRECTION: direction}
-            rate = summed_rate(previous, current, dt)
-            self._add(out, names.NETWORK_THROUGHPUT, rate, attrs, now, start)
+        direction = names.NETWORK_DIRECTION
+        sent = summed_rate(before.sent, net.sent, dt)
+        recv = summed_rate(before.recv, net.recv, dt)
+        self._add(out, names.NETWORK_THROUGHPUT, sent, {direction: names.TRANSMIT}, now, start)
+        self._add(out, names.NETWORK_THROUGHPUT, recv, {direction: names.RECEIVE}, now, start)
 
     def _disk_rates(self, out: list[Reading], disk: DiskCounters, now: int) -> None:
         step = self._disk.advance(now, disk)
@@ -141,9 +150,11 @@ class HostSampler:
         before, dt, start = step
         read = {names.DISK_DIRECTION: names.READ}
         write = {names.DISK_DIRECTION: names.WRITE}
-        iops, rate = names.DISK_IOPS, names.DISK_THROUGHPUT
-        for instrument, attrs, previous, current in zip(
-            (iops, iops, rate, rate), (read, write, read, write), before, disk, strict=True
+        for instrument, attrs, previous, current in (
+            (names.DISK_IOPS, read, before.read_count, disk.read_count),
+            (names.DISK_IOPS, write, before.write_count, disk.write_count),
+            (names.DISK_THROUGHPUT, read, before.read_bytes, disk.read_bytes),
+            (names.DISK_THROUGHPUT, write, before.write_bytes, disk.write_bytes),
         ):
             self._add(out, instrument, summed_rate(previous, current, dt), attrs, now, start)
 
@@ -152,13 +163,18 @@ class HostSampler:
         if proc is not None:
             raw = proc.read(self._clock)
             sent, recv = _procfs.parse_net_dev(raw.value)
-            return Stamped((sent, recv) if sent else None, raw.time_ns)
+            return Stamped(NetCounters(sent, recv) if sent else None, raw.time_ns)
         stamped = timed(lambda: self._ps.net_io_counters(pernic=True, nowrap=False), self._clock)
         per_nic = stamped.value
         if not per_nic:
             return Stamped(None, stamped.time_ns)
-        sent = {nic: c.bytes_sent for nic, c in per_nic.items()}
-        return Stamped((sent, {nic: c.bytes_recv for nic, c in per_nic.items()}), stamped.time_ns)
+        return Stamped(
+            NetCounters(
+                sent={nic: c.bytes_sent for nic, c in per_nic.items()},
+                recv={nic: c.bytes_recv for nic, c in per_nic.items()},
+            ),
+            stamped.time_ns,
+        )
 
     def _read_cpu(self) -> Stamped[Any]:
         proc = self._proc.get("cpu")
@@ -199,7 +215,7 @@ class HostSampler:
             self._log("disk:none", logging.INFO, "no physical disk found; disk metrics omitted")
             return Stamped(None, t)
         # (reads, writes, read bytes, written bytes) per disk -> one dict per counter
-        return Stamped(tuple({d: c[i] for d, c in disks.items()} for i in range(4)), t)
+        return Stamped(DiskCounters(*({d: c[i] for d, c in disks.items()} for i in range(4))), t)
 
     def _read(self, what: str, read: Callable[[], Stamped[T]]) -> Stamped[T] | None:
         try:
