@@ -259,7 +259,9 @@ class StragglerPass:
     def _fold(self, resource: Resource, group: _StepGroup) -> None:
         if not group.step_id:
             return  # a step whose root never arrived (truncated run): left out
-        work = self._ranks.setdefault(resource, RankWork(resource))
+        work = self._ranks.get(resource)
+        if work is None:  # (not a RankWork made per step for setdefault to throw away)
+            work = self._ranks[resource] = RankWork(resource)
         direct = _parts(group)
         work.steps += 1
         work.step_s += group.step_s

@@ -591,11 +591,14 @@ def _map_metric(
             out.reject(1, f"metric {metric.name} has a non-finite value", "bad_value")
             continue
         when = (sub, key, int(point.time_unix_nano))
-        if when not in buckets and len(buckets) >= MAX_TIME_BUCKETS:
-            _fold(buckets, rule, folded)
-        bucket = buckets.setdefault(when, [0.0, 0])
-        bucket[0] += value
-        bucket[1] += 1
+        bucket = buckets.get(when)
+        if bucket is None:  # (no list made per point for setdefault to throw away)
+            if len(buckets) >= MAX_TIME_BUCKETS:
+                _fold(buckets, rule, folded)
+            buckets[when] = [value, 1]
+        else:
+            bucket[0] += value
+            bucket[1] += 1
     _fold(buckets, rule, folded)
 
 
@@ -614,10 +617,13 @@ def _fold(
 def add_up(sums: dict[Any, list[float]], key: Any, value: float, n: int, time_ns: int) -> None:
     """`n` values summing to `value`, the latest at `time_ns`, into `sums[key]`: [sum, count,
     latest time]."""
-    acc = sums.setdefault(key, [0.0, 0, time_ns])
-    acc[0] += value
-    acc[1] += n
-    acc[2] = max(acc[2], time_ns)
+    acc = sums.get(key)
+    if acc is None:  # (no list made per sample for setdefault to throw away)
+        sums[key] = [value, n, time_ns]
+    else:
+        acc[0] += value
+        acc[1] += n
+        acc[2] = max(acc[2], time_ns)
 
 
 def extract_spans(

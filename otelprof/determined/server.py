@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import logging
 import threading
@@ -113,6 +114,11 @@ class _Signal:
     ingest: Callable[[Any, Stop], Extracted]
     rejected_field: str
     what: str  # what partial success counts, e.g. "data points"
+
+    @functools.cached_property
+    def request(self) -> Any:
+        """The Export request's message class, looked up once (not per request)."""
+        return getattr(self.module, f"Export{self.service}Request")
 
 
 def sender_of(context: grpc.ServicerContext) -> str:
@@ -285,8 +291,7 @@ class _Receiver:
         """Parse, scope and ingest an admitted request; None when its caller went away (its
         message is freed on return: no traceback holds it)."""
         try:
-            request_cls = getattr(signal.module, f"Export{signal.service}Request")
-            message = _parse(request_cls, raw, call.context)
+            message = _parse(signal.request, raw, call.context)
             message, forbidden = self._keep_in_scope(message, call, signal.resources)
             try:
                 extracted = signal.ingest(message, call.gone)
