@@ -1,14 +1,10 @@
 """Serialize a gauge point's start time, which the SDK's OTLP encoders leave out.
 
-The OTLP data model lets a gauge point carry `start_time_unix_nano` ("optional for
-gauges"); otelprof sets it to the start of the window a rate averages over (`_stamps`).
-The OpenTelemetry Python encoders (1.45: protobuf in exporter-otlp-proto-common, JSON in
-exporter-otlp-json-common) copy it for sums and histograms but not for gauges, so the
-window would be lost on the wire. `install()` wraps the gauge encoding of whichever of
-those modules are loaded to copy the start time when a point has one. Points without a
-start time, which is every gauge point the SDK makes itself, encode exactly as before,
-so other instruments and other exporters in the process are unaffected; `uninstall()`
-(last user) restores the original functions.
+otelprof sets a rate gauge's `start_time_unix_nano` (optional for gauges in OTLP) to its
+window's start (`_stamps`); the SDK's protobuf and JSON encoders (1.45) copy it only for
+sums and histograms. `install()` wraps whichever of them are loaded; a point without a
+start time (every one the SDK makes itself) encodes exactly as before. Reference counted:
+the last `uninstall()` restores the originals.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """What a GPU's units actually do: NVML GPM where the GPU has it, classic NVML otherwise.
 
-Why: `hw.gpu.utilization` only says that *some* kernel ran; a GPU at 100 % can be using a
-few percent of its SMs. NVML's GPU Performance Monitoring (GPM, Hopper and later, MIG
-slices included) gives the share of SMs busy, warp occupancy, tensor-pipe activity, DRAM
-bandwidth and PCIe/NVLink traffic, each averaged between two GPM samples. otelprof takes
-one GPM sample per collection and reports the metrics between the previous sample and
-this one, so every value covers exactly the collection interval (its window reaches the
-exported point as `start_time_unix_nano`).
-
-Where GPM is unsupported (older GPUs, old drivers) or refuses one metric, the quantities
-classic NVML also knows come from there, averaged over the interval as well:
-
-- DRAM bandwidth: the mean of NVML's memory-utilization samples in the interval (the share
-  of time the memory controller was busy, a coarser proxy than GPM's bandwidth share),
-- PCIe and NVLink: Δbytes/Δt of the driver's cumulative byte counters
-  (`nvmlDeviceGetFieldValues`: PCIe TX/RX bytes, NVLink data TX/RX in KiB summed over
-  links). A driver may hand the PCIe counters back as 32-bit values that wrap: one wrap per
-  interval is undone; more than 4 GiB per interval through one such counter cannot be told
-  apart (GPM has no such limit).
-
-Every series carries `otelprof.gpu.source` = `gpm` or `nvml`, so a dashboard never
-mixes the two without knowing. SM activity, SM occupancy and tensor activity exist only
-through GPM: without it they are absent, never 0.
+Why: `hw.gpu.utilization` only says that some kernel ran. GPM (Hopper and later, MIG
+slices included) averages SM, occupancy, tensor, DRAM and PCIe/NVLink activity between two
+samples; one sample per collection makes each value cover exactly the interval. Where GPM
+is missing or refuses a metric, classic NVML gives what it has: DRAM from memory-controller
+samples (a coarser proxy), PCIe/NVLink as Δbytes/Δt of cumulative field values, where one
+wrap of a 32-bit counter per interval is undone (past 4 GiB per interval it cannot be told).
+Every series carries `otelprof.gpu.source` (`gpm`/`nvml`); SM activity, occupancy and tensor
+activity exist only through GPM, else they are absent.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Live GPU figures tied to training: energy per step and GPU-idle time by phase.
 
-Why: the report joins GPU samples with spans after the run; these two metrics give the same
-answers while the job runs (dashboards, alerts), from what the sampler already reads plus
-the training loop's step counter and phase (read, never written, off the training thread):
-
-- `otelprof.gpu.energy.per_step` (J, gauge): over each collection window, the energy the
-  sampled GPUs drew (Δ`hw.energy`) divided by the training steps completed in it. Emitted
-  only for windows that start and end in the "train" phase and complete at least one step
-  (a window with validation inside would charge its energy to training).
-- `otelprof.gpu.idle` (s, counter per GPU and `otelprof.phase`): GPU-idle seconds,
-  (1 - utilization) × window, added to the phase current when the window ends. A window
-  that crosses a phase change is charged to the later phase; phases lasting many windows
-  make that error small (the report's figures, from spans, are exact at the boundaries).
+The report joins GPU samples with spans after the run; these give the same answers live,
+from the sampler's readings plus the loop's (steps, phase), read off the training thread,
+never written. Energy per step: Δ`hw.energy` / steps over a window that starts and ends in
+"train" with at least one step (validation inside would be charged to training). GPU idle:
+(1 - utilization) × window, added to the phase current at the window's end, so a window
+across a phase change goes to the later phase (the report's figures are exact).
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Linux /proc counters read on files kept open, with the GIL held, stamped tightly.
 
-psutil opens, reads and closes a file per call; each of those system calls releases the
-GIL and waits to get it back, so with busy Python threads a read can land many
-milliseconds after any timestamp taken around it. Here every file is opened once and
-re-read from offset 0 with `pread` (seq_file-backed /proc files regenerate their content at
-offset 0) through `ctypes.PyDLL`, which keeps the GIL during the call: a /proc read takes
-microseconds, so holding the lock costs the training threads nothing noticeable, while
-releasing it would mean waiting to get it back. The read is bracketed by two clock
-readings (`_stamps.timed`): the kernel produced the content inside that bracket, which is
-tens of microseconds wide unless a thread switch fell in it, and then it is read again.
-
-A file is read until pread returns 0, not until a short read: a seq_file with one record
-per device (/proc/diskstats, /proc/net/dev) returns at most one page per call, so on a host
-with many disks or interfaces (a Kubernetes node's veths) one call would silently drop the
-devices past the first page. Each call returns whole records; together they are the file.
-
-The parsers reproduce psutil's accounting (same fields, same units), so values do not
-change when this path replaces psutil's.
+psutil's open/read/close each release the GIL and wait to get it back, so a read lands
+far from any stamp around it. Here each file is opened once and re-read from offset 0 with
+`pread` through `ctypes.PyDLL`, which keeps the GIL for the microseconds a /proc read takes.
+A file is read until pread returns 0, not until a short read: /proc/diskstats and
+/proc/net/dev return one page per call, and a host with many devices (a Kubernetes node's
+veths) would otherwise lose those past the first page. The parsers keep psutil's fields
+and units, so values do not change when this path replaces psutil's.
 """
 
 from __future__ import annotations

@@ -1,40 +1,16 @@
 """Read times: every counter read carries the instant it was taken, and each rate its own Δt.
 
-Why: a sampler running on a Python thread in a training process competes for the GIL with
-the training threads. Each system call a read makes (open, read, an NVML call through
-ctypes) releases the GIL, and getting it back can take milliseconds per call when busy
-threads hold it. One clock reading shared by all sources was measured to be far off the
-moment the last source was actually read, which put single rate windows off by whole
-percents (BENCHMARKS.md, "Hardware sampling and read times"). So:
-
-- `Clock` reads `time.monotonic_ns` (rates must survive wall-clock steps) and converts to
-  Unix nanoseconds for export with an offset refreshed at every snapshot.
-- `timed(read, clock)` reads the clock before and after `read` and stamps the midpoint of
-  that bracket, which contains the instant the value was fixed. Even a read that holds the
-  GIL (`_procfs.ProcFile`: one pread per page of an already open file) can be separated
-  from a clock reading by a thread switch: the interpreter may hand the GIL to a busy
-  thread between any two calls, and the kernel may preempt the thread; either costs
-  milliseconds (one switch interval is 5 ms) and used to put a stamp that far before its
-  read. Such a bracket is wider than `TIGHT_NS`: the read is made again (at most
-  `READ_TRIES` times) and the narrowest bracket kept, so a stamp is within half its
-  bracket (`Stamped.width_ns`) of the read. A read that releases the GIL itself (psutil's
-  open/read/close) has a bracket as wide as the waits for the GIL inside it; its midpoint
-  is the best that can be said, which is why Linux reads /proc directly. NVML and AMD SMI
-  calls release the GIL only after they start, so they keep the clock read right before
-  the call (their bracket would end with the wait for the GIL, after the value).
-- The Unix offset is measured the same way: monotonic, wall, monotonic, the narrowest of a
-  few brackets; a wall clock read after a thread switch would otherwise shift every stamp of
-  one snapshot by the length of the switch.
-- `Baseline` keeps each source's previous (time, value); a rate divides by the Δt between
-  that source's own two stamps, and knows the window it covers.
-- A `Reading` carries `time_ns` (the read) and `start_ns` (the start of the window a rate
-  averages over). `Snapshots` hands them on as `StampedValue`, a float that remembers both
-  times, and `apply_read_times` (called by otelprof's exporter wrapper) writes them into
-  the exported point: `time_unix_nano` = read time, `start_time_unix_nano` = window start
-  for gauges (the OTLP data model allows a start time on a gauge point). Cumulative sums
-  (`hw.energy`) keep the SDK's start time and get the read time; their values lose the
-  float subclass in the SDK's sum, so they are found by (name, attributes, value) in a
-  small table of recent readings.
+Why: each system call of a read releases the GIL, and getting it back from busy training
+threads can take milliseconds, so one clock reading shared by every source put rate
+windows off by whole percents (BENCHMARKS.md, "Hardware sampling and read times").
+`timed` stamps the midpoint of the clock readings around a read and reads again while that
+bracket is wider than `TIGHT_NS` (a thread switch or preemption fell in it). A read that
+releases the GIL itself (psutil) cannot be bracketed tightly, hence `_procfs`; NVML and AMD
+SMI calls take the GIL back only after the value, so they are stamped right before the call.
+The Unix offset is measured the same way. Exported: a gauge point's time is its read and
+its start time its rate's window (`apply_read_times`); a cumulative sum (`hw.energy`) loses
+the `StampedValue` in the SDK, so its read time is found by (name, attributes, value) in
+`recent_counters`. DEVELOPING.md, "system/ contract".
 """
 
 from __future__ import annotations
@@ -78,11 +54,8 @@ class Clock:
         return self._monotonic_ns()
 
     def resync(self) -> None:
-        """Follow a wall clock that was stepped (by more than RESYNC_NS) since the last time.
-
-        Smaller differences are the jitter of reading two clocks and are ignored, so that
-        a window's start (converted at the previous snapshot) is exactly the previous
-        window's end; so is a difference within the measurement's own uncertainty.
+        """Follow a wall clock stepped by more than RESYNC_NS (plus the measurement's own
+        uncertainty); smaller jitter is ignored so a window starts exactly where the last ended.
         """
         offset, width = self._measure_offset()
         if abs(offset - self._offset) > RESYNC_NS + width // 2:
@@ -108,7 +81,7 @@ class Stamped(Generic[T]):
 
 def timed(read: Callable[[], T], clock: Callable[[], int], tight_ns: int = TIGHT_NS) -> Stamped[T]:
     """`read()` stamped with the midpoint of the clock readings around it, read again
-    while that bracket is wider than `tight_ns` (see module docstring)."""
+    while that bracket is wider than `tight_ns`."""
     best = _bracketed(read, clock)
     for _ in range(READ_TRIES - 1):
         if best.width_ns <= tight_ns:
@@ -198,13 +171,9 @@ recent_counters = _RecentCounters()
 
 
 def apply_read_times(metrics_data: Any) -> Any:
-    """Metrics data whose system-metric points carry their read time and window.
-
-    Gauge points whose value is a `StampedValue` get `time_unix_nano` = read time and
-    `start_time_unix_nano` = window start (rates; levels have none), and a plain float value.
-    Sum points of counters read by otelprof get `time_unix_nano` = read time. Every other
-    point is returned untouched (the same object when nothing changed); if anything goes
-    wrong the data is exported as the SDK made it.
+    """Metrics data whose system-metric points carry their read time and window (gauges)
+    or read time (sums). Other points are handed on untouched; on any error, the data as
+    the SDK made it.
     """
     try:
         return _apply_read_times(metrics_data)

@@ -1,25 +1,10 @@
 """AMD GPU metrics through AMD SMI (`amdsmi`, ROCm's Python binding), under the same names.
 
-Used when NVML finds no NVIDIA GPU. The same instruments and attributes as NVIDIA GPUs
-(`hw.gpu.*`, `hw.power`, `hw.temperature`, `hw.energy`, `hw.id` = UUID, `gpu.index`),
-so dashboards and reports need no AMD branch (`umc_activity` is the memory controller's busy
-share, marked `otelprof.gpu.source`=amdsmi):
-
-| instrument | amdsmi call | note |
-|---|---|---|
-| `hw.gpu.utilization` | `amdsmi_get_gpu_activity()["gfx_activity"]` | % -> 0-1 |
-| `hw.gpu.memory.bandwidth.utilization` | same, `["umc_activity"]` | source `amdsmi` |
-| `hw.gpu.memory.free/usage/limit` | `amdsmi_get_gpu_vram_usage()` | MiB -> bytes |
-| `hw.power` | `amdsmi_get_power_info()` | current socket power, else the average |
-| `hw.temperature` | `amdsmi_get_temp_metric(EDGE, CURRENT)` | else HOTSPOT (MI300) |
-| `hw.energy` (counter) | `amdsmi_get_energy_count()` | accumulator × resolution (µJ) -> J |
-| `otelprof.gpu.process.memory.usage` | `amdsmi_get_gpu_process_list()` | ours: pid + children |
-
-Selection: `HIP_VISIBLE_DEVICES`, else `CUDA_VISIBLE_DEVICES` (HIP honours both), else
-`ROCR_VISIBLE_DEVICES`, read like CUDA's (indices or `GPU-` UUID prefixes, up to the first
-invalid entry). AMD SMI reports "N/A" (or raises NOT_SUPPORTED) for what a board lacks:
-that series is then absent, never 0; refusals are logged once. Every read is stamped with
-the clock right before its call, like NVML's.
+Used when NVML finds no NVIDIA GPU: NVIDIA's instruments and attributes, so dashboards and
+reports need no AMD branch (DRAM bandwidth is the memory controller's busy share, source
+`amdsmi`). Visible devices: `HIP_VISIBLE_DEVICES`, else `CUDA_VISIBLE_DEVICES` (HIP honours
+both), else `ROCR_VISIBLE_DEVICES`, read like CUDA's. What a board lacks ("N/A" or
+NOT_SUPPORTED) is absent, never 0. Each read is stamped right before its call, like NVML's.
 """
 
 from __future__ import annotations

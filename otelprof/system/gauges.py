@@ -1,16 +1,9 @@
 """Registration of the observable instruments, and the shared sample behind them.
 
-Every instrument's callback reads the same snapshot. A snapshot is taken when a callback
-of an instrument already served from the last one finds it older than half the collection
-interval, so one collection (of any number of instruments) costs one sample however far
-apart its callbacks are, and a second reader (a Prometheus scrape beside the periodic
-exporter) shares it instead of sampling again.
-
-Inside a snapshot every source is read with its own timestamp and every rate covers the
-interval between that source's own two reads (`_stamps`); the values are handed to the
-SDK as `StampedValue`s so the exported points say exactly which window they average.
-At shutdown, `SystemMetricsHandle.final_sample()` makes the final collection read the
-counters again instead of re-serving the previous snapshot.
+Every callback reads one snapshot, taken afresh only when an instrument already served
+from the last one finds it older than half the interval: one collection costs one sample
+however far apart its callbacks are, and a second reader (a Prometheus scrape) shares it.
+Values reach the SDK as `StampedValue`s carrying their read time and window (`_stamps`).
 """
 
 from __future__ import annotations
@@ -102,13 +95,8 @@ class Snapshots:
             return self._observations.get(name, [])
 
     def final_sample(self) -> None:
-        """Make the next collection read every source again, however recent the last one.
-
-        Called before the final collections at shutdown: they then export what happened
-        since the last export (rates over windows of at least `MIN_WINDOW_S`, the
-        levels read now) instead of the previous snapshot again; readers collecting right
-        after that share this last sample.
-        """
+        """Make the next collection read every source again, however recent the last one
+        (before the final collections at shutdown, which then share that last sample)."""
         with self._lock:
             self._fresh_needed = True
 
@@ -186,13 +174,9 @@ def register_system_metrics(
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
-    `psutil_module`, `nvml`, `amdsmi` and `env` replace psutil, pynvml, amdsmi and
-    os.environ (tests use fakes for hardware this machine lacks). `training` returns
-    (steps, phase) for the GPU energy-per-step and idle-by-phase metrics (the Profiler
-    passes its timings engine's; default: none), which also labels this process's RSS
-    with the phase (`memory_peaks.PhaseMemory`); `memory_peaks` reads the CUDA allocator's
-    peaks by phase at each snapshot (`memory_peaks.PhasePeaks`). `clock` is a `_stamps.Clock`, or a
-    function returning monotonic seconds (a test's scripted time).
+    `psutil_module`, `nvml`, `amdsmi`, `env`: stand-ins for tests. `training` returns
+    (steps, phase) for energy per step, GPU idle by phase and RSS by phase; `memory_peaks`
+    adds the allocator's peaks by phase. `clock`: a `_stamps.Clock`, or monotonic seconds.
     """
     log = LogOnce()
     clock = _as_clock(clock)

@@ -1,31 +1,12 @@
 """GPU metrics from NVML for the GPUs this job can see (or all of them, on request).
 
-Selection: with `gpus="visible"`, `CUDA_VISIBLE_DEVICES` is read the way CUDA reads it:
-comma-separated entries, each an index, a `GPU-<uuid>` (unique prefix allowed) or a
-`MIG-<uuid>`, taken up to the first invalid entry; unset means every GPU, empty means none.
-Indices are NVML (PCI bus) indices, which match CUDA's numbering when
-`CUDA_DEVICE_ORDER=PCI_BUS_ID` or when the node's GPUs are all the same model (CUDA's
-default "fastest first" then also falls back to bus order). `gpu.index` on every series is
-the NVML index (the one nvidia-smi and dcgm-exporter show); for a MIG device, its parent's.
-
-Utilization is the mean of NVML's own utilization samples newer than the previous
-collection (`nvmlDeviceGetSamples`), i.e. the average over the interval, not one reading.
-When no new sample exists yet (intervals shorter than the driver's sampling period) or
-the call is unsupported, `nvmlDeviceGetUtilizationRates` (NVML's last period) is used.
-
-What the units do (SM activity, occupancy, tensor pipes, DRAM bandwidth, PCIe, NVLink):
-`_gpu_perf.py` (NVML GPM where supported, classic NVML counters otherwise, with a source
-attribute). GPU memory held by this process (and its children) on each GPU comes from
-NVML's running-process lists, beside the device-wide numbers.
-
-Every read is stamped with the clock right before its NVML call (`_stamps`, issue #16's
-principle): `time_unix_nano` of each exported point is when that counter was read, and
-interval averages carry the window they cover.
-
-Degradation: no pynvml, no driver or no GPU turns GPU metrics off with one log line. A
-metric NVML refuses for a device (NotSupported, NoPermission: MIG slices, consumer boards)
-is omitted for that device from then on and logged once; other errors omit that one sample
-and are logged once. Nothing is ever reported as 0 in place of an error.
+`CUDA_VISIBLE_DEVICES` is read the way CUDA reads it (`parse_visible_devices`,
+`_gpu_query.select_visible`). Its indices are NVML (PCI bus) indices, which match CUDA's
+only with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or GPUs all of one model; `gpu.index` is the NVML
+index (nvidia-smi's, dcgm-exporter's), a MIG device's its parent's. Utilization is the mean
+of NVML's samples since the last collection, else NVML's last period. What the units do
+(GPM): `_gpu_perf.py`; errors: `_gpu_query.QueryPolicy`. Each read is stamped right before
+its NVML call (`_stamps`). No pynvml, driver or GPU: GPU metrics off, one log line.
 """
 
 from __future__ import annotations
@@ -226,9 +207,8 @@ class GpuSampler:
             out.append(Reading(names.GPU_ENERGY.name, millijoules / 1000.0, hw_attrs, now))
 
     def _memory(self, device: GpuDevice) -> Any:
-        """Device memory as nvidia-smi and DCGM count it: NVML's v2 `used` leaves out what
-        the driver reserves for itself, which v1's `used` includes (hundreds of MiB on a
-        Hopper GPU, held before any process allocates). Drivers without v2 give v1."""
+        """Device memory as nvidia-smi and DCGM count it: v2's `used` leaves out what the
+        driver reserves for itself, which v1's includes. Drivers without v2 give v1."""
         nvml = self._nvml
         v2 = getattr(nvml, "nvmlMemory_v2", None)
         if v2 is not None and "memory v2" not in device.refused:
@@ -242,13 +222,9 @@ class GpuSampler:
         return self._query(device, "memory", lambda: nvml.nvmlDeviceGetMemoryInfo(device.handle))
 
     def _process_memory(self, device: GpuDevice, pids: frozenset[int], out: list[Reading]) -> None:
-        """GPU memory held on this device by this process and its children (NVML's lists).
-
-        Compute and graphics lists both count (a process can be in both; counted once).
-        A process NVML lists without a figure (`usedGpuMemory` None: no permission, or
-        Windows WDDM) makes the value unknown, so it is omitted rather than undercounted;
-        so is a device where none of our PIDs is listed (nothing held there, or a container
-        whose PIDs are not the ones the driver sees) -- absent, never a misleading 0.
+        """GPU memory held on this device by this process and its children (NVML's compute
+        and graphics lists, a process in both counted once). Omitted, never undercounted,
+        when one of ours has no figure (no permission, WDDM) or none of ours is listed.
         """
         nvml = self._nvml
         now = self._clock()
@@ -317,11 +293,9 @@ def _text(value: str | bytes) -> str:
 
 
 class _ProcessTree:
-    """This process and its descendants' PIDs, refreshed at most every `refresh_s`.
-
-    Why descendants: a job's GPU work can run in child processes (launchers, workers).
-    NVML lists PIDs as the driver sees them; in a container with its own PID namespace
-    they are the host's and match nothing here, so the series is then absent (no 0).
+    """This process and its descendants' PIDs (GPU work can run in children), refreshed at
+    most every `refresh_s`. In a container with its own PID namespace NVML's PIDs are the
+    host's and match nothing here, so the series is absent.
     """
 
     def __init__(self, pid: int, refresh_s: float = 10.0) -> None:

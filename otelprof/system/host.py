@@ -1,18 +1,11 @@
-"""Host metrics from psutil: CPU, available memory, network and disk rates.
+"""Host metrics: CPU, available memory, network and disk rates (/proc, else psutil).
 
-Rates are Δcounter/Δt between consecutive samples, computed from raw per-device counters
-(`nowrap=False`, so psutil's process-global wrap cache is not involved and the edge cases
-stay ours, see `rates.py`).
-
-Which devices count:
-- network: every interface psutil reports, loopback included, summed per direction (the
-  same totals as `psutil.net_io_counters()`, which Determined reports). Loopback is kept
-  because single-node jobs talk over it (gloo, data servers); traffic that crosses a
-  bridge or veth pair is counted once per interface, as in Determined.
-- disk: whole physical disks only: names listed in /sys/block whose device is not under
-  /sys/devices/virtual (this drops partitions, loop, ram, zram, device-mapper and md
-  devices, which would count the same I/O twice). Without /sys/block (not Linux), every
-  disk psutil reports except loop/ram/dm/md names.
+Raw per-device counters (psutil with `nowrap=False`: its process-global wrap cache stays
+out, the edge cases are `rates.py`'s). Network: every interface, loopback included (single
+node jobs talk over it), summed per direction like `psutil.net_io_counters()` and
+Determined. Disk: whole physical disks only, those in /sys/block not under
+/sys/devices/virtual (partitions, loop, dm, md would count the same I/O twice); without
+/sys/block, every disk but loop/ram/dm/md-like names.
 """
 
 from __future__ import annotations
@@ -69,12 +62,9 @@ class DiskCounters:
 
 
 class HostSampler:
-    """Samples host counters and turns consecutive samples into readings.
-
-    Each source (network, CPU, disk, memory) is stamped at its own read and each rate
-    divides by that source's own Δt (see `_stamps`). With `ps=None` on Linux the counters
-    come from /proc files kept open (`_procfs`, opened by `open_proc`: tests hand in files
-    with a stand-in pread); elsewhere, or with a psutil stand-in, from psutil.
+    """Samples host counters, each source stamped at its own read, into readings. With
+    `ps=None` on Linux from /proc files kept open (`open_proc`, a stand-in kernel in tests);
+    otherwise, or with a psutil stand-in, from psutil.
     """
 
     def __init__(

@@ -1,22 +1,11 @@
-"""Memory by training phase: what `otelprof report` and `otelprof compare` show per phase.
+"""Memory by training phase, for `otelprof report` and `otelprof compare`.
 
-- `otelprof.process.memory.by_phase` (By, gauge, `otelprof.phase`): this process's resident
-  memory as the sampler reads it for `process.memory.usage`, labelled with the training
-  phase current at that read (`PhaseMemory`). Nothing runs on the training thread.
-- `otelprof.torch.cuda.memory.peak.allocated` / `.peak.reserved` (By, gauge,
-  `otelprof.phase`, `otelprof.cuda.device`, `hw.id`), with the `memory_peaks` option
-  (`PhasePeaks`): the caching allocator's peak since the previous read, read and reset by
-  the sampler's thread at each snapshot and, on the thread that changes phase, at each
-  change of phase, so each collection interval and each block of a phase (a validation
-  pass) has a peak of its own: the highest any of its steps reached. Training steps cost
-  nothing more (no step hook: the per-step peaks of an interval would be exported as their
-  highest anyway); a change of phase costs one read (BENCHMARKS.md, "Per-module times and
-  memory peaks by phase"). Resetting the peak changes what the program's own
-  `torch.cuda.max_memory_allocated()` means (the peak since the last collection), hence
-  opt-in.
-
-The CUDA calls sit behind `CudaPeaks` (`TorchCudaPeaks` is the real one), so tests drive the
-logic without a GPU.
+`PhaseMemory`: the process's RSS again, labelled with the phase current at the read.
+`PhasePeaks` (the `memory_peaks` option): the CUDA allocator's peaks, read and reset on the
+sampler's thread at each snapshot and, on the thread that changes phase, at each change of
+phase, so every interval and phase block has its own peak; nothing per step (cost:
+BENCHMARKS.md, "Per-module times and memory peaks by phase"). Opt-in because the reset
+changes what the program's own `torch.cuda.max_memory_allocated()` means.
 """
 
 from __future__ import annotations
@@ -44,10 +33,8 @@ class CudaPeaks(Protocol):
 
 
 class TorchCudaPeaks:
-    """The allocator's peaks of every CUDA device this process has memory on, from torch's
-    public calls: `memory_stats_as_nested_dict` (one call for both peaks, no flattening) and
-    `reset_peak_memory_stats`. Every device, not the current one: the current device is a
-    per-thread setting, and the reads come from the sampler's thread too. Never imports
+    """The allocator's peaks of every CUDA device this process has memory on (not the
+    current device: that is per thread, and the sampler's thread reads too). Never imports
     torch nor initializes CUDA."""
 
     def __init__(self, modules: Any = None) -> None:
@@ -73,12 +60,8 @@ class TorchCudaPeaks:
 
 
 class PhasePeaks:
-    """The CUDA allocator's peaks by phase: read and reset by the sampler's thread at each
-    snapshot and, on the thread that changes phase, at each change of phase (so a window
-    never spans two phases); nothing at step boundaries.
-
-    `attach(engine)` listens to the timings engine's phase changes; the system sampler reads
-    `source(clock, training)` once per snapshot."""
+    """The CUDA allocator's peaks by phase (a window never spans two phases): `attach(engine)`
+    listens to the engine's phase changes; the sampler reads `source(clock, training)`."""
 
     def __init__(self, peaks: CudaPeaks | None = None, log: LogOnce | None = None) -> None:
         self._peaks = peaks or TorchCudaPeaks()

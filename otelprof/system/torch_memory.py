@@ -1,10 +1,7 @@
 """PyTorch caching-allocator memory per CUDA device, when this process has set up CUDA.
 
-Never imports torch and never initializes CUDA: it reads `sys.modules` and only asks the
-allocator once `torch.cuda.is_initialized()`, so a CPU-only or not-yet-started job pays
-nothing and gets no series. Attributes: `otelprof.cuda.device` (the CUDA ordinal this
-process uses) and `hw.id` (the GPU's UUID, to join with the `hw.gpu.*` series) when torch
-knows it.
+Never imports torch nor initializes CUDA (it reads `sys.modules` and asks only once
+`torch.cuda.is_initialized()`), so a CPU-only or not-yet-started job pays nothing.
 """
 
 from __future__ import annotations
