@@ -16,10 +16,8 @@ logger = logging.getLogger("otelprof.system")
 class Reading:
     """One observation of one instrument: sampled once, handed to every reader.
 
-    `time_ns` is the monotonic instant (`_stamps.Clock`) of the read that produced the
-    value (`_stamps.timed`; NVML and AMD SMI reads: the clock right before the call);
-    `start_ns` the start of the window a rate averages over (None for levels). Both are
-    None only for sources that do not stamp their reads.
+    `time_ns`: the monotonic instant of the read (`_stamps`); `start_ns`: the start of the
+    window a rate averages over (None for levels).
     """
 
     name: str

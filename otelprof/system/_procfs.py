@@ -48,9 +48,8 @@ _PREAD = _libc_pread()
 class ProcFile:
     """One /proc file kept open and re-read whole, with the GIL held, per reading.
 
-    `pread` replaces libc's (tests: a stand-in kernel whose counters are a known function
-    of the time they are read). Without ctypes access to libc the file does not open
-    (OSError), and the samplers read that source through psutil instead.
+    `pread` replaces libc's (tests: a stand-in kernel). Without libc through ctypes it
+    raises OSError, and the samplers read that source through psutil instead.
     """
 
     def __init__(self, path: str, size: int = 16384, pread: Pread | None = None) -> None:

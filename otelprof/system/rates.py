@@ -17,11 +17,9 @@ _WRAP_32 = 2**32
 def counter_delta(previous: int, current: int) -> int | None:
     """Increase of a cumulative counter between two readings, or None if it cannot be known.
 
-    A counter that went down either wrapped (some NIC drivers and old kernels keep 32-bit
-    counters) or restarted (device removed and re-added, driver reload). A wrap is assumed
-    only when the previous value fitted in 32 bits and the wrapped increase is below 2**31,
-    i.e. less than half the counter's range; anything else is a restart, whose increase in
-    this interval is unknown.
+    A counter that went down wrapped (32-bit NIC counters) only if the previous value fitted
+    in 32 bits and the wrapped increase is below 2**31; else it restarted (device re-added,
+    driver reload) and this interval's increase is unknown.
     """
     if current >= previous:
         return current - previous
@@ -33,11 +31,9 @@ def counter_delta(previous: int, current: int) -> int | None:
 
 
 def summed_delta(previous: Mapping[str, int], current: Mapping[str, int]) -> tuple[int, int] | None:
-    """Sum of per-device increases over the devices present in both readings.
-
-    Returns `(total_increase, devices_counted)`, or None when no device is in both readings
-    (nothing was measured, which is not the same as measuring zero). A device that appeared
-    only becomes a baseline; one that disappeared or restarted contributes nothing.
+    """`(total increase, devices counted)` over the devices present in both readings, or
+    None when there is none (nothing measured is not zero). A new device only becomes a
+    baseline; one that disappeared or restarted contributes nothing.
     """
     total = 0
     counted = 0
