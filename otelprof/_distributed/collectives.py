@@ -1,22 +1,12 @@
 """Time spent in collectives, per rank: the signal that finds stragglers in synchronous jobs.
 
-In synchronous data-parallel training every rank's step takes as long as the slowest rank's,
-so step times cannot name a straggler. What differs is where the time goes: the fast ranks
-sit in the next collective until the slow one arrives. This module times every collective a
-rank enters:
-
-- `torch.distributed` collectives called from Python (all_reduce, barrier, broadcast, the
-  `*_object` variants, ...) become spans `dist.<name>` (a collective called inside another,
-  such as all_gather inside all_gather_object, is counted once);
-- DDP's gradient all-reduce: a communication hook (DDP's default all-reduce, timed) is
-  registered on each `DistributedDataParallel` model at its first forward, unless the user
-  registered one; its span `ddp.allreduce` runs from the moment this rank's last gradient
-  bucket is ready (its own backward work is done) until the reduced gradients are back, i.e.
-  communication plus waiting for the other ranks.
-
-Every such span carries `otelprof.collective` (the operation), and the seconds add up in a
-process-wide table read by the live counter `otelprof.collective.duration`. Asynchronous
-collectives (`async_op=True`) are timed up to the call's return, not to `wait()`.
+In synchronous training every rank's step lasts as long as the slowest's; what differs is
+that fast ranks wait in the next collective. Python-level `torch.distributed` collectives
+become spans `dist.<name>` (one nested in another counted once); DDP's gradient all-reduce
+is timed by a comm hook registered at the model's first forward (unless the user registered
+one first), span `ddp.allreduce` from this rank's last ready bucket to the reduced
+gradients. The seconds add up in `totals`, read by the counter `otelprof.collective.duration`.
+`async_op=True` collectives are timed to the call's return, not to `wait()`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Settle a process's identity before (or again after) its providers exist.
 
-OpenTelemetry resources are immutable once providers are built, so otelprof settles ranks
-in two places:
-
-- at `instrument()`: when a process group already exists (`mp.spawn`, DDP set up first),
-  ranks come from it and the ranks agree on a run id before anything is created;
-- at `init_process_group()` (patched while otelprof runs): when the group appears after
-  `instrument()` (Lightning's launcher, a script that instruments first) and the identity
-  differs from the one the profiler started with, the profiler restarts under the right
-  identity. What it had already written (a few seconds of metrics, usually) is moved into
-  the agreed run directory, relabelled with the right ranks, so nothing is lost or left in a
-  stray directory (`RunLayout.relocate_from`, otelprof/_run/layout.py).
+Resources are immutable once providers are built, so ranks are settled at `instrument()`
+when a process group already exists, and again at `init_process_group()` (patched while
+otelprof runs) when the group appears later with other ranks: the profiler then restarts
+under them and moves what it wrote into the agreed run directory (`RunLayout.relocate_from`).
 """
 
 from __future__ import annotations
@@ -61,13 +54,9 @@ def resolve(
     *,
     run_id: str | None = None,
 ) -> tuple[dict[str, str], dict[str, Any], bool]:
-    """(environment, options, settled) to build settings and the resource from.
-
-    With a process group, the environment carries its ranks and the options rank 0's run id;
-    `settled` says whether this identity is final (a process group existed, or a single
-    process whose launcher gave no ranks is not waiting for one). `run_id`: the id this
-    process already runs under (a group that appeared after `instrument()`); rank 0 proposes
-    it, so the directory rank 0 already named on the console stays the job's.
+    """(environment, options, settled) to build settings and the resource from: with a
+    process group, its ranks and rank 0's run id, and settled True. `run_id`: the id this
+    process already runs under, which rank 0 proposes so the directory it named stays the job's.
     """
     environment = dict(os.environ if env is None else env)
     opts = dict(options)

@@ -1,13 +1,10 @@
 """A process's place in a distributed job, from any launcher.
 
-Sources, in order: an initialized `torch.distributed` process group (rank, world size: what
-`mp.spawn` and Lightning's DDP launcher leave behind), then the launcher's environment
-(torchrun, DeepSpeed, Determined: `RANK`, `LOCAL_RANK`, `WORLD_SIZE`). The local rank comes
-from `LOCAL_RANK` or, when the launcher sets none (`mp.spawn`), from the host names the ranks
-publish in the process group's store. The ranks of one job agree on one run id the same
-way: rank 0 publishes its id in the store and the others read it, so no shared environment
-variable is needed. Nothing here imports torch: a process group can only exist if the
-program imported `torch.distributed` itself.
+An initialized `torch.distributed` process group wins over the launcher's `RANK`,
+`LOCAL_RANK`, `WORLD_SIZE`; without `LOCAL_RANK` (`mp.spawn`) the local rank comes from the
+host names ranks publish in the group's store, and the ranks agree on rank 0's run id
+through it too. Nothing here imports torch: a group exists only if the program imported
+`torch.distributed`.
 """
 
 from __future__ import annotations
