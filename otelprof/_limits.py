@@ -1,28 +1,15 @@
-"""The attribute value length limit: long string attributes are cut, and counted.
+"""Attribute limits: long string values are cut, and all attributes alive at once are
+bounded in bytes; both counted.
 
-Why: a span's attributes stay in memory from the `timing()` call until their line is
-written (recorder queue, span builder, line writer), so a large distinct string per step
-(a 64 KB batch description) made a job's memory grow with every step (BENCHMARKS.md,
-"Faults and bounds"); memory must be bounded in bytes. The OpenTelemetry SDK's convention
-is followed: string values (and the strings of a sequence value) longer than the limit are
-truncated to it, and the limit
-is read from `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT` (`OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT`
-first, as the SDK reads it for spans). Unlike the SDK (unlimited by default), otelprof
-defaults to `DEFAULT_VALUE_LENGTH_LIMIT` characters. Each truncated value is counted
-(`timings.attributes_truncated` in `Profiler.stats()`).
-
-The limits bound one value; the byte budget bounds them all: every attribute dict made here
-is charged its size (`HeldAttributes.nbytes`) while it is alive (it lives as long as a range that
-carries it waits in the recorder's queue, the span builder or a held step; the span built
-from the range takes the charge over with the values, so spans waiting in an exporter's
-queue, OTLP's while the collector is down, count too), and handed back when it is freed.
-A dict that would pass the budget (`max_attribute_bytes`, 64 MiB by default) is not kept:
-the range keeps its timing and gets the one shared marker
-`{"otelprof.attributes_dropped": "memory budget"}` instead, counted as
-`timings.attributes_dropped_over_budget` (part of `dropped_total`). Only ranges with
-attributes pay for this (at `timing(name, **attributes)`, already a Python call); a plain
-range costs nothing more, and frames themselves are bounded by count (`max_queued_spans`),
-a few hundred bytes each.
+Why: a range's attributes live until its line is written, so a large distinct string per
+step grew a job's memory without bound (BENCHMARKS.md, "Faults and bounds"). The length
+limit follows the SDK's convention and variables (`OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT`
+first), but defaults to `DEFAULT_VALUE_LENGTH_LIMIT` instead of unlimited; cuts count as
+`timings.attributes_truncated`. The byte budget (`max_attribute_bytes`) charges every dict
+made here while it lives, the span built from it included (so spans in an exporter's queue
+count); a dict that would pass it is replaced by the shared `OVER_BUDGET` marker, the
+range keeping its timing, counted as `timings.attributes_dropped_over_budget` (a loss).
+Frames themselves are bounded by count (`max_queued_spans`).
 """
 
 from __future__ import annotations
@@ -96,12 +83,11 @@ def _cut(value: Any, limit: int) -> Any:
 
 
 def limit_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """`attributes` with every string value at most `value_length_limit` characters, and
-    at most `COUNT_LIMIT` of them (the SDK's default attribute count limit; the rest are
-    left out and counted too), charged to the byte budget while alive (`OVER_BUDGET`
-    instead when it does not fit). Its size is `DICT_BYTES`, and per entry `ENTRY_BYTES`
-    plus the value's size (a sequence's strings included; objects shared with the caller
-    counted anyway), summed in the same pass: this runs at every `timing(name, **attributes)`."""
+    """`attributes` with strings cut to `value_length_limit` and at most `COUNT_LIMIT` entries
+    (the SDK's default; the rest left out and counted), charged to the byte budget while
+    alive (`OVER_BUDGET` when it does not fit). Size: `DICT_BYTES`, plus `ENTRY_BYTES` and
+    the value's size per entry, summed in the same pass (this runs at every `timing()` with
+    attributes)."""
     global truncated
     limit = value_length_limit
     if len(attributes) > COUNT_LIMIT:

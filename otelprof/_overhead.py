@@ -1,15 +1,9 @@
 """Overhead self-telemetry: what profiling costs, as metrics beside the data it produces.
 
-Two observable gauges, read once per collection interval:
-
-- `otelprof.overhead.training_thread` (fraction of wall time): ranges recorded per second
-  (from the timing histograms, which count every range) x the cost of recording one range
-  on the training thread, measured when the engine starts (`calibrate_range_cost`: the real
-  `timing()` enter/exit path against a private step, 2,000 times, median of 5 rounds). An
-  estimate: the hot path itself carries no timers, since timing it would double its cost.
-- `otelprof.overhead.background_cpu` (cores): CPU time used by otelprof's and the OTel SDK's
-  threads (span builder, exporters, metric reader) per second of wall time, read from each
-  thread's CPU clock.
+Training thread: ranges per second (from the timing histograms, which count every range)
+x one range's cost, calibrated when the engine starts; an estimate, since timers on the hot
+path would double its cost. Background: CPU time of otelprof's and the SDK's threads per
+second, from each thread's CPU clock.
 """
 
 from __future__ import annotations

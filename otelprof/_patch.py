@@ -1,10 +1,8 @@
 """Every monkeypatch otelprof makes, with one restore rule.
 
-`instrument()`/`uninstrument()` restore everything they patch: a `Patch` remembers what the
-owner (a class, a module, an object) held under the name itself, so `restore()` puts back
-exactly that, deleting the attribute again when it was inherited or absent. If someone
-patched the same attribute after us (another profiler, a test's mock, a library), restoring
-ours would remove theirs: the later patch is left in place and a warning says so.
+A `Patch` remembers what the owner itself held under the name, so `restore()` puts back
+exactly that (deleting an attribute that was inherited or absent). A later patch of the same
+attribute by someone else (another profiler, a test's mock) is left in place, with a warning.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The Profiler: the composition root that builds every part of a run and owns its lifecycle.
 
-Sources (system gauges, timing spans) never know about exporters and exporters never
-sample; this module is the only place both are visible. It computes the run's identity
-once (`_Identity`), builds the parts in dependency order and hands each its collaborators
-(`_Session`); a new identity (a process group that appeared after `instrument()`) ends the
-session and starts a new one. Everything after `instrument()` returns runs on background
-threads, and nothing here lets an exception reach training code. Only the public functions
-(`instrument`, `uninstrument`, and those of `otelprof._steps` through `running_session`)
-read the running profiler; parts are handed what they need.
+The only place where sources and exporters both are visible; parts are handed their
+collaborators, and only the public functions read the running profiler. Nothing here lets
+an exception reach training code. Design: ARCHITECTURE.md, "The composition root".
 """
 
 from __future__ import annotations
@@ -97,12 +92,8 @@ class _Identity:
 
 
 class _Session:
-    """One identity's parts, built in dependency order and shut down once.
-
-    Exporters first (they make the files and endpoints), then the providers over them, then
-    the sources: system metrics, the timings engine, distributed hooks, self-telemetry. Each
-    part gets its collaborators here; none looks another up.
-    """
+    """One identity's parts, built in dependency order (exporters, providers, sources) and
+    shut down once."""
 
     def __init__(
         self,
@@ -116,12 +107,11 @@ class _Session:
         carried: Mapping[str, int] | None = None,
         started_ns: int | None = None,
     ) -> None:
-        """`layout`/`claim`: the run's files and this process's claim on them (detached
-        mode; released when the session ends); `end_run`: what a run end (exit, exception,
-        SIGTERM) calls to shut the run down; `on_new_identity`: what a process group
-        appearing later calls; `named`: the run directory this process already named on the
-        console, `carried`: the losses counted, `started_ns`: when the run began (a session
-        before this one)."""
+        """`layout`/`claim`: the run's files and this process's claim on them (released when
+        the session ends); `end_run`: what a run end (exit, exception, SIGTERM) calls;
+        `on_new_identity`: what a later process group calls; `named`, `carried`,
+        `started_ns`: the directory already named, the losses and the start of the sessions
+        of this run before this one."""
         self.identity = identity
         settings = self.settings = identity.settings
         self.resource = identity.resource
@@ -197,8 +187,8 @@ class _Session:
         _degrade("run-end recording", self.run_end.install)
 
     def announce(self) -> None:
-        """Name the run directory once, and only one that will hold the data: a process that
-        may still join a process group waits until its ranks (and so its directory) settle."""
+        """Name the run directory once, and only one that will hold the data (a process that
+        may still join a process group waits until its ranks settle)."""
         if self.announced or not self.settings.detached:
             return
         self.announced = True
@@ -243,11 +233,9 @@ class _Session:
         return {k: v for k, v in self.stats().items() if _is_loss(k) and k != "dropped_total"}
 
     def shutdown(self, end: EndRecord, *, final: bool = True) -> None:
-        """Record how the run ended, flush every exporter and stop every thread; once.
-        Returns within the export timeout + SHUTDOWN_MARGIN_S whatever hangs
-        (otelprof/_run/shutdown.py); a SIGTERM or SIGINT meanwhile waits until the end is
-        written (DeferredSignals), then acts. Not `final`: the session ends, not the run (a
-        new identity goes on with it): no end is recorded."""
+        """Record how the run ended, flush and stop everything, once, within a bound
+        (ARCHITECTURE.md, "Shutdown"). Not `final`: a new identity goes on with the run, so
+        no end is recorded."""
         with DeferredSignals() as deferred:
             with _lock:
                 if self.closed:
@@ -416,10 +404,9 @@ class _Session:
             self._write_run_info()
 
     def record_end(self, end: EndRecord, stats: dict[str, int], final: bool = True) -> None:
-        """The run's end and final stats: the metrics file's closing record (through the
-        descriptor its writer holds), then run.json; then the claim on the run's names goes.
-        Not `final` (a new identity goes on with the run): the files are closed, no end is
-        recorded (otelprof/_run/shutdown.py runs this off the caller's thread, bounded)."""
+        """The run's end and final stats: the metrics file's closing record, then run.json,
+        then the claim goes (not `final`: the files are only closed). Run off the caller's
+        thread, bounded, by otelprof/_run/shutdown.py."""
         try:
             if not final:
                 self.pipelines.end_files()
@@ -701,9 +688,9 @@ class Profiler:
 
 
 def _claim_or_stay(identity: _Identity, before: _Session | None) -> tuple[RunLayout, RunClaim]:
-    """The identity's files, claimed (files of its own where another live process holds its
-    names and it is past raising: a session `before` this one). If they cannot be claimed
-    at all then (the directory cannot be made), the run stays in the files it began in."""
+    """The identity's files, claimed; past raising (a session `before` this one), files of
+    its own where another live process holds the names, or the files it began in where the
+    directory cannot be made."""
     # past raising (a process group's hook), or a rank that was only guessed (a child of
     # mp.spawn before its group: its siblings guessed the same names)
     guessed = not identity.rank_known and _may_join_a_group(identity.env)

@@ -1,18 +1,12 @@
 """The Prometheus pull endpoint with a bounded number of threads and connections.
 
-prometheus_client's `start_http_server` runs one thread per connection with no cap, so idle
-connections pile threads into the training process and starve the scrapers behind them. Here
-one thread waits on every connection at once (a selector) and reads each request's head
-itself, without blocking; only a *complete* request goes to one of `WORKERS` handler threads,
-which answer it from memory. So a connection that sends nothing, or trickles its request a
-byte at a time (a slowloris), costs a file descriptor and at most `MAX_REQUEST_HEAD` bytes,
-never a worker: scrapes are served while such connections are held.
-
-At most `MAX_CONNECTIONS` are held: past that, once the requests that arrived whole are
-handed on, the one trickling a request the longest is closed (else the one idle longest). A
-connection is closed when nothing arrived within `IDLE_TIMEOUT_S`, when its request has not
-arrived whole `REQUEST_TIMEOUT_S` after its first byte, or when its head outgrows
-`MAX_REQUEST_HEAD`; writing an answer may take `REQUEST_TIMEOUT_S` at most.
+prometheus_client's `start_http_server` runs a thread per connection, uncapped, so idle
+connections pile threads into the training process. Here one selector thread reads every
+request's head without blocking and only a complete request reaches one of `WORKERS`
+handler threads: a silent or trickling connection (a slowloris) costs a descriptor and at
+most `MAX_REQUEST_HEAD` bytes, never a worker. At most `MAX_CONNECTIONS` are held (past it,
+the one trickling longest is closed, else the one idle longest); `IDLE_TIMEOUT_S` with
+nothing sent, `REQUEST_TIMEOUT_S` from the first byte to a whole head, and per write.
 """
 
 from __future__ import annotations

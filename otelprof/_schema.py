@@ -1,10 +1,9 @@
-"""The telemetry schema: every attribute key, span name, phase name and instrument name that
-otelprof writes and its readers (report, Determined bridge, dashboards' tests) look for.
+"""The telemetry schema: every attribute key, span, phase and instrument name otelprof writes
+and its readers (report, Determined bridge, dashboards' tests) look for.
 
-One place, so a name is changed (or checked) once: the files, the OTLP exports and the
-analysis of a run all agree because they import these. This module imports nothing; any
-layer may use it. System metric instruments are described with their units in
-`otelprof/system/names.py`, which takes its shared keys from here.
+Imports nothing, so any layer may use it; a name is changed once. System metric instruments
+are in `otelprof/system/names.py`. The docs' telemetry reference is generated from the
+section comments and the strings after the constants.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Throughput and efficiency of training steps: samples/s, tokens/s and MFU.
 
-Why here and not in the collector: a step's work (samples, tokens, FLOPs) is only known in the
-training process. `step_work()` records it on the running step's span (`otelprof.samples`,
-`otelprof.tokens`, `otelprof.flops`, `otelprof.peak_flops`), so the report and Determined see
-it per step, and feeds metrics over a window of recent training steps:
-
-- `otelprof.train.samples`, `otelprof.train.tokens` (observable counters): work done so far;
-- `otelprof.train.throughput.samples` (`{sample}/s`), `otelprof.train.throughput.tokens`
-  (`{token}/s`), `otelprof.train.mfu` (`1`, 0-1): Σwork / Σstep time over the last `window`
-  training steps.
-
-Semantics follow Lightning's ThroughputMonitor and Composer's SpeedMonitor: a rolling window
-of whole steps, time measured between step boundaries with validation (any other phase)
-excluded, MFU = achieved FLOP/s / peak FLOP/s of one device. Unlike them, the first step
-(warm-up, compilation, set-up) is never in the window, and the per-step figures stay on the
-step spans, so no step's figure is averaged away.
-
-The training thread does a few additions per step; the counters and gauges are read by the
-metric reader's thread (an SDK `Counter.add` per step cost the training thread several µs).
+A step's work is only known in the training process: `step_work()` puts it on the step's
+span and feeds counters and Σwork / Σstep time over the last `window` training steps.
+Like Lightning's ThroughputMonitor and Composer's SpeedMonitor (whole steps, other phases
+excluded, MFU against one device's peak), except that the first step (warm-up) is never in
+the window. The training thread only adds per step; the metric reader's thread reads the
+instruments (an SDK call per step would cost the training thread).
 """
 
 from __future__ import annotations
@@ -210,9 +198,8 @@ class ThroughputTracker:
             meter.create_observable_gauge(name, [gauge(index)], unit, description)
 
     def finish(self) -> None:
-        """At the run's end, before the last collection: a run that never called `step()`
-        is one step (the engine's `step_number` is still 0), so the work declared in it
-        counts in the totals; after a last `step()`, what is pending is no step's."""
+        """Before the last collection: a run that never called `step()` is one step, so its
+        pending work counts; after a last `step()`, what is pending is no step's."""
         if self.engine.step_number == 0:
             samples, tokens, _flops = self.pending
             self.pending = [0.0, 0.0, 0.0]

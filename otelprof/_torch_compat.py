@@ -1,11 +1,9 @@
 """Every use of PyTorch's private parts, in one place (never imports torch by itself).
 
-Each function takes the `torch` (or `torch.distributed`) module the caller already has and
-names the version it was checked against; where the private part is gone it returns None
-or a safe answer, and the caller degrades (no torch.profiler ranges inside otelprof's,
-no Kineto window, a run id not agreed through the store) rather than failing. The hot path
-reads torch's profiler flag itself (one dict read per range, `_timings/_recorder.py`), from
-the namespace and key `profiler_flag` hands it here.
+Each function takes the module the caller already has and names the version it was
+checked against; where the private part is gone it returns None or a safe answer and the
+caller degrades rather than fails. The hot path reads torch's profiler flag itself, from
+the namespace and key `profiler_flag` hands it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Settings from keyword arguments and the environment, validated once before anything starts.
 
-Every option is declared once, as a field of `Settings` made by `opt()`: its environment
-variables, its parser (which also checks the value and says in words what it takes), its
-default and what it means. Resolution, validation and the documentation's options reference
-(generated from these declarations) all walk them, so an option cannot be resolved one way,
-checked another and documented a third. Keywords win over `OTELPROF_*` variables, which win
-over the standard `OTEL_*` ones. Every problem is a `ConfigError` naming the option or
-variable the value came from, so a typo never silently turns a profiled run into an
-unprofiled one, and nothing (no directory, no thread) is created before every value has been
-checked.
+Every option is one `Settings` field declared by `opt()`; resolution, validation and the
+generated options reference all walk those declarations, so an option cannot be resolved,
+checked and documented three ways. Keywords win over `OTELPROF_*` variables, which win over
+`OTEL_*` ones. Every problem is a `ConfigError` naming where the value came from, so a typo
+never silently leaves a run unprofiled, and nothing is created before every value is checked.
 """
 
 from __future__ import annotations
@@ -30,18 +26,16 @@ _log = logging.getLogger("otelprof")
 
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 3600.0
-"""Longer periods overflow the SDK's reader thread wait (`interval=1e10` killed it) and
-would leave a run without a single sample anyway."""
+"""Longer periods overflow the SDK's reader thread wait, and would leave a run without a
+sample anyway."""
 DEFAULT_INTERVAL_S = 1.0
-"""Default collection interval: Determined's own profiler samples every second, and at 1 s
-sampling costs a small fraction of one core (BENCHMARKS.md, "Hardware sampling") while
-still resolving step-scale dips."""
+"""Determined's own profiler samples every second; the cost: BENCHMARKS.md, "Hardware
+sampling"."""
 MAX_EXPORT_TIMEOUT_S = 3600.0
-"""`shutdown()` waits up to the export timeout; an infinite one never returns (and
-`export_timeout=inf` overflowed the SDK's timers)."""
+"""`shutdown()` waits up to the export timeout: an infinite one would never return (and
+overflows the SDK's timers)."""
 MIN_EXPORT_TIMEOUT_S = 0.1
-"""An export to a collector on loopback takes milliseconds, one across a network tens of
-them; below 0.1 s every export fails (`export_timeout=1e-9` was taken, and lost all)."""
+"""An export across a network takes tens of milliseconds; below this every export fails."""
 INT32_MAX = 2**31 - 1
 """Determined's ids and step counts are int32 (its API refuses larger ones)."""
 NAME_MAX = 255
@@ -91,16 +85,12 @@ Default = Callable[[dict[str, Any], Mapping[str, str]], Any]
 @dataclass(frozen=True)
 class Option:
     """One option: environment variables (priority order), keyword aliases, parser, default,
-    and what it means.
+    and what it means (`help`, one or two sentences, shown in the options reference).
 
-    `parse` turns a raw value (a keyword's value, or a variable's string) into the typed value
-    and raises `ConfigError` for anything it cannot use. `derive`, when set, computes the
-    default from the options resolved before this one (fields are resolved in order).
-    `unset` says in words what the option is when nothing sets it (where the field's default
-    alone would not say: a derived default, None meaning "off"). `keyword=False`: a variable
-    another program sets (Determined's `DET_*`) or a rarely needed one, read and checked with
-    the options but not an `instrument()` keyword. `help` is the option's meaning, one or two
-    sentences, shown in the options reference.
+    `derive` computes the default from the options resolved before this one (fields resolve
+    in order); `unset` says in words what the option is when nothing sets it, where the
+    field's default would not. `keyword=False`: a variable only (Determined's `DET_*`, or a
+    rarely needed one), checked with the options but not an `instrument()` keyword.
     """
 
     env: tuple[str, ...]
@@ -261,9 +251,8 @@ _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
     "`0-9 a-z _ . -` and not `grpc-*`; printable ASCII values"
 )
 def grpc_headers(src: _Source) -> dict[str, str]:
-    """gRPC metadata: keys lowercased as the OTel SDK does for OTEL_EXPORTER_OTLP_HEADERS (gRPC
-    refuses capitals: every export failed with `Invalid metadata`), then checked against
-    gRPC's rules, so a header that cannot be sent is refused before anything starts."""
+    """gRPC metadata: keys lowercased as the OTel SDK does (gRPC refuses capitals), then
+    checked against gRPC's rules, so a header that cannot be sent is refused up front."""
     out: dict[str, str] = {}
     for key, value in attributes(src).items():
         name = key.strip().lower()
