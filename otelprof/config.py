@@ -30,7 +30,7 @@ MAX_INTERVAL_S = 3600.0
 sample anyway."""
 DEFAULT_INTERVAL_S = 1.0
 """Determined's own profiler samples every second; the cost: BENCHMARKS.md, "Hardware
-sampling"."""
+sampling and read times"."""
 MAX_EXPORT_TIMEOUT_S = 3600.0
 """`shutdown()` waits up to the export timeout: an infinite one would never return (and
 overflows the SDK's timers)."""

@@ -1,9 +1,21 @@
 """Hardware metrics as OpenTelemetry observable instruments (psutil, NVML, AMD SMI).
 
-The instruments are `names.py`'s (rendered into docs/reference/telemetry.md); what each
-means and when it is present, docs/guide/hardware.md. A value that cannot be read is
-absent from that collection, never 0. Sampling, read times and sources: DEVELOPING.md,
-"system/ contract".
+Units and meanings: `names.py` (rendered into docs/reference/telemetry.md) and
+docs/guide/hardware.md. A value that cannot be read is absent, never 0. Sampling, read
+times and sources: DEVELOPING.md, "system/ contract". The instruments, by what enables them:
+
+- `host_metrics`: `system.cpu.utilization`, `system.memory.linux.available`,
+  `system.network.throughput`, `system.disk.iops`, `system.disk.throughput`;
+- a GPU (`gpus`): `hw.gpu.utilization`, `hw.gpu.memory.free`, `hw.gpu.memory.usage`,
+  `hw.gpu.memory.limit`, `hw.power`, `hw.temperature`, `hw.energy`,
+  `otelprof.gpu.process.memory.usage`, `hw.gpu.sm.activity`, `hw.gpu.sm.occupancy`,
+  `hw.gpu.tensor.activity`, `hw.gpu.memory.bandwidth.utilization`, `hw.gpu.pcie.throughput`,
+  `hw.gpu.nvlink.throughput`, `otelprof.gpu.energy.per_step`, `otelprof.gpu.idle`;
+- `process_metrics`: `process.cpu.utilization`, `process.memory.usage`,
+  `otelprof.process.memory.by_phase`; once CUDA is initialized,
+  `otelprof.torch.cuda.memory.allocated`, `otelprof.torch.cuda.memory.reserved`;
+- `memory_peaks`: `otelprof.torch.cuda.memory.peak.allocated`,
+  `otelprof.torch.cuda.memory.peak.reserved`.
 """
 
 from . import names
