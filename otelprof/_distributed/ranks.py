@@ -151,9 +151,3 @@ def next_generation() -> None:
     """A new instrument() under the same process group uses fresh store keys."""
     global _generation
     _generation += 1
-
-
-def attempt(env: Mapping[str, str] | None = None) -> int | None:
-    """Which restart of an elastic job this process belongs to (torchelastic), if any."""
-    env = os.environ if env is None else env
-    return _int(env, "TORCHELASTIC_RESTART_COUNT")
