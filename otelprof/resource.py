@@ -36,11 +36,9 @@ _DETERMINED_IDS = {
 
 
 def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> Resource:
-    """The process's resource; explicit settings win over detected values: ranks
-    (torchrun/DeepSpeed) and the Determined agent from `env`, Determined's other ids from
-    the settings (which checked them).
-
-    Single-process runs get rank 0 of world size 1 so queries can always group by rank.
+    """The process's resource: ranks and the Determined agent from `env`, Determined's other
+    ids from the settings; explicit settings win. A single process is rank 0 of world size 1,
+    so queries can always group by rank.
     """
     env = os.environ if env is None else env
     host = socket.gethostname()

@@ -1,9 +1,8 @@
 """Instrument names, units and kinds: the one place dashboards and exporters can import.
 
-Names follow the OpenTelemetry semantic conventions where they define the quantity
-(`hw.*`, `system.*`, `process.*`); the rate gauges (`*.throughput`, `*.iops`) and
-`hw.gpu.memory.free` are the original design brief's names for the seed metrics, and
-`otelprof.*` marks what the conventions do not cover.
+OpenTelemetry semantic conventions where they define the quantity, except the rate gauges
+(`*.throughput`, `*.iops`) and `hw.gpu.memory.free`, named by the design brief; `otelprof.*`
+for what the conventions do not cover. The docs' telemetry reference is generated from here.
 """
 
 from __future__ import annotations

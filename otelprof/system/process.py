@@ -21,10 +21,8 @@ def usable_cpus() -> int:
 
 
 class ProcessSampler:
-    """Utilization is CPU seconds / (Δt × usable CPUs), Δt between this source's own reads.
-
-    With `process=None` on Linux, CPU time and RSS come from /proc/<pid>/stat and statm
-    kept open (`_procfs`, each read stamped at the read); otherwise from a `psutil.Process`.
+    """Utilization is CPU seconds / (Δt × usable CPUs). With `process=None` on Linux from
+    /proc/<pid>/stat and statm kept open (`_procfs`), otherwise from a `psutil.Process`.
     """
 
     def __init__(
