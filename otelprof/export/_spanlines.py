@@ -1,18 +1,12 @@
 """Detached-mode span files without SDK objects: recorded ranges straight to OTLP JSON Lines.
 
-Why: the SDK path (a ReadableSpan per range, a BatchSpanProcessor queue, the JSON file
-exporter building a dict tree per span) cost many times this path's background CPU per
-span (BENCHMARKS.md, "Helpers and ranges", has this one's), pure Python holding the GIL the
-training thread needs. Here the span builder hands each span's fields to `encode_span`, one
-f-string per span with cached JSON for names and keys, and `SpanLineWriter` writes them in
-batched lines (up to `BATCH_SPANS` spans, or `LINE_SECONDS` of them, per OTLP request line).
-The lines are the same ExportTraceServiceRequest JSON the SDK exporter writes (hex ids,
-int64 as decimal strings), so the collector's otlpjsonfile receiver, otelprof's reader and
-`replay` read them unchanged. Optionally gzip'd and size-capped, with drops counted.
-
-Spans made by the SDK (user spans on `prof.tracer_provider`, Kineto's converted ops) reach
-the same file through `SpanLineExporter` behind the SDK's batch processor, so the file has
-one writer and whole lines.
+Why: the SDK path (a ReadableSpan per range, a batch processor, a dict tree per span) costs
+many times this path's background CPU, holding the GIL the training thread needs
+(BENCHMARKS.md, "Helpers and ranges"). The builder hands each span's fields to
+`encode_span` (one f-string, cached JSON for names and keys) and `SpanLineWriter` writes
+them in batched lines: the same ExportTraceServiceRequest JSON the SDK exporter writes, so
+every reader takes them unchanged. SDK spans reach the same file through
+`SpanLineExporter`, so the file has one writer and whole lines.
 """
 
 from __future__ import annotations
