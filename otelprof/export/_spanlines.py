@@ -33,8 +33,8 @@ BATCH_SPANS = 512
 """Spans per OTLP request line at most: big enough to amortize the resource header, small
 enough that a reader never holds a huge line."""
 LINE_SECONDS = 5.0
-"""Spans wait at most this long for a line to fill, so the ~650 B header is a small share of
-each line rather than of each builder drain's few spans."""
+"""Spans wait at most this long for a line to fill, so the resource header is a small share
+of each line rather than of each builder drain's few spans."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
@@ -173,20 +173,14 @@ def encode_readable(span: ReadableSpan) -> str:
 
 
 class SpanLineWriter:
-    """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe.
+    """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe; also
+    the span builder's frame sink (`_timings/_targets.py`).
 
-    Spans are held until `line_spans` are waiting or the oldest has waited `line_seconds`
-    (checked at each `write()` and each `flush_due()`, which the metrics file's periodic
-    export calls every interval), then written as lines of up to `line_spans` spans.
-    `flush()` and `close()` write what is held; a SIGKILL can lose at most `line_seconds` of
-    spans. Bounded: at most `line_spans` held.
-
-    `max_bytes` caps the file (bytes written, compressed size for gzip): a line that would
-    pass it is dropped and its spans counted as `<name>.spans_dropped_size_cap`. With
-    `compress`, the file is one gzip stream whose members each hold whole lines (readable by
-    `gzip -d`, by otelprof's reader and by the collector's otlpjsonfile receiver with
-    `compression: gzip`). Spans count as `<name>.spans_exported` once their line is written.
-    It is also the span builder's frame sink (otelprof/_timings/_targets.py).
+    Holds at most `line_spans` spans, until that many wait or the oldest has waited
+    `line_seconds` (checked at `write()` and `flush_due()`), so a SIGKILL loses at most that.
+    `max_bytes` caps the file (compressed size with gzip, one member per line): a line past
+    it is dropped, counted as `<name>.spans_dropped_size_cap`. Spans count as
+    `<name>.spans_exported` once their line is written.
     """
 
     encode_span = staticmethod(encode_span)
