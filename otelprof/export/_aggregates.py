@@ -36,9 +36,9 @@ DESCRIPTION = (
     "(exact count/sum/min/max; traces are sampled, these are not)"
 )
 EXPORT_EVERY_S = 30.0
-"""Seconds between the histograms in the detached metrics file: a point set is ~10 KB (61
-bucket bounds per timing name), too much for every export; a replayed run's dashboards still
-get a point every 30 s."""
+"""Seconds between the histograms in the detached metrics file: a point set (61 bucket bounds
+per timing name) is too big for every export, and a replayed run's dashboards still get a
+point this often."""
 
 
 class AggregateMetrics:

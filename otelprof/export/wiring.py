@@ -42,9 +42,8 @@ _log = logging.getLogger("otelprof.export")
 
 # Bounded queue between span creation and export; drops beyond it are counted.
 SPAN_QUEUE_SIZE = 8192
-# Small batches: encoding a batch is pure Python holding the GIL, and a training thread that
-# wants the GIL back waits up to the switch interval (5 ms) each time. 128-span exports keep
-# those stalls short at the same sustained OTLP throughput as 1024-span batches
+# Small batches: encoding one holds the GIL, and a training thread that wants it back waits
+# up to the switch interval; small ones keep those stalls short at the same OTLP throughput
 # (BENCHMARKS.md, "OTLP export throughput").
 SPAN_BATCH_SIZE = 128
 SPAN_SCHEDULE_DELAY_MS = 1000
