@@ -181,9 +181,8 @@ def _add_files(
     """The run's files, named by its layout (made and claimed before: otelprof/_run/)."""
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
-    compress = layout.compress  # gzip'd OTLP JSON Lines: whole lines per gzip member
+    compress = layout.compress
     pipelines.files = layout.files
-    # whole lines, gzip'd with `compress`, none past max_metrics_bytes (drops are counted)
     stream = MetricLineStream(
         pipelines.files["metrics"], compress=compress, max_bytes=settings.max_metrics_bytes
     )
@@ -203,9 +202,7 @@ def _add_files(
         _metric_reader(pipelines, "files", metric_exporter, settings, counters)
     )
     if settings.timings:
-        # Recorded ranges skip the SDK: the span builder encodes them straight into the
-        # writer (a frame sink); SDK spans (users', Kineto's) reach it through the batch
-        # processor, so the file keeps one writer.
+        # one writer: the builder's frame sink, and SDK spans through the batch processor
         writer = SpanLineWriter(
             pipelines.files["traces"],
             counters,
