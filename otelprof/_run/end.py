@@ -2,10 +2,11 @@
 
 A run that is never finalized looks like one still going, so `RunEndWatcher` watches the
 ways a process ends without `shutdown()`: `atexit` (status `exited`, or `exception` seen
-through a chained `sys.excepthook`) and SIGTERM (the end written at once, a bounded flush on
-a helper thread so a lock the interrupted code holds cannot hang it, then the program's own
-handler, which decides whether training goes on: if it does, the end is cleared). SIGKILL
-leaves no `finished_unix_nano`. A SIGTERM/SIGINT during `shutdown()`'s flush waits until the
+through a chained `sys.excepthook`) and SIGTERM. A program's own SIGTERM handler (Lightning,
+Determined) decides: the end is recorded while it runs and cleared if training goes on.
+With none, the end is written, the run flushed (bounded, on a helper thread so a lock the
+interrupted code holds cannot hang it), and the process dies of SIGTERM as it would have.
+SIGKILL leaves no `finished_unix_nano`. A SIGTERM/SIGINT during `shutdown()`'s flush waits until the
 end is written (`DeferredSignals`) and is named in `signal_during_shutdown`. The `end`
 object's fields: DEVELOPING.md, "Run directory (detached mode)". Everything is restored on
 uninstall.
