@@ -4,7 +4,7 @@ A *frame* is a plain list (the cheapest object to build and complete in place on
 training thread), indexed by the names below. The C hot path (`_speedups.c`) uses the same
 indices and exports them as `FRAME_LAYOUT`, which must equal `LAYOUT` or the recorder stays
 in Python (`_recorder.use_compiled`). The hot paths write the range layouts inline (a call
-per range costs more than the range); tests/test_compiled_hot_path.py checks they build
+per range costs more than the range); tests/test_timings_recorder.py checks they build
 exactly what the constructors here build. The kinds: ARCHITECTURE.md, "Frames, one layout
 per kind".
 """
