@@ -570,7 +570,7 @@ class OnThreadSampler:
     queued `rows_per_item` at a time) and its ranges are freed at once; any step that could
     be kept (the first ones, the budgets', errors, anomalies and the `capture_steps` after
     them, long steps) goes to the builder whole, so the sampler decides the same; only the
-    timing differs (DEVELOPING.md, "Always on").
+    timing differs (DEVELOPING.md, "Always on: sinks, histograms, sampling").
     """
 
     __slots__ = (

@@ -8,7 +8,8 @@ so every reader sees the same points. Bounded (`exports_per_line` held; a flush 
 writes them, only SIGKILL loses them). Counting stays exact: a held export counts as
 exported when handed over, and a refused or failed line moves its points to dropped or
 failed; when the cap refuses a line of several exports, the newest goes alone (so the final
-histograms make it in), and from then on one export per line (DEVELOPING.md, "export/").
+histograms make it in), and from then on one export per line (DEVELOPING.md, "export/ and
+determined/").
 """
 
 from __future__ import annotations
