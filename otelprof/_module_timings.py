@@ -1,35 +1,15 @@
 """Per-module forward and backward ranges of PyTorch models (`module_timings=<depth>`).
 
-Why: "which part of my model is slow" with no change to the training loop, for plain
-loops, Hugging Face and Accelerate models alike (they are all `nn.Module`s), which today
-only Lightning's own profiler answers.
-
-Finding the models. While none is known, two global module hooks (torch's public
-`register_module_forward_pre_hook` / `register_module_forward_hook`) watch every module
-call on every thread. A module called outside any other module's forward that has
-parameters is a model (its DDP / DataParallel / FSDP wrapper is seen through; a
-`torch.compile`d model is left alone: its graph runs no Python hooks). Its submodules down
-to `depth` get hooks of their own (a `ModuleList`/`ModuleDict`, never called itself, is
-looked through without counting a level, so depth 1 of a transformer is its embedding,
-each layer and its head). The global hooks go as soon as such an outermost module (a model,
-a loss) is called a second time: one iteration has shown the models the loop uses, and
-every module call takes torch's fast path again. At most `MAX_MODULES` modules get hooks.
-
-What each hooked module records (ranges through the recorder's public `begin_leaf` /
-`end_leaf`, so they are spans and duration histograms like any range):
-- `module.forward:<Model>.<path>`: from its forward pre-hook to its forward hook (called
-  even when the forward raises).
-- `module.backward:<Model>.<path>`, when the call's output needs a gradient: from the
-  moment the first of its outputs' autograd nodes is about to run to the moment its inputs'
-  producers are (every gradient of its inputs is then in), through torch's public
-  `Node.register_prehook` on that call's nodes, which go with the graph. A module none of
-  whose inputs needs a gradient (a model's first layer) ends when the backward pass ends
-  (the autograd engine's final callback); a range whose inputs' gradients never come (a
-  path cut inside the module) is not recorded. An input used elsewhere too ends when all
-  its uses' gradients are in, as torch's own multi-gradient hooks would say.
-The ranges are leaves (never parents), so the program's own ranges nest exactly as they
-do without module timings, and the report keeps module ranges out of the step breakdown.
-`close()` removes every hook this added. Hooks never raise into the model.
+Why: "which part of my model is slow" with no change to the training loop, for any
+`nn.Module`. What a user sees (how models are found, the depth, the range names) is
+docs/guide/timings.md, "Per-module times and memory by phase". For maintainers: the two
+global module hooks go as soon as an outermost module (a model, a loss) is called a second
+time, so module calls take torch's fast path again; at most `MAX_MODULES` get hooks. A
+backward range runs from its outputs' first autograd node to its inputs' producers
+(`Node.register_prehook`), or to the engine's final callback when no input needs a
+gradient; one whose inputs' gradients never come is not recorded. Ranges are leaves
+(`begin_leaf`/`end_leaf`), so the program's own ranges nest as without them. `close()`
+removes every hook; hooks never raise into the model.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Append whole records to a run file, or nothing: the file never holds a partial line.
 
-Why: a write that fails part-way (the disk filled up) used to leave half a line, or half a
-gzip member, in the file, and everything appended after space came back was unreadable
-behind it. `WholeRecordFile.append` writes one record (a JSON line, or a gzip member of
-whole lines) with unbuffered `os.write` calls and, if any of them fails, truncates the
-file back to where the record began, so the file always ends on a record boundary and the
-next append (once there is space again) is readable. If even the truncation fails (the
-file system went read-only), the next append retries it first and writes nothing until it
-succeeds.
-
-A run directory deleted or replaced mid-run would otherwise swallow every later line into
-an unlinked file: before each append the path is checked to still name the file that was
-opened (same device and inode). If it does not, the file is reported `GONE` once and never
-written again; its losses are counted by the caller (the lines are not recreated elsewhere:
-a directory someone deleted is not silently brought back; see docs/guide/faults.md).
+Why: a write that fails part-way (a full disk) would leave half a line or gzip member that
+makes everything appended after it unreadable. `WholeRecordFile.append` writes one record
+with unbuffered `os.write` calls and on failure truncates back to where it began (a failed
+truncation is retried before the next append, which writes nothing until it succeeds).
+Before each append the path must still name the opened file (device and inode): a run
+directory deleted or replaced mid-run makes the file `GONE` once, never written again and
+never recreated; the caller counts the losses (docs/guide/faults.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Run shutdown's work on a helper thread and wait for it only so long.
 
-Why: a flush can hang where no timeout reaches it (a write into a frozen file system
-blocks in the kernel; a collector that is down keeps an exporter retrying), and a job
-whose `shutdown()` never returns is a job its scheduler kills, losing the run's end too.
-The work runs on a daemon thread; the caller waits at most its bound and then goes on
-(what the thread still held is abandoned and counted by the caller). A thread abandoned
-this way stays blocked where it is; being a daemon, it does not keep the process alive.
+Why: a flush can hang where no timeout reaches it (a write into a frozen file system, an
+exporter retrying a collector that is down), and a `shutdown()` that never returns gets the
+job killed, losing the run's end too. The work runs on a daemon thread; the caller waits at
+most its bound, then goes on and counts what the thread still held (the thread stays
+blocked, but does not keep the process alive).
 """
 
 from __future__ import annotations

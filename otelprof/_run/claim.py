@@ -1,13 +1,12 @@
 """One live writer per run file name: a claim file, locked for as long as its run is written.
 
-Why: two processes started with one run id (a job resubmitted while the old one runs, a
-copied launch script) wrote into the same files, and the report added the two runs up. Before
-a process writes a run's files it takes an exclusive `flock` on the claim file beside them
-(`RunLayout.claim_file`); the kernel decides at once which process has it, on every host
-that shares the file system and forwards locks (NFS does). The lock goes with the process: a
-killed process's claim is free again at once, its file left behind is taken over, and the
-layout's reuse check then decides about the files it left. The claim file holds the owner
-(pid, host, start) so that a refused process can say who has the run.
+Why: two processes started with one run id (a resubmitted job, a copied launch script)
+would write into the same files and the report would add the runs up. A process takes an
+exclusive `flock` on the claim file beside the run's files (`RunLayout.claim_file`) before
+writing them; the kernel decides at once, on every host that shares the file system and
+forwards locks (NFS does), and a killed process's lock is free again at once (the layout's
+reuse check then decides about its files). The claim file holds the owner (pid, host,
+start) so that a refused process can say who has the run.
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """How a profiled process ended, recorded in run.json however it ends.
 
-A run that is never finalized looks like a run that is still going. So the profiler that
-`instrument()` creates watches the three ways a process ends without `shutdown()`:
-
-- interpreter exit (`atexit`): the run is finalized with status `exited`, or `exception`
-  when an uncaught exception killed the main thread (seen through a chained `sys.excepthook`);
-- SIGTERM: the end is written to run.json at once, the profiler is flushed (bounded by
-  the export timeout, on a helper thread so a lock held by the interrupted code cannot hang
-  it), then the program's own handler runs; with none, the default action kills the process
-  as it would have without otelprof. A handler the program installed (Lightning,
-  Determined) is called instead and decides whether training goes on;
-- SIGKILL cannot be caught: run.json keeps no `finished_unix_nano` and the report says the
-  run was not finalized.
-
-A SIGTERM or SIGINT that arrives while `shutdown()` flushes (a launcher stopping the other
-ranks after one raised, a Ctrl-C) waits until the flush and the run's end are written
-(`DeferredSignals`), then acts as it would have; the end then names it
-(`signal_during_shutdown`). A SIGTERM the program's own handler survives is not the run's
-end: it is recorded while the handler runs and cleared when training goes on.
-
-The `end` object in run.json: `status` (`clean`, `exception`, `signal`, `exit`, `exited`),
-`exit_code` (when known), `signal` (name, when one was received), `exception`
-(`{"type", "message"}`), `recorded_by` (what recorded it), `signal_during_shutdown` (a
-SIGTERM/SIGINT deferred by the final flush, when one came). Everything restored on uninstall.
+A run that is never finalized looks like one still going, so `RunEndWatcher` watches the
+ways a process ends without `shutdown()`: `atexit` (status `exited`, or `exception` seen
+through a chained `sys.excepthook`) and SIGTERM. A program's own SIGTERM handler (Lightning,
+Determined) decides: the end is recorded while it runs and cleared if training goes on.
+With none, the end is written, the run flushed (bounded, on a helper thread so a lock the
+interrupted code holds cannot hang it), and the process dies of SIGTERM as it would have.
+SIGKILL leaves no `finished_unix_nano`. A SIGTERM/SIGINT during `shutdown()`'s flush waits until the
+end is written (`DeferredSignals`) and is named in `signal_during_shutdown`. The `end`
+object's fields: DEVELOPING.md, "Run directory (detached mode)". Everything is restored on
+uninstall.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Where one process's run lives on disk, computed once from its identity.
 
-Why one object: the names of a run's files were built in three places (the exporters, the
-identity, the restart under a process group's ranks) and drifted apart: a compressed run's
-files moved under names without `.gz` and the move failed. `RunLayout` is the only code that
-names a run file. A process of a job writes, in `<output_dir>/<run_id>/`:
-
-- `metrics<suffix>.jsonl[.gz]` and `traces<suffix>.jsonl[.gz]` (OTLP JSON Lines, gzip'd with
-  `compress`), `run<suffix>.json` (who, when, how it ended);
-- `.run<suffix>.claim` while it runs: the lock that makes it the names' only writer
-  (otelprof/_run/claim.py).
-
-`<suffix>` is `.rank<N>` when the job has several ranks, `.pid<PID>` while the process's
-rank is not known yet (a launcher that gave a world size but no rank: a guessed rank's
-names are another rank's files) or when another live process holds its rank's names, and
-`.attempt<K>` for restart K > 0 of an elastic job. A process group that appears later gives
-the process a new layout; `relocate_from` moves what the old one holds into it.
+Why one object: file names built in several places drift apart. `RunLayout` is the only
+code that names a run file; the files and their `.rank<N>`/`.pid<PID>`/`.attempt<K>`
+suffixes: DEVELOPING.md, "Run directory (detached mode)". A process group that appears
+later gives the process a new layout; `relocate_from` moves what the old one holds into it.
 """
 
 from __future__ import annotations

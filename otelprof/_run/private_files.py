@@ -1,10 +1,10 @@
 """Files holding a user's data are the user's alone: owner-only directories and files.
 
-Run data, reports, refused bodies and journaled samples carry a job's measurements; on a
-shared training node every other user could read them from 0755/0644 files made under the
-usual umask. Run directories and everything the Determined bridge and exporter write go
-through here: directories 0700 and files 0600, unless the operator asks for a shared
-directory (`shared_run_dir=True`, the bridge's `--shared-spool`: group-readable, 0750/0640).
+Run data, reports, refused bodies and journaled samples carry a job's measurements, which
+other users of a shared node could read under the usual umask. Run directories and
+everything the Determined bridge and exporter write go through here: 0700/0600, or
+0750/0640 when the operator asks for a shared directory (`shared_run_dir=True`, the
+bridge's `--shared-spool`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Moving a data file's lines into another, relabelled with the process's final ranks.
 
 Why: a process that learns its ranks from a process group after `instrument()` has already
-written a few seconds of telemetry under a provisional identity (its own run directory, or
-names without its rank). Those lines belong to the run it turns out to be part of, under the
-ranks the group gave. `move_lines` appends every whole line of a file (plain or gzip'd: the
-compression each file's name says) to the new file with the rank attributes and the run id
-of its resource replaced, then removes the old file. A line that cannot be moved is counted
-by the caller as dropped, never raised: the profiler goes on under its new identity either
-way. The metrics file's closing record (a run's end) is not data of the new run: left out.
+written telemetry under a provisional identity; those lines belong to the run it turns out
+to be part of. `move_lines` appends every whole line (plain or gzip'd, as the name says) to
+the new file with its resource's rank attributes and run id replaced, then removes the old
+file. A line that cannot be moved is counted by the caller as dropped, never raised. The
+metrics file's closing record (the old identity's end) is left out.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The end of a run, bounded: flush, give up on what hangs (counted), write how it ended.
 
-Why: `shutdown()` must return within `export_timeout` + `SHUTDOWN_MARGIN_S` whatever hangs
-(a frozen file system, a collector that never answers, a huge backlog), must count what it
-could not flush, and must leave the run's end readable even when run.json cannot be
-rewritten. `finish_run` does that for the Profiler's running session (`_Session`, which
-keeps only the list of what to flush, `_Session.flush_all`):
-
-1. the flush runs on a helper thread, waited for `export_timeout` + `FLUSH_GRACE_S` (exports
-   still retrying are abandoned at `export_timeout` by the flush's own watchdog);
-2. if it is still running, it is abandoned: what the file writers held and the ranges the
-   span builder never got to are counted as dropped (`*_dropped_shutdown_timeout`), and the
-   end says `flush_timed_out`. Abandoning only sets flags and counts: it waits for nothing
-   the stuck flush holds (a write blocked in a frozen file system holds its writer's lock);
-3. the end names a SIGTERM/SIGINT that arrived meanwhile (`signal_during_shutdown`);
-4. the end is recorded (`_Session.record_end`: the metrics file's closing record through the
-   descriptor its writer holds, then run.json, then the claim on the run's names let go) on
-   a helper thread waited for `FINALIZE_S`. One that outlives it goes on in the background
-   and finishes if the file system comes back while the process lives.
+Why: `shutdown()` must return within `export_timeout` + `SHUTDOWN_MARGIN_S` whatever hangs,
+count what it could not flush, and leave the run's end readable even when run.json cannot
+be rewritten. `finish_run`: the flush runs on a helper thread for `export_timeout` +
+`FLUSH_GRACE_S`; past it, it is abandoned (flags and counts only, `*_dropped_shutdown_timeout`
+and `flush_timed_out`: nothing the stuck flush holds is waited for); the end names a signal
+that came meanwhile, and is recorded (closing record, run.json, claim released) on a helper
+thread waited for `FINALIZE_S`, finishing in the background if the file system comes back.
 """
 
 from __future__ import annotations

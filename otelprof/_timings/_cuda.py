@@ -1,6 +1,6 @@
 """Device-side durations from CUDA events, read back off the training thread.
 
-The training thread only records an event at enter and exit (a few microseconds, no sync);
+The training thread only records an event at enter and exit (no sync);
 the builder thread polls `event.query()` and reads `elapsed_time` once the exit event has
 completed. `sync=True` reproduces Determined's synchronized timings instead: a
 `torch.cuda.synchronize()` before the span's end timestamp, so the host duration includes

@@ -1,24 +1,12 @@
-"""TimingsEngine: step boundaries, schedules, and the lifecycle of bridge, builder and Kineto.
+"""TimingsEngine: step boundaries, phases, schedules, and the lifecycle of bridge, builder
+and Kineto.
 
-One engine runs per process (the recorder is process-wide). Steps: step 0 begins at
-`start()`, each `step()` ends one step and begins the next, like `torch.profiler.profile`.
-A recording step is one trace whose root span is named `step`; every range opened during it
-is a child of the enclosing range on its thread, or of the step span. A range that is still
-open across a boundary stays in the trace of the step it started in.
-
-Edges: nothing is recorded before `start()` or after `shutdown()`. The first step's span
-starts at its first range rather than at `start()` (model building and other set-up between
-`instrument()` and the first batch are not step time). A step is exactly what `step()`
-delimits: the time from the last `step()` to `shutdown()` (a final barrier, an evaluation)
-is no step; its ranges, if any, are exported in phase `after_training`, under a root span of
-that name ending at its last range. A run that never calls `step()` is one step.
-Ranges still open at shutdown are not exported.
-
-Phases (`set_phase`): every span carries `otelprof.phase` ("train" by default). Entering
-another phase ("validation", "checkpoint") ends the current training step (dropped if no
-range was recorded in it yet) and records the phase's ranges in traces of their own, rooted
-at a span named after the phase; `step()` inside such a phase separates its batches without
-advancing the training step number. Back in "train", the step resumes with the same number.
+One engine runs per process (the recorder is process-wide). Step 0 begins at `start()` and
+each `step()` ends one step and begins the next, like `torch.profiler.profile`; a range open
+across a boundary stays in the step it started in. The edges (first step trimmed to its
+ranges, `after_training` after the last `step()`, ranges still open at shutdown not
+exported) and phases are the user's contract: docs/guide/timings.md, and DEVELOPING.md
+("Phases, throughput and framework integrations").
 """
 
 from __future__ import annotations
@@ -347,7 +335,9 @@ class TimingsEngine:
 
     def set_phase(self, phase: str) -> str:
         """Enter `phase` ("train", "validation", "checkpoint", ...) and return the previous
-        one. Ranges recorded from now on carry `otelprof.phase`; see the module docstring."""
+        one. Ranges recorded from now on carry `otelprof.phase`; another phase ends the
+        training step and roots its ranges at a span named after it (`step()` in it
+        separates batches); back in "train", the step resumes with the same number."""
         check_phase(phase)
         previous = self._phase
         if phase == previous:

@@ -1,30 +1,12 @@
 """Frame layouts: what the recorder hands the span builder, one layout per kind, built here.
 
 A *frame* is a plain list (the cheapest object to build and complete in place on the
-training thread), indexed by the names below; the C hot path (`_speedups.c`) uses the same
-indices, and checks them against `LAYOUT` before it is used (`_recorder.use_compiled`).
-
-Ranges (they become spans), all with the fields `F_NAME` .. `F_OWNER`:
-
-- `KIND_RECORD_FUNCTION`: a bridged `torch.profiler.record_function` range (`RF_LEN` slots;
-  torch opens its own profiler range, so there is no `F_RANGE`);
-- `KIND_TIMING`: an `otelprof.timing` range (`TIMING_LEN` slots; `F_RANGE` is the torch
-  profiler range opened alongside it, or None); also a leaf (`leaf_frame`: never a parent,
-  no owner) and a range measured across threads (`measured_frame`, complete when built).
-
-Queue items that carry other things (they are not spans themselves, except the step's):
-
-- `KIND_STEP`: the step span, laid out like a timing frame; its ranges are in its context's
-  `frames`, and `STEP_ENDED_ELSEWHERE` says it was ended from a thread other than the
-  step's own (the builder then looks once more for a range appended right then);
-- `KIND_CHUNK`: `CHUNK_RANGES` holds ranges of a step still running (`F_CTX`);
-- `KIND_ROWS`: `ROWS` holds duration rows of steps sampled out on their own thread
-  (`pack_row`: one `bytes` of int64s per step).
-
-The hot paths (`Timing.__enter__`, the record_function bridge's `__enter__`, in Python and
-in C) write the range layouts out inline, since a call per range costs more than the range;
-tests/test_compiled_hot_path.py checks they build exactly what `timing_frame` and
-`record_function_frame` build.
+training thread), indexed by the names below. The C hot path (`_speedups.c`) uses the same
+indices and exports them as `FRAME_LAYOUT`, which must equal `LAYOUT` or the recorder stays
+in Python (`_recorder.use_compiled`). The hot paths write the range layouts inline (a call
+per range costs more than the range); tests/test_timings_recorder.py checks they build
+exactly what the constructors here build. The kinds: ARCHITECTURE.md, "Frames, one layout
+per kind".
 """
 
 from __future__ import annotations
@@ -150,9 +132,8 @@ def chunk_item(ctx: Any, ranges: list[Frame]) -> Frame:
 
 ROW_TYPECODE = "q"
 """A row is one `bytes` of native int64s: its ranges' durations in close order, the step's
-duration, the layout id (`OnThreadSampler.layouts`). One object a step, where a tuple and a
-Python int per range were 12 allocations on the training thread (measurable at sub-ms
-steps); the builder reads each column as one strided slice."""
+duration, the layout id (`OnThreadSampler.layouts`). One untracked object a step, not a
+tuple and an int per range; the builder reads each column as one strided slice."""
 
 
 def pack_row(durations: Iterable[int], step_ns: int, layout: int) -> bytes:

@@ -1,13 +1,10 @@
 """Bounded span-name cardinality: a name per step (`ProfilerStep#17`) must not become a
 time series per step in span metrics, nor a report row per step.
 
-Numbered names (`<name>#<digits>`, what `torch.profiler.profile.step()` records as
-`ProfilerStep#N`) keep their name without the number, which becomes the attribute
-`otelprof.name.number`. Past `MAX_SPAN_NAMES` distinct names, each new name folds into
-`OVERFLOW_NAME`, its original kept in the attribute `otelprof.name.original` (traces stay
-readable; metrics stay bounded), and every folded span is counted. Runs on the builder
-thread only (no locks); Kineto operator spans are not counted (their names are torch's
-operator set, bounded by torch itself).
+`<name>#<digits>` keeps its name without the number (→ `otelprof.name.number`); past
+`MAX_SPAN_NAMES` distinct names each new one folds into `OVERFLOW_NAME` (original in
+`otelprof.name.original`), every folded span counted. Builder thread only (no locks);
+Kineto operator names are not counted (torch bounds them).
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """The hot path: what the training thread does per range — two timestamps and an append.
 
-A range becomes a *frame*, a small list (name, ids, step context, timestamps, error; the
-layouts per kind are in `_frames`), pushed on a per-thread stack while open (so nested
-ranges find their parent). When it closes on the thread that runs the step (the one that
-calls `step()`), it is appended to its step's own list (`StepContext.frames`), and the whole
-step reaches the span builder as one queue item when the step ends: the builder then
-aggregates and samples a step in a few C-level passes instead of a Python loop per range,
-which is what keeps fast steps cheap. Ranges closed on other threads, or after their step
-ended, are queued one by one. A step longer than `CHUNK` ranges is handed over in chunks,
-so memory stays bounded without `step()` calls.
-
-Nothing here builds OTel objects, does I/O or takes a lock (except to count a drop). The
-queue holds at most `capacity` frames, counting those inside step items; past it frames are
-dropped and counted; training never waits on telemetry.
-
-The recorder is process-wide: one `Recorder` object, `recorder`, whose fields (`__slots__`,
-read by offset from C) only its methods and the hot path here write; every other module
-goes through its methods (see `Recorder` for who calls what).
-
-At `step()` the engine ends the step (`Recorder.end_step`): while the trace sampler is
-quiet, a step it would not keep is sampled out on its own thread (`OnThreadSampler`), else
-it is queued whole (`emit_step`); then it begins the next (`Recorder.begin_step`).
-
-`Timing.__enter__`/`__exit__`, the record_function bridge's, `Recorder.begin_step` and
-`Recorder.end_step` also exist in C (`_speedups.c`, built at install when a C compiler is
-there, see `use_compiled`): the same frames from the same recorder, the objects it reads
-handed to it by `use_compiled`, uncommon cases handed back to the Python code here, which
-is the reference.
+A range is a *frame* (`_frames`), pushed on a per-thread stack while open. Closed on the
+step's own thread it joins `StepContext.frames` and the step reaches the span builder as one
+queue item (aggregated in C-level passes, which keeps fast steps cheap); other ranges are
+queued singly, and a step past `chunk_size` ranges is handed over in chunks. No OTel
+objects, no I/O, no lock but to count a drop; past `capacity` frames are dropped and counted,
+training never waits. One process-wide `recorder`: only its methods and the hot path write
+its fields (ARCHITECTURE.md, "The recorder", who calls what). The Python code here is the
+reference of the compiled functions in `_speedups.c` (`use_compiled`).
 """
 
 from __future__ import annotations
@@ -78,9 +59,8 @@ CHUNK = 512
 
 EXHAUSTED = (StopIteration, StopAsyncIteration)
 """A range ended by these is an iterator's final, empty `__next__` (the DataLoader's at every
-epoch end): it loaded nothing, so it is neither an error nor a span (counted in `exhausted`).
-Recording it would put an orphan range (its `timed_dataloader` parent is cancelled for the
-same reason) in a phantom trailing step after the last `step()`."""
+epoch end): neither an error nor a span (counted in `exhausted`), else an orphan range would
+sit in a phantom step after the last `step()`."""
 NOT_ERRORS = (StopIteration, StopAsyncIteration, GeneratorExit)
 """Exceptions that end a range normally: exhaustion, and a generator closed by its consumer."""
 
@@ -228,23 +208,15 @@ class _Local(threading.local):
 
 _rng = random.Random()  # seeded from os.urandom
 _getrandbits = _rng.getrandbits
-"""Trace and span ids come from otelprof's own generator: training code seeds (and
-frameworks save and restore, e.g. Lightning around its sanity check) the global `random`
-state, which would repeat ids across steps, runs and ranks."""
+"""Ids come from otelprof's own generator: training code seeds (and frameworks save and
+restore) the global `random` state, which would repeat ids across steps, runs and ranks."""
 
 
 class Recorder:
-    """The process-wide recorder's state, and every operation on it.
-
-    One instance, `recorder`. Its fields are public to read; only its methods (and the hot
-    path in this module and in `_speedups.c`, which reads the fields by offset) write them.
-    Who calls what: the engine `start`s and `stop`s it, begins and ends steps (`begin_step`,
-    `end_step`; `record` and `emit_step` for phases and shutdown, `hand_off`); the span
-    builder is the queue's only consumer (`queue.popleft`, then `took`); `on_thread` enqueues
-    rows (`enqueue_rows`); whoever measures a range itself enqueues it (`enqueue_measured`);
-    integrations use `position`, `depth`, `top_name` and `forget_above` on the calling
-    thread's stack, and `begin_leaf`/`end_leaf`.
-    """
+    """The process-wide recorder's state, and every operation on it (one instance,
+    `recorder`). Fields are public to read; only its methods and the hot path (here and in
+    `_speedups.c`, which reads them by offset) write them. Who calls what: ARCHITECTURE.md,
+    "The recorder"."""
 
     __slots__ = (
         "_lock",
@@ -309,10 +281,9 @@ class Recorder:
         traces: RunTraces | None = None,
         wake_builder: Callable[[], None] | None = None,
     ) -> None:
-        """An empty queue of `capacity` frames, counters at zero; nothing records yet. Steps
-        take their trace ids from `traces` (random without). `wake_builder` is called when
-        an item leaves the queue half full, so a burst after a quiet spell never waits for
-        an idle builder's longer sleep. RuntimeError while started already."""
+        """An empty queue of `capacity` frames, counters at zero; nothing records yet. Trace
+        ids from `traces` (random without); `wake_builder`: see the field. RuntimeError
+        while started already."""
         with self._lock:
             if self.started:
                 raise RuntimeError("another TimingsEngine is running; shut it down first")
@@ -485,12 +456,10 @@ class Recorder:
         self._queue_item(chunk_item(ctx, frames), len(frames))
 
     def emit_step(self, ctx: StepContext, end_ns: int) -> None:
-        """Queue the step span (the root of the step's trace): `step` in training, else the
-        phase's name (`validation`, ...), so step statistics never include other phases.
-        The item carries the ranges the step collected (`ctx.frames`); from now on ranges
-        of this step that close late are queued singly. Ended from a thread other than the
-        step's own, the item says so (STEP_ENDED_ELSEWHERE), and the builder looks once
-        more for a range the step's thread was appending right then."""
+        """Queue the step span with the ranges it collected: `step` in training, else the
+        phase's name, so step statistics never include other phases. Later ranges of it go
+        singly. Ended from another thread, the item says so (STEP_ENDED_ELSEWHERE): the
+        builder looks once more for a range the step's thread was appending right then."""
         owner = ctx.owner
         ctx.owner = None
         item = step_item(
@@ -594,21 +563,14 @@ class QuietLimits:
 class OnThreadSampler:
     """Steps sampled out on their own thread, at `step()`, while the trace sampler is quiet.
 
-    Why: at fast step rates almost every step is sampled out (its trace is not kept; only
-    its durations go into the histograms). Handing each such step to the span builder costs
-    the builder several µs of interpreter-lock time per step and keeps the ranges alive
-    long enough to be promoted by the garbage collector (BENCHMARKS.md). So the builder
-    publishes, once per drain, what a step needs to be kept (`publish`: a `QuietLimits` per
-    phase): no more spans than the head budget holds, or than the tail budget holds while
-    slower than every recent step, or a duration at or above the anomaly threshold. Any
-    other step without errors is decided on the thread that ran it: one row of durations
-    (its ranges' in close order, then its own, then its layout: `_frames.pack_row`) joins
-    the thread's batch of rows, its ranges are freed at once, and every `rows_per_item`
-    steps the batch goes to the builder as one queue item. Every other step (the first
-    ones, anything the budget could keep, errors, anomalies and the `capture_steps` after a
-    step over the threshold) goes to the builder whole, so the sampler's decisions are the
-    same; only their timing differs. Steps of `long_step_ns` or more go to the builder whole
-    too: in them, deciding here costs more than it saves.
+    Why: at fast step rates almost every step is sampled out, and handing each to the
+    builder costs it interpreter-lock time and keeps the ranges alive long enough for the
+    garbage collector to promote them (BENCHMARKS.md). A step that cannot reach the
+    builder's published `QuietLimits` becomes one row of durations (`_frames.pack_row`,
+    queued `rows_per_item` at a time) and its ranges are freed at once; any step that could
+    be kept (the first ones, the budgets', errors, anomalies and the `capture_steps` after
+    them, long steps) goes to the builder whole, so the sampler decides the same; only the
+    timing differs (DEVELOPING.md, "Always on: sinks, histograms, sampling").
     """
 
     __slots__ = (
@@ -633,10 +595,9 @@ class OnThreadSampler:
         self.rows_per_item = 64
         """Sampled-out steps per queue item: the histograms lag by at most this."""
         self.long_step_ns = 10_000_000
-        """A step this long (10 ms) or longer goes to the builder whole, and holds the next
-        `capture_steps` there too (it may be an anomaly). In a step that long, torch's work
-        has evicted from the caches everything the decision reads, so deciding here costs
-        more than the builder spends deciding it (BENCHMARKS.md, "The training loop")."""
+        """A step this long or longer goes to the builder whole, and holds the next
+        `capture_steps` there too (it may be an anomaly): deciding here would cost more than
+        the builder spends (BENCHMARKS.md, "The training loop")."""
         self.capture_steps = CAPTURE_STEPS
 
     def publish(self, limits: dict[str, QuietLimits]) -> None:
@@ -1111,9 +1072,9 @@ compiled = False
 
 def use_compiled(on: bool) -> bool:
     """Run `Timing`'s enter/exit, `Recorder.begin_step` and `end_step` compiled (when
-    built) or in Python; returns whether they run compiled now. The compiled code is handed
-    what it reads here, as it is now (a test that replaces the clock or the thread-local
-    calls this again). (`timing()` stays Python: torch.compile traces it to step aside.)"""
+    built) or in Python; returns whether they run compiled now. The C code is handed what it
+    reads as it is now: call again after replacing the clock or the thread-local. (`timing()`
+    stays Python: torch.compile traces it to step aside.)"""
     global compiled
     if on and speedups is not None and getattr(speedups, "FRAME_LAYOUT", None) == LAYOUT:
         speedups.bind(

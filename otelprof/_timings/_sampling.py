@@ -1,43 +1,14 @@
 """Aggregate every step, keep the traces that matter: duration histograms, trace sampling,
 anomaly-triggered capture. Runs on the span builder thread, never on the training thread.
 
-Why: at fast step rates full traces of every step are gigabytes per hour and most of the
-background CPU, yet the report, dashboards and Determined need exact per-timing figures. So
-every recorded range goes into a per-(timing name, phase) duration histogram (exact count,
-sum, min, max; buckets for percentiles) exported as the OTel histogram metric
-`otelprof.timing.duration`, and only some steps' traces are written:
-
-- **head**: the same steps on every rank (`_trace_ids`: a deterministic choice from the
-  run, attempt, phase and step, one step in `2**level`), so a step of all ranks is one
-  trace. The level follows the load: 0 (every step) until head sampling has written half
-  the head bucket's burst (`HEAD_BURST` spans, so short runs keep everything; the bucket
-  refills at `budget/2` spans per second), then the lowest level whose share of the
-  offered spans per second fits `budget/2`, re-read every `LEVEL_WINDOW_S` (raised at
-  once, lowered with a margin).
-  `head_fraction` fixes it instead (exact agreement whatever each rank's load). The
-  bucket still caps what head sampling writes (a refused step is counted);
-- **tail** (another `budget/2` spans/s, burst `TAIL_BURST`): a step slower than every one
-  of the previous `SLOW_WINDOW` steps ("slowest lately"), and a step with an error;
-- **anomaly** (documented rule, `anomaly_threshold`): a step at least `ANOMALY_FACTOR` x
-  the median of the previous `SLOW_WINDOW` steps and at least `ANOMALY_MIN_S` longer than
-  that median. The floor on the excess keeps the machine's own noise out: at sub-ms steps
-  3x the median is well under one scheduler slice or GIL switch interval, so the floor is
-  20 ms (four GIL switch intervals, about one CFS latency period; BENCHMARKS.md, "Background
-  threads, data volume and the anomaly rule"). A delay under it still shows in the
-  histograms' max and upper buckets and, if it is the slowest lately, in the tail sample.
-  Anomalies have their own budget, apart from head and tail: a token bucket of
-  `anomaly_budget` steps per minute (the `trace_anomaly_budget` option, default
-  `ANOMALY_BUDGET`) with a burst of `ANOMALY_BURST` steps, so a real anomaly is kept while
-  the head and tail budgets are spent and a flood of them (a machine that stalls every few
-  steps) is bounded; a step the rule fires on that the bucket refuses is counted
-  (`anomalies_refused`) and goes on to head/tail sampling like any other. The next
-  `CAPTURE_STEPS` steps after a kept anomaly are kept in full ("deep capture", linked to
-  the slow step), at most once per `CAPTURE_COOLDOWN_S`; the anomaly that starts a capture
-  is kept even when the bucket is empty (at most one per cooldown), so a flood cannot hide
-  the first anomaly of each cooldown.
-
-Sampled-out spans are counted (`spans_sampled_out`), not "dropped": their durations are in
-the histograms. A kept step's span carries `otelprof.sampled` = why it was kept.
+Why: full traces of every fast step are gigabytes per hour, yet the report, dashboards and
+Determined need exact per-timing figures. So every range goes into a (name, phase)
+`DurationHistogram` (`otelprof.timing.duration`), and only head-, tail- and anomaly-sampled
+steps' traces are written, each bucket with its own token budget. The rules and their
+constants are documented in docs/guide/timings.md ("Trace sampling", "Anomaly-triggered
+deep capture") and ARCHITECTURE.md ("Step N of every rank in one trace"). Sampled-out
+spans are counted (`spans_sampled_out`), never as dropped: their durations are in the
+histograms.
 """
 
 from __future__ import annotations
@@ -79,7 +50,8 @@ TAIL_BURST = 500.0
 SLOW_WINDOW = 100
 ANOMALY_FACTOR = 3.0
 ANOMALY_MIN_S = 0.020
-"""The least excess over the recent median that is an anomaly (see the module docstring)."""
+"""The least excess over the recent median that is an anomaly: a floor above scheduler
+slices and GIL switch intervals (docs/guide/timings.md)."""
 ANOMALY_BUDGET = 10.0
 """Anomaly steps kept per minute (default of the `trace_anomaly_budget` option)."""
 ANOMALY_BURST = 20.0
@@ -93,17 +65,14 @@ LEVEL_WINDOW_S = 1.0
 """How often the head level is re-read from the offered load."""
 LEVEL_RATE_S = 8.0
 """The offered load the level follows is averaged over this long: steps sampled out on their
-thread reach the builder in batches (`OnThreadSampler.rows_per_item` steps, 2 s of 30 ms
-steps), so a one-second rate swings between none and a batch's worth, and every level
-change recomputes the head window (a burst of the builder's GIL time)."""
+thread arrive in batches (`OnThreadSampler.rows_per_item`), so a one-second rate would swing,
+and every level change recomputes the head window (a burst of the builder's GIL time)."""
 HEAD_WINDOW = 1 << 14
 """Numbers ahead whose head selection is computed at once (and published to the on-thread
 sampler)."""
 HEAD_WINDOW_SELECTED = 256
-"""At most this many selected numbers per computed window: a window costs one hash per
-selected number (a full window at level 1 is a long burst of GIL time), so at low
-levels it spans `HEAD_WINDOW_SELECTED << level` numbers, still tens of seconds of the
-step rate that level means."""
+"""At most this many selected numbers per computed window (one hash each, GIL time): at low
+levels a window spans `HEAD_WINDOW_SELECTED << level` numbers."""
 MAX_BUFFERED = 100_000
 """Spans held while their step is undecided; past it the oldest steps are decided early."""
 
@@ -137,11 +106,9 @@ class DurationHistogram:
         self.buckets[bisect.bisect_left(BOUNDS, seconds)] += 1
 
     def add_ns(self, durations: list[int]) -> None:
-        """Add a batch of durations in integer ns; sorts `durations` in place (the builder
-        clears its batches after). Sorted, each bucket's count is the distance between two
-        bisections, so the per-duration work is the sort's, in C, not a bisection each:
-        bucket i holds BOUNDS_NS[i-1] < ns <= BOUNDS_NS[i], where `add` puts ns / 1e9, and
-        only the buckets between the smallest and largest duration's are bisected."""
+        """Add a batch of durations in integer ns; sorts `durations` in place. Each bucket's
+        count is the distance between two bisections (the per-duration work is the sort's,
+        in C); bucket i holds BOUNDS_NS[i-1] < ns <= BOUNDS_NS[i], where `add` puts ns / 1e9."""
         if not durations:
             return
         durations.sort()

@@ -1,20 +1,12 @@
 /* The recorder's hot path in C, and nothing else: a range's enter and exit (`Timing`'s and
- * the record_function bridge's), delivering a closed range, the step context
- * (`Recorder.begin_step`) and queueing a finished step (`Recorder.end_step`: sampled out on
- * its thread, or queued whole).
- *
- * Why: at 0.3 ms steps the pure-Python versions of these few functions are most of what
- * profiling costs the training thread (BENCHMARKS.md). The Python code in `_recorder.py` is
- * the reference: this module builds the same frame lists (`_frames.py`), reads the same
- * fields, and hands every uncommon case (an exception, a frame not on top of the stack, CUDA
- * events, a torch profiler range) to it. tests/test_compiled_hot_path.py runs both.
- *
- * What it reads is handed to it by `_recorder.use_compiled` (`bind`): the recorder and the
- * on-thread sampler (whose fields, the clock and the thread-local among them, it reads as
- * they are at each call), the recorder's classes (whose __slots__ fields are read in place),
- * the Python functions of the uncommon cases and the constants. It looks no name up in a
- * module. The attribute names below (`BOUND`) are the whole binding table, exported as
- * BINDINGS and checked against `_recorder.py` at bind() and by
+ * the record_function bridge's), delivering a closed range, `Recorder.begin_step` and
+ * `Recorder.end_step`. Why: these few functions are most of what profiling costs the
+ * training thread in Python (BENCHMARKS.md). `_recorder.py` is the reference: the same
+ * frames (`_frames.py`), the same fields, every uncommon case handed to it; rules in
+ * ARCHITECTURE.md, "The recorder". It looks no name up in a module: `_recorder.use_compiled`
+ * hands it what it reads (`bind`; the recorder's fields, clock and thread-local included,
+ * are read as they are at each call), and the attribute names below (`BOUND`) are the
+ * whole binding table, exported as BINDINGS and checked at bind() and by
  * tests/test_timings_recorder.py.
  */
 #include "_cpython_compat.h" /* CPython's private/unstable parts: only there */

@@ -1,27 +1,13 @@
 """Step N of every rank in one trace: trace ids and head sampling that all ranks agree on.
 
-Why: a step of a data-parallel job runs on every rank at once, and a straggler shows only
-when the ranks' step spans are seen side by side. So a step's trace id is not drawn at
-random but derived from what every rank of one run attempt shares, (run id, attempt, phase,
-number), and head sampling picks steps by the same inputs: every rank writes the same steps
-into the same traces, with no communication. Span ids stay random (unique per rank).
-
-The number is the training step for phase "train", and for other phases the batch's place
-in that phase over the run (`StepContext.batch`): ranks run the same batches in the same
-order, so they agree on both.
-
-Head selection is stratified and nested: at level `k` exactly one number of each block of
-`2**k` consecutive numbers is selected (a pseudo-random one, so a period in the loop, like
-gradient accumulation every 4 steps, never aliases with it), and every number selected at
-level `k + 1` is also selected at level `k`. The first block's choice is always number 0:
-each phase's first step (batch) is kept at every level, so a phase that runs a single batch
-(a one-batch validation, a sanity check) while the training steps have raised the level still
-has a root span, which the report needs to know the phase ran and when. A rank that had to
-pick a higher level than another (more ranges per step against the same budget) keeps a
-subset of its steps; the steps the sparsest rank keeps are kept everywhere.
-
-Nothing here runs on the training thread: the builder derives ids for kept steps only, and
-publishes the selected numbers of the next steps for the on-thread sampler.
+Why: a straggler shows only when the ranks' step spans are seen side by side. So a step's
+trace id is derived, not drawn, from what every rank of one run attempt shares (run id,
+attempt, phase, `StepContext.number`), and head sampling picks steps by the same inputs:
+every rank writes the same steps into the same traces, with no communication. Span ids stay
+random. Selection is stratified and nested (no aliasing with a loop's period; a rank at a
+higher level keeps a subset of another's steps; number 0 is selected at every level, so a
+one-batch phase keeps its root span): ARCHITECTURE.md, "Step N of every rank in one trace".
+Nothing here runs on the training thread.
 """
 
 from __future__ import annotations

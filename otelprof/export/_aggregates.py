@@ -1,15 +1,12 @@
 """The timing histograms (`otelprof.timing.duration`) added to every metrics export.
 
-The histograms are aggregated on the span builder thread from every recorded range (see
-`otelprof._timings._sampling`); recording each range through an SDK Histogram instrument
-cost more per range than the range itself (docs/benchmarks-history.md), so the aggregation
-is ours and the points are merged into the data each counting metric exporter sends (files,
-OTLP, Determined), as cumulative OTel histograms with an exemplar pointing at a kept trace.
-Detached files get them every `EXPORT_EVERY_S` (cumulative, so nothing is lost between
-exports: the report reads the last point, which the run's final export makes exact over every
-step), other exporters with every export; all once more at shutdown.
-The Prometheus pull endpoint reads the SDK's instruments only, so it gets them from its own
-collector instead (`otelprof.export._prom_histograms`, a consistent snapshot per scrape).
+Why ours, not an SDK Histogram instrument: recording each range through one cost more than
+the range itself (docs/benchmarks-history.md). The builder thread aggregates them
+(`_timings._sampling.Aggregates`); each counting metric exporter (files, OTLP, Determined)
+gets them merged into what it sends, as cumulative histograms with an exemplar pointing at
+a kept trace (files every `EXPORT_EVERY_S`, others with every export, all once more at
+shutdown: the report reads the last point). The pull endpoint has its own collector
+(`_prom_histograms`).
 """
 
 from __future__ import annotations
@@ -39,9 +36,9 @@ DESCRIPTION = (
     "(exact count/sum/min/max; traces are sampled, these are not)"
 )
 EXPORT_EVERY_S = 30.0
-"""Seconds between the histograms in the detached metrics file: a point set is ~10 KB (61
-bucket bounds per timing name), too much for every export; a replayed run's dashboards still
-get a point every 30 s."""
+"""Seconds between the histograms in the detached metrics file: a point set (61 bucket bounds
+per timing name) is too big for every export, and a replayed run's dashboards still get a
+point this often."""
 
 
 class AggregateMetrics:

@@ -1,23 +1,15 @@
 """The detached metrics file in fewer, bigger lines: several exports' points per OTLP line.
 
-Why: the SDK's file exporter writes one OTLP JSON line per export (every `interval`, 1 s by
-default), and each line repeats the resource (~650 B), the scope and every metric's name,
-description and unit (~1.5 KB) around ~1.8 KB of data points: over half the metrics file
-was that repetition. `MetricLineBatcher` holds the exports of `LINE_SECONDS` and writes them
-as one ExportMetricsServiceRequest in which each metric carries the points of every held
-export, in export order (the same request the collector receives when `otelprof replay`
-merges lines, and what the OTLP data model allows: many points per series, each with its
-own timestamps). Every point is kept as exported: nothing is re-aggregated or dropped, so
-`report`, `trace`, `replay` and the collector's otlpjsonfile receiver read the same points.
-
-Memory stays bounded (at most `exports_per_line` exports are held) and a flush or shutdown
-writes what is held, so only a SIGKILL can lose them (at most `LINE_SECONDS` of points).
-Counting stays exact: a held export counts as exported when handed over (the wrapping
-`CountingMetricExporter`'s rule); if the line holding it is then refused by the size cap or
-fails, its points move to dropped or failed. When the cap refuses a line of several exports,
-the newest is written alone (or, refused too, kept by the file for its close, within the
-cap's reserve), so the run's final export (the timing histograms the report reads) still
-makes it in; from then on exports go one per line.
+Why: each SDK export line repeats the resource, the scope and every metric's name,
+description and unit, over half the file. `MetricLineBatcher` holds the exports of
+`LINE_SECONDS` and writes them as one request whose metrics carry every held export's
+points in order (what `replay` sends the collector; valid OTLP). Nothing is re-aggregated,
+so every reader sees the same points. Bounded (`exports_per_line` held; a flush or shutdown
+writes them, only SIGKILL loses them). Counting stays exact: a held export counts as
+exported when handed over, and a refused or failed line moves its points to dropped or
+failed; when the cap refuses a line of several exports, the newest goes alone (so the final
+histograms make it in), and from then on one export per line (DEVELOPING.md, "export/ and
+determined/").
 """
 
 from __future__ import annotations

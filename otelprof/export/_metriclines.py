@@ -1,22 +1,13 @@
 """The detached metrics file with a size cap: each export line is written whole or dropped.
 
-Why: the SDK's `FileMetricExporter` appends one OTLP JSON line per export (every `interval`
-seconds, for as long as the job runs) and has no bound, so a long job could fill its disk
-with metrics alone. Rather than fork the SDK package, `MetricLineStream` is the text stream
-it writes to: the exporter writes a whole line and flushes, and the flush either appends
-that line (gzip'd as one member with `compress`) or, if it would take the file past
-`max_bytes`, drops it. `CappedMetricExporter` turns a dropped line into `ExportDropped`,
-which `CountingMetricExporter` counts as `<name>.metric_points_dropped_size_cap`, so the
-drop shows in `prof.stats()`, the end-of-run warning and the report's problems. The file
-keeps only whole lines, so it stays valid OTLP JSON Lines for `report`, `trace`, `replay`
-and the collector's otlpjsonfile receiver; lines already written are never touched.
-
-The run's last export matters most: the timing histograms are cumulative and the report
-reads the last point, so the final export (after the span builder's last drain) makes the
-breakdown exact over every step. Periodic exports therefore stop `reserve_bytes` short of
-the cap (a quarter of it, at most 16 MiB), and the newest refused line is held (one line,
-bounded) and written when the file is closed, if it fits under the cap; its points then
-count as exported, not dropped.
+Why: the SDK's `FileMetricExporter` has no bound, so a long job could fill its disk with
+metrics. Rather than fork the SDK, `MetricLineStream` is the text stream it writes to: each
+whole line's flush appends it (one gzip member with `compress`) or, past `max_bytes`, drops
+it; `CappedMetricExporter` turns a drop into `ExportDropped`, counted as
+`<name>.metric_points_dropped_size_cap`. Lines written are never touched, so the file stays
+valid OTLP JSON Lines. The run's last export (the cumulative histograms the report reads)
+matters most: periodic exports stop `reserve_bytes` short of the cap, and the newest refused
+line is held and written at close if it fits (its points then count as exported).
 """
 
 from __future__ import annotations
@@ -151,17 +142,12 @@ def closing_line(
 ) -> bytes:
     """The metrics file's closing record: the run's end and drop counts, in the data file.
 
-    Why: run.json is rewritten at the end of a run to say how it ended and what was lost.
-    When that rewrite fails (a read-only remount, a full disk, a replaced directory), the
-    report could not tell a clean close from a SIGKILL and the drop counts vanished. So,
-    after the last export, `shutdown()` appends this line (before it rewrites run.json)
-    through the descriptor the stream has held since the run began (`end`), so a directory
-    remounted read-only or made unwritable since does not stop it: one OTLP JSON line
-    (ExportMetricsServiceRequest), a gauge `otelprof.run.end` = 1 whose point carries the end
-    record (`otelprof.end`, JSON) and the run's counts (`otelprof.stats`, JSON). Ordinary
-    OTLP (the collector's otlpjsonfile receiver and `replay` pass it on as a gauge), written
-    whole or not at all, never past the size cap. Its reader (which the report uses to fill
-    an unfinalized run.json) is otelprof/_run/closing_record.py.
+    Why: when run.json's final rewrite fails (a read-only remount, a full disk), the report
+    must still tell a clean close from a SIGKILL and show the drops. `shutdown()` appends
+    this line after the last export, before run.json, through the descriptor held since the
+    run began (`MetricLineStream.end`): a gauge `otelprof.run.end` = 1 whose point carries
+    `otelprof.end` and `otelprof.stats` (JSON). Ordinary OTLP, whole or not at all, never
+    past the cap; read by otelprof/_run/closing_record.py.
     """
     point_attrs = encode_attributes(
         {

@@ -1,14 +1,12 @@
 """One log line when an exporter's destination goes away, one when it comes back.
 
-Why: while the collector is down, the OTLP exporter of the OpenTelemetry SDK logs every
-failed export and every retry (about 20 lines in 6 s at a 0.5 s interval, an error with a
-traceback for some codes), for as long as the outage lasts: a training log drowned in
-telemetry noise. otelprof counts what is lost anyway (`otlp.spans_failed`,
-`otlp.metric_points_failed`), so it says it once: the first failure of an outage logs the
-destination and the SDK's last reason, the first success after it logs how long it lasted
-and what was lost meanwhile. The SDK's own records about this destination are filtered out
-of its exporter logger (`_otel_compat.OTLP_EXPORTER_LOGGERS`) while the pipeline runs; other
-destinations' records (a user's own exporter) pass untouched.
+Why: while the collector is down, the SDK's OTLP exporter logs every failed export and
+retry for as long as the outage lasts, drowning the training log; otelprof counts the
+losses anyway (`otlp.spans_failed`, `otlp.metric_points_failed`). So the first failure of
+an outage logs the destination and the SDK's last reason, the first success after it how
+long it lasted and what was lost. The SDK's records about this destination are filtered out
+of its exporter logger (`_otel_compat.OTLP_EXPORTER_LOGGERS`) while the pipeline runs;
+other destinations' records pass untouched.
 """
 
 from __future__ import annotations

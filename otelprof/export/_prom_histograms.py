@@ -1,16 +1,11 @@
 """The timing histograms (`otelprof.timing.duration`) on the Prometheus pull endpoint.
 
-Why: the histograms are aggregated in process (`otelprof._timings._sampling.Aggregates`),
-not through an SDK instrument, so the SDK's PrometheusMetricReader never sees them. This
-prometheus_client collector, registered on the endpoint's own registry, reads a consistent
-snapshot at every scrape and exposes it the way the collector's `prometheus` exporter
-(`resource_to_telemetry_conversion` on, see collector-config/otelcol.yaml) exposes the same
-OTLP histogram: `otelprof_timing_duration_seconds_{bucket,sum,count}` labelled
-`otelprof_timing`, `otelprof_phase`, the `otel_scope_*` labels and every resource attribute
-(`service_name`, `host_name`, `otelprof_rank`, `determined_trial_id`, ...; less the
-`telemetry.sdk.*` ones the collector config deletes), cumulative
-buckets with `le` in seconds. So the dashboards' queries work against either source. The
-collector's `job`/`instance` labels are left to the scraping Prometheus, which sets them.
+Why: they are aggregated in process, not through an SDK instrument, so the SDK's
+PrometheusMetricReader never sees them. This prometheus_client collector, on the endpoint's
+own registry, reads a consistent snapshot at every scrape and exposes it with the names and
+labels the collector's `prometheus` exporter gives the same OTLP histogram
+(collector-config/otelcol.yaml), so the dashboards' queries work against either source.
+`job`/`instance` are left to the scraping Prometheus.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Detached-mode span files without SDK objects: recorded ranges straight to OTLP JSON Lines.
 
-Why: the SDK path (a ReadableSpan per range, a BatchSpanProcessor queue, the JSON file
-exporter building a dict tree per span) cost many times this path's background CPU per
-span (BENCHMARKS.md, "Helpers and ranges", has this one's), pure Python holding the GIL the
-training thread needs. Here the span builder hands each span's fields to `encode_span`, one
-f-string per span with cached JSON for names and keys, and `SpanLineWriter` writes them in
-batched lines (up to `BATCH_SPANS` spans, or `LINE_SECONDS` of them, per OTLP request line).
-The lines are the same ExportTraceServiceRequest JSON the SDK exporter writes (hex ids,
-int64 as decimal strings), so the collector's otlpjsonfile receiver, otelprof's reader and
-`replay` read them unchanged. Optionally gzip'd and size-capped, with drops counted.
-
-Spans made by the SDK (user spans on `prof.tracer_provider`, Kineto's converted ops) reach
-the same file through `SpanLineExporter` behind the SDK's batch processor, so the file has
-one writer and whole lines.
+Why: the SDK path (a ReadableSpan per range, a batch processor, a dict tree per span) costs
+many times this path's background CPU, holding the GIL the training thread needs
+(BENCHMARKS.md, "Helpers and ranges"). The builder hands each span's fields to
+`encode_span` (one f-string, cached JSON for names and keys) and `SpanLineWriter` writes
+them in batched lines: the same ExportTraceServiceRequest JSON the SDK exporter writes, so
+every reader takes them unchanged. SDK spans reach the same file through
+`SpanLineExporter`, so the file has one writer and whole lines.
 """
 
 from __future__ import annotations
@@ -39,8 +33,8 @@ BATCH_SPANS = 512
 """Spans per OTLP request line at most: big enough to amortize the resource header, small
 enough that a reader never holds a huge line."""
 LINE_SECONDS = 5.0
-"""Spans wait at most this long for a line to fill, so the ~650 B header is a small share of
-each line rather than of each builder drain's few spans."""
+"""Spans wait at most this long for a line to fill, so the resource header is a small share
+of each line rather than of each builder drain's few spans."""
 
 _key_cache: dict[str, str] = {}
 _name_cache: dict[str, str] = {}
@@ -179,20 +173,14 @@ def encode_readable(span: ReadableSpan) -> str:
 
 
 class SpanLineWriter:
-    """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe.
+    """Appends encoded spans to one OTLP JSON Lines file, whole lines only, thread-safe; also
+    the span builder's frame sink (`_timings/_targets.py`).
 
-    Spans are held until `line_spans` are waiting or the oldest has waited `line_seconds`
-    (checked at each `write()` and each `flush_due()`, which the metrics file's periodic
-    export calls every interval), then written as lines of up to `line_spans` spans.
-    `flush()` and `close()` write what is held; a SIGKILL can lose at most `line_seconds` of
-    spans. Bounded: at most `line_spans` held.
-
-    `max_bytes` caps the file (bytes written, compressed size for gzip): a line that would
-    pass it is dropped and its spans counted as `<name>.spans_dropped_size_cap`. With
-    `compress`, the file is one gzip stream whose members each hold whole lines (readable by
-    `gzip -d`, by otelprof's reader and by the collector's otlpjsonfile receiver with
-    `compression: gzip`). Spans count as `<name>.spans_exported` once their line is written.
-    It is also the span builder's frame sink (otelprof/_timings/_targets.py).
+    Holds at most `line_spans` spans, until that many wait or the oldest has waited
+    `line_seconds` (checked at `write()` and `flush_due()`), so a SIGKILL loses at most that.
+    `max_bytes` caps the file (compressed size with gzip, one member per line): a line past
+    it is dropped, counted as `<name>.spans_dropped_size_cap`. Spans count as
+    `<name>.spans_exported` once their line is written.
     """
 
     encode_span = staticmethod(encode_span)

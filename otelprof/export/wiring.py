@@ -42,9 +42,8 @@ _log = logging.getLogger("otelprof.export")
 
 # Bounded queue between span creation and export; drops beyond it are counted.
 SPAN_QUEUE_SIZE = 8192
-# Small batches: encoding a batch is pure Python holding the GIL, and a training thread that
-# wants the GIL back waits up to the switch interval (5 ms) each time. 128-span exports keep
-# those stalls short at the same sustained OTLP throughput as 1024-span batches
+# Small batches: encoding one holds the GIL, and a training thread that wants it back waits
+# up to the switch interval; small ones keep those stalls short at the same OTLP throughput
 # (BENCHMARKS.md, "OTLP export throughput").
 SPAN_BATCH_SIZE = 128
 SPAN_SCHEDULE_DELAY_MS = 1000
@@ -182,9 +181,8 @@ def _add_files(
     """The run's files, named by its layout (made and claimed before: otelprof/_run/)."""
     from opentelemetry.exporter.otlp.json.file import FileMetricExporter
 
-    compress = layout.compress  # gzip'd OTLP JSON Lines: whole lines per gzip member
+    compress = layout.compress
     pipelines.files = layout.files
-    # whole lines, gzip'd with `compress`, none past max_metrics_bytes (drops are counted)
     stream = MetricLineStream(
         pipelines.files["metrics"], compress=compress, max_bytes=settings.max_metrics_bytes
     )
@@ -204,9 +202,7 @@ def _add_files(
         _metric_reader(pipelines, "files", metric_exporter, settings, counters)
     )
     if settings.timings:
-        # Recorded ranges skip the SDK: the span builder encodes them straight into the
-        # writer (a frame sink); SDK spans (users', Kineto's) reach it through the batch
-        # processor, so the file keeps one writer.
+        # one writer: the builder's frame sink, and SDK spans through the batch processor
         writer = SpanLineWriter(
             pipelines.files["traces"],
             counters,
