@@ -110,11 +110,8 @@ def keep_latest(last: dict[SeriesKey, HistRec], rec: HistRec) -> None:
 
 def apply(summary: Any, recs: Sequence[HistRec], timing_key: Any, timing_agg: Any) -> bool:
     """Replace the summary's span-based timing figures with histogram ones where traces
-    were sampled out; True if any was replaced.
-
-    `timing_key(name, phase)` and `timing_agg(name, stats)` are the summary's own, so rows
-    are keyed exactly as the span path keys them.
-    """
+    were sampled out; True if any was replaced. `timing_key` and `timing_agg` are the
+    summary's own, so rows are keyed exactly as the span path keys them."""
     last: dict[SeriesKey, HistRec] = {}  # the last cumulative point of each series
     for rec in recs:
         keep_latest(last, rec)

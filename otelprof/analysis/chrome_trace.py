@@ -82,11 +82,8 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
 
 
 def time_origin(files: RunFiles, max_line: int = DEFAULT_MAX_LINE) -> int:
-    """The trace's zero: the run's start, or the earliest first-line timestamp of any file.
-
-    A span that starts before it (rare: a long span written after its children) gets a
-    negative timestamp, which both Perfetto and chrome://tracing accept.
-    """
+    """The trace's zero: the run's start, or the earliest first-line timestamp of any file
+    (a span that starts before it gets a negative timestamp, which viewers accept)."""
     candidates = [t for p in files.jsonl if (t := _first_timestamp(p, max_line)) is not None]
     started = files.started_ns
     if started is not None:

@@ -822,12 +822,10 @@ def summarize(
 ) -> RunSummary:
     """Read the run once and aggregate it (the throughput figures in the same pass).
 
-    `window` bounds the span ids remembered to link children to steps; `exact_cap` the
-    durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
-    `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
-    `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`; `jobs` > 1 reads
-    the files in that many worker processes (`parallel_summary`; the same result); a line
-    longer than `max_line` bytes is skipped with a warning.
+    `window`: span ids remembered to link children to steps; `exact_cap`: durations kept per
+    timing for exact percentiles (then a 0.5% sketch); `steps` (A, B): only steps A <= n < B;
+    `read_budget`: `reader.ReadPlan` (None: all); `jobs` > 1: worker processes
+    (`parallel_summary`, the same result); `max_line`: longer lines skipped with a warning.
     """
     plan = ReadPlan.for_files(files.jsonl, read_budget, max_line)
     args = (window, exact_cap, steps, unfinished_processes(files.run_info))
