@@ -1,13 +1,11 @@
 """Timing figures from the in-process histograms (`otelprof.timing.duration`), not the spans.
 
-Why: traces are sampled (a budget of spans per second plus the slowest, failed and anomalous
-steps), but every recorded range went into a cumulative duration histogram per (timing,
-phase) and process. When a run has them, the report's counts, totals and means come from the
-histograms and are exact over every step; percentiles are read from the buckets (within
-the bucket width, ±19 %); which spans were direct children of a step is taken from the kept
-traces, as a share of each timing's time. Where nothing was sampled out the spans' exact
-figures stay; runs without histograms (older runs, `--steps`, which the histograms cannot
-filter) keep the span-based figures.
+Why: traces are sampled, but every recorded range went into a cumulative histogram per
+(timing, phase) and process. Where spans were sampled out, counts, totals and means come from
+the histograms (exact over every step), percentiles from their buckets (`_sampling.BOUNDS`),
+and the share directly under a step from the kept traces. Where nothing was sampled out, and
+for runs without histograms or with `--steps` (which they cannot filter), the span-based
+figures stay.
 """
 
 from __future__ import annotations
@@ -112,11 +110,8 @@ def keep_latest(last: dict[SeriesKey, HistRec], rec: HistRec) -> None:
 
 def apply(summary: Any, recs: Sequence[HistRec], timing_key: Any, timing_agg: Any) -> bool:
     """Replace the summary's span-based timing figures with histogram ones where traces
-    were sampled out; True if any was replaced.
-
-    `timing_key(name, phase)` and `timing_agg(name, stats)` are the summary's own, so rows
-    are keyed exactly as the span path keys them.
-    """
+    were sampled out; True if any was replaced. `timing_key` and `timing_agg` are the
+    summary's own, so rows are keyed exactly as the span path keys them."""
     last: dict[SeriesKey, HistRec] = {}  # the last cumulative point of each series
     for rec in recs:
         keep_latest(last, rec)

@@ -1,20 +1,12 @@
 """`otelprof trace`: a detached run as a Chrome / Perfetto trace (JSON trace event format).
 
 Each process (rank) becomes a trace process, its spans complete ("X") slices and its
-hardware gauges counter ("C") tracks; all files of all given run directories share one time
-axis (microseconds since the run's start), which is what Composer's merged trace gives,
-here from OTel data. Events are streamed to the output as they are read, so memory does not
-grow with the run's spans; viewers sort events themselves.
-
-A step of every rank is one trace (its trace id is derived from the run, attempt, phase and
-step on every rank), so with several ranks a process "all ranks" on top shows each step
-(and phase batch) of every rank side by side: a track per rank, one slice per step, named
-after the step, with the rank that ended last, the spread of the ends and how long after
-the first end this rank ended in its args (one slice of all ranks, first start to last end,
-would overlap the next step on its track, and a viewer nests slices of a track). The
-ranks' own step slices below carry the same trace id. It holds one small entry per kept
-step and rank (at most `MAX_STEP_GROUPS` steps; past that, steps are left out and counted
-in a warning).
+hardware gauges counter ("C") tracks, on one time axis (microseconds since the run's start).
+Events are streamed out as they are read, so memory does not grow with the run's spans;
+viewers sort events themselves. With several ranks, an "all ranks" process shows each step
+of every rank side by side (ARCHITECTURE.md, "Step N of every rank in one trace"), one
+small entry per kept step and rank, at most `MAX_STEP_GROUPS` steps (past that, left out and
+counted in a warning).
 """
 
 from __future__ import annotations
@@ -90,11 +82,8 @@ def _first_timestamp(path: Path, max_line: int) -> int | None:
 
 
 def time_origin(files: RunFiles, max_line: int = DEFAULT_MAX_LINE) -> int:
-    """The trace's zero: the run's start, or the earliest first-line timestamp of any file.
-
-    A span that starts before it (rare: a long span written after its children) gets a
-    negative timestamp, which both Perfetto and chrome://tracing accept.
-    """
+    """The trace's zero: the run's start, or the earliest first-line timestamp of any file
+    (a span that starts before it gets a negative timestamp, which viewers accept)."""
     candidates = [t for p in files.jsonl if (t := _first_timestamp(p, max_line)) is not None]
     started = files.started_ns
     if started is not None:
@@ -209,8 +198,8 @@ class _StepGroups:
         group[2][who] = (rec.start_ns, rec.end_ns)
 
     def emit(self, out: _EventWriter, procs: _Processes, pid: int, origin: int) -> int:
-        """One slice per rank per step, each rank on a track of its own (see the module
-        docstring); returns how many steps."""
+        """One slice per rank per step, each rank on a track of its own (slices of a track
+        must nest: one slice of all ranks would overlap the next step); returns how many."""
         by_rank: dict[tuple[int, str], list[tuple[int, int, str]]] = {}
         for trace_id, (_name, _step, ranks) in self.groups.items():
             for who, (start, end) in ranks.items():

@@ -1,4 +1,4 @@
-"""`otelprof report | trace | replay`: subcommands over detached run directories."""
+"""`otelprof report | compare | trace | replay`: subcommands over detached run directories."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from otelprof.analysis.reader import (
 
 
 def register(subparsers: Any) -> None:
-    """Add report, trace and replay to the `otelprof` parser."""
+    """Add report, compare, trace and replay to the `otelprof` parser."""
     report = subparsers.add_parser(
         "report",
         help="summarize a detached run: timings, hardware metrics, bottleneck verdict",

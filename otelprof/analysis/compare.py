@@ -1,14 +1,10 @@
 """`otelprof compare A B`: what changed from run A to run B, in figures and in plain words.
 
-Each run is read once, exactly as `otelprof report` reads it (`summary.summarize`, the
-verdict and the report's sections); the comparison only pairs the two reports' figures
-(the groups `compare` lists). A step's parts are compared as time per step, so a part that
-got faster shows as fewer milliseconds in every step.
-
-Every row has its direction: `lower` or `higher` is better, or neither (a gauge such as
-CPU utilization, whose change is neither good nor bad by itself). `changes` puts the few
-changes that matter in words, the largest first, and `headline` joins the main one with the
-verdict ("dataloader_next -41 % per step (20.1 -> 11.9 ms); now compute bound").
+Each run is read once, exactly as `otelprof report` reads it (summary, verdict, sections);
+the comparison only pairs the two reports' figures, a step's parts as time per step. Every
+row has a direction (`lower` or `higher` is better, or neither, as for CPU utilization);
+`changes` puts the few that matter in words, largest first, and `headline` joins the main
+one with the verdict.
 """
 
 from __future__ import annotations

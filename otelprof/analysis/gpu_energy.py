@@ -1,30 +1,16 @@
-"""Energy per step and GPU idle time by phase, from GPU samples and span intervals.
+"""Energy per step and GPU idle time by phase, from GPU samples and span intervals joined on
+time (neither answers "what does a step cost?" alone; user view: docs/guide/hardware.md).
 
-Why: "is this job data-loader bound?" and "what does a step cost?" are questions about
-*when* the GPU was idle or drew power, relative to what the training loop was doing.
-Neither the GPU samples (every collection interval) nor the spans (every step) answer
-it alone; joined on time they do:
-
-- Each GPU sample covers the interval since the previous sample of its series:
-  `hw.gpu.utilization` u over [t0, t1] means (1 - u)·(t1 - t0) GPU-seconds idle there;
-  `hw.energy` (cumulative J) gives the energy of [t0, t1] (or, where NVML refuses the
-  energy counter, `hw.power` × the interval). Within an interval, idle time and power are
-  taken as uniform, so a phase gets the share that overlaps it. Intervals much shorter
-  than the sample interval (a 0.3 ms step) are therefore attributed statistically, which
-  is exact in the sum over many steps, not for one step.
-- Phases are span intervals per host: training steps by their `otelprof.phase` attribute
-  ("train" when absent), root spans carrying `otelprof.phase` (validation, checkpoint),
-  and, inside them, every timing name (`dataloader_next`, `train_batch`, ...; a name
-  outside training is labelled with its phase, e.g. `forward (validation)`), so the
-  GPU-idle seconds during data loading are a number.
-
-Joules per step = GPU energy (all GPUs of the run) during training steps / the number of
-training steps (one rank's count: the ranks step together). Samples per joule needs the
-samples a step processed, from the step span's `otelprof.samples` attribute.
-
-Memory stays bounded: each label keeps at most `MAX_INTERVALS` merged intervals (beyond
-that the closest ones are joined and overlaps are scaled by the label's true duration,
-which the section notes).
+- A GPU sample covers the interval since its series' previous sample: `hw.gpu.utilization`
+  u gives (1 - u)·(t1 - t0) idle GPU-seconds, `hw.energy` (cumulative J) the interval's
+  energy (`hw.power` × interval where NVML refuses the counter). Both are taken as uniform
+  within the interval and split by overlap, so a step much shorter than the sample interval
+  is attributed statistically: exact summed over many steps, not for one.
+- Labels are span intervals per host: training steps, root spans of other phases, and the
+  timing names inside them (outside training labelled with their phase).
+- Joules per step divides by one rank's step count (the ranks step together).
+- Bounded: each label keeps at most `MAX_INTERVALS` intervals (`summary.IntervalSet`; past
+  that, joined and scaled, and the section says so).
 """
 
 from __future__ import annotations

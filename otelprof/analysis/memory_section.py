@@ -1,10 +1,8 @@
 """The report's memory by phase: this process's RSS and, with `memory_peaks`, the CUDA
-allocator's peak, for each training phase (`otelprof.phase`).
+allocator's peak, for each phase (docs/guide/timings.md, "Memory by phase").
 
-Both come from gauges the run exported (`system/memory_peaks.py`): the RSS sampled every
-interval and labelled with the phase running at the sample, and the allocator's peak of each
-collection interval and each block of a phase (reset after each read). Several processes:
-the largest process's figure, and the mean over every process's samples.
+From the phase-labelled gauges the run exported (`system/memory_peaks.py`). Several
+processes: the largest process's figure, and the mean over every process's samples.
 """
 
 from __future__ import annotations

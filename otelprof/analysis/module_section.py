@@ -1,9 +1,8 @@
 """The report's per-module view: forward and backward time of a model's parts.
 
-From the ranges `module_timings=<depth>` records (`module.forward:<Model>.<path>`,
-`module.backward:<Model>.<path>`, see otelprof/_module_timings.py): the modules that take
-the most time, training first. A module's time includes its submodules' (the path shows
-the nesting); these ranges are kept out of the step breakdown, whose parts already hold them.
+From the `module.forward:` / `module.backward:` ranges `module_timings=<depth>` records
+(`_module_timings.py`), training first. A module's time includes its submodules'; these
+ranges are kept out of the step breakdown, whose parts already hold them.
 """
 
 from __future__ import annotations

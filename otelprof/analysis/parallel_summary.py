@@ -1,22 +1,15 @@
 """The report's single pass in worker processes: one pass per file, merged in file order.
 
-Why: decoding JSON and aggregating spans is all of a large report's time, each file can be
-read on its own, and a machine has more than one core. A summary is the merge, in file
-order, of one `_FilePass` per file (summary.py), so the workers' result is the serial one:
-the same figures, warnings and read statistics. Workers are forked (they start in
-milliseconds and need no imports); where the process already runs other threads, which a
-fork would copy mid-lock, or where fork does not exist, they are spawned instead. A task is
-a few consecutive files (up to `BATCH_BYTES` to read, at most `BATCH_FILES`), so a run of
-100,000 small files costs hundreds of round trips to the workers, not 100,000.
+Why: decoding JSON is all of a large report's time and each file can be read on its own. A
+summary is the merge, in file order, of one `summary._FilePass` per file, so the workers'
+result is the serial one (figures, warnings, read statistics). Workers are forked, or
+spawned where this process runs other threads (a fork copies them mid-lock) or fork does not
+exist. A task is a few consecutive files (`BATCH_BYTES`, `BATCH_FILES`), not one a file.
 
-Memory stays bounded: a worker holds one task's per-file aggregates at a time (a read plan
-bounds what it reads of a large run; the step and straggler windows close at each file's
-end), and at most `2 * jobs` finished tasks' aggregates wait to be merged.
-
-Nothing waits forever on a worker: one that dies (the out-of-memory killer, a signal) breaks
-the pool, and one that stops (SIGSTOP, a frozen cgroup) stops its heartbeat, a thread that
-ticks every `HEARTBEAT_S`; after `STALLED_AFTER_S` without one the workers are killed. Either
-way the files not merged yet are read in this process, with a warning.
+Bounded: a worker holds one task's aggregates, and at most `2 * jobs` finished tasks wait to
+be merged. Nothing waits forever: a worker that dies breaks the pool, one that stops stops
+its heartbeat (`STALLED_AFTER_S`) and the workers are killed; either way the files not
+merged yet are read in this process, with a warning.
 """
 
 from __future__ import annotations
@@ -185,10 +178,8 @@ def read_in_workers(
     stalled_after_s: float = STALLED_AFTER_S,
 ) -> P:
     """Every file's pass (`make()`, picklable: a class or a partial of one) from `jobs`
-    worker processes, merged in file order into a pass of its own. A worker that dies (the
-    kernel's out-of-memory killer, a signal) or stalls (no heartbeat for `stalled_after_s`)
-    does not hang the report: the files not merged yet are read in this process, with a
-    warning."""
+    worker processes, merged in file order into a pass of its own (a dead or stalled
+    worker: see the module docstring)."""
     total = make()
     paths = list(files)
     merged = 0

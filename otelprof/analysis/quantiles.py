@@ -1,10 +1,10 @@
 """Bounded-memory duration statistics: exact up to a cap, then a log-bucket sketch.
 
-Why: reports on small and medium runs must match figures computed independently from the
-same spans exactly, yet a huge run must not hold every duration. Up to `exact_cap` values
-are kept and percentiles are exact (linear interpolation, as numpy's default); beyond it the
-values fold into logarithmic buckets of relative width `2 * rel_err`, so a percentile is then
-within `rel_err` of the true value and memory stays bounded (~7,000 buckets cover 1 ns..3 h).
+Why: small and medium runs must match figures computed independently from the same spans
+exactly, yet a huge run must not hold every duration. Up to `exact_cap` values percentiles
+are exact (linear interpolation, as numpy's default); beyond it the values fold into
+logarithmic buckets of relative width `2 * rel_err`, so a percentile is within `rel_err` and
+memory stays bounded (about 3,000 buckets cover 1 ns..3 h at the default `rel_err`).
 """
 
 from __future__ import annotations

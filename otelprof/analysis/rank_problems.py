@@ -1,12 +1,10 @@
 """Ranks of a job that left nothing behind, per elastic attempt (a problem to show first).
 
-Each process of a job writes `run.rank<N>[.attempt<K>].json` when it starts otelprof, so a
-rank with no such file never started it (crashed before `instrument()`, or wrote elsewhere).
-A node of a multi-node job whose ranks all stopped without recording an end, while other
-nodes' ranks recorded theirs, is a lost node (`host.name` in each run file says where a rank
-ran). Two processes that claim one rank of one attempt (a job started twice with one run id
-where nothing kept the second out: another host's process on a file system without locks,
-or a run written before otelprof claimed its files) mix their telemetry in the run's figures.
+From the run files (`run.rank<N>[.attempt<K>].json`, written when a process starts
+otelprof): a rank with none never started it; a node whose ranks all stopped without an end
+while other nodes' ranks recorded theirs is lost (`host.name` says where a rank ran); two
+processes claiming one rank of one attempt (in run files or data: one run id reused where
+nothing kept the second out) mix their telemetry in the figures.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ def missing_ranks(run_info: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def lost_hosts(run_info: Iterable[dict[str, Any]]) -> list[str]:
-    """One message per lost node (see the module docstring; SIGKILL, power, network), said
-    once rather than left for the reader to infer from its ranks' lines."""
+    """One message per lost node, said once rather than left for the reader to infer from
+    its ranks' lines."""
     ranks: dict[tuple[str, int], dict[str, list[tuple[int, bool]]]] = {}
     for info in run_info:
         resource = info.get("resource")

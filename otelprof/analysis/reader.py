@@ -218,18 +218,13 @@ class WarningLog:
 
 
 DEFAULT_READ_BUDGET = 512 << 20
-"""Bytes of run files a report reads at most by default. A run within it is read whole; a
-larger one (hundreds of ranks, hours) is read in evenly spaced parts of every file (see
-`ReadPlan`), which keeps the report's time and memory bounded: the timing figures stay exact
-(the histograms are cumulative and the tail of every file holds the last ones), the sampled
-traces and gauges are read as a sample spread over the whole run."""
+"""Bytes of run files a report reads at most by default (`ReadPlan`): it bounds the report's
+time and memory whatever the run's size."""
 
 DEFAULT_MAX_LINE = 32 << 20
-"""Longest line (bytes, newline not counted) a reader decodes by default; a longer one is
-skipped with a warning naming file and line (`--max-line`). otelprof's exporters write lines
-of at most a few MiB (512 spans, a few exports' points), so only a damaged or foreign file
-has longer ones, and a line's decoded objects take several times its bytes: the limit bounds
-the reader's memory whatever the file holds."""
+"""Longest line (bytes, newline not counted) a reader decodes by default (`--max-line`); a
+longer one is skipped with a warning. otelprof's exporters write lines of a few MiB at most,
+so only a damaged or foreign file has longer ones; the limit bounds the reader's memory."""
 
 _TAIL = 64 << 10  # every file's last lines: the final export (exact histograms), the end
 _WINDOW_MIN = 16 << 10
@@ -238,15 +233,12 @@ _MAX_WINDOWS = 64
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Which parts of each run file are read: the whole of every file when the run fits the
-    budget; else, per uncompressed file, a share of the budget proportional to its size in
-    evenly spaced windows from the file's start, plus its tail. A window yields the whole
-    lines that start in it; the tail (the last window) of a metrics file every line that
-    ends in it, so the final export, which carries the exact cumulative histograms, is read
-    however long its line, and so does the tail of a file whose other windows held no line
-    start (lines longer than its share): every file read in parts yields whole lines. The
-    budget is then exceeded by at most one line per file. Compressed files cannot be read
-    in parts and are read whole. No line longer than `max_line` is held, in any plan."""
+    """Which parts of each run file are read: every file whole when the run fits the budget;
+    else, per uncompressed file, a share of the budget proportional to its size in evenly
+    spaced windows, plus its tail. A window yields the whole lines that start in it; the tail
+    of a metrics file (the final export: the exact cumulative histograms), or of a file whose
+    other windows held no line start, yields every line that ends in it. So the budget is
+    exceeded by at most one line per file. Compressed files are read whole."""
 
     windows: dict[Path, tuple[tuple[int, int], ...]]  # files read in parts; others whole
     total_bytes: int = 0  # size of every file (compressed size for *.gz)

@@ -1,11 +1,10 @@
 """`otelprof replay`: send a detached run to a collector over OTLP gRPC, as it was recorded.
 
-Each JSON line is already an OTLP export request; it is parsed into the protobuf message
-(`google.protobuf.json_format`, after turning the file format's hex trace/span ids into the
-base64 that proto3 JSON expects), consecutive lines are merged into requests of about
-`batch_bytes`, and each request is sent with retries on transient errors. Timestamps and
-resource attributes are kept exactly, unless `shift_to_now` moves every timestamp by one
-offset so that the run ends now (see docs/guide/detached-runs.md, "Prometheus and old samples").
+Each JSON line is already an OTLP export request: parsed into the protobuf message (hex ids
+turned into the base64 proto3 JSON expects), merged with the next lines up to about
+`batch_bytes`, sent with retries on transient errors. Timestamps and resources are kept
+exactly, unless `shift_to_now` moves every timestamp so the run ends now
+(docs/guide/detached-runs.md, "Prometheus and old samples").
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Extra report sections, shown alike by the text, HTML and JSON reports.
 
-An analysis module (stragglers, phases, energy, ...) adds itself with one decorator and
-every report format shows it, from the same rows:
-
-    from otelprof.analysis.sections import Section, section
-
-    @section
-    def stragglers(summary: RunSummary) -> Section | None:
-        rows = [{"process": "rank 3", "mean step ms": 41.2, "x median": 1.6}]
-        return Section("stragglers", "Stragglers", rows, notes=["..."]) if rows else None
-
-Row values must be JSON-serializable (str, int, float, bool, None). The builder module
-must be imported for its section to register (add it to `_BUILTIN` below). A builder that
-raises is reported as a warning and its section left out; the rest of the report stands.
+An analysis module registers a builder with `@section` and lists itself in `_BUILTIN`
+(DEVELOPING.md, "Report sections (analysis/)"). Row values must be JSON values (str, int,
+float, bool, None). A builder that raises is reported as a warning and its section left out;
+the rest of the report stands.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Stragglers in synchronous training: who makes the others wait, and where its time goes.
 
 Synchronous data parallelism makes every rank's step as long as the slowest rank's, so step
-times cannot name a straggler. Collectives can: a rank that arrives late at a collective
-waits least in it, and the others wait for it. otelprof times collectives (spans carrying
-`otelprof.collective`: Python-level `torch.distributed` calls and DDP's gradient all-reduce),
-so each rank's step splits into
+times cannot name a straggler; collectives can: the rank that arrives late waits least in
+them. From the collective spans (`otelprof.collective`), each rank's step splits into
+**waiting** (time in collectives, by the direct part of the step that holds them) and **own
+work** (each direct part minus its collectives, plus `(untimed)`). The straggler is the rank
+that waits least when the others wait clearly longer (`MIN_WAIT_GAP_S` and
+`MIN_WAIT_GAP_SHARE` of the step); its extra time is its own work beyond the others' median.
 
-- **waiting**: time in collectives (communication plus waiting for the other ranks), and in
-  which direct part of the step (`train_batch` for DDP's all-reduce, `reduce_metrics`, ...);
-- **own work**: every direct part of the step minus the collectives inside it, plus the time
-  outside every timing (`(untimed)`).
-
-The straggler is the rank that waits least, when the others wait clearly longer (over 1 ms
-and 5% of the step); its extra time is where its own work exceeds the other ranks' median.
-
-One streaming pass with bounded memory: spans are grouped by (rank, step) in a bounded
-window of recent steps; a step whose spans are still incomplete when it leaves the window is
-folded with what it has.
+Bounded: spans are grouped by (rank, step) in a window of recent steps per rank; a step still
+incomplete when it leaves the window is folded with what it has.
 """
 
 from __future__ import annotations
@@ -260,7 +253,7 @@ class StragglerPass:
         if not group.step_id:
             return  # a step whose root never arrived (truncated run): left out
         work = self._ranks.get(resource)
-        if work is None:  # (not a RankWork made per step for setdefault to throw away)
+        if work is None:  # not setdefault: it would build a RankWork per step
             work = self._ranks[resource] = RankWork(resource)
         direct = _parts(group)
         work.steps += 1

@@ -382,14 +382,10 @@ class _StepResolver:
     """Decides where each span sat (directly in a step, nested in another span, at the top
     level, or around its step), within a bounded window of recently seen span ids.
 
-    A span directly under its step that wraps the step's work is no part of it: torch's
-    `ProfilerStep#N` (a user's `torch.profiler.profile` beside otelprof opens one from each
-    of its `step()` calls to the next), or any range with children still open when its step
-    ended (`with timing("iteration"): ...; prof.step()`). Its children are then the step's
-    parts, and it is counted as wrapping the step (`TimingAgg.wrapper_count`), so neither
-    the breakdown nor the verdict takes it for the step. Children usually come before their
-    parent in a file, so a span whose parent is not seen yet waits, with its own children,
-    until the parent says where they belong.
+    A span that wraps its step (ARCHITECTURE.md, "Reading a run") is counted in
+    `TimingAgg.wrapper_count` and its children are the step's parts. Children usually come
+    before their parent in a file, so a span whose parent is not seen yet waits, with its
+    own children, until the parent says where they belong.
     """
 
     def __init__(self, timings: dict[str, TimingAgg], window: int = 50_000) -> None:
@@ -535,13 +531,11 @@ def process_key(resource: Resource) -> ProcessKey:
 class _FilePass:
     """The aggregates of one file's records, or of several files' merged in file order.
 
-    A report is the merge, in file order, of one pass per file: the same whether the passes
-    run here one after another or in worker processes (`parallel_summary`), so a parallel
-    report is the serial one. Each merge replays what one pass over both files would do
-    wherever that is exact: timing durations are re-added in order (float totals included),
-    new names, ranks and series keep their first-seen order, the latest cumulative point
-    wins. The windows that link children to steps and gather a step's spans for the
-    straggler figures close at the end of each file (a rank's spans are in its own file)."""
+    A report is the merge, in file order, of one pass per file, here or in worker processes
+    (`parallel_summary`): the same report. A merge replays what one pass over both files
+    would do wherever that is exact (durations re-added in order, first-seen order kept, the
+    latest cumulative point wins). The windows linking children to steps and gathering a
+    step's spans for stragglers close at each file's end (a rank's spans are in its file)."""
 
     def __init__(
         self,
@@ -828,12 +822,10 @@ def summarize(
 ) -> RunSummary:
     """Read the run once and aggregate it (the throughput figures in the same pass).
 
-    `window` bounds the span ids remembered to link children to steps; `exact_cap` the
-    durations kept per timing name for exact percentiles (beyond it, a 0.5% sketch);
-    `steps` = (A, B) keeps only spans of steps A <= n < B (`otelprof report --steps A:B`);
-    `read_budget`: bytes read at most (None: all), see `reader.ReadPlan`; `jobs` > 1 reads
-    the files in that many worker processes (`parallel_summary`; the same result); a line
-    longer than `max_line` bytes is skipped with a warning.
+    `window`: span ids remembered to link children to steps; `exact_cap`: durations kept per
+    timing for exact percentiles (then a 0.5% sketch); `steps` (A, B): only steps A <= n < B;
+    `read_budget`: `reader.ReadPlan` (None: all); `jobs` > 1: worker processes
+    (`parallel_summary`, the same result); `max_line`: longer lines skipped with a warning.
     """
     plan = ReadPlan.for_files(files.jsonl, read_budget, max_line)
     args = (window, exact_cap, steps, unfinished_processes(files.run_info))

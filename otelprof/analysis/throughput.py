@@ -13,7 +13,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 @section
 def throughput_section(summary: RunSummary) -> Section | None:
-    """Samples/s, tokens/s and MFU per phase (see the module docstring)."""
+    """Samples/s, tokens/s and MFU per phase (the rules: throughput_pass.py)."""
     steps = summary.steps_range
     rows = summary.throughput
     if not rows:

@@ -1,18 +1,11 @@
-"""Throughput and MFU per phase, from the work recorded on step spans.
+"""Throughput and MFU per phase, from the work `otelprof.step_work()` puts on step spans
+(the rules a user sees: docs/guide/timings.md, "Throughput and MFU").
 
-`otelprof.step_work()` (or a framework integration) puts `otelprof.samples`,
-`otelprof.tokens`, `otelprof.flops` and `otelprof.peak_flops` on each step's root span:
-`step` in training, the phase's root span (`validation`, ...) elsewhere. Here, per phase and
-process: samples/s = Σsamples / Σ(root span durations), likewise tokens/s and FLOP/s; MFU =
-FLOP/s / peak. Training step 0 (warm-up, compilation) is left out, as in the live metrics,
-unless it is a process's only step with work (a run that never called `step()`).
-A job's samples/s and tokens/s are the sum over its processes; its MFU is their mean.
-
-Under trace sampling the kept step spans are a sample of the steps; when a process's
-training-step histogram (`otelprof.timing.duration`, timing `step`) counts more steps than
-its kept spans, its training row is taken from the aggregates instead: the exported
-`otelprof.train.samples` / `otelprof.train.tokens` counters over the histogram's total step
-time (every step, step 0 included), and FLOP/s (MFU) from the kept steps' rate.
+Per phase and process: Σwork / Σ(root span durations), MFU = FLOP/s / peak; training step 0
+left out unless it is a process's only step with work. A job's samples/s and tokens/s are
+the sum over its processes, its MFU their mean. Where the step histogram counts more steps
+than were kept (sampled traces), the training row comes from the counters over the
+histogram's total step time instead (`_from_aggregates`).
 """
 
 from __future__ import annotations

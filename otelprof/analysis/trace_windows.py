@@ -1,31 +1,20 @@
 """Which parts of a run over the read budget `otelprof trace` reads: the same time windows on
-every rank, and whole steps in them.
+every rank, and whole steps in them (user view: docs/guide/detached-runs.md).
 
-Why not `ReadPlan`'s byte windows as they are: evenly spaced bytes of each file are different
-moments on different ranks (a rank with host metrics or more kept steps writes more bytes a
-second), so the "all ranks" track and a step seen across ranks would show pieces. Here the
-windows are chosen in time, once for the run, and each file is read at the bytes that hold
-them:
+Why not `ReadPlan`'s byte windows: evenly spaced bytes are different moments on different
+ranks, so the "all ranks" track would show pieces. Here the windows are chosen in time, once
+for the run, and each file is read at the bytes that hold them:
 
-- **Time to bytes, cheaply.** The exporters append lines in time order and every span or
-  point carries its time as text (`"endTimeUnixNano":"…"`, `"timeUnixNano":"…"`), so a few
-  small reads at bisected offsets of a file find where a moment is (`byte_offset_at`), with
-  no JSON decoded; each file's window is then a `ReadPlan` byte window, whole lines.
-- **Windows.** The run's start (its first span) and windows centred in equal segments of
-  the rest of the run, up to its last span. How many and how wide is decided against the
-  budget from one reference rank (the first traces and metrics files, whose lines are
-  indexed whole): what its lines overlapping a window weigh, scaled to all files of that
-  kind. Each window gets an equal share of the budget and is as wide as its share buys (a
-  window's width is what it costs to read on every rank: the dense start of a run is
-  narrower than its steady middle); as many windows as keep each one after the start
-  `GOOD_WIDTH_S` wide, at least the start and one more.
-- **Whole steps on every rank.** Ranks start step N a little apart, so a time cut would keep
-  step N on one rank and not on its neighbour. A window keeps, per phase, the range of step
-  (batch) numbers whose step spans start in it on the reference rank; every span carries its
-  step and phase, so every rank keeps exactly the spans of those steps (one with no step, by
-  its start time). Each file is read with a margin around the window (the longest of those
-  steps plus `MARGIN_S`) so a step's spans on a rank a little behind are read too.
-- Hardware gauges are kept when their time is in a window.
+- Time to bytes: lines are appended in time order and carry their times as text, so a few
+  bisected reads find a moment (`byte_offset_at`), no JSON decoded.
+- Widths are planned on one reference rank (the first plain traces and metrics files, indexed
+  whole), scaled to all files of a kind: the start, then windows centred in equal segments,
+  each as wide as an equal share of the budget buys; fewer windows rather than ones under
+  `GOOD_WIDTH_S`.
+- Whole steps: a window keeps, per phase, the step numbers whose step spans start in it on
+  the reference rank, and every rank keeps exactly those steps (a span with no step and a
+  gauge, by its time); a window ends at its steps' latest end, and files are read `MARGIN_S`
+  past it for ranks a little behind.
 """
 
 from __future__ import annotations
