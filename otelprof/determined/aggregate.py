@@ -125,11 +125,9 @@ class WindowAggregator:
         self.timings_group = timings_group
         self.max_steps_per_s = max_steps_per_s
         self.window_s = window_s
-        # A producer's DET_STEPS_COMPLETED is trusted in process (the process's own
-        # environment); at the bridge it is what a token holder claims, so a trial's first
-        # report is bounded from the batch count the master holds instead (`baselines`,
-        # filled by the pipeline from GET /api/v1/trials/{id}; wanted ones are listed in
-        # `baselines_wanted` until then, and their timings wait).
+        # DET_STEPS_COMPLETED is trusted in process only; at the bridge a trial's first
+        # report is bounded by the master's batch count (`_first_baseline`: `baselines`,
+        # filled by the pipeline; until then in `baselines_wanted`, its timings waiting).
         self.trust_offsets = trust_offsets
         self.baselines: OrderedDict[int, int] = OrderedDict()
         self.baselines_wanted: set[int] = set()

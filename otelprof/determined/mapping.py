@@ -397,7 +397,7 @@ def step_claims(attrs: Mapping[str, Any], default: Route) -> tuple[int, int]:
     """(DET_STEPS_COMPLETED, otelprof steps per batch) a producer's resource claims (-1: no
     offset known); RouteError (reason `bad_steps`) for a malformed or negative one rather
     than a silent "unknown". The offset is only a claim: the aggregator bounds a trial's
-    first report by what the master holds, not by it (`WindowAggregator._bounded_steps`)."""
+    first report by what the master holds, not by it (`WindowAggregator._first_baseline`)."""
     try:
         offset = _as_int(attrs, ATTR_STEPS_OFFSET)
         per_batch = _as_int(attrs, ATTR_STEPS_PER_BATCH)
