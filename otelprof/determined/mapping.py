@@ -469,10 +469,8 @@ _DELTA = 1
 def _map_histogram(
     metric: Any, attrs: Mapping[str, Any], default: Route, trial: int, run: int, out: Extracted
 ) -> None:
-    """Histogram points of otelprof's timing durations → `out.histograms`.
-
-    Only global rank 0's (Determined charts one timing series per trial, as with spans).
-    """
+    """Histogram points of otelprof's timing durations → `out.histograms`; global rank 0's
+    only (Determined charts one timing series per trial, as with spans)."""
     kind = metric.WhichOneof("data")
     points = getattr(metric, kind).data_points if kind else ()
     if kind != "histogram" or _rank(attrs) not in (None, 0):
