@@ -3,8 +3,9 @@
 Before anything is parsed a request must show a bearer token (`ingest_auth.py`), fit the
 size limit and be admitted (bytes in flight, requests per credential, so one producer's
 flood waits for its own share); only resources of trials in the token's scope go on. Each
-refusal is counted (`BridgeServer.stats()`), answered with the OTLP status a client acts on
-(UNAVAILABLE is retried, RESOURCE_EXHAUSTED not) and logged by sender, never by token.
+refusal is counted (`BridgeServer.stats()`) and answered with the OTLP status a client acts
+on (UNAVAILABLE is retried, RESOURCE_EXHAUSTED not); unauthenticated, oversized and
+out-of-scope senders are logged (`RefusalLog`) naming the token's line, never the token.
 Requests are parsed here, not by grpcio, so a malformed one gets INVALID_ARGUMENT naming
 the problem rather than an opaque INTERNAL. A request whose caller went away is dropped at
 mapping's next check (`CHECK_EVERY`), counted (`refused_abandoned`) and its share given
