@@ -4,6 +4,10 @@ Determined's own profiler averages ten 1 s samples and posts one report per grou
 ~10 s; this does the same over whatever arrives in a window. A group is reported only
 with its full key set (the Web UI's series list comes from the latest report), filling a
 key that missed this window with its last value from a recent window.
+
+A timings report's stepsCompleted strictly increases per (trial, run), never falls below
+what earlier runs reported (the master would archive their rows above it) and never
+exceeds what was really trained (the master keeps the highest as the trial's batch count).
 """
 
 from __future__ import annotations
@@ -125,11 +129,9 @@ class WindowAggregator:
         self.timings_group = timings_group
         self.max_steps_per_s = max_steps_per_s
         self.window_s = window_s
-        # A producer's DET_STEPS_COMPLETED is trusted in process (the process's own
-        # environment); at the bridge it is what a token holder claims, so a trial's first
-        # report is bounded from the batch count the master holds instead (`baselines`,
-        # filled by the pipeline from GET /api/v1/trials/{id}; wanted ones are listed in
-        # `baselines_wanted` until then, and their timings wait).
+        # DET_STEPS_COMPLETED is trusted in process only; at the bridge a trial's first
+        # report is bounded by the master's batch count (`_first_baseline`: `baselines`,
+        # filled by the pipeline; until then in `baselines_wanted`, its timings waiting).
         self.trust_offsets = trust_offsets
         self.baselines: OrderedDict[int, int] = OrderedDict()
         self.baselines_wanted: set[int] = set()
@@ -185,12 +187,10 @@ class WindowAggregator:
         """Timing samples (seconds and calls since the previous point) from histogram points.
 
         Cumulative points are differenced per series (a new start time or a lower count is
-        a restarted producer: counted in full). The first point of a trial this aggregator
-        has not followed before is counted in full, unless timings of the trial were
-        already reported: beyond the calls of that timing reported from spans, or (before
-        a bridge restart) only as the baseline, so nothing is ever counted twice (at worst
-        one point's increment is not reported after a restart). The training root span's
-        histogram also carries the step count.
+        a restarted producer: counted in full). A trial's first point is counted in full
+        unless its timings were already reported: then beyond the calls reported from
+        spans, or (reported before a bridge restart) as a baseline only, so nothing is
+        counted twice. The training root span's histogram also carries the step count.
         """
         out: list[TimingSample] = []
         seen: set[tuple[int, int]] = set()
@@ -417,10 +417,8 @@ class WindowAggregator:
 
     def _first_baseline(self, trial_id: int, state: _Trial) -> int | None:
         """What a trial's first report counts on from: the producer's DET_STEPS_COMPLETED
-        where it is trusted (in process) or 0; at the bridge, a claimed offset is taken
-        only up to the batch count the master already holds (None until it is known). A
-        report at or above the master's count archives no row of an earlier run (the
-        master keeps none above it), so bounding from it never loses the user's metrics."""
+        where it is trusted (in process) or 0; at the bridge, a claimed offset only up to
+        the batch count the master holds (None until known), which no earlier row is above."""
         claimed = max(state.offset, 0)
         if self.trust_offsets or claimed == 0:
             return claimed
@@ -436,11 +434,9 @@ class WindowAggregator:
             self.baselines.popitem(last=False)
 
     def _bounded_steps(self, state: _Trial, steps: int, before: int) -> int:
-        """At most what the trial can really have trained: `max_steps_per_s` over the time
-        since the previous report (or since its first data) plus one window (what a
-        producer trained before its first export) on top of `before` (the previous report,
-        or `_first_baseline`), so a wrong step attribute or offset cannot raise the trial's
-        batch count (the master keeps the highest stepsCompleted) for good."""
+        """At most what the trial can really have trained: `before` (the previous report, or
+        `_first_baseline`) plus `max_steps_per_s` over the time since the previous report
+        (or its first data) plus one window (trained before its first export)."""
         now = time.monotonic()
         elapsed = max(0.0, now - state.steps_clock) + self.window_s
         bound = before + 1 + int(self.max_steps_per_s * elapsed)
@@ -452,14 +448,9 @@ class WindowAggregator:
 
     @staticmethod
     def safe_steps(run_id: int, state: _Trial) -> int | None:
-        """The stepsCompleted for a timings report, or None when none is safe.
-
-        Determined counts batches; otelprof counts `step()` calls (`per_batch` of them per
-        batch when step() runs per micro-batch). A resumed trial starts at
-        DET_STEPS_COMPLETED, so this run's k-th batch is offset + k: never below the
-        checkpoint (which would archive the user's rows of earlier runs) and never past
-        the batches really trained (the master raises the trial's batch count to it).
-        """
+        """The stepsCompleted for a timings report, or None when none is safe: this run's
+        k-th batch is DET_STEPS_COMPLETED + k (Determined counts batches, otelprof `step()`
+        calls, `per_batch` of them per batch)."""
         done = (state.max_step + 1 - STEP_INDEX_BASE) // state.per_batch
         if done < 1:
             return 0  # no whole batch yet: held until one is done

@@ -1,15 +1,10 @@
 """What a master's answer means for a report: delivered, retry, or never (by its message).
 
-A real 0.38.1 master answers permanent refusals of a report with HTTP 500 (grpc-gateway's
-code 13, Internal): a stale run id, a key conflict, a missing stepsCompleted... and a
-database outage is a 500 too (reference §0). So the status code alone cannot separate
-"try again later" from "this report will never be taken": the master's message does.
-
-- permanent (`REJECTED`): the messages below, and 4xx other than 408/429;
-- transient (`RETRY`): no answer (connection error, timeout), 502/503/504, 408/429, and a
-  500 whose message says the database is unreachable or busy;
-- anything else (`UNKNOWN`): a 500 not recognised here: retried a bounded number of times
-  by the deliverer, then moved aside like a permanent refusal.
+A real 0.38.1 master answers permanent refusals (a stale run id, a key conflict, a missing
+stepsCompleted...) and a database outage alike with HTTP 500 (reference §0), so the
+master's message, not the status, tells "try again later" from "never". A 500 recognised
+as neither is `UNKNOWN`: retried a bounded number of times by the deliverer, then moved
+aside like a permanent refusal.
 """
 
 from __future__ import annotations

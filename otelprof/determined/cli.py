@@ -194,7 +194,6 @@ def run(args: argparse.Namespace) -> int:
             skip_direct=True,  # processes posting to Determined themselves own their data
             max_steps_per_s=settings.max_steps_per_s,
         )
-        assert settings.ingest_tokens is not None
         server = BridgeServer(
             pipeline,
             settings.listen,

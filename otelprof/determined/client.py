@@ -315,8 +315,7 @@ class DeterminedClient:
         return trial if isinstance(trial, dict) else {}
 
     def trial_experiment(self, trial_id: int) -> int | None:
-        """The experiment a trial belongs to (GetTrial); None when the master has no such
-        trial. Raises when the master cannot answer (down, refused our credentials)."""
+        """A trial's experiment (GetTrial); None for no such trial; raises as `_trial` does."""
         trial = self._trial(trial_id)
         if trial is None:
             return None

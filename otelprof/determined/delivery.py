@@ -1,26 +1,18 @@
-"""Delivery to the master: one queue per trial and group (a lane), so a failing or
-unanswered report never delays another trial, nor another group of its own trial.
+"""Delivery to the master: one queue per (trial, group), a lane, so a failing or unanswered
+report never delays another lane.
 
-Reports are answered in order within a lane (a later timings report must not overtake an
-earlier one: stepsCompleted only grows; a group's rows are charted in arrival order) but
-lanes are independent: a few worker threads take the head report of any lane that is
-ready, and a lane whose report failed (or whose answer was lost) waits out its own backoff
-while the others go on. What the master says decides the rest
-(`classify.py`):
+A lane is answered in order (stepsCompleted only grows; a group's rows are charted in
+arrival order); a few workers take the head of any ready lane, and a failed lane waits out
+its own backoff. The master's answer (`classify.py`) decides the rest: accepted is acked in
+the spool; refused for good is moved into the spool's refused store, counted and logged
+once per kind of message; a master-wide failure (unreachable, 502/503/504, database down)
+pauses every lane under one shared backoff with jitter, so an outage costs one probe; a
+failure of this report backs off its lane alone; an unrecognised 500 is retried
+`max_unknown_attempts` times, then moved aside.
 
-- accepted: acknowledged in the spool;
-- refused for good (stale run id, key conflict, ...): moved aside into the spool's refused
-  store with the master's message, counted, logged once per message, never resent;
-- transient and master-wide (unreachable, 502/503/504, database down): every trial pauses
-  with one shared exponential backoff (with jitter), so an outage costs one probe, not one
-  request per trial;
-- transient for this report (a timeout after sending): that trial backs off alone;
-- an unrecognised 500: that trial retries it `max_unknown_attempts` times, then moves it
-  aside as refused.
-
-Exactly once: when a POST may have reached the master without its answer reaching us (a
-timeout or dropped connection after sending, a proxy's 502/504, or a crash between POST and
-answer), the master is asked whether it stored the report before it is sent again.
+Exactly once: a report that may have reached the master without its answer reaching us (a
+timeout after sending, a proxy's 502/504, a crash between POST and answer) is looked up on
+the master (`DeterminedClient.already_stored`) before it is sent again.
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ class _TrialState:
 
 
 class Deliverer:
-    """Drains a spool into a client with `workers` threads, one trial at a time each."""
+    """Drains a spool into a client with `workers` threads, one lane at a time each."""
 
     workers = 4
 
@@ -171,7 +163,7 @@ class Deliverer:
             self._ready.append(trial)
 
     def _take(self) -> tuple[Lane, _TrialState, Item] | None:
-        """The head report of the next ready trial, or None after waiting a little."""
+        """The head report of the next ready lane, or None after waiting a little."""
         with self._cond:
             if self._refill:
                 self._load_new()

@@ -1,23 +1,11 @@
 """Who may send OTLP to the bridge, and into which trials: bearer tokens with scopes.
 
-Every OTLP request must carry `authorization: Bearer <token>` in its gRPC metadata, the
-header OpenTelemetry exporters send from `OTEL_EXPORTER_OTLP_HEADERS` (and the collector
-from its exporter's `headers:`). Tokens come from a file (one per line) that only its owner
-may read; each token names where its holder may write:
-
-    # token                              scope
-    3f9c...e1   trial=42                 # this trial only
-    77ab...02   experiment=7             # any trial of experiment 7 (asked of the master)
-    c0de...99   trial=42 trial=43 experiment=9
-    51ee...aa   *                        # any trial: the operator's own collector
-    9d1f...3c                            # no scope on the line: --allow-trial/--allow-experiment
-
-Data for a trial outside the token's scope is refused (PERMISSION_DENIED when nothing in the
-request may be written, OTLP partial success otherwise), counted and logged, never posted.
-A trial's experiment is not taken from the producer's own resource attributes (a producer
-could claim any experiment): it is read from the master (`GET /api/v1/trials/{id}`) and
-cached; when the master cannot say, the request is answered UNAVAILABLE so the producer
-retries it later.
+Tokens come from an owner-only file, one per line with its scope (`trial=ID`,
+`experiment=ID`, `*`, or none for the `--allow-*` default; format and examples in
+docs/operations/determined-bridge.md). Tokens are kept only as SHA-256 digests and compared
+in constant time. A trial's experiment is asked of the master (`GET /api/v1/trials/{id}`,
+cached), never taken from the producer's attributes, which could claim any experiment;
+while the master cannot say, the request is answered UNAVAILABLE so the producer retries.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """A Determined trial's link to its Grafana view, written into its experiment's notes.
 
-Determined's Web UI has no Grafana link of its own (reference §6). Of what the master
-stores, an experiment's notes are the one thing the UI renders as Markdown on the
-experiment page, so a link there is clickable; a trial's metadata is shown as read-only
-JSON (reference §0.1). Both are replaced whole by every write, so the link is one marked
-Markdown list item per trial, merged into the notes as they are (the user's own text and
-other trials' links kept): read, merge, write, read back, and again if another writer's
-PATCH (a user, a concurrent trial) overwrote it.
+The Web UI has no Grafana link of its own (reference §6); an experiment's notes are the one
+thing of the master's it renders as Markdown (reference §0.1). Notes are replaced whole by
+every write and the master has no compare-and-swap, so the link is one marked list item per
+trial merged into the notes as they are: read, merge, write, read back, look again.
 
-Who writes it: the training process of global rank 0, whether its data reaches the master
-in-process (`determined=True`) or through the bridge. Only it knows the job's service,
-run id and start before any data flows, and it holds the option (`grafana_url`); one writer
-per trial also means two producers never race on the notes. The bridge never writes them.
-The work runs on a thread of its own, once per process: never on the training thread,
-never raising into it; a failure is retried (transient) or given up (the master refused),
-logged once and counted (`determined.grafana_link_errors` in `prof.stats()`).
+Written only by the process of global rank 0 (it knows the job's service, run id and start,
+and holds `grafana_url`; one writer per trial), never by the bridge; on a thread of its
+own, never raising into training; failures are retried or given up, logged once and
+counted (`determined.grafana_link_errors`).
 """
 
 from __future__ import annotations

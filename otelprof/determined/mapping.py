@@ -397,7 +397,7 @@ def step_claims(attrs: Mapping[str, Any], default: Route) -> tuple[int, int]:
     """(DET_STEPS_COMPLETED, otelprof steps per batch) a producer's resource claims (-1: no
     offset known); RouteError (reason `bad_steps`) for a malformed or negative one rather
     than a silent "unknown". The offset is only a claim: the aggregator bounds a trial's
-    first report by what the master holds, not by it (`WindowAggregator._bounded_steps`)."""
+    first report by what the master holds, not by it (`WindowAggregator._first_baseline`)."""
     try:
         offset = _as_int(attrs, ATTR_STEPS_OFFSET)
         per_batch = _as_int(attrs, ATTR_STEPS_PER_BATCH)
@@ -469,10 +469,8 @@ _DELTA = 1
 def _map_histogram(
     metric: Any, attrs: Mapping[str, Any], default: Route, trial: int, run: int, out: Extracted
 ) -> None:
-    """Histogram points of otelprof's timing durations → `out.histograms`.
-
-    Only global rank 0's (Determined charts one timing series per trial, as with spans).
-    """
+    """Histogram points of otelprof's timing durations → `out.histograms`; global rank 0's
+    only (Determined charts one timing series per trial, as with spans)."""
     kind = metric.WhichOneof("data")
     points = getattr(metric, kind).data_points if kind else ()
     if kind != "histogram" or _rank(attrs) not in (None, 0):

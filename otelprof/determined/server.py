@@ -1,28 +1,16 @@
 """The bridge's OTLP gRPC receiver (metrics and traces services of opentelemetry-proto).
 
 Before anything is parsed a request must show a bearer token (`ingest_auth.py`), fit the
-size limit and be admitted (bytes in flight, requests per credential: one producer's flood
-waits for its own share, not everyone's); then only the resources of trials in the token's
-scope go on. Every refusal is counted (`BridgeServer.stats()`) and answered with the OTLP
-status a client acts on: UNAUTHENTICATED, PERMISSION_DENIED, RESOURCE_EXHAUSTED (too large:
-not retried) or UNAVAILABLE (busy, or the master cannot vouch for a trial yet: retried).
-
-Requests are parsed here rather than by grpcio so a malformed message is answered with
-INVALID_ARGUMENT and a message naming the problem (grpcio's own deserializer failure is
-an opaque INTERNAL). Data that cannot be tied to a trial is refused: the whole request
-with INVALID_ARGUMENT when nothing in it maps, otherwise through OTLP partial success.
-
-A request whose caller goes away (its deadline passes, its connection closes) is dropped
-where it is: gRPC ends the call at once, and mapping looks every `CHECK_EVERY` items (a few
-milliseconds of work, or one master lookup of a trial's experiment), so it stops, counts
-it (`refused_abandoned`) and gives its credential's share and bytes back. Nothing of it is
-taken into a window: it is mapped whole before anything is aggregated. The memory an
-admitted request holds is bounded by its size: the raw bytes, the parsed message and the
-samples folded per key (`mapping.GaugeSample`), not per point (docs/ARCHITECTURE.md has
-the figure).
-
-Refused senders are logged (`RefusalLog`); a token never is, only which line of the token
-file it is on.
+size limit and be admitted (bytes in flight, requests per credential, so one producer's
+flood waits for its own share); only resources of trials in the token's scope go on. Each
+refusal is counted (`BridgeServer.stats()`) and answered with the OTLP status a client acts
+on (UNAVAILABLE is retried, RESOURCE_EXHAUSTED not); unauthenticated, oversized and
+out-of-scope senders are logged (`RefusalLog`) naming the token's line, never the token.
+Requests are parsed here, not by grpcio, so a malformed one gets INVALID_ARGUMENT naming
+the problem rather than an opaque INTERNAL. A request whose caller went away is dropped at
+mapping's next check (`CHECK_EVERY`), counted (`refused_abandoned`) and its share given
+back; nothing of it reaches a window, as it is mapped whole before aggregation. Memory per
+request: docs/ARCHITECTURE.md, "Who owns what".
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ class BridgeSettings:
 
     master: str
     credentials: Credentials
+    ingest_tokens: IngestTokens
     listen: str = DEFAULT_LISTEN
     ca_bundle: str | None = None  # 'noverify': Determined's own spelling for "do not verify"
     window_s: float = DEFAULT_WINDOW_S
@@ -82,7 +83,6 @@ class BridgeSettings:
     request_timeout_s: float = 10.0
     workers: int = 8
     metrics_port: int | None = None  # the bridge's own Prometheus metrics (0: any free port)
-    ingest_tokens: IngestTokens | None = None
     tls: TlsFiles | None = None
     limits: IngestLimits = field(default_factory=IngestLimits)
     shared_spool: bool = False  # group-readable spool (0750/0640) instead of owner-only

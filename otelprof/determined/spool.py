@@ -1,22 +1,18 @@
 """Where reports wait for the master: a bounded, crash-safe on-disk queue (or memory).
 
-Layout of a spool directory:
+A spool directory holds:
 
-- ``journal-<window>.jsonl``: samples received during a window, appended before the OTLP
-  call is answered, so data acknowledged to the collector survives a kill -9 before the
-  window is closed (they are replayed into the aggregator at the next start);
-- ``batch-<window>.json``: the reports a closed window produced, written to a temporary
-  file, fsync'd and renamed into place (all or nothing);
-- ``batch-<window>.ack``: indices of that batch's reports already answered by the master
-  (appended after each answer), so a restart resumes mid-batch without resending;
+- ``journal-<window>.jsonl``: a window's samples, appended before the OTLP call is
+  answered, so data acknowledged to the collector survives a kill -9 (replayed at start);
+- ``batch-<window>.json``: a closed window's reports, written whole (temporary file, fsync,
+  rename);
+- ``batch-<window>.ack``: indices answered, and ``i<index>`` for posted ones, so a restart
+  resumes mid-batch and asks the master before resending a report posted at the crash;
 - ``state.json``: the last closed window and the step counts reported per trial;
-- ``refused.jsonl``: reports the master refused for good, each with its status and
-  message: moved aside (never resent) but kept, so nothing accepted is silently lost.
+- ``refused.jsonl``: reports the master refused for good, with its answer; never resent.
 
-Any report can be answered in any order (delivery runs one queue per trial, so one trial's
-failing reports never hold up another's); a batch's files go once all of its reports are
-answered. When the pending batches exceed ``max_bytes`` the oldest are dropped, counted and
-logged.
+Reports are answered in any order; a batch's files go once all are answered. Past
+``max_bytes`` the oldest batches are dropped, counted and logged.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Accelerate: `instrument_accelerator(accelerator)` before `accelerator.prepare(...)`.
 
-Accelerate opens no `record_function` ranges, so the objects `prepare()` returns are timed:
-
-- each batch of a prepared DataLoader begins a step: `dataloader_next` (Accelerate's copy to
-  the device happens inside it: `to_device`, nested), then, until the next batch, `forward`
-  (hooks on each prepared model), `backward` (`accelerator.backward`), `optimizer_step`
-  (the wrapped optimizer's real steps: with `accelerator.accumulate()`, batches that only
-  accumulate gradients have none), torch's `Optimizer.zero_grad#…`, and `step_lr_schedulers`
-  (the scheduler's real steps);
-- the phase follows the prepared models: a batch fetched while every prepared model is in
-  eval mode (`model.eval()`) is a validation batch, in its own trace; `otelprof.phase(...)`
-  blocks of your own are left alone;
-- samples and tokens come from each batch, FLOPs from FlopCounterMode over the first step
-  (or declared), so throughput and MFU are recorded.
-
-One step per batch (micro-batch), as Determined counts batches. `remove()` on the returned
-handle undoes everything (the profiler it started, if any, is shut down).
+Accelerate opens no `record_function` ranges, so what `prepare()` returns is timed: each
+batch of a prepared DataLoader begins a step (one per micro-batch, as Determined counts
+batches), and a batch fetched while every prepared model is in eval mode is a validation
+batch; `otelprof.phase(...)` blocks of the user's are left alone. What is recorded:
+docs/guide/frameworks.md. `remove()` on the returned handle undoes everything.
 """
 
 from __future__ import annotations

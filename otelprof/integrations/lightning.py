@@ -1,26 +1,11 @@
 """Lightning: `Trainer(callbacks=[OtelprofCallback()])` and nothing else.
 
-What it records, per training batch (one otelprof step each):
-
-- `dataloader_next`, `to_device` (`batch_to_device`), `forward` (`training_step`),
-  `backward`, `optimizer_step` (from the end of the closure to the end of the update,
-  gradient clipping included), `zero_grad`, `step_lr_schedulers`, as direct children of the
-  step. Lightning runs `training_step` and `backward` inside the optimizer's closure, i.e.
-  inside torch's `Optimizer.step#...` range: that enclosing range is not recorded, so the
-  breakdown is not "optimizer bound" by construction.
-- Validation (sanity check included) in phase `validation`, one trace per validation batch
-  with its own `dataloader_next`, `to_device` and `forward`; `trainer.save_checkpoint` in
-  phase `checkpoint`.
-- Epochs (`otelprof.epoch`), samples per batch (first dimension of the batch), tokens
-  (`input_ids`/`attention_mask` batches), FLOPs per step (counted with FlopCounterMode on
-  the first batch, or declared) and so throughput and MFU.
-
-How: the callback wraps `trainer.profiler` (Lightning's own profiler, a pass-through by
-default) for the duration of the run; the wrapped profiler still receives every call, so
-`profiler="simple"`/`"pytorch"` keep working. Lightning's own ranges under its PyTorch
-profiler (`[Strategy]...`, `[LightningModule]...`) are not recorded a second time: the
-named spans above replace them. If no otelprof profiler runs, the callback starts one with
-`instrument_options` at setup and shuts it down at teardown.
+What it records is in docs/guide/frameworks.md. How: the callback wraps `trainer.profiler`
+(a pass-through by default) for the run and passes every call on, so `profiler="simple"`/
+`"pytorch"` keep working. Lightning runs `training_step` and `backward` inside torch's
+`Optimizer.step#...` range (the closure): that range and Lightning's own profiler ranges
+are forgotten (`_common.forget_ranges_above`), so the named spans are the step's direct
+children and the breakdown is not "optimizer bound" by construction.
 """
 
 from __future__ import annotations
@@ -103,11 +88,10 @@ class _Profiled:
 
 
 class _Timed:
-    """`profile()` for a timed action while the trainer's own profiler is the pass-through:
-    the timing opened and closed here, one object per action name, instead of through
-    `start()`/`_start()`/`_kind()` and back (four Python frames on entry and on exit, paid
-    by seven actions a batch). It shares the action's stack in `_open` with `start()` and
-    `stop()`, so a range opened one way is closed the other."""
+    """`profile()` for a timed action under a pass-through inner profiler: one object per
+    action name opening its timing directly, not through `start()`/`_start()`/`_kind()`.
+    It shares the action's stack in `_open` with `start()`/`stop()`, so a range opened one
+    way is closed the other."""
 
     __slots__ = ("action", "forward", "name", "owner", "stack")
 
@@ -160,11 +144,9 @@ class _OtelprofProfiler(Profiler):
         # range, so there is nothing to forget around its calls.
         self._passthrough = type(inner) is PassThroughProfiler
         self._kinds: dict[str, tuple[int, str | None]] = {}
-        # `profile()` for an action otelprof does not time under a pass-through profiler
-        # (most of Lightning's ~30 actions a batch): a context manager that does nothing, one
-        # per action name, in place of the generator-based one Lightning's base class builds
-        # on every call (paid by every hook of every batch; BENCHMARKS.md, "Framework
-        # integrations and collectives")
+        # Under a pass-through profiler, a shared do-nothing `profile()` per untimed action
+        # instead of the generator Lightning's base class builds per call (BENCHMARKS.md,
+        # "Framework integrations and collectives")
         self._ignored: dict[str, contextlib.nullcontext[str]] = {}
         self._timed: dict[str, _Timed] = {}  # and for the timed ones
         self._open: dict[str, list[tuple[Any, Any]]] = {}
@@ -262,9 +244,8 @@ class _OtelprofProfiler(Profiler):
             common.warn_once("lightning-stop", "otelprof: Lightning action failed: %r", error)
 
     def profile(self, action_name: str) -> Any:
-        """A context manager around the action, as Lightning's `Profiler.profile`; most of
-        Lightning's ~30 actions a batch get a shared one that does nothing, the timed ones
-        a shared one that opens their timing directly."""
+        """Lightning's `Profiler.profile`: the shared `_ignored`/`_timed` one when there is
+        one, else one calling `start()`/`stop()`."""
         known = self._ignored.get(action_name) or self._timed.get(action_name)
         return known if known is not None else _Profiled(self, action_name)
 
@@ -281,9 +262,8 @@ class _OtelprofProfiler(Profiler):
         self.inner.teardown(stage)
 
     def __del__(self) -> None:
-        """Nothing: the trainer owns the inner profiler. Lightning's `Profiler.__del__` tears
-        its profiler down; inherited here, dropping the wrapper at the callback's teardown ended
-        the inner PyTorch profiler before the trainer's `describe()`, which then failed."""
+        """Nothing: the trainer owns the inner profiler. Lightning's `Profiler.__del__` would
+        tear it down when the callback drops the wrapper, before the trainer's `describe()`."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)

@@ -1,19 +1,11 @@
 """transformers: `Trainer(..., callbacks=[OtelprofTrainerCallback()])` and nothing else.
 
-One otelprof step per Trainer step (one optimizer update: `gradient_accumulation_steps`
-micro-batches), as `state.global_step` counts them. Per step: `dataloader_next` (the Trainer
-prefetches a step's micro-batches at its start; Accelerate's copy to the device, `to_device`,
-is inside), `forward` (`compute_loss`: the model's forward and the loss) and `backward` per
-micro-batch, `optimizer_step` and `step_lr_schedulers` once. `evaluate()` runs in phase
-`validation` (one trace per evaluation batch), checkpoint saving in phase `checkpoint`.
-Samples and tokens (non-padding `attention_mask` tokens, else `input_ids`) come from each
-batch, FLOPs from FlopCounterMode over the first step (or declared): throughput and MFU.
-
-The Trainer opens no `record_function` ranges and its callbacks see neither the forward nor
-the backward pass, so while training runs, `Trainer.compute_loss`, `.evaluate`,
-`._save_checkpoint`, `.get_eval_dataloader` and `Accelerator.backward` are wrapped at class
-level; the wrappers act only for Trainers that hold this callback and are removed at
-`on_train_end`. A Trainer lacking one of them is logged once and that part is not timed.
+One otelprof step per Trainer step (one optimizer update), as `state.global_step` counts;
+what is recorded: docs/guide/frameworks.md. The Trainer opens no `record_function` ranges
+and its callbacks see neither forward nor backward, so while training runs
+`Trainer.compute_loss`, `.evaluate`, `._save_checkpoint`, `.get_eval_dataloader` and
+`Accelerator.backward` are wrapped at class level, acting only for Trainers holding this
+callback, and restored at `on_train_end`. A method a version lacks is logged once, not timed.
 """
 
 from __future__ import annotations
