@@ -16,6 +16,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from otelprof._schema import OVERHEAD_BACKGROUND_CPU, OVERHEAD_TRAINING_THREAD
 from otelprof._timings import _recorder as rec
 
 THREAD_PREFIXES = ("otelprof", "Otel")
@@ -75,14 +76,14 @@ class OverheadGauges:
         self._cpu = _ThreadCpu()
         self._last = self._read()
         meter.create_observable_gauge(
-            "otelprof.overhead.training_thread",
+            OVERHEAD_TRAINING_THREAD,
             callbacks=[self._observe_training],
             unit="1",
             description="Estimated share of wall time the training thread spends recording "
             "otelprof ranges (ranges/s x calibrated cost per range)",
         )
         meter.create_observable_gauge(
-            "otelprof.overhead.background_cpu",
+            OVERHEAD_BACKGROUND_CPU,
             callbacks=[self._observe_background],
             unit="1",
             description="CPU cores used by otelprof's and the OTel SDK's background threads",

@@ -13,7 +13,15 @@ from collections.abc import Mapping
 
 from opentelemetry.sdk.resources import Resource
 
-from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
+from otelprof._schema import (
+    ATTR_ATTEMPT,
+    ATTR_DETERMINED_DIRECT,
+    ATTR_LOCAL_RANK,
+    ATTR_RANK,
+    ATTR_RUN_ID,
+    ATTR_STEPS_PER_BATCH,
+    ATTR_WORLD_SIZE,
+)
 from otelprof.config import Settings
 
 # environment variable -> resource attribute (an integer when the value is one)
@@ -31,7 +39,7 @@ _DETERMINED_IDS = {
     "determined_trial_run_id": "determined.trial.run_id",
     # A resumed trial's batch count: otelprof's Determined timings count on from it.
     "determined_steps_completed": "determined.trial.steps_completed",
-    "determined_steps_per_batch": "otelprof.determined.steps_per_batch",
+    "determined_steps_per_batch": ATTR_STEPS_PER_BATCH,
 }
 
 
@@ -47,8 +55,7 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
         "host.name": host,
         "process.pid": pid,
         "service.instance.id": f"{host}:{pid}",
-        # one id per job, shared by its ranks: dashboards keep concurrent jobs apart by it
-        "otelprof.run_id": settings.run_id,
+        ATTR_RUN_ID: settings.run_id,
         ATTR_RANK: 0,
         ATTR_LOCAL_RANK: 0,
         ATTR_WORLD_SIZE: 1,
@@ -68,7 +75,7 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
     attributes["service.name"] = settings.service_name
     if settings.determined:
         # This process posts to Determined itself: a bridge must not post its data again.
-        attributes["otelprof.determined.direct"] = "true"
+        attributes[ATTR_DETERMINED_DIRECT] = "true"
     # Resource.create also adds telemetry.sdk.* and reads OTEL_RESOURCE_ATTRIBUTES; the
     # attributes passed here take precedence over what it detects.
     return Resource.create(attributes)

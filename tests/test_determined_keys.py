@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import otelprof
-from otelprof._timings._names import OVERFLOW_NAME, RESERVED
+from otelprof._schema import TIMING_OVERFLOW
+from otelprof._timings._names import RESERVED
 from otelprof.determined.aggregate import WindowAggregator
 from otelprof.determined.client import Credentials, DeterminedClient
 from otelprof.determined.mapping import (
@@ -46,7 +47,7 @@ WEBUI_STRIPPED = (re.compile(r"^(t_|train_|training_)"), re.compile(r"^(v_|val_|
 # Every range name otelprof itself records or bridges, and names people give ranges.
 RANGE_NAMES = sorted(
     RESERVED
-    | {OVERFLOW_NAME, "forward", "backward", "optimizer_zero_grad", "checkpoint",
+    | {TIMING_OVERFLOW, "forward", "backward", "optimizer_zero_grad", "checkpoint",
        "save_checkpoint", "validation", "test", "predict", "train", "## forward ##",
        "## backward ##", "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
        "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__",

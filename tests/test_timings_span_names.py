@@ -9,13 +9,8 @@ import pytest
 import torch
 
 import otelprof
-from otelprof._timings._names import (
-    ATTR_NUMBER,
-    ATTR_ORIGINAL,
-    MAX_SPAN_NAMES,
-    OVERFLOW_NAME,
-    SpanNames,
-)
+from otelprof._schema import ATTR_NAME_NUMBER, ATTR_NAME_ORIGINAL, TIMING_OVERFLOW
+from otelprof._timings._names import MAX_SPAN_NAMES, SpanNames
 from otelprof.analysis.problems import notes
 from otelprof.analysis.reader import WarningLog, open_run
 from otelprof.analysis.summary import summarize
@@ -46,7 +41,7 @@ def test_profiler_step_numbers_become_an_attribute_not_a_name_per_step(tmp_path:
     numbered = [s for s in spans if s.name.startswith("ProfilerStep")]
     assert len(numbered) >= 29
     assert {s.name for s in numbered} == {"ProfilerStep"}
-    assert sorted(s.attributes[ATTR_NUMBER] for s in numbered) == list(
+    assert sorted(s.attributes[ATTR_NAME_NUMBER] for s in numbered) == list(
         range(31 - len(numbered), 31)
     )
     summary = summarize(open_run([prof.run_dir]), WarningLog(sink=lambda _m: None))
@@ -69,9 +64,9 @@ def test_new_names_past_the_limit_fold_into_one_overflow_name_counted(tmp_path: 
     names = {s.name for s in spans}
     assert len(names) == MAX_SPAN_NAMES + 2  # the limit, the overflow name and "step"
     assert "step" in names
-    folded = [s for s in spans if s.name == OVERFLOW_NAME]
+    folded = [s for s in spans if s.name == TIMING_OVERFLOW]
     assert len(folded) == stats["timings.span_names_folded"] == extra
-    assert {s.attributes[ATTR_ORIGINAL] for s in folded} == {
+    assert {s.attributes[ATTR_NAME_ORIGINAL] for s in folded} == {
         f"request {i:05d}" for i in range(MAX_SPAN_NAMES, MAX_SPAN_NAMES + extra)
     }
     assert stats["dropped_total"] == 0  # folded spans are kept, not lost
@@ -83,11 +78,11 @@ def test_known_names_keep_working_after_the_limit() -> None:
     names = SpanNames(limit=2)
     attrs: dict[str, object] = {}
     assert names.name("a", attrs) == "a" and attrs == {}
-    assert names.name("b#7", attrs) == "b" and attrs == {ATTR_NUMBER: 7}
+    assert names.name("b#7", attrs) == "b" and attrs == {ATTR_NAME_NUMBER: 7}
     late: dict[str, object] = {}
-    assert names.name("c", late) == OVERFLOW_NAME and late == {ATTR_ORIGINAL: "c"}
+    assert names.name("c", late) == TIMING_OVERFLOW and late == {ATTR_NAME_ORIGINAL: "c"}
     assert names.name("b#8", {}) == "b"  # an existing name with another number
     assert names.name("a", {}) == "a"
     assert names.name("train_batch", {}) == "train_batch"  # reserved names never fold
-    assert names.name("Optimizer.step#SGD.step", {}) == OVERFLOW_NAME  # not a number: a name
+    assert names.name("Optimizer.step#SGD.step", {}) == TIMING_OVERFLOW  # not a number: a name
     assert names.folded == 2

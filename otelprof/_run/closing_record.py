@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-CLOSING_METRIC = "otelprof.run.end"
+from otelprof._schema import ATTR_END, ATTR_STATS, CLOSING_RECORD
+
 TAIL_BYTES = 1 << 20
 """A plain metrics file's closing record is looked for in its last MiB (it is ~1-3 KB)."""
 
@@ -27,7 +28,7 @@ def is_closing_request(request: Any) -> bool:
         (metric,) = sm["metrics"]
     except (KeyError, TypeError, ValueError):
         return False
-    return isinstance(metric, dict) and metric.get("name") == CLOSING_METRIC
+    return isinstance(metric, dict) and metric.get("name") == CLOSING_RECORD
 
 
 def _last_line(path: Path) -> bytes | None:
@@ -54,17 +55,17 @@ def read_closing_record(path: Path) -> dict[str, Any] | None:
     """{"end", "stats", "time_unix_nano"} from the last line of a metrics file, if it is a
     closing record; None otherwise (a killed run has none)."""
     line = _last_line(path)
-    if line is None or CLOSING_METRIC.encode() not in line:
+    if line is None or CLOSING_RECORD.encode() not in line:
         return None
     try:
         request = json.loads(line)
         metric = request["resourceMetrics"][0]["scopeMetrics"][0]["metrics"][0]
-        if metric.get("name") != CLOSING_METRIC:
+        if metric.get("name") != CLOSING_RECORD:
             return None
         point = metric["gauge"]["dataPoints"][0]
         attrs = {a["key"]: a["value"].get("stringValue") for a in point["attributes"]}
-        end = json.loads(attrs["otelprof.end"])
-        stats = json.loads(attrs["otelprof.stats"])
+        end = json.loads(attrs[ATTR_END])
+        stats = json.loads(attrs[ATTR_STATS])
         when = int(point["timeUnixNano"])
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None

@@ -18,12 +18,19 @@ from typing import Any
 
 from otelprof._run.appendfile import WRITTEN, WholeRecordFile
 from otelprof._run.closing_record import is_closing_request
-from otelprof._schema import ATTR_ATTEMPT, ATTR_LOCAL_RANK, ATTR_RANK, ATTR_WORLD_SIZE
+from otelprof._schema import (
+    ATTR_ATTEMPT,
+    ATTR_LOCAL_RANK,
+    ATTR_RANK,
+    ATTR_RUN_ID,
+    ATTR_WORLD_SIZE,
+    CLOSING_RECORD,
+)
 
 RANK_KEYS = (ATTR_RANK, ATTR_LOCAL_RANK, ATTR_WORLD_SIZE, ATTR_ATTEMPT)
-RUN_ID_KEY = "otelprof.run_id"  # (otelprof/resource.py): the job's id, agreed by its ranks
 CHUNK_BYTES = 1 << 20
 """Relabelled lines are written in pieces of about this size (one gzip member each)."""
+_CLOSING_NAME = f'"{CLOSING_RECORD}"'.encode()
 
 
 class Moved:
@@ -102,7 +109,7 @@ def _lines(source: Path, moved: Moved) -> Iterator[bytes]:
             for line in lines:
                 if not line.strip():
                     continue
-                if b'"otelprof.run.end"' in line and is_closing_request(_parse(line)):
+                if _CLOSING_NAME in line and is_closing_request(_parse(line)):
                     continue
                 yield line
     except (EOFError, gzip.BadGzipFile) as error:  # cut off mid-member: the rest is unreadable
@@ -126,11 +133,11 @@ def relabel(line: bytes, resource: Mapping[str, Any]) -> bytes:
     for key in ("resourceMetrics", "resourceSpans"):
         for item in request.get(key, ()):
             attrs = item.setdefault("resource", {}).setdefault("attributes", [])
-            kept = [a for a in attrs if a.get("key") not in (*RANK_KEYS, RUN_ID_KEY)]
+            kept = [a for a in attrs if a.get("key") not in (*RANK_KEYS, ATTR_RUN_ID)]
             for name in RANK_KEYS:
                 if isinstance(resource.get(name), int):
                     kept.append({"key": name, "value": {"intValue": str(resource[name])}})
-            if isinstance(resource.get(RUN_ID_KEY), str):
-                kept.append({"key": RUN_ID_KEY, "value": {"stringValue": resource[RUN_ID_KEY]}})
+            if isinstance(resource.get(ATTR_RUN_ID), str):
+                kept.append({"key": ATTR_RUN_ID, "value": {"stringValue": resource[ATTR_RUN_ID]}})
             item["resource"]["attributes"] = kept
     return (json.dumps(request, separators=(",", ":")) + "\n").encode()

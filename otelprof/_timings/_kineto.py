@@ -22,7 +22,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from otelprof import _torch_compat
 from otelprof._patch import Patch
-from otelprof._schema import ATTR_EPOCH, ATTR_PHASE, ATTR_SOURCE, ATTR_STEP
+from otelprof._schema import (
+    ATTR_EPOCH,
+    ATTR_KINETO_CATEGORY,
+    ATTR_KINETO_DEVICE,
+    ATTR_PHASE,
+    ATTR_SOURCE,
+    ATTR_STEP,
+)
 from otelprof._timings import _recorder as rec
 from otelprof._timings._builder import SpanBuilder
 from otelprof._timings._schedule import ScheduleAction
@@ -251,12 +258,12 @@ class KinetoSession:
                 ATTR_STEP: ctx.step,
                 ATTR_PHASE: ctx.phase,
                 ATTR_SOURCE: "kineto",
-                "otelprof.kineto.category": str(event.get("cat")),
+                ATTR_KINETO_CATEGORY: str(event.get("cat")),
             }
             if ctx.epoch is not None:
                 attributes[ATTR_EPOCH] = ctx.epoch
             args = event.get("args") or {}
-            for key_in, key_out in (("device", "otelprof.kineto.device"), ("stream", "gpu.stream")):
+            for key_in, key_out in (("device", ATTR_KINETO_DEVICE), ("stream", "gpu.stream")):
                 if isinstance(args.get(key_in), (int, str)):
                     attributes[key_out] = args[key_in]
             span = self._builder.make_span(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from otelprof._schema import ATTR_STEP
 from otelprof.analysis.reader import (
     DEFAULT_MAX_LINE,
     PointRec,
@@ -193,7 +194,7 @@ class _StepGroups:
             if len(self.groups) >= MAX_STEP_GROUPS:
                 self.left_out += 1
                 return
-            step = rec.attr("otelprof.step")
+            step = rec.attr(ATTR_STEP)
             group = self.groups[rec.trace_id] = [rec.name, step, {}]
         group[2][who] = (rec.start_ns, rec.end_ns)
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from otelprof._schema import is_loss
+from otelprof._schema import ATTR_RANK, ATTR_WORLD_SIZE, is_loss
 from otelprof.analysis import format as fmt
 from otelprof.analysis.summary import RunSummary, unfinished_label
 
@@ -33,7 +33,7 @@ class Finding:
 def _process_label(info: dict[str, Any]) -> str:
     resource = info.get("resource") or {}
     parts = []
-    if "otelprof.rank" in resource and int(resource.get("otelprof.world_size", 1) or 1) > 1:
+    if ATTR_RANK in resource and int(resource.get(ATTR_WORLD_SIZE, 1) or 1) > 1:
         parts.append(f"rank {resource['otelprof.rank']}")
     if resource.get("host.name"):
         parts.append(str(resource["host.name"]))

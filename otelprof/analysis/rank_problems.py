@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from otelprof._schema import ATTR_ATTEMPT, ATTR_RANK, ATTR_RUN_ID, ATTR_WORLD_SIZE
+
 
 def missing_ranks(run_info: Iterable[dict[str, Any]]) -> list[str]:
     """One message per attempt of a multi-rank job whose ranks did not all write a run file."""
@@ -21,7 +23,7 @@ def missing_ranks(run_info: Iterable[dict[str, Any]]) -> list[str]:
         resource = info.get("resource")
         if not isinstance(resource, dict):
             continue
-        size, rank = resource.get("otelprof.world_size"), resource.get("otelprof.rank")
+        size, rank = resource.get(ATTR_WORLD_SIZE), resource.get(ATTR_RANK)
         if not isinstance(size, int) or not isinstance(rank, int) or size <= 1:
             continue
         attempt = info.get("attempt")
@@ -50,7 +52,7 @@ def lost_hosts(run_info: Iterable[dict[str, Any]]) -> list[str]:
         resource = info.get("resource")
         if not isinstance(resource, dict):
             continue
-        host, rank = resource.get("host.name"), resource.get("otelprof.rank")
+        host, rank = resource.get("host.name"), resource.get(ATTR_RANK)
         if not isinstance(host, str) or not isinstance(rank, int):
             continue
         attempt = info.get("attempt")
@@ -88,12 +90,12 @@ def claimed_twice(
     for resource in [*(info.get("resource") for info in run_info), *resources]:
         if not isinstance(resource, Mapping):
             continue
-        rank, pid = resource.get("otelprof.rank"), resource.get("process.pid")
+        rank, pid = resource.get(ATTR_RANK), resource.get("process.pid")
         if not isinstance(rank, int) or not isinstance(pid, int):
             continue
-        attempt = resource.get("otelprof.attempt")
+        attempt = resource.get(ATTR_ATTEMPT)
         key = (
-            str(resource.get("otelprof.run_id", "")),
+            str(resource.get(ATTR_RUN_ID, "")),
             attempt if isinstance(attempt, int) else 0,
             rank,
         )

@@ -23,7 +23,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import IO, Any
 
-from otelprof._run.closing_record import CLOSING_METRIC, completed_by_closing_record
+from otelprof._run.closing_record import completed_by_closing_record
+from otelprof._schema import ATTR_RANK, CLOSING_RECORD
 from otelprof._schema import TIMING_HISTOGRAM as HIST_METRIC
 from otelprof.analysis.aggregates import HistRec
 from otelprof.analysis.aggregates import parse_point as parse_hist
@@ -630,7 +631,7 @@ class Resource:
 
     @property
     def rank(self) -> int | None:
-        rank = self.get("otelprof.rank")
+        rank = self.get(ATTR_RANK)
         return rank if isinstance(rank, int) else None
 
     @cached_property
@@ -785,7 +786,7 @@ def _points_of(
         try:
             name = str(metric["name"])
             unit = str(metric.get("unit", ""))
-            if name == CLOSING_METRIC:
+            if name == CLOSING_RECORD:
                 continue  # the run's end (read with run.json), no telemetry (replay skips it)
             if "gauge" in metric:
                 kind, data, mono = "gauge", metric["gauge"], False

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from otelprof._schema import (
+    ATTR_ATTEMPT,
     ATTR_COLLECTIVE,
     COLLECTIVE_SPAN_PREFIX,
     DDP_COLLECTIVE,
@@ -73,7 +74,7 @@ class RankWork:
             "process": self.label,
             "rank": self.resource.rank,
             "host": self.resource.host,
-            "attempt": self.resource.get("otelprof.attempt"),
+            "attempt": self.resource.get(ATTR_ATTEMPT),
             "steps": self.steps,
             "step_ms": 1e3 * self.per_step(self.step_s),
             "wait_ms": 1e3 * self.per_step(self.wait_s),
@@ -190,7 +191,7 @@ class StragglerReport:
 
 def _short(rank: RankWork) -> str:
     r = rank.resource.rank
-    attempt = rank.resource.get("otelprof.attempt")
+    attempt = rank.resource.get(ATTR_ATTEMPT)
     name = f"rank {r}" if r is not None else rank.label
     return f"{name} (attempt {attempt})" if attempt else name
 

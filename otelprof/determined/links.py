@@ -23,6 +23,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from otelprof._schema import ATTR_RUN_ID
 from otelprof.determined.classify import Outcome, PostResult
 from otelprof.determined.client import ConfigError, Credentials, DeterminedClient
 
@@ -237,7 +238,7 @@ def start_trial_link(
         log.warning("Determined: not linking trial %d to Grafana: %s", trial, error)
         add_stats(lambda: {"determined.grafana_link_set": 0, "determined.grafana_link_errors": 1})
         return None
-    run_id = str(resource.get("otelprof.run_id", ""))
+    run_id = str(resource.get(ATTR_RUN_ID, ""))
     url = dashboard_url(
         grafana_url,
         service=str(resource.get("service.name", "")),

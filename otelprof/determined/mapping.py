@@ -22,9 +22,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from otelprof._schema import (
+    ATTR_DETERMINED_DIRECT,
     ATTR_PHASE,
     ATTR_RANK,
     ATTR_STEP,
+    ATTR_STEPS_PER_BATCH,
     ATTR_TIMING,
     PHASE_TRAIN,
     STEP_SPAN,
@@ -41,11 +43,6 @@ ATTR_AGENT_ID = "determined.agent.id"
 ATTR_HOST_NAME = "host.name"
 # DET_STEPS_COMPLETED of a resumed trial: otelprof's steps count on from there.
 ATTR_STEPS_OFFSET = "determined.trial.steps_completed"
-# otelprof.step() calls per Determined batch (micro-batches per optimizer step).
-ATTR_STEPS_PER_BATCH = "otelprof.determined.steps_per_batch"
-# Set by a process that posts to Determined itself (instrument(determined=True)): the
-# bridge leaves its data alone, so one trial's group has exactly one producer.
-ATTR_DIRECT = "otelprof.determined.direct"
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
@@ -390,7 +387,7 @@ def phase_timing_name(name: str, phase: Any) -> str:
 
 
 def _direct(attrs: Mapping[str, Any]) -> bool:
-    return attrs.get(ATTR_DIRECT) in (True, "true", "1", 1)
+    return attrs.get(ATTR_DETERMINED_DIRECT) in (True, "true", "1", 1)
 
 
 def step_claims(attrs: Mapping[str, Any], default: Route) -> tuple[int, int]:

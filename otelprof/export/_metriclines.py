@@ -23,7 +23,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from otelprof._run.appendfile import WRITTEN, WholeRecordFile
-from otelprof._run.closing_record import CLOSING_METRIC
+from otelprof._schema import ATTR_END, ATTR_STATS, CLOSING_RECORD
 from otelprof.export._spanlines import encode_attributes
 from otelprof.export.counters import ExportCounters, ExportDropped, count_points, preferences_of
 
@@ -151,12 +151,12 @@ def closing_line(
     """
     point_attrs = encode_attributes(
         {
-            "otelprof.end": json.dumps(dict(end), default=str, sort_keys=True),
-            "otelprof.stats": json.dumps(dict(stats), sort_keys=True),
+            ATTR_END: json.dumps(dict(end), default=str, sort_keys=True),
+            ATTR_STATS: json.dumps(dict(stats), sort_keys=True),
         }
     )
     metric = (
-        f'{{"name":"{CLOSING_METRIC}","unit":"1","description":"The run ended: how, and what '
+        f'{{"name":"{CLOSING_RECORD}","unit":"1","description":"The run ended: how, and what '
         f'telemetry it lost (written at shutdown)","gauge":{{"dataPoints":[{{"asInt":"1",'
         f'"timeUnixNano":"{time.time_ns()}","attributes":[{point_attrs}]}}]}}}}'
     )
