@@ -646,7 +646,7 @@ class Profiler:
 
     @property
     def _timings(self) -> Any:
-        """The timings engine (None without timings); tests and integrations look at it."""
+        """The timings engine (None without timings), for tests."""
         return self._session.timings
 
     def _end_run(self, end: EndRecord, final: bool = True) -> None:

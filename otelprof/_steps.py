@@ -84,6 +84,12 @@ class phase:  # lower-case: used like a function, `with otelprof.phase("validati
         return in_phase  # type: ignore[return-value]
 
 
+def timings_running() -> bool:
+    """Whether a profiler runs with timings (an integration's extra work feeds them only)."""
+    session = running_session()
+    return session is not None and session.timings is not None
+
+
 def step_work(
     samples: float | None = None, tokens: float | None = None, flops: float | None = None
 ) -> None:

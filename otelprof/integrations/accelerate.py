@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import otelprof
-from otelprof import _profiler, _steps, determined_timings
+from otelprof import _steps, determined_timings
 from otelprof._patch import Patch, Patches
 from otelprof._schema import (
     BACKWARD,
@@ -140,7 +140,7 @@ class _Instrumentation:
         if (
             self.work.counts_flops
             and wanted == PHASE_TRAIN
-            and _timings_running()
+            and _steps.timings_running()
             and not self.counting
         ):
             self.counting = True
@@ -262,9 +262,3 @@ def instrument_accelerator(
     patches.patch(accelerator, "backward", backward)
     inst.undo.insert(0, patches.restore)
     return HookHandle(inst.remove)
-
-
-def _timings_running() -> bool:
-    """Whether a profiler runs with timings (FLOP counting feeds its MFU only)."""
-    profiler = _profiler.active_profiler()
-    return profiler is not None and profiler._timings is not None
