@@ -43,7 +43,7 @@ _PLACEHOLDERS = {
     "otelprof.local_rank": ("intValue", "@@LRANK@@"),
     "otelprof.world_size": ("intValue", "@@WS@@"),
 }
-_CLOSING = "otelprof.run.end"  # otelprof._run.closing_record.CLOSING_METRIC
+_CLOSING = "otelprof.run.end"  # otelprof._schema.CLOSING_RECORD
 _ID_MARK = "QQQQ"  # first 4 characters of every id, replaced by the rank in hex
 
 
