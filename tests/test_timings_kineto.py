@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import otelprof
+from otelprof._timings import _recorder as rec
+from otelprof._timings._kineto import KinetoSession, WindowStep
 from otelprof._timings._recorder import timing
 from otelprof._timings._schedule import schedule
 from tests.timings_harness import by_name, start_run
@@ -68,3 +71,62 @@ def test_kineto_without_a_schedule_runs_one_short_window(tmp_path: Path) -> None
     }
     assert kineto_steps == {2, 3, 4}  # wait=1, warmup=1, active=3, once
     assert len(by_name(spans, "step")) == 7  # timing spans stay always on
+
+
+class _SpanArgs:
+    """A builder that hands back what a span would be made of."""
+
+    def make_span(self, **span: Any) -> dict[str, Any]:
+        return span
+
+
+def _convert(tmp_path: Path, window: list[WindowStep], events: list[dict[str, Any]]) -> Any:
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"baseTimeNanoseconds": 0, "traceEvents": events}))
+    session = KinetoSession(torch, _SpanArgs(), tmp_path)  # type: ignore[arg-type]
+    return session, list(session._convert(path, window))
+
+
+def _x(cat: str, name: str, ts_us: float, dur_us: float) -> dict[str, Any]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts_us, "dur": dur_us, "pid": 1, "tid": 1}
+
+
+def test_kineto_events_go_to_the_step_torchs_marks_put_them_in_when_its_clock_is_off(
+    tmp_path: Path,
+) -> None:
+    # Our steps (ns): a warm-up step without a mark, then two recorded ones. Kineto's Unix
+    # times run 70 µs late, as its clock conversion does on a busy machine; torch's
+    # ProfilerStep marks end at the next step() call, after our step's end.
+    warmup, second, third = (rec.StepContext(n, None, 0) for n in (1, 2, 3))
+    window = [
+        WindowStep(warmup, 1_000_000, 1_100_000),
+        WindowStep(second, 1_200_000, 1_300_000),
+        WindowStep(third, 1_400_000, 1_450_000),
+    ]
+    session, spans = _convert(
+        tmp_path,
+        window,
+        [
+            _x("user_annotation", "ProfilerStep#2", 1270, 195),
+            _x("user_annotation", "ProfilerStep#3", 1465, 80),
+            _x("cpu_op", "aten::mm", 1350, 40),  # ran from 1280 µs, in step 2
+            _x("cpu_op", "aten::relu", 1500, 10),  # ran from 1430 µs, in step 3
+        ],
+    )
+    assert [(s["name"], s["attributes"]["otelprof.step"]) for s in spans] == [
+        ("aten::mm", 2),
+        ("aten::relu", 3),
+    ]
+    for span, step in zip(spans, window[1:], strict=True):
+        assert step.start_ns <= span["start_ns"] <= step.end_ns, "starts inside its step"
+        assert span["parent_id"] == step.ctx.span_id
+    assert [s["end_ns"] - s["start_ns"] for s in spans] == [40_000, 10_000], "durations kept"
+    assert session.events_dropped == 0
+
+    # Without marks (a torch that writes none), Kineto's Unix times decide: what falls
+    # outside every step is dropped, counted.
+    session, spans = _convert(
+        tmp_path, window, [_x("cpu_op", "aten::mm", 1250, 40), _x("cpu_op", "aten::relu", 1350, 10)]
+    )
+    assert [(s["name"], s["start_ns"]) for s in spans] == [("aten::mm", 1_250_000)]
+    assert session.events_dropped == 1

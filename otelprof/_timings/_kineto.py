@@ -6,6 +6,12 @@ file is kept in `<run_dir>/kineto/`, and the builder thread parses it and turns 
 operator / GPU kernel / memcpy event into a span under the step it ran in (CPU operators
 nested by time containment per thread). `record_function` ranges already are spans through
 the bridge, so Kineto's copies of them (`user_annotation`) are not repeated.
+
+Kineto's clock is not ours: its conversion to Unix time is measured when the profiler
+starts, and on a busy machine it is off by tens of µs. So an event goes to the step that
+torch's own marks (`ProfilerStep#N`, on Kineto's clock) say it ran in, and a step's events
+move together by the least that starts them inside it (`_fit`); without marks, an event
+goes by Kineto's Unix times.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from otelprof._schema import (
     ATTR_PHASE,
     ATTR_SOURCE,
     ATTR_STEP,
+    is_torch_step_range,
 )
 from otelprof._timings import _recorder as rec
 from otelprof._timings._builder import SpanBuilder
@@ -48,6 +55,17 @@ class WindowStep:
     ctx: rec.StepContext
     start_ns: int  # Unix epoch ns
     end_ns: int
+
+
+@dataclass
+class _Placed:
+    """A step of the window, its `ProfilerStep` mark on Kineto's clock, and how far its
+    events' Kineto times move to start inside the step (`_fit`)."""
+
+    step: WindowStep
+    start: int
+    end: int
+    shift: int = 0
 
 
 class KinetoSession:
@@ -215,37 +233,47 @@ class KinetoSession:
             trace = json.load(handle)
         base = int(trace.get("baseTimeNanoseconds", 0) or 0)
         events = []
+        marks = []
         for event in trace.get("traceEvents", []):
-            if event.get("ph") != "X" or event.get("cat") not in KEPT_CATEGORIES:
+            mark = event.get("cat") == "user_annotation" and is_torch_step_range(
+                str(event.get("name"))
+            )
+            if event.get("ph") != "X" or not (mark or event.get("cat") in KEPT_CATEGORIES):
                 continue
             try:
                 start = base + round(float(event["ts"]) * 1000.0)
                 end = start + round(float(event.get("dur", 0)) * 1000.0)
             except (KeyError, TypeError, ValueError):
                 continue
-            events.append((start, -end, end, event))
+            if mark:
+                marks.append((start, end))
+            else:
+                events.append((start, -end, end, event))
+        placed = _place(window, marks)
         events.sort(key=lambda item: (item[0], item[1]))
         if len(events) > MAX_EVENTS_PER_WINDOW:
             self.events_dropped += len(events) - MAX_EVENTS_PER_WINDOW
             events = events[:MAX_EVENTS_PER_WINDOW]
-        launched: dict[Any, WindowStep] = {}  # correlation id -> step of the CPU-side launch
+        launched: dict[Any, _Placed] = {}  # correlation id -> step of the CPU-side launch
         for start, _neg_end, _end, event in events:
             if event.get("cat") in _LAUNCH_CATEGORIES:
                 correlation = (event.get("args") or {}).get("correlation")
-                step = _step_of(window, start)
+                step = _step_of(placed, start)
                 if correlation is not None and step is not None:
                     launched[correlation] = step
-        stacks: dict[tuple[Any, Any, int], list[tuple[int, int]]] = {}
-        for start, _neg_end, end, event in events:
+        steps = []
+        for start, _neg_end, _end, event in events:
             step = None
             if event.get("cat") in _DEVICE_CATEGORIES:
                 step = launched.get((event.get("args") or {}).get("correlation"))
-            if step is None:
-                step = _step_of(window, start)
+            steps.append(step if step is not None else _step_of(placed, start))
+        _fit(events, steps)
+        stacks: dict[tuple[Any, Any, int], list[tuple[int, int]]] = {}
+        for (start, _neg_end, end, event), step in zip(events, steps, strict=True):
             if step is None:
                 self.events_dropped += 1
                 continue
-            ctx = step.ctx
+            ctx = step.step.ctx
             key = (event.get("pid"), event.get("tid"), ctx.step)
             stack = stacks.setdefault(key, [])
             while stack and stack[-1][1] <= start:
@@ -271,16 +299,40 @@ class KinetoSession:
                 trace_id=ctx.trace_id,
                 span_id=span_id,
                 parent_id=parent,
-                start_ns=start,
-                end_ns=end,
+                start_ns=start + step.shift,
+                end_ns=end + step.shift,
                 attributes=attributes,
             )
             self.spans += 1
             yield span
 
 
-def _step_of(window: list[WindowStep], wall_ns: int) -> WindowStep | None:
-    for step in window:
-        if step.start_ns <= wall_ns < step.end_ns:
+def _place(window: list[WindowStep], marks: list[tuple[int, int]]) -> list[_Placed]:
+    """The window's steps with their marks, paired from the last (a trace holds the marks of
+    its recorded steps, not of the warm-up ones before them); else by Kineto's Unix times."""
+    if not marks or len(marks) > len(window):
+        return [_Placed(step, step.start_ns, step.end_ns) for step in window]
+    pairs = zip(reversed(window), reversed(sorted(marks)), strict=False)
+    return [_Placed(step, start, end) for step, (start, end) in pairs][::-1]
+
+
+def _fit(events: list[tuple[int, int, int, Any]], steps: list[_Placed | None]) -> None:
+    """Move each step's events, together, by the least that puts their starts inside the step
+    (the earliest first): torch's marks say they ran in it, only Kineto's Unix times are off.
+    Device events may run past their step, so only the CPU's bound the move."""
+    bounds: dict[int, tuple[_Placed, int, int]] = {}
+    for (start, _neg_end, _end, event), step in zip(events, steps, strict=True):
+        if step is not None and event.get("cat") not in _DEVICE_CATEGORIES:
+            _, low, high = bounds.get(id(step), (step, start, start))
+            bounds[id(step)] = (step, min(low, start), max(high, start))
+    for step, low, high in bounds.values():
+        early = step.step.start_ns - low  # > 0: the first starts before the step
+        late = step.step.end_ns - high  # < 0: the last starts after it
+        step.shift = max(early, min(late, 0))
+
+
+def _step_of(placed: list[_Placed], kineto_ns: int) -> _Placed | None:
+    for step in placed:
+        if step.start <= kineto_ns < step.end:
             return step
     return None
