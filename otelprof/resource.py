@@ -15,7 +15,12 @@ from opentelemetry.sdk.resources import Resource
 
 from otelprof._schema import (
     ATTR_ATTEMPT,
+    ATTR_DETERMINED_AGENT_ID,
     ATTR_DETERMINED_DIRECT,
+    ATTR_DETERMINED_EXPERIMENT_ID,
+    ATTR_DETERMINED_STEPS_COMPLETED,
+    ATTR_DETERMINED_TRIAL_ID,
+    ATTR_DETERMINED_TRIAL_RUN_ID,
     ATTR_LOCAL_RANK,
     ATTR_RANK,
     ATTR_RUN_ID,
@@ -34,11 +39,11 @@ _RANK_ENV = {
 }
 # Settings field (checked with the options: config.py) -> resource attribute
 _DETERMINED_IDS = {
-    "determined_experiment_id": "determined.experiment.id",
-    "determined_trial_id": "determined.trial.id",
-    "determined_trial_run_id": "determined.trial.run_id",
+    "determined_experiment_id": ATTR_DETERMINED_EXPERIMENT_ID,
+    "determined_trial_id": ATTR_DETERMINED_TRIAL_ID,
+    "determined_trial_run_id": ATTR_DETERMINED_TRIAL_RUN_ID,
     # A resumed trial's batch count: otelprof's Determined timings count on from it.
-    "determined_steps_completed": "determined.trial.steps_completed",
+    "determined_steps_completed": ATTR_DETERMINED_STEPS_COMPLETED,
     "determined_steps_per_batch": ATTR_STEPS_PER_BATCH,
 }
 
@@ -67,7 +72,7 @@ def build_resource(settings: Settings, env: Mapping[str, str] | None = None) -> 
             except ValueError:
                 attributes[key] = value
     if agent := env.get("DET_AGENT_ID"):
-        attributes["determined.agent.id"] = agent
+        attributes[ATTR_DETERMINED_AGENT_ID] = agent
     for name, key in _DETERMINED_IDS.items():
         if (value := getattr(settings, name)) is not None:
             attributes[key] = value

@@ -23,7 +23,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from otelprof._schema import ATTR_RUN_ID
+from otelprof._schema import ATTR_DETERMINED_EXPERIMENT_ID, ATTR_DETERMINED_TRIAL_ID, ATTR_RUN_ID
 from otelprof.determined.classify import Outcome, PostResult
 from otelprof.determined.client import ConfigError, Credentials, DeterminedClient
 
@@ -223,7 +223,7 @@ def start_trial_link(
     None outside a Determined trial; a trial without a master or credentials is logged and
     counted, never raised."""
     env = os.environ if env is None else env
-    trial = _int(resource.get("determined.trial.id"))
+    trial = _int(resource.get(ATTR_DETERMINED_TRIAL_ID))
     if trial is None:
         log.debug("otelprof: grafana_url is set but this is no Determined trial: no link")
         return None
@@ -247,7 +247,7 @@ def start_trial_link(
         determined_url=client.master,
         since_ms=int((time.time() - 60) * 1000),
     )
-    experiment = _int(resource.get("determined.experiment.id"))
+    experiment = _int(resource.get(ATTR_DETERMINED_EXPERIMENT_ID))
     link = TrialLink(client, trial, run_id, url, experiment)
     add_stats(link.stats)
     add_closer(link.close)

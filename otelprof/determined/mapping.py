@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
+from otelprof._schema import ATTR_DETERMINED_AGENT_ID as ATTR_AGENT_ID
 from otelprof._schema import (
     ATTR_DETERMINED_DIRECT,
     ATTR_PHASE,
@@ -35,14 +36,11 @@ from otelprof._schema import (
     TRAIN_THROUGHPUT_SAMPLES,
     TRAIN_THROUGHPUT_TOKENS,
 )
+from otelprof._schema import ATTR_DETERMINED_STEPS_COMPLETED as ATTR_STEPS_OFFSET
+from otelprof._schema import ATTR_DETERMINED_TRIAL_ID as ATTR_TRIAL_ID
+from otelprof._schema import ATTR_DETERMINED_TRIAL_RUN_ID as ATTR_RUN_ID
 
-# Resource attributes that route data to a trial (set by otelprof.resource from DET_* env).
-ATTR_TRIAL_ID = "determined.trial.id"
-ATTR_RUN_ID = "determined.trial.run_id"
-ATTR_AGENT_ID = "determined.agent.id"
 ATTR_HOST_NAME = "host.name"
-# DET_STEPS_COMPLETED of a resumed trial: otelprof's steps count on from there.
-ATTR_STEPS_OFFSET = "determined.trial.steps_completed"
 
 # Determined's profiling groups and, for each, the full key set every report must carry:
 # the Web UI's series dropdown is built from the latest report only (reference §3).
