@@ -34,7 +34,7 @@ def _process_label(info: dict[str, Any]) -> str:
     resource = info.get("resource") or {}
     parts = []
     if ATTR_RANK in resource and int(resource.get(ATTR_WORLD_SIZE, 1) or 1) > 1:
-        parts.append(f"rank {resource['otelprof.rank']}")
+        parts.append(f"rank {resource[ATTR_RANK]}")
     if resource.get("host.name"):
         parts.append(str(resource["host.name"]))
     if resource.get("process.pid"):

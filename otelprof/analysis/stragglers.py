@@ -35,7 +35,7 @@ UNTIMED = "(untimed)"
 MIN_WAIT_GAP_S = 1e-3
 MIN_WAIT_GAP_SHARE = 0.05
 _WINDOW_STEPS = 64  # open (rank, step) groups kept per rank
-_COLLECTIVE_PREFIXES = ("dist.", "ddp.")  # otelprof._distributed.collectives span names
+_COLLECTIVE_PREFIXES = (COLLECTIVE_SPAN_PREFIX, DDP_SPAN)  # _distributed.collectives' spans
 
 
 _Child = tuple[str, str, str, int, int, bool]  # span id, parent id, name, start, end, collective
