@@ -791,8 +791,8 @@ hundreds of series per rank of the full endpoint."""
 
 def _collective_wait_by_rank() -> str:
     # the straggler path's copy where a collector serves it; the full endpoint's otherwise
-    # (otelprof's own pull endpoint, a Prometheus without the job): `or` takes a rank's
-    # series from the right side only where the left has none for that rank
+    # (a Prometheus without the job): `or` takes a rank's series from the right side only
+    # where the left has none for that rank
     by_path = f"sum by ({RANK_KEY}) ({_rate(STRAGGLER_PATH, RANK_SEL)})"
     full = f"sum by ({RANK_KEY}) ({_rate(COLLECTIVE, RANK_SEL)})"
     return f"({by_path} or {full})"

@@ -8,8 +8,8 @@
             otelprof.step()
 
 Hardware metrics become OTel observable gauges, training timings become OTel spans
-(bridged from `torch.profiler.record_function`), exported over OTLP, to files, or to a
-Prometheus endpoint. Importing otelprof never imports torch by itself.
+(bridged from `torch.profiler.record_function`), exported over OTLP, to files, or to
+Determined. Importing otelprof never imports torch by itself.
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from otelprof._run.layout import RunLayout
 from otelprof._run.shutdown import finish_run
 from otelprof._schema import (
     ATTR_ATTEMPT,
-    ATTR_LOCAL_RANK,
     ATTR_RANK,
     ATTR_REASON,
     ATTR_SOURCE,
@@ -76,7 +75,6 @@ class _Identity:
         attrs = self.resource.attributes
         self.world_size = _int_attribute(attrs.get(ATTR_WORLD_SIZE), 1)
         self.rank = _int_attribute(attrs.get(ATTR_RANK), 0)
-        self.local_rank = _int_attribute(attrs.get(ATTR_LOCAL_RANK), 0)
         attempt = attrs.get(ATTR_ATTEMPT)
         self.attempt = attempt if isinstance(attempt, int) else None
         self.rank_known = settled or bool(env.get("RANK"))
@@ -127,9 +125,7 @@ class _Session:
         self._carried = dict(carried or {})
         self.closed = False
         self.started_ns = started_ns or time.time_ns()
-        self.pipelines = build_pipelines(
-            settings, self.counters, layout=layout, local_rank=identity.local_rank
-        )
+        self.pipelines = build_pipelines(settings, self.counters, layout=layout)
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=self.pipelines.metric_readers
         )
@@ -330,17 +326,6 @@ class _Session:
         # every range's duration, as histograms in every metrics export (traces are sampled)
         self._aggregate_metrics = AggregateMetrics(engine.aggregates, self.resource, _version())
         self.counters.add_metric_extra(self._aggregate_metrics.merge)
-        registry = self.pipelines.prometheus_registry
-        if registry is not None:  # and on the pull endpoint, at each scrape
-            from otelprof.export._prom_histograms import TimingHistogramCollector
-
-            attrs = self.resource.attributes
-            _degrade(
-                "timing histograms on the Prometheus endpoint",
-                lambda: registry.register(
-                    TimingHistogramCollector(engine.aggregates, attrs, _version())
-                ),
-            )
         return engine
 
     def _start_module_timings(self) -> Any:
@@ -569,11 +554,6 @@ class Profiler:
     def files(self) -> dict[str, Path]:
         """{"metrics": path, "traces": path} of the detached-mode files."""
         return dict(self._session.pipelines.files)
-
-    @property
-    def prometheus_port(self) -> int | None:
-        """The port the Prometheus /metrics endpoint listens on (pull mode), else None."""
-        return self._session.pipelines.prometheus_port
 
     def step(self) -> None:
         """Deprecated: `otelprof.step()`, the one way to mark a step boundary."""

@@ -1,7 +1,8 @@
-"""The Prometheus pull endpoint with a bounded number of threads and connections.
+"""A Prometheus /metrics endpoint with a bounded number of threads and connections (the
+Determined bridge's self-metrics, `determined/selfmetrics.py`).
 
 prometheus_client's `start_http_server` runs a thread per connection, uncapped, so idle
-connections pile threads into the training process. Here one selector thread reads every
+connections pile threads into the process. Here one selector thread reads every
 request's head without blocking and only a complete request reaches one of `WORKERS`
 handler threads: a silent or trickling connection (a slowloris) costs a descriptor and at
 most `MAX_REQUEST_HEAD` bytes, never a worker. At most `MAX_CONNECTIONS` are held (past it,

@@ -456,26 +456,6 @@ class Settings:
             "torchrun's default `none` is no id",
         ),
     )
-    prometheus_port: int | None = field(
-        default=None,
-        metadata=opt(
-            env=("OTELPROF_PROMETHEUS_PORT",),
-            parse=integer(0, 65535),
-            help="Serve `/metrics` for Prometheus to scrape on this port plus the local rank "
-            "(0: any free port, see `Profiler.prometheus_port`). A taken port is logged and "
-            "left out, never an error. Connections are bounded: at most 64 held, idle ones "
-            "closed, a request must arrive whole and small.",
-            unset="off",
-        ),
-    )
-    prometheus_host: str = field(
-        default="127.0.0.1",
-        metadata=opt(
-            env=("OTELPROF_PROMETHEUS_HOST",),
-            parse=text,
-            help="The address the Prometheus endpoint listens on.",
-        ),
-    )
     interval_s: float = field(
         default=DEFAULT_INTERVAL_S,
         metadata=opt(
@@ -782,6 +762,10 @@ class Settings:
 
         Creates nothing: the run directory is made when the file exporters start."""
         env = os.environ if env is None else env
+        for name, instead in _REMOVED.items():
+            if name in options or env.get(name):
+                where = f"option {name!r}" if name in options else f"environment variable {name}"
+                raise ConfigError(f"{where}: {instead}")
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
             raise ConfigError(
@@ -801,6 +785,16 @@ class Settings:
 
 
 OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings)}
+_NO_PULL = (
+    "the training process's own Prometheus endpoint was removed; send to a collector "
+    "(`endpoint`) and scrape its `prometheus` exporter, which serves the same series "
+    "(docs/guide/live-stack.md)"
+)
+_REMOVED: dict[str, str] = dict.fromkeys(
+    ("prometheus_port", "prometheus_host", "OTELPROF_PROMETHEUS_PORT", "OTELPROF_PROMETHEUS_HOST"),
+    _NO_PULL,
+)
+"""option or variable that is gone -> what to use instead (a ConfigError says it)"""
 ENVIRONMENT: dict[str, tuple[str, ...]] = {name: o.env for name, o in OPTIONS.items()}
 """option name -> environment variables consulted, in priority order"""
 _OPTION_NAMES = frozenset(n for n, o in OPTIONS.items() if o.keyword) | {
@@ -909,13 +903,11 @@ def _check_combination(
                 )
     collects = settings.timings or settings.host_metrics or settings.process_metrics
     collects = collects or settings.gpus != "none"
-    destination = (
-        settings.detached or settings.endpoint or settings.determined
-    ) or settings.prometheus_port is not None
+    destination = settings.detached or settings.endpoint or settings.determined
     if collects and not destination:
         where = "option 'detached'" if "detached" in options else "OTELPROF_DETACHED"
         raise ConfigError(
-            f"{where} is false and there is no endpoint, Prometheus port or Determined master: "
+            f"{where} is false and there is no endpoint or Determined master: "
             "everything collected would be discarded; set `endpoint` or leave `detached` on"
         )
     if settings.detached:

@@ -85,7 +85,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     # one write per line: the ranks share torchrun's stdout, and print's separate write of
     # the newline let two ranks' lines run together
-    sys.stdout.write(f"rank {rank} prometheus_port {prof.prometheus_port}\n")
+    sys.stdout.write(f"rank {rank} ready\n")
     sys.stdout.flush()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     failing = args.fail_attempt < 0 or args.fail_attempt == attempt

@@ -413,4 +413,4 @@ def ranks_printed(process: ManagedProcess) -> set[int]:
     import re
 
     text = process.log_path.read_text(errors="replace")
-    return {int(m) for m in re.findall(r"^rank (\d+) prometheus_port", text, re.MULTILINE)}
+    return {int(m) for m in re.findall(r"^rank (\d+) ready", text, re.MULTILINE)}

@@ -48,7 +48,6 @@ def test_environment_values_are_parsed(tmp_path: Path) -> None:
         "OTELPROF_INTERVAL": "0.25",
         "OTELPROF_GPUS": "all",
         "OTELPROF_HOST_METRICS": "false",
-        "OTELPROF_PROMETHEUS_PORT": "9464",
         "OTEL_RESOURCE_ATTRIBUTES": "team=vision,cluster=a%20b",
         "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer x",
     }
@@ -56,9 +55,28 @@ def test_environment_values_are_parsed(tmp_path: Path) -> None:
     assert s.interval_s == 0.25
     assert s.gpus == "all"
     assert s.host_metrics is False
-    assert s.prometheus_port == 9464
     assert s.resource_attributes == {"team": "vision", "cluster": "a b"}
     assert s.headers == {"authorization": "Bearer x"}
+
+
+@pytest.mark.parametrize(
+    ("options", "env", "where"),
+    [
+        ({"prometheus_port": 9464}, {}, "option 'prometheus_port'"),
+        ({"prometheus_host": "0.0.0.0"}, {}, "option 'prometheus_host'"),
+        ({}, {"OTELPROF_PROMETHEUS_PORT": "9464"}, "variable OTELPROF_PROMETHEUS_PORT"),
+        ({}, {"OTELPROF_PROMETHEUS_HOST": "0.0.0.0"}, "variable OTELPROF_PROMETHEUS_HOST"),
+    ],
+)
+def test_the_removed_prometheus_endpoint_options_say_what_replaces_them(
+    tmp_path: Path, options: dict[str, object], env: dict[str, str], where: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        settings(tmp_path, env=env, **options)
+    message = str(raised.value)
+    assert f"{where}: the training process's own Prometheus endpoint was removed" in message
+    assert "collector" in message and "`prometheus` exporter" in message
+    assert "docs/guide/live-stack.md" in message
 
 
 def test_module_timings_take_a_depth_or_a_switch(tmp_path: Path) -> None:
@@ -149,9 +167,6 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", 1.5, "expected an integer"),
     ("max_trace_bytes", "OTELPROF_MAX_TRACE_BYTES", math.inf, "expected an integer"),
     ("max_metrics_bytes", "OTELPROF_MAX_METRICS_BYTES", 2.5, "expected an integer"),
-    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", 9464.5, "expected an integer"),
-    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", math.inf, "expected an integer"),
-    ("prometheus_port", "OTELPROF_PROMETHEUS_PORT", 70000, "must be between 0 and 65535"),
     ("output_dir", "OTELPROF_OUTPUT_DIR", "runs\x00x", "contains a NUL byte"),
     ("output_dir", "OTELPROF_OUTPUT_DIR", "d" * 300 + "/runs", "longer than 255 bytes"),
     ("run_id", "OTELPROF_RUN_ID", "run\x00x", "contains a NUL byte"),
@@ -171,7 +186,6 @@ WRONG_VALUES: list[tuple[str, str, object, str]] = [
     ("determined_steps_completed", "DET_STEPS_COMPLETED", "-1", "must be between 0 and"),
     ("determined_steps_per_batch", "OTELPROF_DETERMINED_STEPS_PER_BATCH", "x", "an integer"),
     ("service_name", "OTELPROF_SERVICE_NAME", "svc\x00", "contains a NUL byte"),
-    ("prometheus_host", "OTELPROF_PROMETHEUS_HOST", "h\x00", "contains a NUL byte"),
     ("endpoint", "OTELPROF_ENDPOINT", "http://[::1", "malformed endpoint"),
     ("endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT", "http://[::1:4317", "malformed endpoint"),
     ("endpoint", "OTELPROF_ENDPOINT", "http://collector:0", "port 0"),
@@ -303,8 +317,6 @@ def test_valid_edge_values_are_kept_exactly(tmp_path: Path) -> None:
     # nothing collected and nowhere to send it is not a contradiction (the A/A benchmark)
     nothing = {"timings": False, "host_metrics": False, "process_metrics": False, "gpus": "none"}
     assert settings(tmp_path, detached=False, **nothing).detached is False
-    # pull-only: Prometheus is a destination
-    assert settings(tmp_path, detached=False, prometheus_port=0).prometheus_port == 0
 
 
 def test_a_lower_priority_variable_that_loses_is_warned_about(
@@ -385,6 +397,6 @@ def test_a_parser_describes_the_range_it_checks(tmp_path: Path) -> None:
     for outside in (0.099, 3600.5):
         with pytest.raises(ConfigError, match=r"must be >= 0\.1 and <= 3600"):
             settings(tmp_path, interval=outside)
-    assert OPTIONS["prometheus_port"].parse.describe == "a whole number, 0 to 65,535"
+    assert OPTIONS["max_queued_spans"].parse.describe == "a whole number, 1 to 1,073,741,824"
     assert OPTIONS["trace_budget"].parse.describe == "a number, >= 0, or `inf`"
     assert OPTIONS["gpus"].parse.describe == "`visible`, `all` or `none`"

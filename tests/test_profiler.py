@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 import otelprof
@@ -164,20 +163,6 @@ def test_unreachable_collector_at_startup_does_not_block_or_raise(tmp_path: Path
     assert prof.stats()["dropped_total"] > 0
     # flushing to a dead collector is bounded by one export timeout, not retries per batch
     assert shutdown_s < 0.5 + 2.0
-
-
-def test_prometheus_pull_endpoint_serves_the_gauges(tmp_path: Path) -> None:
-    with otelprof.instrument(
-        prometheus_port=0, detached=False, interval=0.2, output_dir=tmp_path
-    ) as prof:
-        assert prof.prometheus_port
-        time.sleep(0.3)
-        body = httpx.get(f"http://127.0.0.1:{prof.prometheus_port}/metrics", timeout=5).text
-    # The Python exporter keeps unit-1 gauge names as they are (the collector adds `_ratio`).
-    assert "system_cpu_utilization{" in body
-    assert "system_memory_linux_available_bytes" in body
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"http://127.0.0.1:{prof.prometheus_port}/metrics", timeout=1)
 
 
 def test_a_source_that_fails_to_start_is_left_out_and_the_rest_runs(

@@ -115,8 +115,8 @@ def test_the_straggler_panel_names_the_slow_rank_from_the_small_endpoint_alone(
     collector: Collector, prometheus_factory: Callable[..., Prometheus]
 ) -> None:
     service = f"strag-{uuid.uuid4().hex[:8]}"
-    # one Prometheus scrapes only the straggler path, one only the full endpoint (as
-    # otelprof's own pull endpoint or a Prometheus without the job would)
+    # one Prometheus scrapes only the straggler path, one only the full endpoint (as a
+    # Prometheus without the straggler job would)
     small_only = prometheus_factory(
         scrape_targets={"otelcol-straggler": collector.straggler_target}
     )

@@ -1,4 +1,4 @@
-"""Exporter wiring: where telemetry goes (OTLP gRPC, JSON Lines files, Prometheus pull)."""
+"""Exporter wiring: where telemetry goes (OTLP gRPC, JSON Lines files, Determined)."""
 
 from otelprof.export.counters import ExportCounters
 from otelprof.export.wiring import ExportPipelines, build_pipelines

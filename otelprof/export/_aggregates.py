@@ -5,8 +5,7 @@ the range itself (docs/benchmarks-history.md). The builder thread aggregates the
 (`_timings._sampling.Aggregates`); each counting metric exporter (files, OTLP, Determined)
 gets them merged into what it sends, as cumulative histograms with an exemplar pointing at
 a kept trace (files every `EXPORT_EVERY_S`, others with every export, all once more at
-shutdown: the report reads the last point). The pull endpoint has its own collector
-(`_prom_histograms`).
+shutdown: the report reads the last point).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Build the span processors and metric readers for the exporters the settings ask for.
 
 Exporters compose: attached (OTLP gRPC to a collector), detached (OTLP JSON Lines files in
-the run directory) and pull (a Prometheus /metrics endpoint) can all be on at once. Each is
-wrapped so its failures are counted (`ExportCounters`) and never reach training code.
+the run directory) and Determined can all be on at once. Each is wrapped so its failures
+are counted (`ExportCounters`) and never reach training code.
 """
 
 from __future__ import annotations
@@ -65,10 +65,6 @@ class ExportPipelines:
     metric_readers: list[MetricReader] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
     files: dict[str, Path] = field(default_factory=dict)
-    prometheus_port: int | None = None
-    prometheus_registry: Any = None
-    """The pull endpoint's prometheus_client registry (None without one): the timing
-    histograms are registered on it once the timings engine exists."""
     exporters: list[CountingSpanExporter | CountingMetricExporter] = field(default_factory=list)
     """Exporters to a peer (collector, Determined): what shutdown's watchdog abandons."""
     file_writers: list[SpanLineWriter | CountingMetricExporter] = field(default_factory=list)
@@ -244,42 +240,6 @@ def _add_otlp(pipelines: ExportPipelines, settings: Settings, counters: ExportCo
         )
 
 
-def _add_prometheus(pipelines: ExportPipelines, settings: Settings, local_rank: int = 0) -> None:
-    """Serve /metrics on `prometheus_port` + local rank (so the ranks of a node each get one).
-
-    A port that is taken (another job, a rank of another launcher) is a logged degradation:
-    the endpoint is left out and training goes on, never an exception from `instrument()`.
-    """
-    from opentelemetry.exporter.prometheus import PrometheusMetricReader
-    from prometheus_client import CollectorRegistry
-
-    from otelprof._prom_server import BoundedMetricsServer
-
-    port = settings.prometheus_port or 0
-    if port:
-        port += local_rank
-    if port > 65535:
-        _log.warning("otelprof: Prometheus port %d + local rank is out of range; no endpoint", port)
-        return
-    registry = CollectorRegistry()
-    try:
-        server = BoundedMetricsServer(settings.prometheus_host, port, registry)
-    except OSError as error:
-        _log.warning(
-            "otelprof: cannot serve Prometheus metrics on %s:%d (%s); continuing without the "
-            "endpoint",
-            settings.prometheus_host,
-            port,
-            error.strerror or error,
-        )
-        return
-    reader = PrometheusMetricReader(registry=registry)
-    pipelines.prometheus_port = int(server.server_address[1])
-    pipelines.prometheus_registry = registry
-    pipelines.metric_readers.append(reader)
-    pipelines.closers.append(server.shutdown)
-
-
 def _add_determined(
     pipelines: ExportPipelines, settings: Settings, counters: ExportCounters
 ) -> None:
@@ -304,9 +264,8 @@ def build_pipelines(
     counters: ExportCounters,
     *,
     layout: RunLayout | None = None,
-    local_rank: int = 0,
 ) -> ExportPipelines:
-    """Create every exporter the settings enable; raises only on setup errors (bad port...).
+    """Create every exporter the settings enable; raises only on setup errors.
     `layout`: the run's files (detached mode), claimed by the caller."""
     pipelines = ExportPipelines()
     try:
@@ -316,8 +275,6 @@ def build_pipelines(
             _add_files(pipelines, settings, counters, layout)
         if settings.endpoint:
             _add_otlp(pipelines, settings, counters)
-        if settings.prometheus_port is not None:
-            _add_prometheus(pipelines, settings, local_rank)
         if settings.determined:
             _add_determined(pipelines, settings, counters)
     except Exception:

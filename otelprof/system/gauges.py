@@ -2,7 +2,7 @@
 
 Every callback reads one snapshot, taken afresh only when an instrument already served
 from the last one finds it older than half the interval: one collection costs one sample
-however far apart its callbacks are, and a second reader (a Prometheus scrape) shares it.
+however far apart its callbacks are, and a second reader (files and OTLP at once) shares it.
 Values reach the SDK as `StampedValue`s carrying their read time and window (`_stamps`).
 """
 

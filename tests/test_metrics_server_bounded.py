@@ -1,7 +1,8 @@
-"""The Prometheus pull endpoint holds a bounded number of threads and connections.
+"""The bounded /metrics server (the Determined bridge's self-metrics) holds a bounded number
+of threads and connections.
 
 prometheus_client's server ran one thread per connection: 200 idle connections put 206
-threads into the training process, and a burst of scrapers got no answer for 20 s. Then,
+threads into the process, and a burst of scrapers got no answer for 20 s. Then,
 with the threads bounded, 200 connections that trickled their requests held the workers: a
 scrape timed out and a storm of 20 scrapers got 0 answers.
 """
@@ -12,22 +13,27 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 
-import otelprof
 from otelprof._prom_server import MAX_CONNECTIONS, WORKERS
+from otelprof.determined.selfmetrics import serve_metrics
 
 IDLE = 200
 SCRAPE_TIMEOUT_S = 10.0  # Prometheus' default scrape_timeout
 
 
-def _pull_only() -> otelprof.Profiler:
-    return otelprof.instrument(
-        detached=False, prometheus_port=0, host_metrics=False, process_metrics=False,
-        gpus="none", interval=0.2,
-    )  # fmt: skip
+@contextmanager
+def _server() -> Iterator[int]:
+    """The bridge's self-metrics endpoint on a free port; yields the port."""
+    port, stop = serve_metrics(lambda: {"exported_points": 1, "pending": 0}, 0)
+    try:
+        yield port
+    finally:
+        stop()
 
 
 def _scrape(port: int) -> tuple[int, float]:
@@ -104,9 +110,7 @@ class SlowClients:
 
 
 def test_idle_connections_add_no_threads_and_scrapes_are_still_answered() -> None:
-    with _pull_only() as prof:
-        port = prof.prometheus_port
-        assert port
+    with _server() as port:
         status, _ = _scrape(port)  # the workers exist from here on
         assert status == 200
         threads_before = threading.active_count()
@@ -128,9 +132,7 @@ def test_idle_connections_add_no_threads_and_scrapes_are_still_answered() -> Non
 
 
 def test_connections_past_the_cap_close_the_longest_idle_ones() -> None:
-    with _pull_only() as prof:
-        port = prof.prometheus_port
-        assert port
+    with _server() as port:
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 8)]
         try:
             time.sleep(1.0)
@@ -152,9 +154,7 @@ def test_connections_past_the_cap_close_the_longest_idle_ones() -> None:
 
 
 def test_scrapes_are_answered_while_slow_connections_hold_every_slot() -> None:
-    with _pull_only() as prof:
-        port = prof.prometheus_port
-        assert port
+    with _server() as port:
         slow = SlowClients(port)
         try:
             time.sleep(2.0)  # every slot held, each trickling its request
