@@ -1,4 +1,4 @@
-"""Hardware metrics as OpenTelemetry observable instruments (psutil, NVML, AMD SMI).
+"""Hardware metrics as OpenTelemetry observable instruments (psutil, NVML).
 
 Units and meanings: `names.py` (rendered into docs/reference/telemetry.md) and
 docs/guide/hardware.md. A value that cannot be read is absent, never 0. Sampling, read

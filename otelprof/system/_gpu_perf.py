@@ -20,7 +20,7 @@ from typing import Any
 
 from . import names
 from ._common import Attributes, LogOnce, Reading, describe
-from ._gpu_query import GpuIdentity, QueryPolicy
+from ._gpu_query import QueryPolicy
 from ._stamps import Baseline
 
 SOURCE_GPM = "gpm"
@@ -110,14 +110,27 @@ class PerfState:
 
 
 @dataclass
-class GpuDevice(GpuIdentity):
-    """One GPU (or MIG slice) being sampled, with NVML's state for it."""
+class GpuDevice:
+    """One GPU (or MIG slice) being sampled: its NVML handle, the attributes every series of
+    it carries, the metrics NVML has refused, and NVML's state for it."""
 
+    handle: Any
+    uuid: str
+    index: int
+    refused: set[str] = field(default_factory=set)
     parent: Any = None  # the physical GPU's handle, for a MIG slice
     use_samples: bool = True
     last_samples_us: dict[int, int] = field(default_factory=dict)  # by kind of sample
     last_utilization_ns: int | None = None
     perf: PerfState = field(default_factory=PerfState)
+
+    @property
+    def attributes(self) -> Attributes:
+        return {names.HW_ID: self.uuid, names.GPU_INDEX: self.index}
+
+    @property
+    def hw_attributes(self) -> Attributes:
+        return {**self.attributes, names.HW_TYPE: "gpu"}
 
 
 class GpuPerf:

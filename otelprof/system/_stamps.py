@@ -5,8 +5,8 @@ threads can take milliseconds, so one clock reading shared by every source put r
 windows off by whole percents (BENCHMARKS.md, "Hardware sampling and read times").
 `timed` stamps the midpoint of the clock readings around a read and reads again while that
 bracket is wider than `TIGHT_NS` (a thread switch or preemption fell in it). A read that
-releases the GIL itself (psutil) cannot be bracketed tightly, hence `_procfs`; NVML and AMD
-SMI calls take the GIL back only after the value, so they are stamped right before the call.
+releases the GIL itself (psutil) cannot be bracketed tightly, hence `_procfs`; NVML calls
+take the GIL back only after the value, so they are stamped right before the call.
 The Unix offset is measured the same way. Exported: a gauge point's time is its read and
 its start time its rate's window (`apply_read_times`); a cumulative sum (`hw.energy`) loses
 the `StampedValue` in the SDK, so its read time is found by (name, attributes, value) in

@@ -19,7 +19,6 @@ from . import _gauge_start, names
 from ._common import LogOnce, Reading, logger
 from ._gpu_steps import GpuStepMetrics, Training
 from ._stamps import Clock, StampedValue, attr_key, recent_counters
-from .amd import AmdGpuSampler
 from .gpu import GpuSampler
 from .host import HostSampler
 from .memory_peaks import PhaseMemory, PhasePeaks
@@ -130,7 +129,7 @@ class SystemMetricsHandle:
         self,
         snapshots: Snapshots,
         instruments: tuple[str, ...],
-        gpu: GpuSampler | AmdGpuSampler | None,
+        gpu: GpuSampler | None,
         closers: tuple[Callable[[], None], ...] = (),
     ) -> None:
         self._snapshots = snapshots
@@ -168,13 +167,12 @@ def register_system_metrics(
     nvml: Any = None,
     env: Mapping[str, str] | None = None,
     clock: Clock | Callable[[], float] | None = None,
-    amdsmi: Any = None,
     training: Training | None = None,
     memory_peaks: PhasePeaks | None = None,
 ) -> SystemMetricsHandle:
     """Create the observable instruments on `meter`, primed so the first values are real.
 
-    `psutil_module`, `nvml`, `amdsmi`, `env`: stand-ins for tests. `training` returns
+    `psutil_module`, `nvml`, `env`: stand-ins for tests. `training` returns
     (steps, phase) for energy per step, GPU idle by phase and RSS by phase; `memory_peaks`
     adds the allocator's peaks by phase. `clock`: a `_stamps.Clock`, or monotonic seconds.
     """
@@ -190,16 +188,14 @@ def register_system_metrics(
         sources.append(("host", host.sample))
         closers.append(host.close)
         instruments.extend(names.HOST)
-    gpu: GpuSampler | AmdGpuSampler | None = None
+    gpu: GpuSampler | None = None
     if settings.gpus != "none":
         gpu = GpuSampler(settings.gpus, nvml=nvml, env=env, log=log, clock=clock)
-        if not gpu.start():  # no NVIDIA GPU: AMD's, through AMD SMI, under the same names
-            gpu = AmdGpuSampler(settings.gpus, amdsmi=amdsmi, env=env, log=log, clock=clock)
-            if not gpu.start():
-                gpu = None
-        if gpu is not None:
+        if gpu.start():
             sources.append(("gpu", GpuStepMetrics(gpu.sample, training).sample))
             instruments.extend(names.GPU)
+        else:
+            gpu = None
     if settings.process_metrics:
         process = ProcessSampler(
             None if psutil_module is None else psutil_module.Process(), log=log, clock=clock

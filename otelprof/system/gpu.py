@@ -1,9 +1,9 @@
 """GPU metrics from NVML for the GPUs this job can see (or all of them, on request).
 
 `CUDA_VISIBLE_DEVICES` is read the way CUDA reads it (`parse_visible_devices`,
-`_gpu_query.select_visible`). Its indices are NVML (PCI bus) indices, which match CUDA's
-only with `CUDA_DEVICE_ORDER=PCI_BUS_ID` or GPUs all of one model; `gpu.index` is the NVML
-index (nvidia-smi's, dcgm-exporter's), a MIG device's its parent's. Utilization is the mean
+`select_visible`). Its indices are NVML (PCI bus) indices, which match CUDA's only with
+`CUDA_DEVICE_ORDER=PCI_BUS_ID` or GPUs all of one model; `gpu.index` is the NVML index
+(nvidia-smi's, dcgm-exporter's), a MIG device's its parent's. Utilization is the mean
 of NVML's samples since the last collection, else NVML's last period. What the units do
 (GPM): `_gpu_perf.py`; errors: `_gpu_query.QueryPolicy`. Each read is stamped right before
 its NVML call (`_stamps`). No pynvml, driver or GPU: GPU metrics off, one log line.
@@ -20,7 +20,7 @@ from typing import Any
 from . import names
 from ._common import LogOnce, Reading, describe, logger
 from ._gpu_perf import GpuDevice, GpuPerf, fresh_mean, permanent_codes, skip_history
-from ._gpu_query import QueryPolicy, select_visible
+from ._gpu_query import QueryPolicy
 from ._stamps import Clock
 
 
@@ -42,6 +42,31 @@ def parse_visible_devices(value: str | None) -> list[str] | None:
     return entries
 
 
+def select_visible(
+    entries: list[str], every: list[GpuDevice], lookup_mig: Callable[[str], GpuDevice | None]
+) -> list[GpuDevice]:
+    """The devices `CUDA_VISIBLE_DEVICES`' `entries` name, the way CUDA reads them: an index
+    or a unique `GPU-` UUID prefix; a `MIG-` UUID through `lookup_mig` (skipped when not
+    found); everything after an entry that names no device is ignored."""
+    chosen: list[GpuDevice] = []
+    for entry in entries:
+        device: GpuDevice | None
+        if entry.isdigit():
+            device = every[int(entry)] if int(entry) < len(every) else None
+        elif entry.startswith("MIG-"):
+            device = lookup_mig(entry)
+            if device is None:
+                continue
+        else:
+            matches = [d for d in every if d.uuid.startswith(entry)]
+            device = matches[0] if len(matches) == 1 else None
+        if device is None:
+            break
+        if all(device.uuid != d.uuid for d in chosen):
+            chosen.append(device)
+    return chosen
+
+
 class GpuSampler:
     """Owns the NVML session: init once in `start`, shut down in `close`."""
 
@@ -57,7 +82,7 @@ class GpuSampler:
         self._nvml = nvml
         self._env = os.environ if env is None else env
         self._log = log or LogOnce()
-        self._queries = QueryPolicy("NVML", self._log, self._refusal)
+        self._queries = QueryPolicy(self._log, self._refusal)
         self._query = self._queries.query
         self._initialized = False
         self._clock: Callable[[], int] = clock or Clock()
