@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import math
 import random
-import re
 import statistics
-import xml.etree.ElementTree as ET
 from collections import defaultdict
-from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -249,39 +246,6 @@ def test_report_command_prints_tables_and_the_verdict(
     assert "Steps per process" in out
 
 
-def test_html_report_is_self_contained_with_plots_and_phases(tmp_path: Path) -> None:
-    run = write_sdk_run(tmp_path / "run", RunSpec(gpus=2, epochs=2))
-    out = tmp_path / "report.html"
-    assert cli_main(["report", str(run), "--html", str(out)]) == 0
-    html = out.read_text()
-    assert "<script" not in html and " src=" not in html and "<link" not in html
-    urls = set(re.findall(r"https?://[^\"' )]+", html))
-    assert urls <= {"http://www.w3.org/2000/svg"}
-    svgs = re.findall(r"<svg.*?</svg>", html, re.S)
-    titles = []
-    for svg in svgs:
-        root = ET.fromstring(svg)  # each plot is well-formed SVG
-        titles.append(root.get("aria-label"))
-    assert "share of summed step time (direct children of step)" in titles
-    assert "step duration (ms)" in titles
-    for metric in (
-        "hw.gpu.utilization (1)",
-        "system.cpu.utilization (1)",
-        "hw.gpu.memory.free (By)",
-    ):
-        assert metric in titles
-    assert "epoch 0" in html and "epoch 1" in html and "validation" in html  # phase shading
-    # the step line breaks at the validation between the epochs (not drawn across it), and
-    # every epoch label is drawn after (over) every band
-    steps_svg = svgs[titles.index("step duration (ms)")]
-    assert steps_svg.count("<polyline") == 2, steps_svg
-    for svg in svgs:
-        if "<title>epoch 0</title>" in svg:
-            assert svg.index(">epoch 0</text>") > svg.rindex("<rect x=", 0, svg.index("<line"))
-    summary, _ = _summary(run)
-    assert escape(judge(summary).headline) in html
-
-
 def test_a_run_without_step_spans_says_so_and_names_the_biggest_timing(tmp_path: Path) -> None:
     run = write_sdk_run(tmp_path / "run", RunSpec(steps=10, validation=False))
     traces = run / "traces.jsonl"
@@ -300,37 +264,13 @@ def test_a_run_without_step_spans_says_so_and_names_the_biggest_timing(tmp_path:
     assert all(r.share is None for r in timing_rows(summary))
 
 
-def test_html_band_labels_are_drawn_over_every_band() -> None:
-    from otelprof.analysis.svg import line_chart
-
-    svg = line_chart(
-        "t", [("rank 0", [(1.0, 5.0)])], (0.0, 100.0),
-        [("epoch 0", 0.0, 50.0), ("validation", 0.0, 20.0), ("validation", 40.0, 60.0)],
-    )  # fmt: skip
-    last_band = svg.rindex("<rect x=", 0, svg.index("<line"))
-    epoch_label = svg.index(">epoch 0</text>")
-    assert epoch_label > last_band  # not hidden under the validation band drawn after it
-    validation_label = svg.index(">validation</text>")
-    assert svg[:epoch_label].rsplit('y="', 1)[1] != svg[:validation_label].rsplit('y="', 1)[1]
-
-
-def test_html_step_lines_break_across_validation_gaps() -> None:
-    from otelprof.analysis.svg import line_chart
-
-    points = [(1.0, 5.0), (2.0, 5.0), (5.0, 6.0), (6.0, 6.0)]
-    joined = line_chart("t", [("rank 0", points)], (0.0, 10.0))
-    broken = line_chart("t", [("rank 0", points)], (0.0, 10.0), gaps=[(3.0, 4.0)])
-    assert joined.count("<polyline") == 1
-    assert broken.count("<polyline") == 2
-
-
 def test_section_figures_keep_their_significant_digits_and_flags_read_yes() -> None:
     from otelprof.analysis.format import cell, number
 
     assert number(399_600.0) == "399,600"  # not 399,600.000
     assert number(12.3456) == "12.35"
     assert number(0.034) == "0.034"
-    # one cell formatter for the text and HTML section tables (report_text, report_html)
+    # the text report's cell formatter for section tables (report_text)
     assert cell(3.4e-05) == "3.4e-05"  # a TFLOP/s beside MFU % 0.034, not 0.000
     assert cell(0.0) == "0"
     assert (cell(True), cell(False), cell(None)) == ("yes", "", "-")  # not True/False

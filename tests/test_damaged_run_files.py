@@ -54,7 +54,6 @@ def _run_all(run: Path, sink: OtlpSink, capsys: pytest.CaptureFixture[str]) -> s
     codes = [
         cli_main(["report", str(run)]),
         cli_main(["report", "--json", str(run)]),
-        cli_main(["report", str(run), "--html", str(run.parent / "report.html")]),
         cli_main(["trace", str(run), "-o", str(run.parent / "trace.json")]),
         cli_main(["replay", str(run), "--endpoint", sink.endpoint, "--timeout", "5"]),
     ]

@@ -6,10 +6,8 @@ from the one-line callback at the Trainer's setup, after the process group exist
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-from html import escape
 from pathlib import Path
 
 import pytest
@@ -79,9 +77,11 @@ def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_onc
     verdict = doc["sections"]["stragglers"]["notes"][0]
     assert verdict.startswith("rank 1 is the straggler: it arrives late, with +"), verdict
     assert "in forward" in verdict.split("the other ranks")[0], verdict  # where it spends it
-    # the text and HTML reports tell the same analysis: its headline under the per-rank
-    # table, its evidence (what each figure measures), the straggler's row flagged "yes"
-    assert straggler["headline"] in " ".join(report.split()), report
+    # the text report tells the same analysis: its headline under the per-rank table, its
+    # evidence (what each figure measures) under the verdict, the straggler's row flagged "yes"
+    flat = " ".join(report.replace("│", " ").split())
+    for text in (straggler["headline"], *straggler["evidence"]):
+        assert " ".join(text.split()) in flat, (text, report)
     assert [e.split(":")[0] for e in straggler["evidence"]] == [
         "rank 1 arrives late", "the other ranks wait for it",
     ]  # fmt: skip
@@ -90,11 +90,6 @@ def test_lightning_ddp_launcher_gives_ranks_their_identity_one_run_dir_named_onc
     assert [(p.split(" @")[0].strip(), f.strip()) for p, f in cells] == [
         ("rank 0", ""), ("rank 1", "yes"),
     ], table  # fmt: skip
-    _report(str(run_dir), "--html", str(tmp_path / "report.html"))
-    page = (tmp_path / "report.html").read_text()
-    for text in (straggler["headline"], *straggler["evidence"]):
-        assert escape(text) in page, text
-    assert re.search(r"rank 1 @[^<]*</td><td class=\"\">yes</td>", page), page
     # live, the straggler is the rank that spends least time in collectives
     waits = [_last_collective_seconds(run_dir / f"metrics.rank{r}.jsonl") for r in (0, 1)]
     assert waits[0] > waits[1] + 0.2, waits  # 30 steps x ~20 ms of waiting on rank 0

@@ -59,12 +59,13 @@ def _words(markdown: str) -> str:
 
 
 def _flags(parser: argparse.ArgumentParser, prefix: str = "otelprof") -> Iterator[tuple[str, str]]:
-    """(command, flag) of every option string in the argparse tree."""
+    """(command, flag) of every option string in the argparse tree (not a hidden one, such
+    as a removed flag that only answers with an error)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
                 yield from _flags(sub, f"{prefix} {name}")
-        else:
+        elif action.help != argparse.SUPPRESS:
             for flag in action.option_strings:
                 if flag not in ("-h", "--help"):
                     yield prefix, flag

@@ -160,13 +160,11 @@ def _state(part: _FilePass) -> dict[str, object]:
                 _stats(rank.steps),
                 rank.first_ns,
                 rank.last_ns,
-                rank.step_series.points(),
             ]
             for rank in part.ranks.values()
         },
         "series": {
-            repr(key): [agg.count, agg.total, agg.min, agg.max, agg.series.points()]
-            for key, agg in part.series.items()
+            repr(key): [agg.count, agg.total, agg.min, agg.max] for key, agg in part.series.items()
         },
         "latest": {repr(key): list(value) for key, value in part.latest.items()},
         "failed": part.failed,
@@ -174,7 +172,6 @@ def _state(part: _FilePass) -> dict[str, object]:
         "read": vars(part.read),
         "unresolved": part.unresolved,
         "over_limit": part.over_limit,
-        "phases": [[p.label, p.start_ns, p.end_ns] for p in part.phases.result()],
         "span": [part.first_ns, part.last_ns],
         "hists": len(part.hists),
         "stragglers": [w.to_dict() for w in part.stragglers.result().ranks],

@@ -170,11 +170,7 @@ def test_crash_and_failed_spans_are_at_the_top_of_the_report(
     assert problems_at < text.index("Timings")
     assert "training died of RuntimeError: CUDA error: device-side assert triggered" in text
     assert "1 span(s) ended with an error: train_batch (1)" in text
-    html = tmp_path / "report.html"
-    report(capsys, "--html", str(html), str(prof.run_dir))
-    page = html.read_text()
-    assert page.index("class='problems'") < page.index("class='verdict'")
-    assert "training died of RuntimeError: CUDA error: device-side assert triggered" in page
+    assert problems_at < text.index("verdict")
     doc = report_json(capsys, str(prof.run_dir))
     assert [p["kind"] for p in doc["problems"]] == ["crashed", "failed spans"]
     assert doc["failed_spans"] == {"train_batch": 1}
@@ -214,7 +210,7 @@ def test_killed_process_shows_as_unfinalized(
     assert "run not finalized: no end was recorded (the process was killed" in text
 
 
-def test_registered_section_shows_in_text_html_and_json(
+def test_registered_section_shows_in_text_and_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def slowest(summary: Any) -> Section:
@@ -224,8 +220,7 @@ def test_registered_section_shows_in_text_html_and_json(
     sections_module.section(slowest)
     try:
         run = record_run(tmp_path / "runs", steps=3)
-        html = tmp_path / "r.html"
-        text = report(capsys, "--html", str(html), str(run))
+        text = report(capsys, str(run))
         doc = report_json(capsys, str(run))
     finally:
         sections_module._BUILDERS.remove(slowest)
@@ -234,8 +229,20 @@ def test_registered_section_shows_in_text_html_and_json(
         {"name": "dataloader_next", "count": 3},
         {"name": "train_batch", "count": 3},
     ]
-    page = html.read_text()
-    assert "Span counts" in page and "from a test section" in page
+
+
+@pytest.mark.parametrize("command", [["report"], ["compare", "a", "b"]])
+def test_html_was_removed_and_says_what_to_use_instead(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    page = tmp_path / "report.html"
+    for flag in (["--html", str(page)], ["--html"]):
+        with pytest.raises(SystemExit) as exited:
+            cli_main([*command, *flag])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "--html was removed: use --json" in err and "`otelprof trace`" in err
+    assert not page.exists()
 
 
 def test_counters_report_their_totals_and_nothing_reads_as_dropped(

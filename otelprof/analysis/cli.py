@@ -44,13 +44,8 @@ def register(subparsers: Any) -> None:
         metavar="A:B",
         help="only steps A <= n < B (either side may be omitted: '1:' skips step 0)",
     )
-    report.add_argument(
-        "--html",
-        type=Path,
-        metavar="FILE",
-        help="also write a self-contained HTML report with plots",
-    )
     report.add_argument("--width", type=int, default=None, help="terminal width for tables")
+    report.add_argument("--html", nargs="?", action=_HtmlRemoved, help=argparse.SUPPRESS)
     _add_read_budget(
         report,
         "a larger run is read in evenly spaced parts of every file, timing figures staying exact",
@@ -77,8 +72,8 @@ def register(subparsers: Any) -> None:
     compare.add_argument("run_a", type=Path, metavar="A", help="the run before the change")
     compare.add_argument("run_b", type=Path, metavar="B", help="the run after the change")
     compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
-    compare.add_argument("--html", type=Path, metavar="FILE", help="also write an HTML page")
     compare.add_argument("--width", type=int, default=None, help="terminal width for tables")
+    compare.add_argument("--html", nargs="?", action=_HtmlRemoved, help=argparse.SUPPRESS)
     _add_read_budget(compare, "a larger run is read in parts, as by `otelprof report`")
     compare.set_defaults(func=_compare)
 
@@ -138,6 +133,16 @@ def register(subparsers: Any) -> None:
     )
     replay.add_argument("--signals", choices=("all", "traces", "metrics"), default="all")
     replay.set_defaults(func=_replay)
+
+
+class _HtmlRemoved(argparse.Action):
+    """`--html`, which is no more: an error that says what to use instead."""
+
+    def __call__(self, parser: Any, *_: Any) -> None:
+        parser.error(
+            "--html was removed: use --json for a machine-readable report, "
+            "or `otelprof trace` for a timeline in Perfetto"
+        )
 
 
 def _add_read_budget(parser: Any, larger: str) -> None:
@@ -274,12 +279,6 @@ def _report(args: argparse.Namespace) -> int:
         from otelprof.analysis.report_text import render
 
         render(summary, verdict, _console(args.width), sections)
-    if args.html:
-        from otelprof.analysis.report_html import build_html
-
-        args.html.write_text(build_html(summary, verdict, sections), encoding="utf-8")
-        if not args.json:
-            print(f"HTML report written to {args.html}")
     _finish(warn)
     return 0
 
@@ -304,10 +303,6 @@ def _compare(args: argparse.Namespace) -> int:
             print(json.dumps(compare_report.build_json(comparison), indent=2, allow_nan=False))
         else:
             compare_report.render_text(comparison, _console(args.width))
-        if args.html:
-            args.html.write_text(compare_report.build_html(comparison), encoding="utf-8")
-            if not args.json:
-                print(f"HTML comparison written to {args.html}")
         return 0
     finally:
         _finish(warn)

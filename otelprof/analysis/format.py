@@ -1,4 +1,4 @@
-"""Human formatting of metric values by their OTel unit (shared by text and HTML reports)."""
+"""Human formatting of metric values by their OTel unit (reports, comparisons, notes)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def number(v: float | None) -> str:
 
 
 def cell(value: object) -> str:
-    """A section's table cell, text and HTML alike: figures by `number`, a flag as yes or
+    """A section's table cell in the text report: figures by `number`, a flag as yes or
     blank (not Python's True/False), nothing as '-'."""
     if isinstance(value, bool):
         return "yes" if value else ""

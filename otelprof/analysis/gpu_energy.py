@@ -212,7 +212,7 @@ def _accumulate(
 
 
 def section_rows(result: GpuEnergy) -> list[dict[str, Any]]:
-    """Table rows for the report (text, HTML, JSON alike): one per phase / timing name."""
+    """Table rows for the report (text and JSON alike): one per phase / timing name."""
     rows = []
     for r in sorted(result.rows, key=lambda r: (r.kind != "phase", -r.seconds)):
         share = r.idle_share
@@ -257,7 +257,7 @@ def summary_notes(result: GpuEnergy) -> list[str]:
 
 @section
 def gpu_energy_section(summary: RunSummary) -> Section | None:
-    """The report's "GPU energy and idle time by phase" section (text, HTML and --json)."""
+    """The report's "GPU energy and idle time by phase" section (text and --json)."""
     if not any(s.name in (UTILIZATION, POWER) for s in summary.series.values()):
         return None  # no GPU samples: skip the second pass over the files
     result = analyze(summary.files.jsonl, lambda _message: None, summary.plan)  # warned already

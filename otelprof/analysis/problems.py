@@ -1,7 +1,7 @@
 """What a reader must see first: crashed, killed or unfinalized processes, failed spans, drops;
 then notes that change how the figures should be read (step 0 outlier, step() never called).
 
-Both are plain data, rendered by the text, HTML and JSON reports alike. The run files' fields
+Both are plain data, rendered by the text and JSON reports alike. The run files' fields
 are as `reader.open_run` left them: `resource`, `end` and `stats` an object or absent.
 """
 

@@ -1,7 +1,7 @@
 """`otelprof report --json`: the report's figures as one JSON document.
 
-Built from the same structured summary and rows as the text and HTML reports (tables.py,
-problems.py, sections.py), so the three never disagree. Durations are seconds, shares are
+Built from the same structured summary and rows as the text report (tables.py,
+problems.py, sections.py), so the two never disagree. Durations are seconds, shares are
 fractions of summed step time, absent values are null.
 """
 

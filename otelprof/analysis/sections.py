@@ -1,4 +1,4 @@
-"""Extra report sections, shown alike by the text, HTML and JSON reports.
+"""Extra report sections, shown alike by the text and JSON reports.
 
 An analysis module registers a builder with `@section` and lists itself in `_BUILTIN`
 (DEVELOPING.md, "Report sections (analysis/)"). Row values must be JSON values (str, int,
@@ -20,7 +20,7 @@ from otelprof.analysis.summary import RunSummary
 @dataclass
 class Section:
     key: str  # the JSON key, snake_case
-    title: str  # the heading in text and HTML
+    title: str  # the heading in the text report
     rows: list[dict[str, Any]]  # one table; columns are the keys of the first row
     notes: list[str] = field(default_factory=list)
 

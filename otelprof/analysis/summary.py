@@ -1,7 +1,7 @@
-"""One streaming pass over a run: timing statistics, step breakdown, hardware gauges, phases.
+"""One streaming pass over a run: timing statistics, step breakdown, hardware gauges.
 
 Memory is bounded whatever the run's size: durations go to `DurationStats` (exact up to a
-cap), time series to fixed-size downsamplers, and the "is this span a direct child of a
+cap), gauges to their count, sum and extremes, and the "is this span a direct child of a
 step?" question is answered with a bounded window of recently seen span ids (exporters write
 children and their step within a few batches of each other; a child whose parent is not seen
 within the window is counted as unresolved, not guessed).
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof._schema import (
-    ATTR_EPOCH,
     ATTR_REASON,
     ATTR_SOURCE,
     ATTR_STEP,
@@ -30,7 +30,6 @@ from otelprof._schema import (
     TORCH_STEP_RANGE,
     is_torch_step_range,
 )
-from otelprof._schema import ATTR_PHASE as PHASE_ATTR
 from otelprof.analysis.aggregates import HistRec, keep_latest
 from otelprof.analysis.aggregates import SeriesKey as HistKey
 from otelprof.analysis.aggregates import apply as apply_aggregates
@@ -60,69 +59,7 @@ def timing_key(name: str, phase: Any) -> str:
     return f"{name} ({phase})"
 
 
-_MAX_PHASES_PER_LABEL = 500
 _MAX_SERIES = 5_000
-
-
-class Downsampler:
-    """Keeps at most `max_points` (time, value) buckets by averaging neighbours as data grows,
-    each with the least and greatest value it holds (a step chart shows every step's range,
-    outliers included, whatever the run's length)."""
-
-    __slots__ = ("_acc", "_buckets", "max_points", "stride")
-
-    def __init__(self, max_points: int = 600) -> None:
-        self.max_points = max_points
-        self.stride = 1
-        self._buckets: list[tuple[float, float, float, float, float]] = []  # t, v, n, lo, hi
-        self._acc: list[float] = [0.0, 0.0, 0.0, math.inf, -math.inf]  # t_sum, v_sum, n, lo, hi
-
-    def add(
-        self, t: float, v: float, n: float = 1, lo: float | None = None, hi: float | None = None
-    ) -> None:
-        """One value at `t`, or (`n` > 1) a bucket of `n` values averaging `v` within lo..hi."""
-        acc = self._acc
-        acc[0] += t * n
-        acc[1] += v * n
-        acc[2] += n
-        acc[3] = min(acc[3], v if lo is None else lo)
-        acc[4] = max(acc[4], v if hi is None else hi)
-        if acc[2] >= self.stride:
-            self._buckets.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
-            self._acc = [0.0, 0.0, 0.0, math.inf, -math.inf]
-            if len(self._buckets) >= self.max_points:
-                b = self._buckets
-                self._buckets = [_pair(b[i], b[i + 1]) for i in range(0, len(b) - 1, 2)]
-                self.stride *= 2
-
-    def merge(self, other: Downsampler) -> None:
-        """Fold in a later part of the same series (its buckets as weighted points: the
-        shape and the extremes, not every sample, survive; a series comes from one file in
-        every run otelprof writes)."""
-        for t, v, n, lo, hi in other._all():
-            self.add(t, v, n, lo, hi)
-
-    def _all(self) -> list[tuple[float, float, float, float, float]]:
-        out = list(self._buckets)
-        acc = self._acc
-        if acc[2]:
-            out.append((acc[0] / acc[2], acc[1] / acc[2], acc[2], acc[3], acc[4]))
-        return sorted(out)
-
-    def points(self) -> list[tuple[float, float]]:
-        return [(t, v) for t, v, _n, _lo, _hi in self._all()]
-
-    def extremes(self) -> list[tuple[float, float, float]]:
-        """(time, least, greatest) of each bucket, in time order."""
-        return [(t, lo, hi) for t, _v, _n, lo, hi in self._all()]
-
-
-def _pair(
-    a: tuple[float, float, float, float, float], b: tuple[float, float, float, float, float]
-) -> tuple[float, float, float, float, float]:
-    n = a[2] + b[2]
-    return ((a[0] * a[2] + b[0] * b[2]) / n, (a[1] * a[2] + b[1] * b[2]) / n, n,
-            min(a[3], b[3]), max(a[4], b[4]))  # fmt: skip
 
 
 PARENT_STEP = ""  # TimingAgg.by_parent keys of a step's direct children and of root spans
@@ -189,7 +126,6 @@ class RankAgg:
     spans: int = 0
     first_ns: int | None = None
     last_ns: int | None = None
-    step_series: Downsampler = field(default_factory=Downsampler)
 
 
 SeriesKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]  # host, scope, name, attrs
@@ -208,7 +144,6 @@ class SeriesAgg:
     total: float = 0.0
     min: float = math.inf
     max: float = -math.inf
-    series: Downsampler = field(default_factory=Downsampler)
 
     @property
     def mean(self) -> float:
@@ -227,15 +162,8 @@ class SeriesAgg:
 
 
 @dataclass
-class Phase:
-    label: str
-    start_ns: int
-    end_ns: int
-
-
-@dataclass
 class RunSummary:
-    """Everything the text and HTML reports and the verdict need."""
+    """Everything the text and JSON reports and the verdict need."""
 
     files: RunFiles
     read: ReadStats
@@ -243,7 +171,6 @@ class RunSummary:
     step: DurationStats
     ranks: dict[Resource, RankAgg]
     series: dict[SeriesKey, SeriesAgg]
-    phases: list[Phase]
     counters: dict[str, float]  # monotonic sum -> its value at the end (all series summed)
     first_ns: int | None
     last_ns: int | None
@@ -284,43 +211,6 @@ class RunSummary:
         if not count:
             return None
         return sum(s.total for s in self.series.values() if s.name == name) / count
-
-
-class _Phases:
-    """Training phases from root-level spans: steps by epoch, other root spans by name."""
-
-    def __init__(self) -> None:
-        self._epochs: dict[str, list[int]] = {}
-        self._others: dict[str, IntervalSet] = {}
-
-    def step(self, epoch: Any, start: int, end: int) -> None:
-        self._epoch(f"epoch {epoch}" if epoch is not None else "training", start, end)
-
-    def _epoch(self, label: str, start: int, end: int) -> None:
-        span = self._epochs.get(label)
-        if span is None:
-            self._epochs[label] = [start, end]
-        else:
-            span[0] = min(span[0], start)
-            span[1] = max(span[1], end)
-
-    def root(self, name: str, start: int, end: int) -> None:
-        # another rank's copy of a phase overlaps it: one interval
-        self._others.setdefault(name, IntervalSet(_MAX_PHASES_PER_LABEL)).add(start, end)
-
-    def merge(self, other: _Phases) -> None:
-        """Fold in the phases of other files (another rank's copy of a phase overlaps)."""
-        for label, (start, end) in other._epochs.items():
-            self._epoch(label, start, end)
-        for name, intervals in other._others.items():
-            for start, end in intervals.intervals():
-                self.root(name, start, end)
-
-    def result(self) -> list[Phase]:
-        phases = [Phase(label, s, e) for label, (s, e) in self._epochs.items()]
-        for label, intervals in self._others.items():
-            phases.extend(Phase(label, s, e) for s, e in intervals.intervals())
-        return sorted(phases, key=lambda p: (p.start_ns, p.label))
 
 
 MAX_INTERVALS = 20_000
@@ -562,7 +452,6 @@ class _FilePass:
         self.series: dict[SeriesKey, SeriesAgg] = {}
         self.latest: dict[tuple[str, Resource, Any], tuple[int, float]] = {}
         self.over_limit = 0
-        self.phases = _Phases()
         self.unresolved = 0
         self.stragglers = StragglerPass()
         self.first_ns: int | None = None
@@ -581,7 +470,6 @@ class _FilePass:
         ranks = self.ranks
         series = self.series
         latest = self.latest
-        phases = self.phases
         hists = self.hists
         resolver = _StepResolver(timings, self.window)
         straggler_pass = StragglerPass()
@@ -617,8 +505,6 @@ class _FilePass:
                 if is_step:  # training steps only: other phases' roots are named after them
                     step.add(dur_s)
                     rank.steps.add(dur_s)
-                    rank.step_series.add(start / 1e9, dur_s)
-                    phases.step(rec.attr(ATTR_EPOCH), start, end)
                     if rec.attr(ATTR_STEP) == 0:
                         step0.append(dur_s)
                 name = rec.name
@@ -631,8 +517,6 @@ class _FilePass:
                     if name not in timings:
                         timings[name] = TimingAgg(name, DurationStats(exact_cap))
                     timings[name].stats.add(dur_s)
-                    if not rec.parent_span_id:
-                        phases.root(span_name, start, end)
                 resolver.span(rec, dur_s, is_step, name)
                 straggler_pass.span(rec)
             else:
@@ -660,7 +544,6 @@ class _FilePass:
                     agg.min = v
                 if v > agg.max:
                     agg.max = v
-                agg.series.add(rec.time_ns / 1e9, v)
                 if first_ns is None or rec.time_ns < first_ns:
                     first_ns = rec.time_ns
                 if last_ns is None or rec.time_ns > last_ns:
@@ -711,7 +594,6 @@ class _FilePass:
             have.spans += rank.spans
             have.first_ns = _least(have.first_ns, rank.first_ns)
             have.last_ns = _most(have.last_ns, rank.last_ns)
-            have.step_series.merge(rank.step_series)
         for key, theirs in other.series.items():
             have_series = self.series.get(key)
             if have_series is None:
@@ -724,12 +606,10 @@ class _FilePass:
             have_series.total += theirs.total
             have_series.min = min(have_series.min, theirs.min)
             have_series.max = max(have_series.max, theirs.max)
-            have_series.series.merge(theirs.series)
         for ckey, point in other.latest.items():
             if not _keep_latest(self.latest, ckey, point):
                 self.over_limit += 1
         self.over_limit += other.over_limit
-        self.phases.merge(other.phases)
         self.unresolved += other.unresolved
         self.stragglers.merge(other.stragglers)
         self.first_ns = _least(self.first_ns, other.first_ns)
@@ -758,7 +638,6 @@ class _FilePass:
             step=self.step,
             ranks=self.ranks,
             series=self.series,
-            phases=self.phases.result(),
             counters=counters,
             series_over_limit=self.over_limit,
             first_ns=self.first_ns,

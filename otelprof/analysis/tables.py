@@ -1,4 +1,4 @@
-"""The report's tables as plain rows, so the terminal and HTML renderings show the same figures."""
+"""The report's tables as plain rows, so the terminal and JSON renderings show the same figures."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def timing_rows(summary: RunSummary) -> list[TimingRow]:
 
 
 def timing_cells(row: TimingRow, mark: str = "") -> list[str]:
-    """A timing row as the text and HTML tables show it (`mark`: before an approximate
+    """A timing row as the text table shows it (`mark`: before an approximate
     percentile)."""
     share = "-" if row.share is None else f"{100 * row.share:.1f}%"
     count = f"{row.count:,}" if row.count else ""
@@ -120,7 +120,7 @@ def hardware_series(summary: RunSummary) -> list[SeriesAgg]:
 
 
 def hardware_cells(s: SeriesAgg) -> list[str]:
-    """A series' cells after its host column, text and HTML alike."""
+    """A series' cells after its host column in the text table."""
     figures = [fmt.value(v, s.unit) for v in (s.min, s.mean, s.max)]
     return [s.device, s.name, *figures, f"{s.count:,}"]
 
