@@ -138,7 +138,7 @@ def register(subparsers: Any) -> None:
 class _HtmlRemoved(argparse.Action):
     """`--html`, which is no more: an error that says what to use instead."""
 
-    def __call__(self, parser: Any, *_: Any) -> None:
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
         parser.error(
             "--html was removed: use --json for a machine-readable report, "
             "or `otelprof trace` for a timeline in Perfetto"
