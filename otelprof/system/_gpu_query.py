@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from ._common import LogOnce
 
-if TYPE_CHECKING:
-    from ._gpu_perf import GpuDevice
-
 T = TypeVar("T")
+
+
+class Device(Protocol):
+    """What the policy reads and keeps of a device (`_gpu_perf.GpuDevice`)."""
+
+    uuid: str
+    refused: set[str]
 
 
 class QueryPolicy:
@@ -29,7 +33,7 @@ class QueryPolicy:
         self._log = log
         self._refusal = refusal
 
-    def query(self, device: GpuDevice, metric: str, call: Callable[[], T]) -> T | None:
+    def query(self, device: Device, metric: str, call: Callable[[], T]) -> T | None:
         if metric in device.refused:
             return None
         try:
@@ -50,7 +54,7 @@ class QueryPolicy:
                 self.transient(device, metric, exc)
             return None
 
-    def transient(self, device: GpuDevice, metric: str, exc: Exception) -> None:
+    def transient(self, device: Device, metric: str, exc: Exception) -> None:
         """An error that may pass: this sample is omitted, the kind of error logged once."""
         doing = f"GPU {device.uuid}: reading {metric} failed"
         self._log.error(f"failed:{device.uuid}:{metric}", exc, doing, "omitted while it fails")
