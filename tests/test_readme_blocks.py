@@ -44,7 +44,7 @@ YAML = [b for b in BLOCKS if b.lang == "yaml"]
 
 
 def test_the_docs_have_blocks_of_each_kind() -> None:
-    assert len(PYTHON) >= 4 and len(SHELL) >= 8 and len(YAML) >= 2
+    assert len(PYTHON) >= 4 and len(SHELL) >= 8 and len(YAML) >= 1
     for marker in RUN_ELSEWHERE:
         assert sum(marker in b.code for b in BLOCKS if b.lang == "python") == 1, marker
     pages = {b.page for b in BLOCKS}
