@@ -762,10 +762,11 @@ class Settings:
 
         Creates nothing: the run directory is made when the file exporters start."""
         env = os.environ if env is None else env
-        for name, instead in _REMOVED.items():
-            if name in options or env.get(name):
-                where = f"option {name!r}" if name in options else f"environment variable {name}"
-                raise ConfigError(f"{where}: {instead}")
+        for option, variable in _REMOVED.items():
+            if option in options:
+                raise ConfigError(f"option {option!r}: {_NO_PULL}")
+            if env.get(variable):
+                raise ConfigError(f"environment variable {variable}: {_NO_PULL}")
         unknown = sorted(set(options) - _OPTION_NAMES)
         if unknown:
             raise ConfigError(
@@ -790,11 +791,11 @@ _NO_PULL = (
     "(`endpoint`) and scrape its `prometheus` exporter, which serves the same series "
     "(docs/guide/live-stack.md)"
 )
-_REMOVED: dict[str, str] = dict.fromkeys(
-    ("prometheus_port", "prometheus_host", "OTELPROF_PROMETHEUS_PORT", "OTELPROF_PROMETHEUS_HOST"),
-    _NO_PULL,
-)
-"""option or variable that is gone -> what to use instead (a ConfigError says it)"""
+_REMOVED = {
+    "prometheus_port": "OTELPROF_PROMETHEUS_PORT",
+    "prometheus_host": "OTELPROF_PROMETHEUS_HOST",
+}
+"""removed option -> its variable: either, set, is a ConfigError saying what replaces it"""
 ENVIRONMENT: dict[str, tuple[str, ...]] = {name: o.env for name, o in OPTIONS.items()}
 """option name -> environment variables consulted, in priority order"""
 _OPTION_NAMES = frozenset(n for n, o in OPTIONS.items() if o.keyword) | {
