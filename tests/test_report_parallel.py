@@ -158,8 +158,6 @@ def _state(part: _FilePass) -> dict[str, object]:
             rank.resource.label: [
                 rank.spans,
                 _stats(rank.steps),
-                rank.first_ns,
-                rank.last_ns,
             ]
             for rank in part.ranks.values()
         },

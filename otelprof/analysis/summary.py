@@ -124,8 +124,6 @@ class RankAgg:
     resource: Resource
     steps: DurationStats = field(default_factory=DurationStats)
     spans: int = 0
-    first_ns: int | None = None
-    last_ns: int | None = None
 
 
 SeriesKey = tuple[str, str, str, tuple[tuple[str, Any], ...]]  # host, scope, name, attrs
@@ -499,8 +497,6 @@ class _FilePass:
                 if rank is None:
                     rank = ranks[rec.resource] = RankAgg(rec.resource, DurationStats(exact_cap))
                 rank.spans += 1
-                rank.first_ns = start if rank.first_ns is None else min(rank.first_ns, start)
-                rank.last_ns = end if rank.last_ns is None else max(rank.last_ns, end)
                 is_step = rec.name == STEP_SPAN
                 if is_step:  # training steps only: other phases' roots are named after them
                     step.add(dur_s)
@@ -592,8 +588,6 @@ class _FilePass:
                 continue
             have.steps.merge(rank.steps)
             have.spans += rank.spans
-            have.first_ns = _least(have.first_ns, rank.first_ns)
-            have.last_ns = _most(have.last_ns, rank.last_ns)
         for key, theirs in other.series.items():
             have_series = self.series.get(key)
             if have_series is None:
