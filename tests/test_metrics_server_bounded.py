@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from otelprof._prom_server import MAX_CONNECTIONS, WORKERS
+from otelprof.determined._prom_server import MAX_CONNECTIONS, WORKERS
 from otelprof.determined.selfmetrics import serve_metrics
 
 IDLE = 200

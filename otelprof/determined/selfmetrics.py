@@ -76,8 +76,8 @@ def serve_metrics(
     stats: Callable[[], dict[str, Any]], port: int, host: str = "127.0.0.1"
 ) -> tuple[int, Callable[[], None]]:
     """Start the metrics endpoint; returns (bound port, stop function). A bounded server
-    (`otelprof/_prom_server.py`): slow or idle connections cannot hold it from a scrape."""
-    from otelprof._prom_server import BoundedMetricsServer
+    (`_prom_server.py`): slow or idle connections cannot hold it from a scrape."""
+    from otelprof.determined._prom_server import BoundedMetricsServer
 
     registry = CollectorRegistry()
     registry.register(_StatsCollector(stats))

@@ -1,5 +1,5 @@
 """A Prometheus /metrics endpoint with a bounded number of threads and connections (the
-Determined bridge's self-metrics, `determined/selfmetrics.py`).
+bridge's self-metrics, `selfmetrics.py`).
 
 prometheus_client's `start_http_server` runs a thread per connection, uncapped, so idle
 connections pile threads into the process. Here one selector thread reads every
